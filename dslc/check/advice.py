@@ -1,0 +1,88 @@
+"""Warnings: the plan is legal but will waste time or memory."""
+
+from __future__ import annotations
+
+from dslc.diagnostics import Diagnostics, Label
+from dslc.ir.nodes import Program, layers
+from dslc.schedules import KINDS, ScheduleError, build
+
+MIN_EFFICIENCY = 0.80
+MAX_IMBALANCE = 0.10
+# A weight this large kept whole on every device is worth a second look.
+LARGE_TENSOR_BYTES = 16 * 1024 * 1024
+
+
+def check_efficiency(program: Program, diags: Diagnostics) -> None:
+    p = program.pipeline
+    stages = program.mesh.size((p.axis,)) if p else 1
+    if p is None or stages < 2 or p.schedule not in KINDS:
+        return
+    try:
+        schedule = build(p.schedule, stages, p.microbatches, p.virtual)
+    except ScheduleError:
+        return
+    efficiency = 1.0 - schedule.bubble_fraction
+    if efficiency >= MIN_EFFICIENCY:
+        return
+    # For GPipe and 1F1B the bubble is (P-1)/(M+P-1); M >= 4(P-1) keeps it at or under 20%.
+    enough = 4 * (stages - 1)
+    diags.warning(
+        "W001",
+        f"pipeline efficiency is {efficiency:.0%}: with {stages} stages and {p.microbatches} microbatches, "
+        f"{schedule.bubble_fraction:.0%} of the {p.schedule} schedule is bubble",
+        p.span,
+        notes=[f"efficiency under {MIN_EFFICIENCY:.0%} wastes devices waiting on each other"],
+        help=f"use at least {enough} microbatches (or an interleaved schedule)",
+    )
+
+
+def check_balance(program: Program, diags: Diagnostics) -> None:
+    p = program.pipeline
+    stages = program.mesh.size((p.axis,)) if p else 1
+    if p is None or stages < 2 or not program.chunks:
+        return
+    flops = [0] * stages
+    for chunk in program.chunks:
+        flops[chunk.stage] += sum(layer.flops for layer in layers(chunk.nodes))
+    heavy = max(range(stages), key=flops.__getitem__)
+    light = min(range(stages), key=flops.__getitem__)
+    if flops[heavy] <= (1 + MAX_IMBALANCE) * flops[light]:
+        return
+    spread = (flops[heavy] - flops[light]) / flops[heavy]
+    heavy_chunk = next(c for c in program.chunks if c.stage == heavy)
+    diags.warning(
+        "W002",
+        f"pipeline stages are unbalanced: stage {heavy} does {spread:.0%} more work than stage {light}",
+        p.span,
+        labels=[Label(heavy_chunk.span, f"stage {heavy} starts here")],
+        notes=["forward FLOPs per stage: " + ", ".join(f"{i}: {f:.3g}" for i, f in enumerate(flops))],
+        help="the slowest stage sets the pace; move layers from the heavy stage or balance with `stage { }` blocks",
+    )
+
+
+def check_replication(program: Program, diags: Diagnostics) -> None:
+    mesh = program.mesh
+    stages = mesh.size((program.pipeline.axis,)) if program.pipeline else 1
+    holders = mesh.devices // stages
+    if holders < 2 or program.train.zero >= 3:
+        return
+    seen: dict[tuple[object, str], int] = {}
+    first: dict[tuple[object, str], tuple[str, object]] = {}
+    for chunk in program.chunks:
+        for layer in layers(chunk.nodes):
+            for w in layer.weights:
+                if w.type.axes_used or w.type.nbytes < LARGE_TENSOR_BYTES:
+                    continue
+                key = (w.span, w.name)
+                seen[key] = seen.get(key, 0) + 1
+                first.setdefault(key, (f"{layer.path}.{w.name}", w))
+    for key, count in seen.items():
+        path, w = first[key]
+        t = w.type  # type: ignore[attr-defined]
+        uses = f" (and {count - 1} more uses of this line)" if count > 1 else ""
+        diags.warning(
+            "W003",
+            f"`{path}` {t.describe()} ({t.nbytes / 2**20:.0f} MiB) is replicated on all {holders} devices that hold it{uses}",
+            w.span,  # type: ignore[attr-defined]
+            help="shard one of its dimensions over a mesh axis, or shard parameters with `zero 3` / `fsdp`",
+        )

@@ -1,0 +1,206 @@
+"""The `dslc` command.
+
+Exit codes: 0 success (warnings allowed), 1 the spec has errors, 2 usage error (bad flags,
+missing file). Anything else escaping is a bug in dslc, and is reported as one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import traceback
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from dslc import resources
+from dslc.diagnostics import Severity, render_json, render_text
+from dslc.frontend import Analysis, analyze, parse_mesh
+
+EXIT_OK, EXIT_ERRORS, EXIT_USAGE, EXIT_INTERNAL = 0, 1, 2, 3
+
+
+class UsageError(Exception):
+    pass
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse has printed its message
+        return int(exc.code or 0) and EXIT_USAGE
+    try:
+        command: Callable[[argparse.Namespace], int] = args.run
+        return command(args)
+    except UsageError as exc:
+        print(f"dslc: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:
+        print(
+            f"dslc: internal error: {type(exc).__name__}: {exc}\n"
+            "This is a bug in dslc, not in your spec. Please file a report with the spec and the "
+            "command line that triggered it.",
+            file=sys.stderr,
+        )
+        if os.environ.get("DSLC_TRACEBACK"):
+            traceback.print_exc()
+        else:
+            print("(set DSLC_TRACEBACK=1 to include the traceback)", file=sys.stderr)
+        return EXIT_INTERNAL
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dslc", description="Compiler for model-parallel training plans (.par files).")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    check = sub.add_parser("check", help="check a spec and report every problem with it")
+    _spec_arg(check)
+    check.add_argument("--mesh", help="mesh sizes in the spec's axis order, e.g. 2x4x2")
+    check.add_argument("--format", choices=("text", "json"), default="text")
+    check.set_defaults(run=_check)
+
+    fmt = sub.add_parser("fmt", help="rewrite a spec in canonical form (comments kept)")
+    fmt.add_argument("spec", help="path of the .par file")
+    fmt.add_argument("--check", action="store_true", help="only report whether the file is formatted")
+    fmt.add_argument("--stdout", action="store_true", help="print the formatted text instead of rewriting")
+    fmt.set_defaults(run=_fmt)
+
+    sched = sub.add_parser("schedule", help="print, draw or export a pipeline schedule table")
+    sched.add_argument("--kind", required=True, help="gpipe, 1f1b, interleaved-1f1b or zb-h1")
+    sched.add_argument("--stages", type=int, required=True)
+    sched.add_argument("--microbatches", type=int, required=True)
+    sched.add_argument("--virtual", type=int, default=1)
+    sched.add_argument("--format", choices=("text", "json", "svg"), default="text")
+    sched.set_defaults(run=_schedule)
+    return parser
+
+
+def _spec_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "spec",
+        nargs="?",
+        help=f"path of the .par file (default: the embedded {resources.DEFAULT_SPEC})",
+    )
+
+
+def _spec_path(args: argparse.Namespace) -> Path:
+    path = Path(args.spec) if args.spec else resources.default_spec_path()
+    if not path.is_file():
+        raise UsageError(f"no such file: {path}")
+    return path
+
+
+def _analyze(args: argparse.Namespace) -> Analysis:
+    path = _spec_path(args)
+    try:
+        parse_mesh(args.mesh)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    return analyze(path, args.mesh)
+
+
+def _check(args: argparse.Namespace) -> int:
+    result = _analyze(args)
+    diags = result.diagnostics
+    if args.format == "json":
+        sys.stdout.write(render_json(diags))
+    else:
+        sources = {result.source.name: result.source.text} if result.source else {}
+        if diags:
+            sys.stderr.write(render_text(diags, sources))
+        errors = sum(d.severity is Severity.ERROR for d in diags)
+        warnings = len(diags) - errors
+        name = result.source.name if result.source else args.spec
+        if errors:
+            print(f"{name}: {errors} error{'s' * (errors != 1)}, {warnings} warning{'s' * (warnings != 1)}", file=sys.stderr)
+        else:
+            print(f"{name}: ok{_summary(result)}" + (f", {warnings} warning{'s' * (warnings != 1)}" if warnings else ""))
+    return EXIT_ERRORS if any(d.severity is Severity.ERROR for d in diags) else EXIT_OK
+
+
+def _summary(result: Analysis) -> str:
+    from dslc.ir.nodes import all_layers, weights_by_path
+
+    program = result.program
+    if program is None:
+        return ""
+    params = sum(w.type.numel for w in weights_by_path(program).values())
+    return (
+        f" — model {program.name}, {len(all_layers(program))} layers, {params:,} parameters, "
+        f"mesh {program.mesh.describe()}"
+    )
+
+
+def _fmt(args: argparse.Namespace) -> int:
+    from dslc.syntax.format import format_module
+    from dslc.syntax.parser import parse
+    from dslc.syntax.source import read_path
+
+    path = Path(args.spec)
+    if not path.is_file():
+        raise UsageError(f"no such file: {path}")
+    source, diags = read_path(path)
+    module = None
+    if source is not None:
+        module, diags = parse(source)
+    if source is None or module is None:
+        sys.stderr.write(render_text(diags, {source.name: source.text} if source else {}))
+        return EXIT_ERRORS
+    formatted = format_module(module, source.text)
+    if args.stdout:
+        sys.stdout.write(formatted)
+        return EXIT_OK
+    if formatted == source.text:
+        return EXIT_OK
+    if args.check:
+        print(f"{path}: would be reformatted", file=sys.stderr)
+        return EXIT_ERRORS
+    write_atomic(path, formatted)
+    print(f"{path}: reformatted")
+    return EXIT_OK
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Replace a file in one step, so a crash never leaves it half-written."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
+            f.write(text)
+        if path.exists():
+            os.chmod(tmp, path.stat().st_mode & 0o7777)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _schedule(args: argparse.Namespace) -> int:
+    import json
+
+    from dslc.schedules import ScheduleError, build
+    from dslc.schedules.render import to_json, to_svg, to_text
+
+    try:
+        schedule = build(args.kind, args.stages, args.microbatches, args.virtual)
+    except ScheduleError as exc:
+        raise UsageError(str(exc)) from None
+    match args.format:
+        case "json":
+            print(json.dumps(to_json(schedule), indent=2))
+        case "svg":
+            sys.stdout.write(to_svg(schedule))
+        case _:
+            sys.stdout.write(to_text(schedule))
+    return EXIT_OK
+
+
+def entry() -> None:
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    entry()

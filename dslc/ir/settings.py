@@ -1,0 +1,177 @@
+"""The plan's settings: the `pipeline` and `train` sections."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from dslc.diagnostics import Diagnostics, Label
+from dslc.ir import nodes as ir
+from dslc.ir.evaluate import eval_expr, eval_value
+from dslc.ir.names import closest, unknown_name
+from dslc.schedules import KINDS as SCHEDULES
+from dslc.syntax import ast
+
+PRECISIONS = ("f32", "bf16", "f16")
+
+# The hyperparameters each optimizer accepts (all numbers); the training loop reads them.
+OPTIMIZERS: dict[str, tuple[str, ...]] = {
+    "adamw": ("lr", "b1", "b2", "eps", "weight_decay", "warmup", "decay_steps", "clip"),
+    "adam": ("lr", "b1", "b2", "eps", "warmup", "decay_steps", "clip"),
+    "sgd": ("lr", "momentum", "warmup", "decay_steps", "clip"),
+}
+
+
+def _unique(settings: tuple[ast.Setting | ast.ScheduleSetting, ...], diags: Diagnostics) -> dict[str, ast.Setting | ast.ScheduleSetting]:
+    seen: dict[str, ast.Setting | ast.ScheduleSetting] = {}
+    for s in settings:
+        key = "schedule" if isinstance(s, ast.ScheduleSetting) else s.key.text
+        if key in seen:
+            diags.error("E011", f"`{key}` is set twice", s.span, labels=[Label(seen[key].span, "first set here")])
+            continue
+        seen[key] = s
+    return seen
+
+
+def _one_int(s: ast.Setting, diags: Diagnostics, lo: int, hi: int | None = None) -> int | None:
+    if len(s.values) != 1 or isinstance(s.values[0], ast.Call | ast.FloatLit | ast.BoolLit):
+        diags.error("E026", f"`{s.key.text}` takes one integer", s.span)
+        return None
+    value = eval_expr(s.values[0], {}, diags)
+    if value is None:
+        return None
+    if value < lo or (hi is not None and value > hi):
+        bounds = f"between {lo} and {hi}" if hi is not None else f"at least {lo}"
+        diags.error("E026", f"`{s.key.text}` must be {bounds}, got {value}", s.values[0].span)
+        return None
+    return value
+
+
+def _unknown_key(s: ast.Setting, known: tuple[str, ...], section: str, diags: Diagnostics) -> None:
+    diags.add(unknown_name(f"`{section}` setting", s.key.text, s.key.span, known, code="E026"))
+
+
+def read_pipeline(p: ast.PipelineDef, mesh: ir.Mesh, diags: Diagnostics) -> ir.Pipeline | None:
+    axis = p.axis.text
+    if axis not in mesh.names:
+        diags.add(unknown_name("mesh axis", axis, p.axis.span, mesh.names, code="E012"))
+        return None
+    settings = _unique(p.items, diags)
+    schedule = "1f1b"
+    microbatches: int | None = None
+    virtual = 1
+    for key, s in settings.items():
+        match s:
+            case ast.ScheduleSetting(kind=kind):
+                schedule = kind.text
+                if schedule not in SCHEDULES:
+                    guess = closest(schedule, SCHEDULES)
+                    diags.error(
+                        "E021",
+                        f"unknown pipeline schedule `{schedule}`",
+                        kind.span,
+                        notes=["schedules: " + ", ".join(SCHEDULES)],
+                        help=f"did you mean `{guess}`?" if guess else None,
+                    )
+            case ast.Setting() if key == "microbatches":
+                microbatches = _one_int(s, diags, 1, 1 << 20)
+            case ast.Setting() if key == "virtual":
+                virtual = _one_int(s, diags, 1, 64) or 1
+            case ast.Setting():
+                _unknown_key(s, ("schedule", "microbatches", "virtual"), "pipeline", diags)
+    if microbatches is None:
+        if "microbatches" not in settings:
+            diags.error("E026", "the pipeline needs `microbatches N`", p.span, help="at least 4 per stage keeps the bubble small")
+        return None
+    return ir.Pipeline(axis, schedule, microbatches, virtual, p.span)
+
+
+def read_train(t: ast.TrainDef, mesh: ir.Mesh, diags: Diagnostics) -> ir.Train:
+    settings = _unique(t.settings, diags)
+    train = ir.Train(span=t.span)
+    fields: dict[str, object] = {}
+    readers: dict[str, Callable[[ast.Setting], None]] = {}
+
+    def zero(s: ast.Setting) -> None:
+        value = _one_int(s, diags, 0, 3)
+        if value is not None:
+            fields["zero"] = value
+
+    def fsdp(s: ast.Setting) -> None:
+        axes = []
+        for v in s.values:
+            if not isinstance(v, ast.NameRef):
+                diags.error("E026", "`fsdp` takes the mesh axes to shard parameters over", v.span, help="for example `fsdp data`")
+                return
+            if v.name not in mesh.names:
+                diags.add(unknown_name("mesh axis", v.name, v.span, mesh.names, code="E012"))
+                return
+            axes.append(v.name)
+        fields["shard_axes"] = tuple(axes)
+        fields["zero"] = 3
+
+    def accumulate(s: ast.Setting) -> None:
+        value = _one_int(s, diags, 1, 1 << 16)
+        if value is not None:
+            fields["accumulate"] = value
+
+    def precision(s: ast.Setting) -> None:
+        v = s.values[0] if len(s.values) == 1 else None
+        if not isinstance(v, ast.NameRef) or v.name not in PRECISIONS:
+            at = v.span if v is not None else s.span
+            name = v.name if isinstance(v, ast.NameRef) else "?"
+            diags.add(unknown_name("precision", name, at, PRECISIONS, code="E026"))
+            return
+        fields[s.key.text] = v.name
+
+    def optimizer(s: ast.Setting) -> None:
+        v = s.values[0] if len(s.values) == 1 else None
+        if isinstance(v, ast.NameRef):
+            v = ast.Call(ast.Ident(v.name, v.span), (), v.span)
+        if not isinstance(v, ast.Call):
+            diags.error("E026", "`optimizer` takes one optimizer, for example `optimizer adamw(lr=3e-4)`", s.span)
+            return
+        name = v.callee.text
+        if name not in OPTIMIZERS:
+            diags.add(unknown_name("optimizer", name, v.callee.span, OPTIMIZERS, code="E026"))
+            return
+        hyper: dict[str, float] = {}
+        for arg in v.args:
+            if arg.name is None:
+                diags.error("E026", "optimizer settings are named, for example `lr=3e-4`", arg.span)
+                continue
+            if arg.name.text not in OPTIMIZERS[name]:
+                diags.add(unknown_name(f"`{name}` setting", arg.name.text, arg.name.span, OPTIMIZERS[name], code="E026"))
+                continue
+            value = eval_value(arg.value, {}, diags)
+            if value is None or isinstance(value, bool):
+                if isinstance(value, bool):
+                    diags.error("E026", f"`{arg.name.text}` is a number", arg.value.span)
+                continue
+            hyper[arg.name.text] = float(value)
+        fields["optimizer"] = ir.Optimizer(name, tuple(hyper.items()))
+
+    readers = {
+        "zero": zero,
+        "fsdp": fsdp,
+        "accumulate": accumulate,
+        "param_dtype": precision,
+        "compute_dtype": precision,
+        "optimizer": optimizer,
+    }
+    for key, s in settings.items():
+        assert isinstance(s, ast.Setting)
+        if key in readers:
+            readers[key](s)
+        else:
+            _unknown_key(s, tuple(readers), "train", diags)
+    if "zero" in settings and "fsdp" in settings:
+        diags.error("E026", "`fsdp` is ZeRO stage 3 over the axes it names; give `zero` or `fsdp`, not both", settings["fsdp"].span, labels=[Label(settings["zero"].span, "zero stage set here")])
+    return ir.Train(
+        zero=fields.get("zero", train.zero),  # type: ignore[arg-type]
+        shard_axes=fields.get("shard_axes", train.shard_axes),  # type: ignore[arg-type]
+        accumulate=fields.get("accumulate", train.accumulate),  # type: ignore[arg-type]
+        param_dtype=fields.get("param_dtype", train.param_dtype),  # type: ignore[arg-type]
+        compute_dtype=fields.get("compute_dtype", train.compute_dtype),  # type: ignore[arg-type]
+        optimizer=fields.get("optimizer", train.optimizer),  # type: ignore[arg-type]
+        span=t.span,
+    )

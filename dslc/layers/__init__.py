@@ -1,0 +1,34 @@
+"""The built-in layer kinds, by the name a spec calls them."""
+
+from __future__ import annotations
+
+from dslc.layers.attention import Attention
+from dslc.layers.base import LayerRule
+from dslc.layers.conv import Conv
+from dslc.layers.dense import Embed, Linear, SwiGLU
+from dslc.layers.elementwise import Dropout, Gelu, Relu, Silu
+from dslc.layers.loss import CrossEntropy, MeanSquaredError
+from dslc.layers.moe import MoE
+from dslc.layers.norm import LayerNorm, RmsNorm
+
+RULES: dict[str, LayerRule] = {
+    rule.kind: rule
+    for rule in (
+        Linear(),
+        Embed(),
+        LayerNorm(),
+        RmsNorm(),
+        Attention(),
+        Gelu(),
+        Relu(),
+        Silu(),
+        SwiGLU(),
+        Dropout(),
+        Conv(),
+        MoE(),
+        CrossEntropy(),
+        MeanSquaredError(),
+    )
+}
+
+LOSS_KINDS = frozenset({"cross_entropy", "mse"})

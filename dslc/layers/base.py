@@ -1,0 +1,201 @@
+"""What every layer kind knows: its arguments, its weights, its shape and sharding rule, its cost.
+
+A rule is consulted by the elaborator (arguments, weights), the shape pass (`infer`), the
+planner (`flops`) and, later, the backends. Nothing about a layer kind lives anywhere else.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import ClassVar, Literal
+
+from dslc.diagnostics import Diagnostics, Label, Span
+from dslc.ir.nodes import Axes, Collective, CollectiveKind, Input, Mesh, TensorType
+
+Attrs = dict[str, object]
+
+
+class _Required:
+    def __repr__(self) -> str:
+        return "REQUIRED"
+
+
+REQUIRED = _Required()
+
+# "any" is for block parameters, which take whatever value they are given.
+ArgType = Literal["int", "float", "bool", "input", "any"]
+
+
+@dataclass(frozen=True, slots=True)
+class ArgSpec:
+    """One argument a layer takes. `default` may be a function of the other arguments."""
+
+    name: str
+    type: ArgType
+    default: object | Callable[[Attrs], object] = REQUIRED
+    doc: str = ""
+    positive: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class WeightSpec:
+    name: str
+    shape: tuple[int, ...]
+    init: str
+    doc: str = ""
+
+
+@dataclass
+class Context:
+    """What a rule sees while typing one use of its layer."""
+
+    mesh: Mesh
+    path: str
+    span: Span
+    input_span: Span
+    inputs: dict[str, Input]
+    compute_dtype: str
+    diags: Diagnostics
+    weight_spans: dict[str, Span] = field(default_factory=dict)
+    collectives: list[Collective] = field(default_factory=list)
+
+    def error(
+        self,
+        code: str,
+        message: str,
+        *,
+        at: Span | None = None,
+        labels: Iterable[Label] = (),
+        notes: Iterable[str] = (),
+        help: str | None = None,
+    ) -> None:
+        self.diags.error(
+            code,
+            message,
+            at or self.span,
+            labels=tuple(labels),
+            notes=(*notes, f"in `{self.path}`"),
+            help=help,
+        )
+
+    def weight_span(self, name: str) -> Span:
+        return self.weight_spans.get(name, self.span)
+
+    def collective(self, kind: CollectiveKind, axes: Axes, t: TensorType, why: str) -> None:
+        if axes and self.mesh.size(axes) > 1:
+            self.collectives.append(Collective(kind, axes, t.numel, t.dtype, why))
+
+
+class LayerRule:
+    """Base of the layer kinds. Subclasses fill in the class variables and `infer`."""
+
+    kind: ClassVar[str]
+    doc: ClassVar[str]
+    args: ClassVar[tuple[ArgSpec, ...]] = ()
+
+    def weights(self, a: Attrs) -> tuple[WeightSpec, ...]:
+        return ()
+
+    def validate(self, a: Attrs, ctx: Context) -> bool:
+        """Checks among the arguments themselves; report and return False when they clash."""
+        return True
+
+    def infer(self, a: Attrs, x: TensorType, w: dict[str, TensorType], ctx: Context) -> TensorType | None:
+        raise NotImplementedError
+
+    def flops(self, a: Attrs, x: TensorType, y: TensorType) -> int:
+        """Forward FLOPs for the whole (global) batch; a multiply-add counts two."""
+        return 0
+
+
+# ---- shared sharding algebra --------------------------------------------------------------------
+
+
+def fmt_axes(axes: Axes) -> str:
+    if not axes:
+        return "replicated"
+    return "`" + axes[0] + "`" if len(axes) == 1 else "(" + ", ".join(axes) + ")"
+
+
+def expect_features(ctx: Context, x: TensorType, expected: int, what: str, dim: int = -1) -> bool:
+    if x.rank == 0 or x.shape[dim] != expected:
+        got = "a scalar" if x.rank == 0 else f"{x.shape[dim]} in {x.describe()}"
+        ctx.error(
+            "E016",
+            f"`{ctx.path}` expects {expected} {what}, but its input has {got}",
+            labels=[Label(ctx.input_span, f"input produced here: {x.describe()}")],
+            help=f"make the {what} of this layer match its input ({x.shape[dim] if x.rank else '?'})",
+        )
+        return False
+    return True
+
+
+def gather_dims(ctx: Context, x: TensorType, axes: Axes, upto: int, why: str) -> TensorType:
+    """All-gather the dimensions of `x` (before `upto`) that are split over `axes`.
+
+    This is how Megatron sequence parallelism enters a tensor-parallel region: the tokens
+    were split over the tensor-parallel axis and must be whole again before the weights,
+    which are split over that same axis, see them.
+    """
+    sharding = list(x.sharding)
+    for i in range(upto):
+        hit = tuple(a for a in sharding[i] if a in axes)
+        if hit:
+            ctx.collective("all-gather", hit, x, why)
+            sharding[i] = tuple(a for a in sharding[i] if a not in axes)
+    return TensorType(x.dtype, x.shape, tuple(sharding))
+
+
+def contract(
+    ctx: Context,
+    x: TensorType,
+    kernel: TensorType,
+    kernel_name: str,
+    out_dtype: str,
+) -> TensorType | None:
+    """Type `x[..., K] @ kernel[K, N]`: Megatron's column/row-parallel algebra.
+
+    * K split over the same axes in both: a row-parallel partial sum, all-reduced over them.
+    * K whole in `x` but split in the kernel: each device slices its part of `x` for free.
+    * K split in `x` but not (or differently) in the kernel: refused, because it would need a
+      hidden all-gather of the activation, or would silently compute the wrong sum.
+    * N split in the kernel: a column-parallel output, split the same way.
+    """
+    k_in, k_out = kernel.sharding[0], kernel.sharding[-1]
+    x_k = x.sharding[-1]
+    if x_k and x_k != k_in:
+        ctx.error(
+            "E017",
+            f"contraction shardings of `{ctx.path}` do not line up: its input's features are "
+            f"split over {fmt_axes(x_k)} but `{kernel_name}`'s input dimension is "
+            f"{'split over ' + fmt_axes(k_in) if k_in else 'replicated'}",
+            at=ctx.weight_span(kernel_name),
+            labels=[Label(ctx.input_span, f"features split over {fmt_axes(x_k)} here")],
+            help=f"shard `{kernel_name}` as [{', '.join([_bracket(x_k)] + ['_'] * (kernel.rank - 1))}] "
+            "(row parallel), or gather the activation first with `layout`",
+        )
+        return None
+    x = gather_dims(ctx, x, k_in + k_out, x.rank - 1, f"`{ctx.path}`: gather tokens (sequence parallel)")
+    out_shape = (*x.shape[:-1], kernel.shape[-1])
+    out = TensorType(out_dtype, out_shape, (*x.sharding[:-1], k_out))
+    if k_in:
+        ctx.collective("all-reduce", k_in, out, f"`{ctx.path}`: sum of row-parallel partial products")
+    return out
+
+
+def _bracket(axes: Axes) -> str:
+    return axes[0] if len(axes) == 1 else "(" + ", ".join(axes) + ")"
+
+
+def same_sharding(ctx: Context, name: str, t: TensorType, dim: int, want: Axes, why: str) -> bool:
+    got = t.sharding[dim]
+    if got != want:
+        ctx.error(
+            "E017",
+            f"`{name}` of `{ctx.path}` is {'split over ' + fmt_axes(got) if got else 'replicated'} "
+            f"but must be {'split over ' + fmt_axes(want) if want else 'replicated'}: {why}",
+            at=ctx.weight_span(name),
+        )
+        return False
+    return True

@@ -1,0 +1,63 @@
+"""2-D convolution on [batch, height, width, channels] (NHWC), 'same' padding."""
+
+from __future__ import annotations
+
+from dslc.diagnostics import Label
+from dslc.ir.nodes import TensorType
+from dslc.layers.base import ArgSpec, Attrs, Context, LayerRule, WeightSpec, contract, expect_features, same_sharding
+
+
+class Conv(LayerRule):
+    kind = "conv"
+    doc = "2-D convolution, NHWC, 'same' padding. Split output channels: kernel[_, _, _, tp]."
+    args = (
+        ArgSpec("in", "int", doc="input channels"),
+        ArgSpec("out", "int", doc="output channels"),
+        ArgSpec("kernel", "int", 3, "window height and width"),
+        ArgSpec("stride", "int", 1, "step between windows"),
+        ArgSpec("bias", "bool", True, "add a bias"),
+    )
+
+    def weights(self, a: Attrs) -> tuple[WeightSpec, ...]:
+        k = a["kernel"]
+        kernel = WeightSpec("kernel", (k, k, a["in"], a["out"]), "fan_in")  # type: ignore[arg-type]
+        return (kernel, WeightSpec("bias", (a["out"],), "zeros")) if a["bias"] else (kernel,)  # type: ignore[arg-type]
+
+    def infer(self, a: Attrs, x: TensorType, w: dict[str, TensorType], ctx: Context) -> TensorType | None:
+        if x.rank != 4:
+            ctx.error(
+                "E016",
+                f"`{ctx.path}` expects [batch, height, width, channels], but its input is {x.describe()}",
+                labels=[Label(ctx.input_span, "input produced here")],
+            )
+            return None
+        if not expect_features(ctx, x, a["in"], "input channels"):  # type: ignore[arg-type]
+            return None
+        kernel = w["kernel"]
+        for d in (0, 1):
+            if not same_sharding(ctx, "kernel", kernel, d, (), "the window is applied whole"):
+                return None
+        for d in (1, 2):
+            if x.sharding[d]:
+                ctx.error(
+                    "E029",
+                    f"`{ctx.path}` cannot convolve an image split along its spatial dimensions",
+                    labels=[Label(ctx.input_span, f"split here: {x.describe()}")],
+                    help="split the batch or the channels instead",
+                )
+                return None
+        as_matrix = TensorType(kernel.dtype, (a["in"], a["out"]), kernel.sharding[2:])  # type: ignore[arg-type]
+        y = contract(ctx, x, as_matrix, "kernel", ctx.compute_dtype)
+        if y is None:
+            return None
+        stride = a["stride"]
+        assert isinstance(stride, int)
+        h, wd = (-(-x.shape[1] // stride), -(-x.shape[2] // stride))
+        if "bias" in w:
+            same_sharding(ctx, "bias", w["bias"], 0, kernel.sharding[3], "it is added to the output channels")
+        return TensorType(y.dtype, (x.shape[0], h, wd, y.shape[3]), y.sharding)
+
+    def flops(self, a: Attrs, x: TensorType, y: TensorType) -> int:
+        k = a["kernel"]
+        assert isinstance(k, int)
+        return 2 * y.numel * k * k * x.shape[3]

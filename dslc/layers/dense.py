@@ -1,0 +1,87 @@
+"""Layers built on one matrix product: linear, swiglu, embed."""
+
+from __future__ import annotations
+
+from dslc.diagnostics import Label
+from dslc.ir.nodes import INT_DTYPES, TensorType
+from dslc.layers.base import (
+    ArgSpec,
+    Attrs,
+    Context,
+    LayerRule,
+    WeightSpec,
+    contract,
+    expect_features,
+    gather_dims,
+    same_sharding,
+)
+
+
+class Linear(LayerRule):
+    kind = "linear"
+    doc = "y = x @ kernel + bias over the last dimension. Column parallel: kernel[_, tp]; row parallel: kernel[tp, _]."
+    args = (
+        ArgSpec("in", "int", doc="input features"),
+        ArgSpec("out", "int", doc="output features"),
+        ArgSpec("bias", "bool", True, "add a bias"),
+    )
+
+    def weights(self, a: Attrs) -> tuple[WeightSpec, ...]:
+        kernel = WeightSpec("kernel", (a["in"], a["out"]), "fan_in")  # type: ignore[arg-type]
+        return (kernel, WeightSpec("bias", (a["out"],), "zeros")) if a["bias"] else (kernel,)  # type: ignore[arg-type]
+
+    def infer(self, a: Attrs, x: TensorType, w: dict[str, TensorType], ctx: Context) -> TensorType | None:
+        if not expect_features(ctx, x, a["in"], "input features"):  # type: ignore[arg-type]
+            return None
+        y = contract(ctx, x, w["kernel"], "kernel", ctx.compute_dtype)
+        if y is not None and "bias" in w:
+            same_sharding(ctx, "bias", w["bias"], 0, w["kernel"].sharding[1], "it is added to the kernel's output")
+        return y
+
+    def flops(self, a: Attrs, x: TensorType, y: TensorType) -> int:
+        return 2 * y.numel * a["in"]  # type: ignore[operator]
+
+
+class SwiGLU(LayerRule):
+    kind = "swiglu"
+    doc = "silu(x @ gate) * (x @ up): the gated half of a Llama MLP. Shard gate and up alike."
+    args = (ArgSpec("in", "int", doc="input features"), ArgSpec("hidden", "int", doc="hidden features"))
+
+    def weights(self, a: Attrs) -> tuple[WeightSpec, ...]:
+        shape = (a["in"], a["hidden"])
+        return (WeightSpec("gate", shape, "fan_in"), WeightSpec("up", shape, "fan_in"))  # type: ignore[arg-type]
+
+    def infer(self, a: Attrs, x: TensorType, w: dict[str, TensorType], ctx: Context) -> TensorType | None:
+        if not expect_features(ctx, x, a["in"], "input features"):  # type: ignore[arg-type]
+            return None
+        for d in (0, 1):
+            if not same_sharding(ctx, "up", w["up"], d, w["gate"].sharding[d], "gate and up are multiplied elementwise"):
+                return None
+        return contract(ctx, x, w["gate"], "gate", ctx.compute_dtype)
+
+    def flops(self, a: Attrs, x: TensorType, y: TensorType) -> int:
+        return 4 * y.numel * a["in"] + 4 * y.numel  # type: ignore[operator]
+
+
+class Embed(LayerRule):
+    kind = "embed"
+    doc = "Token ids to vectors. Vocab parallel: table[tp, _] (masked lookup, then all-reduce)."
+    args = (ArgSpec("vocab", "int", doc="vocabulary size"), ArgSpec("dim", "int", doc="vector size"))
+
+    def weights(self, a: Attrs) -> tuple[WeightSpec, ...]:
+        return (WeightSpec("table", (a["vocab"], a["dim"]), "normal"),)  # type: ignore[arg-type]
+
+    def infer(self, a: Attrs, x: TensorType, w: dict[str, TensorType], ctx: Context) -> TensorType | None:
+        if x.dtype not in INT_DTYPES:
+            ctx.error(
+                "E016",
+                f"`{ctx.path}` looks up integer token ids, but its input is {x.describe()}",
+                labels=[Label(ctx.input_span, "input produced here")],
+                help="declare the input with an integer dtype such as i32",
+            )
+            return None
+        table = w["table"]
+        x = gather_dims(ctx, x, table.sharding[0] + table.sharding[1], x.rank, f"`{ctx.path}`: gather token ids")
+        y = TensorType(ctx.compute_dtype, (*x.shape, a["dim"]), (*x.sharding, table.sharding[1]))  # type: ignore[arg-type]
+        ctx.collective("all-reduce", table.sharding[0], y, f"`{ctx.path}`: combine vocab-parallel lookups")
+        return y

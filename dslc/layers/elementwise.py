@@ -1,0 +1,50 @@
+"""Layers that act on each element alone: activations and dropout. They keep the sharding."""
+
+from __future__ import annotations
+
+from dslc.ir.nodes import FLOAT_DTYPES, TensorType
+from dslc.layers.base import ArgSpec, Attrs, Context, LayerRule
+
+
+class Elementwise(LayerRule):
+    cost = 1
+
+    def infer(self, a: Attrs, x: TensorType, w: dict[str, TensorType], ctx: Context) -> TensorType | None:
+        if x.dtype not in FLOAT_DTYPES:
+            ctx.error("E016", f"`{ctx.path}` needs floating-point input, but its input is {x.describe()}")
+            return None
+        return x
+
+    def flops(self, a: Attrs, x: TensorType, y: TensorType) -> int:
+        return self.cost * x.numel
+
+
+class Relu(Elementwise):
+    kind = "relu"
+    doc = "max(x, 0)."
+
+
+class Gelu(Elementwise):
+    kind = "gelu"
+    doc = "Gaussian error linear unit (tanh approximation)."
+    cost = 8
+
+
+class Silu(Elementwise):
+    kind = "silu"
+    doc = "x * sigmoid(x)."
+    cost = 4
+
+
+class Dropout(Elementwise):
+    kind = "dropout"
+    doc = "Zeroes a fraction `rate` of activations while training; the identity otherwise."
+    args = (ArgSpec("rate", "float", doc="fraction dropped, in [0, 1)", positive=False),)
+
+    def validate(self, a: Attrs, ctx: Context) -> bool:
+        rate = a["rate"]
+        assert isinstance(rate, float)
+        if not 0.0 <= rate < 1.0:
+            ctx.error("E024", f"dropout rate must be in [0, 1), got {rate}", help="for example dropout(0.1)")
+            return False
+        return True

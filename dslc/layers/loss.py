@@ -1,0 +1,70 @@
+"""Losses: the end of the forward pass."""
+
+from __future__ import annotations
+
+from dslc.diagnostics import Label
+from dslc.ir.nodes import INT_DTYPES, TensorType, replicated
+from dslc.layers.base import ArgSpec, Attrs, Context, LayerRule
+
+
+class CrossEntropy(LayerRule):
+    kind = "cross_entropy"
+    doc = "Mean softmax cross-entropy of logits [..., classes] against integer targets [...]. Vocab-parallel logits allowed."
+    args = (ArgSpec("targets", "input", doc="the declared input holding the class ids"),)
+
+    def infer(self, a: Attrs, x: TensorType, w: dict[str, TensorType], ctx: Context) -> TensorType | None:
+        target = ctx.inputs[a["targets"]]  # type: ignore[index]
+        t = target.type
+        if t.dtype not in INT_DTYPES:
+            ctx.error("E016", f"targets `{target.name}` must hold integer class ids, but are {t.describe()}", at=target.span)
+            return None
+        if x.rank < 1 or t.shape != x.shape[:-1]:
+            ctx.error(
+                "E016",
+                f"`{ctx.path}` needs targets shaped like the logits without their last dimension: "
+                f"logits {x.describe()}, targets {t.describe()}",
+                labels=[Label(ctx.input_span, "logits produced here"), Label(target.span, "targets declared here")],
+            )
+            return None
+        if t.sharding != x.sharding[:-1]:
+            ctx.error(
+                "E017",
+                f"targets `{target.name}` are sharded {t.describe()} but the logits are {x.describe()}",
+                labels=[Label(target.span, "targets declared here"), Label(ctx.input_span, "logits produced here")],
+                help="shard the targets' dimensions like the logits' leading dimensions",
+            )
+            return None
+        scalar = replicated("f32", ())
+        ctx.collective("all-reduce", x.sharding[-1], TensorType("f32", x.shape[:-1], x.sharding[:-1]), f"`{ctx.path}`: vocab-parallel softmax statistics")
+        return scalar
+
+    def flops(self, a: Attrs, x: TensorType, y: TensorType) -> int:
+        return 6 * x.numel
+
+
+class MeanSquaredError(LayerRule):
+    kind = "mse"
+    doc = "Mean squared error of the activation against a float target input of the same shape."
+    args = (ArgSpec("targets", "input", doc="the declared input holding the targets"),)
+
+    def infer(self, a: Attrs, x: TensorType, w: dict[str, TensorType], ctx: Context) -> TensorType | None:
+        target = ctx.inputs[a["targets"]]  # type: ignore[index]
+        t = target.type
+        if t.shape != x.shape:
+            ctx.error(
+                "E016",
+                f"`{ctx.path}` compares tensors of one shape, but the activation is {x.describe()} and the targets are {t.describe()}",
+                labels=[Label(ctx.input_span, "activation produced here"), Label(target.span, "targets declared here")],
+            )
+            return None
+        if t.sharding != x.sharding:
+            ctx.error(
+                "E017",
+                f"targets `{target.name}` are sharded {t.describe()} but the activation is {x.describe()}",
+                labels=[Label(target.span, "targets declared here"), Label(ctx.input_span, "activation produced here")],
+            )
+            return None
+        return replicated("f32", ())
+
+    def flops(self, a: Attrs, x: TensorType, y: TensorType) -> int:
+        return 3 * x.numel

@@ -1,0 +1,53 @@
+"""Normalisations over the last dimension, which must be whole on every device."""
+
+from __future__ import annotations
+
+from dslc.diagnostics import Label
+from dslc.ir.nodes import FLOAT_DTYPES, TensorType
+from dslc.layers.base import ArgSpec, Attrs, Context, LayerRule, WeightSpec, expect_features, fmt_axes, same_sharding
+
+
+class _Norm(LayerRule):
+    def infer(self, a: Attrs, x: TensorType, w: dict[str, TensorType], ctx: Context) -> TensorType | None:
+        if x.dtype not in FLOAT_DTYPES:
+            ctx.error("E016", f"`{ctx.path}` needs floating-point input, but its input is {x.describe()}")
+            return None
+        if not expect_features(ctx, x, a["dim"], "features"):  # type: ignore[arg-type]
+            return None
+        if x.sharding[-1]:
+            ctx.error(
+                "E017",
+                f"`{ctx.path}` normalises over features that are split over {fmt_axes(x.sharding[-1])}",
+                labels=[Label(ctx.input_span, f"features split here: {x.describe()}")],
+                help="normalise after a row-parallel layer (whose output is whole), or gather with `layout`",
+            )
+            return None
+        for name, t in w.items():
+            same_sharding(ctx, name, t, 0, (), "a norm's parameters are replicated")
+        return x
+
+    def flops(self, a: Attrs, x: TensorType, y: TensorType) -> int:
+        return 8 * x.numel
+
+
+class LayerNorm(_Norm):
+    kind = "layernorm"
+    doc = "(x - mean) / std * scale + bias over the last dimension."
+    args = (
+        ArgSpec("dim", "int", doc="features"),
+        ArgSpec("eps", "float", 1e-5, "added to the variance"),
+        ArgSpec("bias", "bool", True, "learn a bias"),
+    )
+
+    def weights(self, a: Attrs) -> tuple[WeightSpec, ...]:
+        scale = WeightSpec("scale", (a["dim"],), "ones")  # type: ignore[arg-type]
+        return (scale, WeightSpec("bias", (a["dim"],), "zeros")) if a["bias"] else (scale,)  # type: ignore[arg-type]
+
+
+class RmsNorm(_Norm):
+    kind = "rmsnorm"
+    doc = "x / rms(x) * scale over the last dimension."
+    args = (ArgSpec("dim", "int", doc="features"), ArgSpec("eps", "float", 1e-6, "added to the mean square"))
+
+    def weights(self, a: Attrs) -> tuple[WeightSpec, ...]:
+        return (WeightSpec("scale", (a["dim"],), "ones"),)  # type: ignore[arg-type]

@@ -1,0 +1,174 @@
+"""A pipeline schedule as data: for every stage and every tick, at most one action.
+
+Vocabulary. There are `stages` devices in the pipeline and `stages * virtual` model chunks in
+model order; chunk `c` lives on stage `c % stages` (Megatron's interleaved placement: stage `s`
+holds chunks `s, s + stages, s + 2 * stages, ...`). Every chunk runs a forward and a backward
+for every microbatch. The backward is either one `B`, or split into `I` (the gradient with
+respect to the chunk's input, which the previous chunk waits for) and `W` (the gradient with
+respect to the chunk's weights, which nobody waits for and so can be deferred).
+
+Time is counted in ticks. In the table every action takes exactly one tick, whatever its op:
+this is the unit-time model, the model the executed program runs in lockstep (one `lax.switch`
+per tick). Results cross to the neighbouring stage between ticks, so an action at tick `t` can
+consume anything produced at tick `t - 1` or earlier. `dslc.schedules.cost` re-times the same
+per-stage order under other op costs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import assert_never
+
+
+class Op(StrEnum):
+    """What a stage does with one (chunk, microbatch) in one tick."""
+
+    FORWARD = "F"
+    BACKWARD = "B"  # input and weight gradients together
+    INPUT_GRAD = "I"  # the half of the backward the previous chunk waits for
+    WEIGHT_GRAD = "W"  # the half nobody waits for
+
+
+class Result(StrEnum):
+    """A value one action leaves for another."""
+
+    ACTIVATION = "activation"
+    INPUT_GRADIENT = "input gradient"
+
+
+@dataclass(frozen=True, slots=True)
+class Value:
+    """The `result` of a chunk on a microbatch: what dependencies are made of."""
+
+    result: Result
+    chunk: int
+    microbatch: int
+
+    def describe(self) -> str:
+        return f"{self.result.value} of chunk {self.chunk}, microbatch {self.microbatch}"
+
+
+def inputs(op: Op, chunk: int, microbatch: int, chunks: int) -> tuple[Value, ...]:
+    """The values `op` on (`chunk`, `microbatch`) must wait for, in a model of `chunks` chunks.
+
+    This is the one statement of the data dependencies; the generators wait on it and the
+    validator checks it.
+    """
+    match op:
+        case Op.FORWARD:
+            if chunk == 0:
+                return ()
+            return (Value(Result.ACTIVATION, chunk - 1, microbatch),)
+        case Op.BACKWARD | Op.INPUT_GRAD:
+            own_activation = Value(Result.ACTIVATION, chunk, microbatch)
+            if chunk == chunks - 1:
+                # The loss sits at the end of the last chunk, so its gradient is local.
+                return (own_activation,)
+            return (own_activation, Value(Result.INPUT_GRADIENT, chunk + 1, microbatch))
+        case Op.WEIGHT_GRAD:
+            # W reuses the output gradient that I received, so it runs after I.
+            return (Value(Result.INPUT_GRADIENT, chunk, microbatch),)
+        case _:
+            assert_never(op)
+
+
+def output(op: Op, chunk: int, microbatch: int) -> Value | None:
+    """The value `op` on (`chunk`, `microbatch`) leaves behind, if another action needs it."""
+    match op:
+        case Op.FORWARD:
+            return Value(Result.ACTIVATION, chunk, microbatch)
+        case Op.BACKWARD | Op.INPUT_GRAD:
+            return Value(Result.INPUT_GRADIENT, chunk, microbatch)
+        case Op.WEIGHT_GRAD:
+            return None
+        case _:
+            assert_never(op)
+
+
+@dataclass(frozen=True, slots=True)
+class Action:
+    """Stage `stage` runs `op` for `microbatch` on model chunk `chunk` during tick `tick`."""
+
+    tick: int
+    stage: int
+    op: Op
+    microbatch: int
+    chunk: int
+
+
+@dataclass(frozen=True, slots=True)
+class Schedule:
+    """The whole table: `actions_by_stage[s]` lists stage `s`'s actions in tick order.
+
+    Ticks with no action on a stage are idle there. `ticks` is the makespan in unit ticks.
+    Nothing here checks the table; `dslc.schedules.validate.validate` does.
+    """
+
+    kind: str
+    stages: int
+    microbatches: int
+    virtual: int
+    ticks: int
+    actions_by_stage: tuple[tuple[Action, ...], ...]
+
+    @property
+    def chunks(self) -> int:
+        """Model chunks in the whole pipeline: `virtual` per stage."""
+        return self.stages * self.virtual
+
+    @property
+    def idle_slots(self) -> int:
+        """(stage, tick) slots with no action."""
+        return self.stages * self.ticks - sum(len(row) for row in self.actions_by_stage)
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Idle slots over all stage × tick slots, in unit ticks (every op one tick).
+
+        Every kind is measured this way, so they compare directly. For gpipe and 1f1b this is
+        exactly (P-1)/(M+P-1). The split backward makes a zb-h1 microbatch three ticks against
+        1f1b's two; `dslc.schedules.cost` measures all kinds with one backward costing two and
+        gives the same fractions for the tables `build` makes.
+        """
+        # One integer division, so equal ratios give equal floats.
+        return self.idle_slots / (self.stages * self.ticks)
+
+    @property
+    def peak_in_flight(self) -> tuple[int, ...]:
+        """Per stage, the most (chunk, microbatch) activations held at once.
+
+        An activation is held from its forward until the backward that consumes it (B or I).
+        W still needs the chunk's input and output gradient, a smaller set that is not counted,
+        as in the zero-bubble paper's memory accounting.
+        """
+        peaks = []
+        for row in self.actions_by_stage:
+            held = peak = 0
+            for action in row:
+                match action.op:
+                    case Op.FORWARD:
+                        held += 1
+                    case Op.BACKWARD | Op.INPUT_GRAD:
+                        held -= 1
+                    case Op.WEIGHT_GRAD:
+                        pass
+                    case _:
+                        assert_never(action.op)
+                peak = max(peak, held)
+            peaks.append(peak)
+        return tuple(peaks)
+
+    def grid(self) -> tuple[tuple[Action | None, ...], ...]:
+        """The table as stage × tick, `None` where the stage is idle.
+
+        Meant for a schedule that passes `validate`: with two actions in one slot, the later
+        one in the row wins.
+        """
+        rows = []
+        for row in self.actions_by_stage:
+            cells: list[Action | None] = [None] * self.ticks
+            for action in row:
+                cells[action.tick] = action
+            rows.append(tuple(cells))
+        return tuple(rows)

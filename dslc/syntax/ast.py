@@ -1,0 +1,283 @@
+"""The syntax tree of a .par file: what was written, with the span it was written at.
+
+Nodes are frozen, slotted dataclasses with tuple children. Spans do not take part in
+equality, so two trees compare equal when they say the same thing (which is what the
+formatter's round-trip test relies on).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TypeAlias
+
+from dslc.diagnostics import Span
+
+
+def _span() -> Span:
+    return field(compare=False, repr=False)  # type: ignore[return-value]
+
+
+@dataclass(frozen=True, slots=True)
+class Ident:
+    text: str
+    span: Span = _span()
+
+
+# ---- values ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class IntLit:
+    value: int
+    text: str
+    span: Span = _span()
+
+
+@dataclass(frozen=True, slots=True)
+class FloatLit:
+    value: float
+    text: str
+    span: Span = _span()
+
+
+@dataclass(frozen=True, slots=True)
+class BoolLit:
+    value: bool
+    span: Span = _span()
+
+
+@dataclass(frozen=True, slots=True)
+class NameRef:
+    name: str
+    span: Span = _span()
+
+
+@dataclass(frozen=True, slots=True)
+class Neg:
+    operand: Expr
+    span: Span = _span()
+
+
+@dataclass(frozen=True, slots=True)
+class Chain:
+    """`a op b op c ...` at one precedence level, kept flat (no recursion on long sums)."""
+
+    first: Expr
+    rest: tuple[tuple[str, Expr], ...]
+    span: Span = _span()
+
+
+Expr: TypeAlias = "IntLit | NameRef | Neg | Chain"
+Value: TypeAlias = "Expr | FloatLit | BoolLit"
+
+
+# ---- shardings ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class AxisSet:
+    """The mesh axes one dimension is split over; empty means replicated."""
+
+    axes: tuple[Ident, ...]
+    span: Span = _span()
+
+
+@dataclass(frozen=True, slots=True)
+class Dim:
+    size: Expr
+    sharding: AxisSet | None
+    span: Span = _span()
+
+
+@dataclass(frozen=True, slots=True)
+class TensorType:
+    dtype: Ident
+    dims: tuple[Dim, ...]
+    span: Span = _span()
+
+
+@dataclass(frozen=True, slots=True)
+class WeightShard:
+    weight: Ident
+    dims: tuple[AxisSet, ...]
+    span: Span = _span()
+
+
+# ---- header items ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ModelDecl:
+    name: Ident
+    span: Span = _span()
+
+
+@dataclass(frozen=True, slots=True)
+class MeshAxis:
+    name: Ident
+    size: Expr | None
+    span: Span = _span()
+
+
+@dataclass(frozen=True, slots=True)
+class MeshDecl:
+    axes: tuple[MeshAxis, ...]
+    span: Span = _span()
+
+
+@dataclass(frozen=True, slots=True)
+class ConstDecl:
+    name: Ident
+    value: Expr
+    span: Span = _span()
+
+
+@dataclass(frozen=True, slots=True)
+class InputDecl:
+    name: Ident
+    type: TensorType
+    span: Span = _span()
+
+
+# ---- model body -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Arg:
+    """A call argument: positional when `name` is None."""
+
+    name: Ident | None
+    value: Value
+    span: Span = _span()
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    callee: Ident
+    args: tuple[Arg, ...]
+    span: Span = _span()
+
+
+@dataclass(frozen=True, slots=True)
+class LayerStmt:
+    label: Ident | None
+    call: Call
+    shards: tuple[WeightShard, ...]
+    span: Span = _span()
+
+
+@dataclass(frozen=True, slots=True)
+class ResidualStmt:
+    label: Ident | None
+    body: tuple[Stmt, ...]
+    span: Span = _span()
+
+
+@dataclass(frozen=True, slots=True)
+class RepeatStmt:
+    label: Ident | None
+    count: Expr
+    call: Call | None
+    body: tuple[Stmt, ...]
+    span: Span = _span()
+
+
+@dataclass(frozen=True, slots=True)
+class StageStmt:
+    body: tuple[Stmt, ...]
+    span: Span = _span()
+
+
+@dataclass(frozen=True, slots=True)
+class StagesStmt:
+    body: tuple[Stmt, ...]
+    span: Span = _span()
+
+
+@dataclass(frozen=True, slots=True)
+class LayoutStmt:
+    dims: tuple[AxisSet, ...]
+    span: Span = _span()
+
+
+Stmt: TypeAlias = LayerStmt | ResidualStmt | RepeatStmt | StageStmt | StagesStmt | LayoutStmt
+
+
+@dataclass(frozen=True, slots=True)
+class Param:
+    name: Ident
+    default: Value | None
+    span: Span = _span()
+
+
+@dataclass(frozen=True, slots=True)
+class Checkpoint:
+    policy: Ident
+    saved: tuple[Ident, ...]
+    has_list: bool
+    span: Span = _span()
+
+
+@dataclass(frozen=True, slots=True)
+class BlockDef:
+    name: Ident
+    params: tuple[Param, ...]
+    checkpoint: Checkpoint | None
+    body: tuple[Stmt, ...]
+    span: Span = _span()
+
+
+@dataclass(frozen=True, slots=True)
+class ForwardDef:
+    input: Ident
+    body: tuple[Stmt, ...]
+    span: Span = _span()
+
+
+# ---- plan -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Setting:
+    key: Ident
+    values: tuple[Value | Call, ...]
+    span: Span = _span()
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduleSetting:
+    kind: Ident
+    span: Span = _span()
+
+
+@dataclass(frozen=True, slots=True)
+class PipelineDef:
+    axis: Ident
+    items: tuple[Setting | ScheduleSetting, ...]
+    span: Span = _span()
+
+
+@dataclass(frozen=True, slots=True)
+class TrainDef:
+    settings: tuple[Setting, ...]
+    span: Span = _span()
+
+
+Item: TypeAlias = (
+    ModelDecl | MeshDecl | ConstDecl | InputDecl | BlockDef | ForwardDef | PipelineDef | TrainDef
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Comment:
+    text: str
+    span: Span = _span()
+
+
+@dataclass(frozen=True, slots=True)
+class Module:
+    """A whole .par file."""
+
+    items: tuple[Item, ...]
+    span: Span = _span()
+    comments: tuple[Comment, ...] = field(default=(), compare=False)
