@@ -29,7 +29,13 @@ class Costs:
     input_grad: int = 1
     weight_grad: int = 1
 
+    def __post_init__(self) -> None:
+        # A zero-length op would hand its result to a consumer starting at the same moment.
+        if min(self.forward, self.backward, self.input_grad, self.weight_grad) < 1:
+            raise ValueError(f"every op must cost at least one unit, got {self}")
+
     def of(self, op: Op) -> int:
+        """How long `op` takes."""
         match op:
             case Op.FORWARD:
                 return self.forward
@@ -60,8 +66,7 @@ class Timing:
 def retime(schedule: Schedule, costs: Costs = Costs()) -> Timing:
     """Run `schedule`'s per-stage order with `costs`; `schedule` must pass `validate`."""
     programs = [
-        [Step(action.op, action.chunk, action.microbatch) for action in row]
-        for row in schedule.actions_by_stage
+        [Step(action.op, action.chunk, action.microbatch) for action in row] for row in schedule.actions_by_stage
     ]
     starts = start_times(programs, schedule.chunks, costs.of)
     makespan = max(

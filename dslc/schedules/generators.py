@@ -29,10 +29,7 @@ def one_f_one_b(stages: int, microbatches: int) -> Schedule:
     Stage `s` holds at most `stages - s` activations, against GPipe's `microbatches`, for
     the same makespan.
     """
-    programs = [
-        _one_forward_one_backward(stage, stages, microbatches, Op.BACKWARD)
-        for stage in range(stages)
-    ]
+    programs = [_one_forward_one_backward(stage, stages, microbatches, Op.BACKWARD) for stage in range(stages)]
     return _tabulate("1f1b", stages, microbatches, 1, programs)
 
 
@@ -55,15 +52,13 @@ def interleaved_1f1b(stages: int, microbatches: int, virtual: int) -> Schedule:
 
     programs: list[list[Step]] = []
     for stage in range(stages):
-        # Megatron's warm-up: the forwards that must be in flight before the first backward
-        # reaches this stage, which has to come back through every later chunk.
+        # Megatron's warm-up: enough forwards to cover the first group's trip through every
+        # later chunk and back to this stage, so the steady state finds a backward ready.
         warmup = min(2 * (stages - 1 - stage) + (virtual - 1) * stages, steps_per_pass)
         program = [step(Op.FORWARD, stage, k) for k in range(warmup)]
         for k in range(steps_per_pass - warmup):
             program += [step(Op.FORWARD, stage, warmup + k), step(Op.BACKWARD, stage, k)]
-        program += [
-            step(Op.BACKWARD, stage, k) for k in range(steps_per_pass - warmup, steps_per_pass)
-        ]
+        program += [step(Op.BACKWARD, stage, k) for k in range(steps_per_pass - warmup, steps_per_pass)]
         programs.append(program)
     return _tabulate("interleaved-1f1b", stages, microbatches, virtual, programs)
 
@@ -83,17 +78,12 @@ def zb_h1(stages: int, microbatches: int) -> Schedule:
             program.append(step)
             if step.op is Op.INPUT_GRAD and step.microbatch >= stage:
                 program.append(Step(Op.WEIGHT_GRAD, stage, step.microbatch - stage))
-        program += [
-            Step(Op.WEIGHT_GRAD, stage, m)
-            for m in range(max(0, microbatches - stage), microbatches)
-        ]
+        program += [Step(Op.WEIGHT_GRAD, stage, m) for m in range(max(0, microbatches - stage), microbatches)]
         programs.append(program)
     return _tabulate("zb-h1", stages, microbatches, 1, programs)
 
 
-def _one_forward_one_backward(
-    stage: int, stages: int, microbatches: int, backward: Op
-) -> list[Step]:
+def _one_forward_one_backward(stage: int, stages: int, microbatches: int, backward: Op) -> list[Step]:
     # Enough warm-up forwards to keep the later stages busy until the first backward returns.
     warmup = min(stages - 1 - stage, microbatches)
     program = [Step(Op.FORWARD, stage, m) for m in range(warmup)]

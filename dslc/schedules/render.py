@@ -77,9 +77,19 @@ def to_svg(schedule: Schedule) -> str:
     cell_width = max(28, _CHAR_WIDTH * max(len(text) for text in labels) + 8)
     margin = _CHAR_WIDTH * len(f"stage {schedule.stages - 1}") + 12
     rows_top = _TITLE_HEIGHT + _TICKS_HEIGHT
-    width = margin + cell_width * schedule.ticks + 8
-    height = rows_top + _CELL_HEIGHT * schedule.stages + _LEGEND_HEIGHT
+    legend_top = rows_top + schedule.stages * _CELL_HEIGHT + 8
+    heading = f"{_title(schedule)}; {_summary(schedule)}"
 
+    used = {action.op for row in schedule.actions_by_stage for action in row}
+    legend = [(f"{op.value} {_op_name(op)}", _colour(op)) for op in Op if op in used]
+    legend.append((f"{_IDLE} idle", "#eeeeee"))
+    legend_x = [4]
+    for caption, _ in legend:
+        legend_x.append(legend_x[-1] + 18 + _CHAR_WIDTH * len(caption) + 16)
+
+    # Wide enough for the grid, the heading and the legend, whichever is widest.
+    width = max(margin + cell_width * schedule.ticks, _CHAR_WIDTH * len(heading), legend_x[-1]) + 8
+    height = legend_top + _LEGEND_HEIGHT
     svg = ET.Element(
         "svg",
         {
@@ -92,7 +102,7 @@ def to_svg(schedule: Schedule) -> str:
         },
     )
     ET.SubElement(svg, "title").text = _title(schedule)
-    _text(svg, 4, 16, f"{_title(schedule)}; {_summary(schedule)}")
+    _text(svg, 4, 16, heading)
     for tick in range(schedule.ticks):
         x = margin + tick * cell_width + cell_width // 2
         _text(svg, x, rows_top - 5, str(tick), anchor="middle", size="10")
@@ -109,19 +119,12 @@ def to_svg(schedule: Schedule) -> str:
                     f"stage {stage}, tick {tick}: {_op_name(action.op)}, "
                     f"microbatch {action.microbatch}, chunk {action.chunk}"
                 )
-                _text(svg, x + cell_width // 2, y + 16, _cell_text(schedule, action),
-                      anchor="middle", fill="#ffffff")
+                text = _cell_text(schedule, action)
+                _text(svg, x + cell_width // 2, y + 16, text, anchor="middle", fill="#ffffff")
 
-    used = {action.op for row in schedule.actions_by_stage for action in row}
-    legend = [(op.value, _op_name(op), _colour(op)) for op in Op if op in used]
-    legend.append((_IDLE, "idle", "#eeeeee"))
-    y = rows_top + schedule.stages * _CELL_HEIGHT + 8
-    x = 4
-    for symbol, name, fill in legend:
-        _rect(svg, x, y, 14, 14, fill)
-        caption = f"{symbol} {name}"
-        _text(svg, x + 18, y + 12, caption)
-        x += 18 + _CHAR_WIDTH * len(caption) + 16
+    for (caption, fill), x in zip(legend, legend_x[:-1], strict=True):
+        _rect(svg, x, legend_top, 14, 14, fill)
+        _text(svg, x + 18, legend_top + 12, caption)
 
     ET.indent(svg)
     return ET.tostring(svg, encoding="unicode") + "\n"
@@ -139,9 +142,14 @@ def _cell_text(schedule: Schedule, action: Action) -> str:
 
 def _title(schedule: Schedule) -> str:
     return (
-        f"{schedule.kind}: {schedule.stages} stages, {schedule.microbatches} microbatches, "
-        f"{schedule.virtual} chunk{'s' if schedule.virtual > 1 else ''} per stage"
+        f"{schedule.kind}: {_count(schedule.stages, 'stage', 'stages')}, "
+        f"{_count(schedule.microbatches, 'microbatch', 'microbatches')}, "
+        f"{_count(schedule.virtual, 'chunk', 'chunks')} per stage"
     )
+
+
+def _count(number: int, one: str, many: str) -> str:
+    return f"{number} {one if number == 1 else many}"
 
 
 def _summary(schedule: Schedule) -> str:

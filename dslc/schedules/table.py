@@ -8,9 +8,9 @@ respect to the chunk's input, which the previous chunk waits for) and `W` (the g
 respect to the chunk's weights, which nobody waits for and so can be deferred).
 
 Time is counted in ticks. In the table every action takes exactly one tick, whatever its op:
-this is the unit-time model, the model the executed program runs in lockstep (one `lax.switch`
-per tick). Results cross to the neighbouring stage between ticks, so an action at tick `t` can
-consume anything produced at tick `t - 1` or earlier. `dslc.schedules.cost` re-times the same
+the unit-time model, which is also how the generated program runs (in lockstep, one
+`lax.switch` per tick). Results cross to the neighbouring stage between ticks, so an action at
+tick `t` can consume anything produced at tick `t - 1` or earlier. `dslc.schedules.cost` re-times the same
 per-stage order under other op costs.
 """
 
@@ -46,6 +46,7 @@ class Value:
     microbatch: int
 
     def describe(self) -> str:
+        """Words for messages, such as `activation of chunk 2, microbatch 0`."""
         return f"{self.result.value} of chunk {self.chunk}, microbatch {self.microbatch}"
 
 
@@ -128,8 +129,8 @@ class Schedule:
 
         Every kind is measured this way, so they compare directly. For gpipe and 1f1b this is
         exactly (P-1)/(M+P-1). The split backward makes a zb-h1 microbatch three ticks against
-        1f1b's two; `dslc.schedules.cost` measures all kinds with one backward costing two and
-        gives the same fractions for the tables `build` makes.
+        1f1b's two; `dslc.schedules.cost.retime` measures every kind with one backward costing
+        two and gives the same fractions for the tables `build` makes.
         """
         # One integer division, so equal ratios give equal floats.
         return self.idle_slots / (self.stages * self.ticks)

@@ -55,7 +55,8 @@ def start_times(
                 remaining -= 1
                 progressed = True
         if not progressed:
-            blocked = [program[len(done)] for program, done in zip(programs, starts, strict=True)
-                       if len(done) < len(program)]
+            blocked = [
+                program[len(done)] for program, done in zip(programs, starts, strict=True) if len(done) < len(program)
+            ]
             raise RuntimeError(f"internal error: stage programs deadlock, blocked at {blocked}")
     return tuple(tuple(stage_starts) for stage_starts in starts)

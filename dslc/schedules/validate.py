@@ -38,8 +38,7 @@ def _check_shape(schedule: Schedule) -> list[str]:
     ]
     if len(schedule.actions_by_stage) != schedule.stages:
         problems.append(
-            f"the table needs one row per stage ({schedule.stages}), "
-            f"it has {len(schedule.actions_by_stage)}"
+            f"the table needs one row per stage ({schedule.stages}), it has {len(schedule.actions_by_stage)}"
         )
     return problems
 
@@ -57,30 +56,24 @@ def _check_placement(schedule: Schedule, problems: list[str]) -> list[Action]:
             if not 0 <= action.tick < schedule.ticks:
                 problems.append(f"{where} is outside ticks 0..{schedule.ticks - 1}")
             if previous is not None and action.tick == previous.tick:
-                problems.append(
-                    f"{where} shares the tick with {_name(previous)}; "
-                    "a stage runs one action per tick"
-                )
+                problems.append(f"{where} shares the tick with {_name(previous)}; a stage runs one action per tick")
             elif previous is not None and action.tick < previous.tick:
                 problems.append(
-                    f"{where} is listed after {_name(previous)} at tick {previous.tick}; "
-                    "a stage's row is in tick order"
+                    f"{where} is listed after {_name(previous)} at tick {previous.tick}; a stage's row is in tick order"
                 )
             previous = action
             last_tick = max(last_tick, action.tick)
             if not 0 <= action.chunk < schedule.chunks:
                 problems.append(f"{where} names a chunk outside 0..{schedule.chunks - 1}")
             elif not 0 <= action.microbatch < schedule.microbatches:
-                problems.append(
-                    f"{where} names a microbatch outside 0..{schedule.microbatches - 1}"
-                )
+                problems.append(f"{where} names a microbatch outside 0..{schedule.microbatches - 1}")
             else:
+                placed.append(action)
                 if action.chunk % schedule.stages != stage:
                     problems.append(
                         f"{where} runs on the wrong stage: chunk {action.chunk} lives on "
                         f"stage {action.chunk % schedule.stages}"
                     )
-                placed.append(action)
     if last_tick + 1 != schedule.ticks:
         # Idle columns after the last action would inflate the bubble fraction.
         problems.append(f"ticks is {schedule.ticks} but the last action runs at tick {last_tick}")
@@ -92,8 +85,7 @@ def _check_counts(schedule: Schedule, placed: list[Action], problems: list[str])
     for chunk in range(schedule.chunks):
         for microbatch in range(schedule.microbatches):
             forwards, backwards, input_grads, weight_grads = (
-                counts[op, chunk, microbatch]
-                for op in (Op.FORWARD, Op.BACKWARD, Op.INPUT_GRAD, Op.WEIGHT_GRAD)
+                counts[op, chunk, microbatch] for op in (Op.FORWARD, Op.BACKWARD, Op.INPUT_GRAD, Op.WEIGHT_GRAD)
             )
             what = f"chunk {chunk}, microbatch {microbatch}"
             if forwards != 1:

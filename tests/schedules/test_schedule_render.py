@@ -5,12 +5,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import xml.etree.ElementTree as ET
+from pathlib import Path
 
 import pytest
 
 from dslc.schedules import KINDS, build, to_json, to_svg, to_text
 
 SVG = "{http://www.w3.org/2000/svg}"
+GOLDENS = Path(__file__).parent / "goldens"
 
 
 def examples() -> list[tuple[str, int, int, int]]:
@@ -37,6 +39,21 @@ def test_text_timeline_shows_chunks_when_stages_hold_several() -> None:
     )
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_timelines_at_four_stages_eight_microbatches_match_goldens(kind: str, update_goldens: bool) -> None:
+    """The tables themselves, pinned: a change to any generator shows up as a diff here."""
+    virtual = 2 if kind == "interleaved-1f1b" else 1
+    schedule = build(kind, 4, 8, virtual)
+    outputs = {f"{kind}-p4-m8-v{virtual}.txt": to_text(schedule)}
+    if kind == "zb-h1":
+        outputs[f"{kind}-p4-m8-v{virtual}.svg"] = to_svg(schedule)
+    for name, output in outputs.items():
+        path = GOLDENS / name
+        if update_goldens:
+            path.write_text(output)
+        assert output == path.read_text(), f"{name} changed; review, then rerun with --update-goldens"
+
+
 def test_text_timeline_zb_h1_uses_split_backwards() -> None:
     text = to_text(build("zb-h1", 2, 2))
     assert "I0" in text and "W0" in text and "B0" not in text
@@ -57,10 +74,7 @@ def test_json_carries_the_whole_table(request_: tuple[str, int, int, int]) -> No
     assert data["bubble_fraction"] == schedule.bubble_fraction
     assert data["peak_in_flight"] == list(schedule.peak_in_flight)
     assert data["actions"] == [
-        [
-            {"tick": a.tick, "op": a.op.value, "microbatch": a.microbatch, "chunk": a.chunk}
-            for a in row
-        ]
+        [{"tick": a.tick, "op": a.op.value, "microbatch": a.microbatch, "chunk": a.chunk} for a in row]
         for row in schedule.actions_by_stage
     ]
     assert {entry["op"] for row in data["actions"] for entry in row} <= {"F", "B", "I", "W"}
@@ -86,4 +100,4 @@ def test_svg_escapes_text() -> None:
     svg = to_svg(schedule)
     assert "<b>" not in svg
     assert "&lt;b&gt;&amp;" in svg
-    assert ET.fromstring(svg).find(f"{SVG}title").text.startswith('<b>&"x"')
+    assert ET.fromstring(svg).findtext(f"{SVG}title", "").startswith('<b>&"x"')
