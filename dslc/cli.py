@@ -16,7 +16,7 @@ from pathlib import Path
 
 from dslc import resources
 from dslc.diagnostics import Severity, render_json, render_text
-from dslc.frontend import Analysis, analyze, parse_mesh
+from dslc.frontend import Analysis, analyze
 
 EXIT_OK, EXIT_ERRORS, EXIT_USAGE, EXIT_INTERNAL = 0, 1, 2, 3
 
@@ -61,6 +61,7 @@ def _parser() -> argparse.ArgumentParser:
     _spec_arg(check)
     check.add_argument("--mesh", help="mesh sizes in the spec's axis order, e.g. 2x4x2")
     check.add_argument("--format", choices=("text", "json"), default="text")
+    _set_arg(check)
     check.set_defaults(run=_check)
 
     fmt = sub.add_parser("fmt", help="rewrite a spec in canonical form (comments kept)")
@@ -87,6 +88,16 @@ def _spec_arg(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _set_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="override a constant of the spec, e.g. --set layers=4 (repeatable)",
+    )
+
+
 def _spec_path(args: argparse.Namespace) -> Path:
     path = Path(args.spec) if args.spec else resources.default_spec_path()
     if not path.is_file():
@@ -97,10 +108,9 @@ def _spec_path(args: argparse.Namespace) -> Path:
 def _analyze(args: argparse.Namespace) -> Analysis:
     path = _spec_path(args)
     try:
-        parse_mesh(args.mesh)
-    except ValueError as exc:
+        return analyze(path, args.mesh, args.set)
+    except ValueError as exc:  # a malformed --mesh or --set
         raise UsageError(str(exc)) from None
-    return analyze(path, args.mesh)
 
 
 def _check(args: argparse.Namespace) -> int:

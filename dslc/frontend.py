@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from dslc.check import check_program
-from dslc.diagnostics import Diagnostic, Diagnostics, Span, error, has_errors, sort_key
+from dslc.diagnostics import Diagnostic, Diagnostics, Span, error, has_errors, render_text, sort_key
 from dslc.ir.elaborate import elaborate
 from dslc.ir.nodes import Program
 from dslc.syntax import ast
@@ -52,17 +52,48 @@ class Analysis:
         return self.program is not None and not has_errors(self.diagnostics)
 
 
-def analyze(source_or_path: str | os.PathLike[str], mesh: MeshArg = None) -> Analysis:
+def parse_overrides(pairs: Sequence[str] | Mapping[str, int] | None) -> dict[str, int]:
+    """`["layers=4", "seq=64"]` (or a mapping) to constant overrides; ValueError when malformed."""
+    if pairs is None:
+        return {}
+    if isinstance(pairs, Mapping):
+        items = list(pairs.items())
+    else:
+        items = []
+        for pair in pairs:
+            name, sep, value = pair.partition("=")
+            if not sep or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name.strip()) or not re.fullmatch(r"-?[0-9]{1,18}", value.strip()):
+                raise ValueError(f"--set takes NAME=INTEGER, got {pair!r}")
+            items.append((name.strip(), int(value)))
+    out = {}
+    for name, value in items:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"constant `{name}` must be set to an integer, got {value!r}")
+        out[name] = value
+    return out
+
+
+def analyze(
+    source_or_path: str | os.PathLike[str],
+    mesh: MeshArg = None,
+    overrides: Sequence[str] | Mapping[str, int] | None = None,
+) -> Analysis:
+    """Parse, elaborate and check a spec. `overrides` sets constants (`{"layers": 4}`)."""
     sizes = parse_mesh(mesh)
+    values = parse_overrides(overrides)
     source, diags = resolve(source_or_path)
     if source is None:
         return Analysis(None, None, None, diags)
     module, diags = parse(source)
     if module is None:
         return Analysis(source, None, None, diags)
+    declared = {item.name.text for item in module.items if isinstance(item, ast.ConstDecl)}
+    for name in values:
+        if name not in declared:
+            raise ValueError(f"cannot set `{name}`: the spec defines no constant `{name}` (it has: {', '.join(sorted(declared)) or 'none'})")
     collected = Diagnostics()
     try:
-        program = elaborate(module, sizes, collected)
+        program = elaborate(module, sizes, collected, values)
         if program is not None and not collected.has_errors:
             check_program(program, collected)
     except RecursionError:
@@ -85,10 +116,23 @@ def _dedupe(items: list[Diagnostic]) -> list[Diagnostic]:
     return sorted(out, key=sort_key)
 
 
-def check(source_or_path: str | os.PathLike[str], mesh: MeshArg = None) -> list[Diagnostic]:
+class CompileError(Exception):
+    """A spec that cannot be compiled; `diagnostics` says why, `str()` shows them rendered."""
+
+    def __init__(self, analysis: Analysis) -> None:
+        self.diagnostics = analysis.diagnostics
+        sources = {analysis.source.name: analysis.source.text} if analysis.source else {}
+        super().__init__(render_text([d for d in self.diagnostics if d.is_error], sources).rstrip())
+
+
+def check(
+    source_or_path: str | os.PathLike[str],
+    mesh: MeshArg = None,
+    overrides: Sequence[str] | Mapping[str, int] | None = None,
+) -> list[Diagnostic]:
     """Every diagnostic for a spec given as text or as a path (see `syntax.source.resolve`).
 
     `mesh` is "2x4x2" or a sequence of sizes, one per mesh axis in the spec's order; without
     it the spec's own default sizes are used.
     """
-    return analyze(source_or_path, mesh).diagnostics
+    return analyze(source_or_path, mesh, overrides).diagnostics

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dslc.check.advice import check_balance, check_efficiency, check_replication
 from dslc.check.batch import check_batch
 from dslc.check.schedule import check_schedule
+from dslc.check.zero import check_zero
 from dslc.diagnostics import Diagnostics
 from dslc.ir.nodes import Program
 
@@ -20,6 +21,7 @@ PASSES: tuple[Callable[[Program, Diagnostics], None], ...] = (
     check_efficiency,
     check_balance,
     check_replication,
+    check_zero,
 )
 
 

@@ -9,7 +9,7 @@ goes on, so one run finds them all.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from dslc.diagnostics import NO_SPAN, Diagnostic, Diagnostics, Label, Span
@@ -31,9 +31,18 @@ MAX_NODES = 200_000
 DTYPES = tuple(ir.DTYPE_BYTES)
 
 
-def elaborate(module: ast.Module, mesh_sizes: Sequence[int] | None, diags: Diagnostics) -> ir.Program | None:
-    """The program a module denotes, or None when it is too broken to say."""
-    header = _Header.read(module, mesh_sizes, diags)
+def elaborate(
+    module: ast.Module,
+    mesh_sizes: Sequence[int] | None,
+    diags: Diagnostics,
+    overrides: Mapping[str, int] | None = None,
+) -> ir.Program | None:
+    """The program a module denotes, or None when it is too broken to say.
+
+    `overrides` replaces the values of named constants (`--set layers=4`); constants defined
+    from them follow.
+    """
+    header = _Header.read(module, mesh_sizes, diags, overrides or {})
     if header.forward is None:
         diags.error(
             "E028",
@@ -81,7 +90,7 @@ class _Header:
         return self.pipeline.axis.text if self.pipeline else None
 
     @staticmethod
-    def read(module: ast.Module, mesh_sizes: Sequence[int] | None, diags: Diagnostics) -> _Header:
+    def read(module: ast.Module, mesh_sizes: Sequence[int] | None, diags: Diagnostics, overrides: Mapping[str, int]) -> _Header:
         singles: dict[type, ast.Item] = {}
         for item in module.items:
             if isinstance(item, (ast.ModelDecl, ast.MeshDecl, ast.ForwardDef, ast.PipelineDef, ast.TrainDef)):
@@ -102,7 +111,7 @@ class _Header:
         mesh = _read_mesh(mesh_decl if isinstance(mesh_decl, ast.MeshDecl) else None, mesh_sizes, module, diags)
         pipeline = singles.get(ast.PipelineDef)
         pipeline_def = pipeline if isinstance(pipeline, ast.PipelineDef) else None
-        constants = _read_constants(module, diags)
+        constants = _read_constants(module, overrides, diags)
         header = _Header(
             name=name,
             mesh=mesh,
@@ -176,7 +185,7 @@ def _read_mesh(decl: ast.MeshDecl | None, sizes: Sequence[int] | None, module: a
     return ir.Mesh(tuple(axes))
 
 
-def _read_constants(module: ast.Module, diags: Diagnostics) -> dict[str, int]:
+def _read_constants(module: ast.Module, overrides: Mapping[str, int], diags: Diagnostics) -> dict[str, int]:
     decls = [item for item in module.items if isinstance(item, ast.ConstDecl)]
     values: dict[str, int] = {}
     spans: dict[str, Span] = {}
@@ -189,7 +198,7 @@ def _read_constants(module: ast.Module, diags: Diagnostics) -> dict[str, int]:
         spans[name] = decl.name.span
         later = {n: s for n, s in declared_at.items() if n not in values and n != name}
         local = Diagnostics()
-        value = eval_expr(decl.value, values, local)
+        value = overrides[name] if name in overrides else eval_expr(decl.value, values, local)
         for d in local.items:
             diags.add(_explain_later(d, later))
         if value is not None:
@@ -617,7 +626,7 @@ class _Builder:
             sharding = resolve(axis_sets, spec.shape, f"weight `{path}.{spec.name}`", self.h.mesh, self.h.pipeline_axis, self.diags)
             ctx.weight_spans[spec.name] = shard.span if shard else span
             t = ir.TensorType(self.h.train.param_dtype, spec.shape, sharding)
-            out.append(ir.Weight(spec.name, t, spec.init, shard.span if shard else span))
+            out.append(ir.Weight(spec.name, t, spec.initializer(), shard.span if shard else span))
         return out if ok else None
 
     def _block(self, block: ast.BlockDef, call: ast.Call, path: str, flow: _Flow, scope: Scope) -> ir.Node | None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from dslc.diagnostics import Label
 from dslc.ir.nodes import TensorType
 from dslc.layers.base import (
@@ -57,6 +59,9 @@ class Attention(LayerRule):
                 f"heads ({h}) must be a multiple of kv_heads ({kv}) for grouped-query attention",
                 notes=[_divisors_note(h, "heads").replace("devices", "groups")],
             )
+            return False
+        if a["rope"] and a["head_dim"] % 2:  # type: ignore[operator]
+            ctx.error("E024", f"rotary embeddings rotate pairs of features, so head_dim must be even, got {a['head_dim']}")
             return False
         return True
 
@@ -131,3 +136,36 @@ class Attention(LayerRule):
         projections = 2 * b * s * d * (2 * h + 2 * kv) * hd
         scores_and_mix = 2 * 2 * b * h * s * s * hd
         return projections + scores_and_mix
+
+    def apply(self, a: Attrs, w: dict[str, Any], x: Any, rt: Any) -> Any:
+        jnp = rt.jnp
+        b, s, _ = x.shape
+        h, kv, hd = a["heads"], a["kv_heads"], a["head_dim"]
+        assert isinstance(h, int) and isinstance(kv, int) and isinstance(hd, int)
+        x = x.astype(rt.compute_dtype)
+        q = jnp.einsum("bsd,de->bse", x, w["q"]).reshape(b, s, h, hd)
+        k = jnp.einsum("bsd,de->bse", x, w["k"]).reshape(b, s, kv, hd)
+        v = jnp.einsum("bsd,de->bse", x, w["v"]).reshape(b, s, kv, hd)
+        if a["rope"]:
+            q, k = _rotary(q, a["rope_base"], rt), _rotary(k, a["rope_base"], rt)  # type: ignore[arg-type]
+        # Grouped-query: the h query heads form kv groups, each sharing one key/value head.
+        q = q.reshape(b, s, kv, h // kv, hd)
+        scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k).astype(jnp.float32) * hd**-0.5
+        if a["causal"]:
+            mask = jnp.tril(jnp.ones((s, s), dtype=bool))
+            scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
+        probs = rt.nn.softmax(scores, axis=-1).astype(rt.compute_dtype)
+        out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v).reshape(b, s, h * hd)
+        return jnp.einsum("bse,ed->bsd", out, w["o"])
+
+
+def _rotary(t: Any, base: float, rt: Any) -> Any:
+    """Rotary position embedding on [batch, seq, heads, head_dim] (rotate-half layout)."""
+    jnp = rt.jnp
+    s, hd = t.shape[1], t.shape[-1]
+    half = hd // 2
+    freqs = base ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angles = jnp.arange(s, dtype=jnp.float32)[:, None] * freqs[None, :]
+    cos, sin = jnp.cos(angles)[None, :, None, :], jnp.sin(angles)[None, :, None, :]
+    t1, t2 = t[..., :half].astype(jnp.float32), t[..., half:].astype(jnp.float32)
+    return jnp.concatenate([t1 * cos - t2 * sin, t1 * sin + t2 * cos], axis=-1).astype(t.dtype)

@@ -6,9 +6,10 @@ planner (`flops`) and, later, the backends. Nothing about a layer kind lives any
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 from dslc.diagnostics import Diagnostics, Label, Span
 from dslc.ir.nodes import Axes, Collective, CollectiveKind, Input, Mesh, TensorType
@@ -40,10 +41,24 @@ class ArgSpec:
 
 @dataclass(frozen=True, slots=True)
 class WeightSpec:
+    """A weight a layer owns. `init` is "zeros", "ones", "normal" (std 0.02) or "fan_in"
+    (std 1/sqrt(fan_in), fan_in being all dimensions but the last unless given)."""
+
     name: str
     shape: tuple[int, ...]
     init: str
-    doc: str = ""
+    fan_in: int = 0
+
+    def initializer(self) -> str:
+        """The IR's initializer: "zeros", "ones" or "normal:STD"."""
+        match self.init:
+            case "fan_in":
+                fan_in = self.fan_in or math.prod(self.shape[:-1])
+                return f"normal:{fan_in**-0.5!r}"
+            case "normal":
+                return "normal:0.02"
+            case _:
+                return self.init
 
 
 @dataclass
@@ -107,6 +122,13 @@ class LayerRule:
     def flops(self, a: Attrs, x: TensorType, y: TensorType) -> int:
         """Forward FLOPs for the whole (global) batch; a multiply-add counts two."""
         return 0
+
+    def apply(self, a: Attrs, w: dict[str, Any], x: Any, rt: Any) -> Any:
+        """The layer's computation on arrays (global view; `rt` is dslc.lower.runtime.Runtime).
+
+        Weights arrive in the compute dtype; the caller pins the output's sharding.
+        """
+        raise NotImplementedError(self.kind)
 
 
 # ---- shared sharding algebra --------------------------------------------------------------------

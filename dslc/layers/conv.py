@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from dslc.diagnostics import Label
 from dslc.ir.nodes import TensorType
 from dslc.layers.base import ArgSpec, Attrs, Context, LayerRule, WeightSpec, contract, expect_features, same_sharding
@@ -61,3 +63,14 @@ class Conv(LayerRule):
         k = a["kernel"]
         assert isinstance(k, int)
         return 2 * y.numel * k * k * x.shape[3]
+
+    def apply(self, a: Attrs, w: dict[str, Any], x: Any, rt: Any) -> Any:
+        stride = a["stride"]
+        y = rt.lax.conv_general_dilated(
+            x.astype(rt.compute_dtype),
+            w["kernel"],
+            window_strides=(stride, stride),
+            padding="SAME",
+            dimension_numbers=("NHWC", "HWIO", "NHWC"),
+        )
+        return y + w["bias"] if "bias" in w else y

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from dslc.diagnostics import Label
 from dslc.ir.nodes import INT_DTYPES, TensorType
 from dslc.layers.base import (
@@ -41,6 +43,10 @@ class Linear(LayerRule):
     def flops(self, a: Attrs, x: TensorType, y: TensorType) -> int:
         return 2 * y.numel * a["in"]  # type: ignore[operator]
 
+    def apply(self, a: Attrs, w: dict[str, Any], x: Any, rt: Any) -> Any:
+        y = rt.jnp.einsum("...i,io->...o", x.astype(rt.compute_dtype), w["kernel"])
+        return y + w["bias"] if "bias" in w else y
+
 
 class SwiGLU(LayerRule):
     kind = "swiglu"
@@ -61,6 +67,11 @@ class SwiGLU(LayerRule):
 
     def flops(self, a: Attrs, x: TensorType, y: TensorType) -> int:
         return 4 * y.numel * a["in"] + 4 * y.numel  # type: ignore[operator]
+
+    def apply(self, a: Attrs, w: dict[str, Any], x: Any, rt: Any) -> Any:
+        x = x.astype(rt.compute_dtype)
+        gate = rt.jnp.einsum("...i,io->...o", x, w["gate"])
+        return rt.nn.silu(gate) * rt.jnp.einsum("...i,io->...o", x, w["up"])
 
 
 class Embed(LayerRule):
@@ -85,3 +96,9 @@ class Embed(LayerRule):
         y = TensorType(ctx.compute_dtype, (*x.shape, a["dim"]), (*x.sharding, table.sharding[1]))  # type: ignore[arg-type]
         ctx.collective("all-reduce", table.sharding[0], y, f"`{ctx.path}`: combine vocab-parallel lookups")
         return y
+
+    def apply(self, a: Attrs, w: dict[str, Any], x: Any, rt: Any) -> Any:
+        # A one-hot contraction rather than a gather: with the table split over the vocabulary
+        # it is exactly Megatron's masked local lookup followed by one all-reduce.
+        one_hot = rt.nn.one_hot(x, a["vocab"], dtype=rt.compute_dtype)
+        return rt.jnp.einsum("...v,vd->...d", one_hot, w["table"])

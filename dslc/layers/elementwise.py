@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from dslc.ir.nodes import FLOAT_DTYPES, TensorType
 from dslc.layers.base import ArgSpec, Attrs, Context, LayerRule
 
@@ -23,17 +25,26 @@ class Relu(Elementwise):
     kind = "relu"
     doc = "max(x, 0)."
 
+    def apply(self, a: Attrs, w: dict[str, Any], x: Any, rt: Any) -> Any:
+        return rt.nn.relu(x)
+
 
 class Gelu(Elementwise):
     kind = "gelu"
     doc = "Gaussian error linear unit (tanh approximation)."
     cost = 8
 
+    def apply(self, a: Attrs, w: dict[str, Any], x: Any, rt: Any) -> Any:
+        return rt.nn.gelu(x, approximate=True)
+
 
 class Silu(Elementwise):
     kind = "silu"
     doc = "x * sigmoid(x)."
     cost = 4
+
+    def apply(self, a: Attrs, w: dict[str, Any], x: Any, rt: Any) -> Any:
+        return rt.nn.silu(x)
 
 
 class Dropout(Elementwise):
@@ -48,3 +59,10 @@ class Dropout(Elementwise):
             ctx.error("E024", f"dropout rate must be in [0, 1), got {rate}", help="for example dropout(0.1)")
             return False
         return True
+
+    def apply(self, a: Attrs, w: dict[str, Any], x: Any, rt: Any) -> Any:
+        rate = a["rate"]
+        if not rt.training or rate == 0.0:
+            return x
+        keep = rt.jax.random.bernoulli(rt.rng(rt.path), 1.0 - rate, x.shape)  # type: ignore[operator]
+        return rt.jnp.where(keep, x / (1.0 - rate), 0).astype(x.dtype)  # type: ignore[operator]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from dslc.diagnostics import Label
 from dslc.ir.nodes import TensorType
 from dslc.layers.base import ArgSpec, Attrs, Context, LayerRule, WeightSpec, expect_features, fmt_axes, same_sharding
@@ -10,7 +12,7 @@ from dslc.layers.base import ArgSpec, Attrs, Context, LayerRule, WeightSpec, exp
 class MoE(LayerRule):
     kind = "moe"
     doc = (
-        "Top-k routed MLP experts. Expert parallel: w_in[ep, _, _], w_out[ep, _, _] "
+        "Top-k routed GELU MLP experts, gates renormalised over the chosen k. Expert parallel: w_in[ep, _, _], w_out[ep, _, _] "
         "(tokens travel to their experts by all-to-all and back)."
     )
     args = (
@@ -25,8 +27,8 @@ class MoE(LayerRule):
         d, f, e = a["dim"], a["hidden"], a["experts"]
         return (
             WeightSpec("router", (d, e), "fan_in"),  # type: ignore[arg-type]
-            WeightSpec("w_in", (e, d, f), "fan_in"),  # type: ignore[arg-type]
-            WeightSpec("w_out", (e, f, d), "fan_in"),  # type: ignore[arg-type]
+            WeightSpec("w_in", (e, d, f), "fan_in", fan_in=d),  # type: ignore[arg-type]
+            WeightSpec("w_out", (e, f, d), "fan_in", fan_in=f),  # type: ignore[arg-type]
         )
 
     def validate(self, a: Attrs, ctx: Context) -> bool:
@@ -64,3 +66,16 @@ class MoE(LayerRule):
         d, f, e, k = a["dim"], a["hidden"], a["experts"], a["top_k"]
         assert isinstance(d, int) and isinstance(f, int) and isinstance(e, int) and isinstance(k, int)
         return 2 * tokens * d * e + k * tokens * 4 * d * f
+
+    def apply(self, a: Attrs, w: dict[str, Any], x: Any, rt: Any) -> Any:
+        # Exact top-k mixture: every expert sees every token and the gates pick k of them.
+        # No token is dropped, so `capacity` does not change the result here.
+        jnp = rt.jnp
+        x = x.astype(rt.compute_dtype)
+        probs = rt.nn.softmax(jnp.einsum("...d,de->...e", x, w["router"]).astype(jnp.float32), axis=-1)
+        top, chosen = rt.lax.top_k(probs, a["top_k"])
+        gates = top / top.sum(-1, keepdims=True)
+        combine = jnp.einsum("...k,...ke->...e", gates, rt.nn.one_hot(chosen, a["experts"], dtype=jnp.float32))
+        hidden = rt.nn.gelu(jnp.einsum("...d,edf->...ef", x, w["w_in"]), approximate=True)
+        per_expert = jnp.einsum("...ef,efd->...ed", hidden, w["w_out"])
+        return jnp.einsum("...e,...ed->...d", combine.astype(rt.compute_dtype), per_expert)

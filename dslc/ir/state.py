@@ -1,0 +1,55 @@
+"""Where training state lives: ZeRO / FSDP sharding of parameters, gradients, optimizer state.
+
+ZeRO stage 1 splits the optimizer state over the data-parallel axes, stage 2 the gradients
+too, stage 3 (FSDP) the parameters as well. A tensor is split by adding those axes to the
+first dimension that is not already split over them and that they divide evenly.
+Pure data, no jax: the planner and both backends ask the same function.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dslc.ir.nodes import Axes, Mesh, Program, Sharding, TensorType
+
+
+def zero_axes(program: Program) -> Axes:
+    """The axes ZeRO/FSDP shards over: those named by `fsdp`, else the batch's data axes."""
+    if program.train.shard_axes:
+        return program.train.shard_axes
+    return program.input(program.stream).type.sharding[0] if program.inputs else ()
+
+
+def spread(t: TensorType, axes: Axes, mesh: Mesh) -> Sharding | None:
+    """`t`'s sharding with `axes` added to one dimension, or None when no dimension can take
+    them (the caller keeps the tensor as declared and says so)."""
+    axes = tuple(a for a in axes if a not in t.axes_used)
+    if not axes or mesh.size(axes) == 1:
+        return t.sharding
+    for dim, (size, current) in enumerate(zip(t.shape, t.sharding, strict=True)):
+        if size % mesh.size(current + axes) == 0:
+            return tuple((*current, *axes) if i == dim else s for i, s in enumerate(t.sharding))
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class StateSharding:
+    """The sharding of one parameter's training state."""
+
+    params: Sharding
+    grads: Sharding
+    optimizer: Sharding
+    spread_ok: bool
+
+
+def state_sharding(t: TensorType, program: Program) -> StateSharding:
+    zero = program.train.zero
+    spread_to = spread(t, zero_axes(program), program.mesh) if zero else t.sharding
+    ok = spread_to is not None
+    spread_to = spread_to if spread_to is not None else t.sharding
+    return StateSharding(
+        params=spread_to if zero >= 3 else t.sharding,
+        grads=spread_to if zero >= 2 else t.sharding,
+        optimizer=spread_to if zero >= 1 else t.sharding,
+        spread_ok=ok,
+    )

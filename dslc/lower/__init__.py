@@ -1,0 +1,37 @@
+"""Lowering: a checked spec to jitted, sharded JAX on a device mesh."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
+
+from dslc.frontend import CompileError, MeshArg, analyze
+from dslc.lower.devices import request_host_devices
+
+if TYPE_CHECKING:
+    from dslc.lower.program import Program
+
+
+def compile(  # noqa: A001
+    source_or_path: str | os.PathLike[str],
+    mesh: MeshArg = None,
+    overrides: Sequence[str] | Mapping[str, int] | None = None,
+) -> Program:
+    """Check a spec and bind it to a mesh ("2x4x2", sizes in the spec's axis order; the
+    spec's defaults when None). `overrides` sets constants. Raises CompileError carrying
+    the diagnostics."""
+    analysis = analyze(source_or_path, mesh, overrides)
+    if not analysis.ok:
+        raise CompileError(analysis)
+    program = analysis.program
+    assert program is not None
+    # Before anything imports jax: a CPU-only machine simulates the mesh on host devices.
+    request_host_devices(program.mesh.devices)
+    from dslc.lower.devices import make_mesh
+    from dslc.lower.program import Program
+
+    return Program(program, make_mesh(program.mesh))
+
+
+__all__ = ["CompileError", "compile"]

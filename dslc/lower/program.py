@@ -1,0 +1,222 @@
+"""`Program`: a checked spec bound to a device mesh, ready to initialise, run and differentiate."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from dslc.ir import nodes as ir
+from dslc.ir.state import state_sharding
+from dslc.lower.model import DslcModel, Params, init_params, run_forward, run_loss, split_loss
+from dslc.lower.optim import make_optimizer
+from dslc.lower.runtime import JNP_DTYPES, Runtime, partition_spec
+
+
+class WeightsError(ValueError):
+    """Weights that do not fit the program (names or shapes); nothing was loaded."""
+
+
+class Program:
+    """A compiled spec on a mesh. Every method is jitted and sharded as the spec declares.
+
+    `forward`, `loss` and `grads` evaluate the model deterministically (dropout off); the
+    training step turns dropout on.
+    """
+
+    def __init__(self, program: ir.Program, mesh: jax.sharding.Mesh) -> None:
+        self.ir = program
+        self.mesh = mesh
+        self._compute = JNP_DTYPES[program.train.compute_dtype]
+        state = {path: state_sharding(w.type, program) for path, w in ir.weights_by_path(program).items()}
+
+        def named(pick: Any) -> dict[str, NamedSharding]:
+            return {path: NamedSharding(mesh, partition_spec(pick(s))) for path, s in state.items()}
+
+        # Where parameters, gradients and optimizer state live (ZeRO stages 0-3).
+        self._shardings = named(lambda s: s.params)
+        self._grad_shardings = named(lambda s: s.grads)
+        self._optimizer_shardings = named(lambda s: s.optimizer)
+        self.optimizer = make_optimizer(program.train.optimizer)
+        abstract_params = {
+            path: jax.ShapeDtypeStruct(w.type.shape, JNP_DTYPES[w.type.dtype]) for path, w in ir.weights_by_path(program).items()
+        }
+        self._opt_state_shardings = self._state_shardings(jax.eval_shape(self.optimizer.init, abstract_params))
+
+    # --- parameters ---------------------------------------------------------------------------
+
+    def init(self, seed: int) -> DslcModel:
+        with jax.set_mesh(self.mesh):
+            return DslcModel(init_params(self.ir, self._shardings, seed))
+
+    def export_weights(self, model: DslcModel) -> dict[str, np.ndarray]:
+        return {name: np.asarray(jax.device_get(value)) for name, value in model.arrays().items()}
+
+    def import_weights(self, model: DslcModel, weights: Mapping[str, Any]) -> None:
+        """Load a dict of arrays by dotted name. Every name and shape is checked before any
+        value is replaced, so a mismatch leaves the model as it was."""
+        expected = ir.weights_by_path(self.ir)
+        problems = [f"missing weight `{n}`" for n in expected if n not in weights]
+        problems += [f"unknown weight `{n}`" for n in weights if n not in expected]
+        for name, w in expected.items():
+            if name in weights and tuple(np.shape(weights[name])) != w.type.shape:
+                problems.append(f"`{name}` has shape {tuple(np.shape(weights[name]))}, the spec says {w.type.shape}")
+        if problems:
+            raise WeightsError("cannot load weights: " + "; ".join(problems))
+        dtypes = {name: JNP_DTYPES[w.type.dtype] for name, w in expected.items()}
+        placed = {name: jax.device_put(np.asarray(weights[name], dtype=dtypes[name]), self._shardings[name]) for name in expected}
+        for name, value in placed.items():
+            model.params[name].set_value(value)
+
+    def param_shardings(self, model: DslcModel) -> dict[str, PartitionSpec]:
+        return {name: value.sharding.spec for name, value in model.arrays().items()}
+
+    # --- running ------------------------------------------------------------------------------
+
+    def forward(self, model: DslcModel, inputs: Mapping[str, Any]) -> jax.Array:
+        return self._forward(model.arrays(), self._place(inputs))
+
+    def loss(self, model: DslcModel, batch: Mapping[str, Any]) -> jax.Array:
+        return self._loss(model.arrays(), self._place(batch))
+
+    def grads(self, model: DslcModel, batch: Mapping[str, Any]) -> dict[str, np.ndarray]:
+        grads = self._grads(model.arrays(), self._place(batch))
+        return {name: np.asarray(jax.device_get(g)) for name, g in grads.items()}
+
+    def example_batch(self, seed: int) -> dict[str, np.ndarray]:
+        """Random inputs with the names, shapes and dtypes the spec declares; integer inputs
+        are drawn below the vocabulary or class count of the layer that reads them."""
+        rng = np.random.default_rng(seed)
+        bounds = self._integer_bounds()
+        batch = {}
+        for inp in self.ir.inputs:
+            t = inp.type
+            if t.dtype in ir.INT_DTYPES:
+                batch[inp.name] = rng.integers(0, bounds.get(inp.name, 2), size=t.shape).astype(np.dtype(JNP_DTYPES[t.dtype]))
+            else:
+                batch[inp.name] = rng.standard_normal(t.shape).astype(np.float32)
+        return batch
+
+    # --- training -----------------------------------------------------------------------------
+
+    def init_optimizer(self, model: DslcModel) -> Any:
+        """The optimizer state, split like the spec's ZeRO stage says (stage >= 1: over the
+        data axes)."""
+        return jax.jit(self.optimizer.init, out_shardings=self._opt_state_shardings)(model.arrays())
+
+    def train_step(self, model: DslcModel, opt_state: Any, batch: Mapping[str, Any], step: int) -> tuple[Any, float]:
+        """One optimizer step on `batch` (dropout on, keyed by `step`); updates `model` in
+        place and returns the new optimizer state and the loss before the step."""
+        key = jax.random.key(step)
+        params, opt_state, loss = self._step(model.arrays(), opt_state, self._place(batch), key)
+        for name, value in params.items():
+            model.params[name].set_value(value)
+        return opt_state, float(loss)
+
+    def _state_shardings(self, tree: Any) -> Any:
+        """Optimizer-state leaves shaped like a parameter follow its optimizer sharding."""
+        weights = ir.weights_by_path(self.ir)
+        replicated = NamedSharding(self.mesh, PartitionSpec())
+
+        def pick(path: tuple[Any, ...], leaf: Any) -> NamedSharding:
+            for entry in path:
+                name = getattr(entry, "key", None)
+                if name in weights and tuple(leaf.shape) == weights[name].type.shape:
+                    return self._optimizer_shardings[name]
+            return replicated
+
+        return jax.tree_util.tree_map_with_path(pick, tree)
+
+    @functools.cached_property
+    def _step(self) -> Any:
+        def step(params: Params, opt_state: Any, batch: dict[str, jax.Array], key: jax.Array) -> tuple[Params, Any, jax.Array]:
+            loss, grads = self._value_and_grad(params, batch, key)
+            grads = jax.lax.with_sharding_constraint(grads, self._grad_shardings)
+            updates, opt_state = self.optimizer.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, loss
+
+        replicated = NamedSharding(self.mesh, PartitionSpec())
+        return jax.jit(step, out_shardings=(self._shardings, self._opt_state_shardings, replicated), donate_argnums=(0, 1))
+
+    # --- internals ----------------------------------------------------------------------------
+
+    def _runtime(self, batch: Mapping[str, jax.Array], key: jax.Array | None = None) -> Runtime:
+        return Runtime(self.mesh, self._compute, dict(batch), training=key is not None, dropout_key=key)
+
+    def _place(self, batch: Mapping[str, Any]) -> dict[str, jax.Array]:
+        """Put each input on the mesh with its declared sharding (checking its shape)."""
+        placed = {}
+        for inp in self.ir.inputs:
+            if inp.name not in batch:
+                continue
+            value = np.asarray(batch[inp.name])
+            if value.shape != inp.type.shape:
+                raise ValueError(f"input `{inp.name}` has shape {value.shape}, the spec says {inp.type.shape}")
+            value = value.astype(np.dtype(JNP_DTYPES[inp.type.dtype]))
+            placed[inp.name] = jax.device_put(value, NamedSharding(self.mesh, partition_spec(inp.type.sharding)))
+        missing = [i.name for i in self.ir.inputs if i.name not in placed and (i.name == self.ir.stream)]
+        if missing:
+            raise ValueError(f"missing input `{missing[0]}`")
+        return placed
+
+    @functools.cached_property
+    def _forward(self) -> Any:
+        def forward(params: Params, inputs: dict[str, jax.Array]) -> jax.Array:
+            return run_forward(self.ir, params, inputs, self._runtime(inputs))
+
+        return jax.jit(forward)
+
+    @functools.cached_property
+    def _loss(self) -> Any:
+        return jax.jit(self._loss_fn)
+
+    def _loss_fn(self, params: Params, batch: dict[str, jax.Array], key: jax.Array | None = None) -> jax.Array:
+        if split_loss(self.ir)[1] is None:
+            raise ValueError(f"spec `{self.ir.name}` has no loss layer (cross_entropy or mse) at the end of `forward`")
+        return run_loss(self.ir, params, batch, self._runtime(batch, key))
+
+    @functools.cached_property
+    def _grads(self) -> Any:
+        def grads(params: Params, batch: dict[str, jax.Array]) -> Params:
+            return self._value_and_grad(params, batch, None)[1]
+
+        return jax.jit(grads, out_shardings=self._grad_shardings)
+
+    def _value_and_grad(self, params: Params, batch: dict[str, jax.Array], key: jax.Array | None) -> tuple[jax.Array, Params]:
+        """Loss and gradients, over `accumulate` slices of the batch when the spec asks."""
+        accumulate = self.ir.train.accumulate
+
+        def loss(p: Params, b: dict[str, jax.Array], k: jax.Array | None) -> jax.Array:
+            return self._loss_fn(p, b, k)
+
+        if accumulate == 1:
+            return jax.value_and_grad(loss)(params, batch, key)
+        # Slice j takes rows j, j+A, j+2A, ...: every slice keeps rows from every data shard,
+        # so all devices work on every slice. Gradients are summed as they arrive; their mean
+        # over equal slices is the full-batch gradient of a mean loss.
+        sliced = {k: v.reshape(v.shape[0] // accumulate, accumulate, *v.shape[1:]).swapaxes(0, 1) for k, v in batch.items()}
+        keys = jax.random.split(key, accumulate) if key is not None else None
+
+        def one(total: tuple[jax.Array, Params], i: jax.Array) -> tuple[tuple[jax.Array, Params], None]:
+            piece = {k: v[i] for k, v in sliced.items()}
+            value, g = jax.value_and_grad(loss)(params, piece, keys[i] if keys is not None else None)
+            return (total[0] + value, jax.tree.map(jnp.add, total[1], g)), None
+
+        zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
+        (value, total), _ = jax.lax.scan(one, zeros, jnp.arange(accumulate))
+        return value / accumulate, jax.tree.map(lambda g: g / accumulate, total)
+
+    def _integer_bounds(self) -> dict[str, int]:
+        bounds: dict[str, int] = {}
+        for layer in ir.all_layers(self.ir):
+            if layer.kind == "embed" and layer.path and layer.input.dtype in ir.INT_DTYPES:
+                bounds.setdefault(self.ir.stream, int(layer.attr("vocab")))  # type: ignore[call-overload]
+            if layer.kind == "cross_entropy":
+                bounds[str(layer.attr("targets"))] = layer.input.shape[-1]
+        return bounds

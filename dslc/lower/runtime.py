@@ -1,0 +1,57 @@
+"""What a layer rule sees while it runs: the array library, the mesh, the batch, the mode.
+
+Layer rules import nothing from jax themselves (the front end must work without it); they
+reach jax through this object, which exists only once lowering has started.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import NamedSharding, PartitionSpec
+
+from dslc.ir.nodes import Sharding
+
+JNP_DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16, "f64": jnp.float64, "i32": jnp.int32, "i64": jnp.int64, "i8": jnp.int8, "bool": jnp.bool_}
+
+
+def partition_spec(sharding: Sharding) -> PartitionSpec:
+    return PartitionSpec(*(None if not axes else axes[0] if len(axes) == 1 else axes for axes in sharding))
+
+
+def path_key(key: jax.Array, path: str) -> jax.Array:
+    """A key for one named thing, the same whatever else the model contains."""
+    return jax.random.fold_in(key, zlib.crc32(path.encode()))
+
+
+@dataclass
+class Runtime:
+    mesh: jax.sharding.Mesh
+    compute_dtype: Any
+    inputs: dict[str, jax.Array]
+    training: bool = False
+    dropout_key: jax.Array | None = None
+    # The layer being applied; the interpreter sets it (dropout keys are derived from it).
+    path: str = ""
+
+    jax = jax
+    jnp = jnp
+    lax = jax.lax
+    nn = jax.nn
+
+    def constrain(self, x: jax.Array, sharding: Sharding) -> jax.Array:
+        """Pin an activation to the sharding the IR gave it; XLA places the collectives."""
+        return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, partition_spec(sharding)))
+
+    def rng(self, path: str) -> jax.Array:
+        assert self.dropout_key is not None, "dropout while training needs a key"
+        return path_key(self.dropout_key, path)
+
+    def name(self, x: jax.Array, path: str) -> jax.Array:
+        """Tag an output so selective checkpointing can choose to keep it."""
+        return checkpoint_name(x, path)

@@ -1,0 +1,131 @@
+"""The `dslc` command: exit codes, output formats, the embedded default, internal errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dslc import cli
+from tests.conftest import SPECS
+
+BROKEN = """model m
+mesh data=2
+input x: f32[6 @ data, 4]
+forward(x) {
+  fc: linear(5, 3)
+}
+"""
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_check_clean_spec_exits_0_and_summarises(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(capsys, "check", str(SPECS / "tiny.par"))
+    assert code == 0
+    assert "ok" in out and "model tiny" in out and "mesh 2x2 (data, model)" in out
+    assert err == ""
+
+
+def test_check_without_spec_uses_embedded_default(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "check")
+    assert code == 0
+    assert "tiny.par: ok" in out
+
+
+def test_check_errors_exit_1_with_rendered_location(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    spec = tmp_path / "broken.par"
+    spec.write_text(BROKEN)
+    code, out, err = run(capsys, "check", str(spec))
+    assert code == 1
+    assert f"{spec}:5:7: error[E016]" in err
+    assert "  5 |   fc: linear(5, 3)" in err or " 5 |   fc: linear(5, 3)" in err
+    assert "1 error" in err
+
+
+def test_check_json_lists_every_field(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    spec = tmp_path / "broken.par"
+    spec.write_text(BROKEN)
+    code, out, _ = run(capsys, "check", str(spec), "--format", "json")
+    assert code == 1
+    items = json.loads(out)
+    assert [d["code"] for d in items] == ["E016"]
+    for key in ("severity", "code", "message", "file", "line", "column", "end_line", "end_column", "notes", "help"):
+        assert key in items[0]
+    assert (items[0]["line"], items[0]["column"]) == (5, 7)
+
+
+def test_check_json_of_clean_spec_is_empty_list(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "check", str(SPECS / "tiny.par"), "--format", "json")
+    assert (code, json.loads(out)) == (0, [])
+
+
+def test_mesh_override_changes_the_verdict(capsys: pytest.CaptureFixture[str]) -> None:
+    assert run(capsys, "check", str(SPECS / "gpt_small.par"), "--mesh", "2x4x2")[0] == 0
+    code, _, err = run(capsys, "check", str(SPECS / "gpt_small.par"), "--mesh", "2x3x2")
+    assert code == 1 and "E014" in err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["check", "does/not/exist.par"],
+        ["check", "specs/tiny.par", "--mesh", "2xx2"],
+        ["check", "specs/tiny.par", "--mesh", "0x2"],
+        ["check", "specs/tiny.par", "--format", "yaml"],
+        ["frobnicate"],
+        [],
+        ["schedule", "--kind", "1f1b", "--stages", "0", "--microbatches", "4"],
+        ["schedule", "--kind", "zb-h9", "--stages", "2", "--microbatches", "4"],
+        ["schedule", "--kind", "interleaved-1f1b", "--stages", "4", "--microbatches", "6", "--virtual", "2"],
+        ["fmt", "does/not/exist.par"],
+    ],
+)
+def test_usage_errors_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run(capsys, *argv)
+    assert code == 2
+    assert err.strip(), "a usage error must say what is wrong"
+    assert "Traceback" not in err
+
+
+def test_schedule_json_has_the_documented_keys(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "schedule", "--kind", "1f1b", "--stages", "4", "--microbatches", "8", "--format", "json")
+    assert code == 0
+    table = json.loads(out)
+    for key in ("kind", "stages", "microbatches", "virtual", "ticks", "bubble_fraction", "peak_in_flight", "actions"):
+        assert key in table
+    assert table["peak_in_flight"] == [4, 3, 2, 1]
+    assert abs(table["bubble_fraction"] - 3 / 11) < 1e-12
+
+
+def test_schedule_svg_is_an_svg_document(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "schedule", "--kind", "gpipe", "--stages", "2", "--microbatches", "3", "--format", "svg")
+    assert code == 0
+    assert out.lstrip().startswith(("<svg", "<?xml")) and out.rstrip().endswith("</svg>")
+
+
+def test_internal_error_is_reported_as_a_bug(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    def explode(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(cli, "analyze", explode)
+    monkeypatch.delenv("DSLC_TRACEBACK", raising=False)
+    code, _, err = run(capsys, "check", str(SPECS / "tiny.par"))
+    assert code == cli.EXIT_INTERNAL
+    assert "internal error" in err and "boom" in err and "report" in err
+    assert "Traceback" not in err
+
+
+def test_console_script_runs_in_a_fresh_process(tmp_path: Path) -> None:
+    spec = tmp_path / "broken.par"
+    spec.write_text(BROKEN)
+    proc = subprocess.run([sys.executable, "-m", "dslc.cli", "check", str(spec)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1
+    assert "error[E016]" in proc.stderr
