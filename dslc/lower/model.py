@@ -65,9 +65,64 @@ def _initial(w: ir.Weight, key: jax.Array) -> jax.Array:
 
 
 def forward_nodes(nodes: tuple[ir.Node, ...], x: jax.Array, params: Params, rt: Runtime) -> jax.Array:
-    for node in nodes:
-        x = _run(node, x, params, rt)
+    for run in group_repeats(nodes):
+        x = _run(run[0], x, params, rt) if len(run) == 1 else _scan(run, x, params, rt)
     return x
+
+
+def group_repeats(nodes: tuple[ir.Node, ...]) -> list[tuple[ir.Node, ...]]:
+    """Consecutive blocks that differ only in their names (a `repeat`), grouped into runs."""
+    runs: list[list[ir.Node]] = []
+    for node in nodes:
+        if runs and isinstance(node, ir.Block) and _signature(node) == _signature(runs[-1][0]):
+            runs[-1].append(node)
+        else:
+            runs.append([node])
+    return [tuple(run) for run in runs]
+
+
+def _signature(node: ir.Node, prefix: str | None = None) -> object:
+    """Everything about a subtree except where it sits: two blocks with equal signatures
+    compute the same function of their own weights."""
+    if prefix is None:
+        prefix = node.path + "."
+    relative = node.path[len(prefix) :] if node.path.startswith(prefix) else node.path
+    match node:
+        case ir.Layer():
+            return ("layer", relative, node.kind, node.attrs, tuple((w.name, w.type) for w in node.weights), node.input, node.output, node.operand)
+        case ir.Layout():
+            return ("layout", node.input, node.output)
+        case ir.Residual() | ir.Block():
+            remat = node.remat if isinstance(node, ir.Block) else None
+            return (type(node).__name__, remat, node.input, node.output, tuple(_signature(c, prefix) for c in node.body))
+        case _:
+            assert_never(node)
+
+
+def _scan(run: tuple[ir.Node, ...], x: jax.Array, params: Params, rt: Runtime) -> jax.Array:
+    """A run of identical blocks as one `lax.scan` over their stacked weights.
+
+    One loop body instead of N copies keeps compile time flat in depth, and it is what
+    makes activation checkpointing save memory: the loop keeps only each block's input,
+    and the checkpointed body recomputes the rest during the backward pass.
+    """
+    first = run[0]
+    assert isinstance(first, ir.Block)
+    names = [f"{layer.path}.{w.name}" for layer in ir.layers(first.body) for w in layer.weights]
+    suffixes = [name[len(first.path) :] for name in names]
+    stacked = {s: jnp.stack([params[block.path + s] for block in run]) for s in suffixes}
+    base_key = rt.dropout_key
+
+    def body(h: jax.Array, step: tuple[jax.Array, dict[str, jax.Array]]) -> tuple[jax.Array, None]:
+        index, weights = step
+        if base_key is not None:
+            rt.dropout_key = jax.random.fold_in(base_key, index)
+        local = {first.path + s: w for s, w in weights.items()}
+        return _run(first, h, local, rt), None
+
+    y, _ = jax.lax.scan(body, x, (jnp.arange(len(run)), stacked))
+    rt.dropout_key = base_key
+    return y
 
 
 def _run(node: ir.Node, x: jax.Array, params: Params, rt: Runtime) -> jax.Array:
@@ -80,6 +135,8 @@ def _run(node: ir.Node, x: jax.Array, params: Params, rt: Runtime) -> jax.Array:
                 w.name: rt.constrain(params[f"{node.path}.{w.name}"], w.type.sharding).astype(rt.compute_dtype)
                 for w in node.weights
             }
+            if node.operand != node.input.sharding:
+                x = rt.constrain(x, node.operand)
             rt.path = node.path
             y = rule.apply(dict(node.attrs), weights, x, rt)
             if node.output.rank:

@@ -16,6 +16,7 @@ from dslc.ir import nodes as ir
 from dslc.ir.state import state_sharding
 from dslc.lower.model import DslcModel, Params, init_params, run_forward, run_loss, split_loss
 from dslc.lower.optim import make_optimizer
+from dslc.lower.pipeline import PipelineExecutor
 from dslc.lower.runtime import JNP_DTYPES, Runtime, partition_spec
 
 
@@ -44,6 +45,9 @@ class Program:
         self._grad_shardings = named(lambda s: s.grads)
         self._optimizer_shardings = named(lambda s: s.optimizer)
         self.optimizer = make_optimizer(program.train.optimizer)
+        p = program.pipeline
+        pipelined = p is not None and program.mesh.size((p.axis,)) * p.virtual > 1
+        self._pipeline = PipelineExecutor(program, mesh, self._compute) if pipelined else None
         abstract_params = {
             path: jax.ShapeDtypeStruct(w.type.shape, JNP_DTYPES[w.type.dtype]) for path, w in ir.weights_by_path(program).items()
         }
@@ -62,13 +66,20 @@ class Program:
         """Load a dict of arrays by dotted name. Every name and shape is checked before any
         value is replaced, so a mismatch leaves the model as it was."""
         expected = ir.weights_by_path(self.ir)
-        problems = [f"missing weight `{n}`" for n in expected if n not in weights]
-        problems += [f"unknown weight `{n}`" for n in weights if n not in expected]
-        for name, w in expected.items():
-            if name in weights and tuple(np.shape(weights[name])) != w.type.shape:
-                problems.append(f"`{name}` has shape {tuple(np.shape(weights[name]))}, the spec says {w.type.shape}")
-        if problems:
-            raise WeightsError("cannot load weights: " + "; ".join(problems))
+        missing = [n for n in expected if n not in weights]
+        unknown = [n for n in weights if n not in expected]
+        misshapen = [
+            f"`{n}` is {tuple(np.shape(weights[n]))}, the spec says {w.type.shape}"
+            for n, w in expected.items()
+            if n in weights and tuple(np.shape(weights[n])) != w.type.shape
+        ]
+        problems = [
+            _listing(len(missing), "missing", [f"`{n}`" for n in missing]),
+            _listing(len(unknown), "not in the spec", [f"`{n}`" for n in unknown]),
+            _listing(len(misshapen), "of the wrong shape", misshapen),
+        ]
+        if any(problems):
+            raise WeightsError("cannot load weights, nothing was loaded: " + "; ".join(p for p in problems if p))
         dtypes = {name: JNP_DTYPES[w.type.dtype] for name, w in expected.items()}
         placed = {name: jax.device_put(np.asarray(weights[name], dtype=dtypes[name]), self._shardings[name]) for name in expected}
         for name, value in placed.items():
@@ -86,7 +97,8 @@ class Program:
         return self._loss(model.arrays(), self._place(batch))
 
     def grads(self, model: DslcModel, batch: Mapping[str, Any]) -> dict[str, np.ndarray]:
-        grads = self._grads(model.arrays(), self._place(batch))
+        with jax.set_mesh(self.mesh):
+            grads = self._grads(model.arrays(), self._place(batch))
         return {name: np.asarray(jax.device_get(g)) for name, g in grads.items()}
 
     def example_batch(self, seed: int) -> dict[str, np.ndarray]:
@@ -100,7 +112,7 @@ class Program:
             if t.dtype in ir.INT_DTYPES:
                 batch[inp.name] = rng.integers(0, bounds.get(inp.name, 2), size=t.shape).astype(np.dtype(JNP_DTYPES[t.dtype]))
             else:
-                batch[inp.name] = rng.standard_normal(t.shape).astype(np.float32)
+                batch[inp.name] = rng.standard_normal(t.shape).astype(np.dtype(JNP_DTYPES[t.dtype]))
         return batch
 
     # --- training -----------------------------------------------------------------------------
@@ -114,7 +126,8 @@ class Program:
         """One optimizer step on `batch` (dropout on, keyed by `step`); updates `model` in
         place and returns the new optimizer state and the loss before the step."""
         key = jax.random.key(step)
-        params, opt_state, loss = self._step(model.arrays(), opt_state, self._place(batch), key)
+        with jax.set_mesh(self.mesh):
+            params, opt_state, loss = self._step(model.arrays(), opt_state, self._place(batch), key)
         for name, value in params.items():
             model.params[name].set_value(value)
         return opt_state, float(loss)
@@ -189,14 +202,17 @@ class Program:
         return jax.jit(grads, out_shardings=self._grad_shardings)
 
     def _value_and_grad(self, params: Params, batch: dict[str, jax.Array], key: jax.Array | None) -> tuple[jax.Array, Params]:
-        """Loss and gradients, over `accumulate` slices of the batch when the spec asks."""
+        """Loss and gradients, over `accumulate` slices of the batch when the spec asks; through
+        the pipeline schedule when the spec has one."""
         accumulate = self.ir.train.accumulate
-
-        def loss(p: Params, b: dict[str, jax.Array], k: jax.Array | None) -> jax.Array:
-            return self._loss_fn(p, b, k)
+        once: Any
+        if self._pipeline is not None:
+            once = self._pipeline.value_and_grad
+        else:
+            once = jax.value_and_grad(self._loss_fn)
 
         if accumulate == 1:
-            return jax.value_and_grad(loss)(params, batch, key)
+            return once(params, batch, key)  # type: ignore[no-any-return]
         # Slice j takes rows j, j+A, j+2A, ...: every slice keeps rows from every data shard,
         # so all devices work on every slice. Gradients are summed as they arrive; their mean
         # over equal slices is the full-batch gradient of a mean loss.
@@ -205,7 +221,7 @@ class Program:
 
         def one(total: tuple[jax.Array, Params], i: jax.Array) -> tuple[tuple[jax.Array, Params], None]:
             piece = {k: v[i] for k, v in sliced.items()}
-            value, g = jax.value_and_grad(loss)(params, piece, keys[i] if keys is not None else None)
+            value, g = once(params, piece, keys[i] if keys is not None else None)
             return (total[0] + value, jax.tree.map(jnp.add, total[1], g)), None
 
         zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
@@ -220,3 +236,10 @@ class Program:
             if layer.kind == "cross_entropy":
                 bounds[str(layer.attr("targets"))] = layer.input.shape[-1]
         return bounds
+
+
+def _listing(count: int, what: str, examples: list[str], shown: int = 3) -> str:
+    if not count:
+        return ""
+    more = f", and {count - shown} more" if count > shown else ""
+    return f"{count} {what} ({', '.join(examples[:shown])}{more})"

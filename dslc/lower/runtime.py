@@ -38,6 +38,9 @@ class Runtime:
     dropout_key: jax.Array | None = None
     # The layer being applied; the interpreter sets it (dropout keys are derived from it).
     path: str = ""
+    # Inside the pipeline executor the stage axis is manual: shardings are then given as
+    # bare specs over the remaining (automatic) axes of the context mesh.
+    manual_axes: tuple[str, ...] = ()
 
     jax = jax
     jnp = jnp
@@ -46,6 +49,8 @@ class Runtime:
 
     def constrain(self, x: jax.Array, sharding: Sharding) -> jax.Array:
         """Pin an activation to the sharding the IR gave it; XLA places the collectives."""
+        if self.manual_axes:
+            return jax.lax.with_sharding_constraint(x, partition_spec(sharding))
         return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, partition_spec(sharding)))
 
     def rng(self, path: str) -> jax.Array:
