@@ -111,7 +111,9 @@ def test_schedule_svg_is_an_svg_document(capsys: pytest.CaptureFixture[str]) -> 
     assert out.lstrip().startswith(("<svg", "<?xml")) and out.rstrip().endswith("</svg>")
 
 
-def test_internal_error_is_reported_as_a_bug(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+def test_internal_error_is_reported_as_a_bug(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     def explode(*args: object, **kwargs: object) -> None:
         raise RuntimeError("boom")
 
@@ -126,6 +128,8 @@ def test_internal_error_is_reported_as_a_bug(monkeypatch: pytest.MonkeyPatch, ca
 def test_console_script_runs_in_a_fresh_process(tmp_path: Path) -> None:
     spec = tmp_path / "broken.par"
     spec.write_text(BROKEN)
-    proc = subprocess.run([sys.executable, "-m", "dslc.cli", "check", str(spec)], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "dslc.cli", "check", str(spec)], capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == 1
     assert "error[E016]" in proc.stderr

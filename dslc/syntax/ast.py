@@ -13,14 +13,10 @@ from typing import TypeAlias
 from dslc.diagnostics import Span
 
 
-def _span() -> Span:
-    return field(compare=False, repr=False)  # type: ignore[return-value]
-
-
 @dataclass(frozen=True, slots=True)
 class Ident:
     text: str
-    span: Span = _span()
+    span: Span = field(compare=False, repr=False)
 
 
 # ---- values ---------------------------------------------------------------------------------
@@ -30,32 +26,32 @@ class Ident:
 class IntLit:
     value: int
     text: str
-    span: Span = _span()
+    span: Span = field(compare=False, repr=False)
 
 
 @dataclass(frozen=True, slots=True)
 class FloatLit:
     value: float
     text: str
-    span: Span = _span()
+    span: Span = field(compare=False, repr=False)
 
 
 @dataclass(frozen=True, slots=True)
 class BoolLit:
     value: bool
-    span: Span = _span()
+    span: Span = field(compare=False, repr=False)
 
 
 @dataclass(frozen=True, slots=True)
 class NameRef:
     name: str
-    span: Span = _span()
+    span: Span = field(compare=False, repr=False)
 
 
 @dataclass(frozen=True, slots=True)
 class Neg:
     operand: Expr
-    span: Span = _span()
+    span: Span = field(compare=False, repr=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,7 +60,7 @@ class Chain:
 
     first: Expr
     rest: tuple[tuple[str, Expr], ...]
-    span: Span = _span()
+    span: Span = field(compare=False, repr=False)
 
 
 Expr: TypeAlias = "IntLit | NameRef | Neg | Chain"
@@ -79,28 +75,28 @@ class AxisSet:
     """The mesh axes one dimension is split over; empty means replicated."""
 
     axes: tuple[Ident, ...]
-    span: Span = _span()
+    span: Span = field(compare=False, repr=False)
 
 
 @dataclass(frozen=True, slots=True)
 class Dim:
     size: Expr
     sharding: AxisSet | None
-    span: Span = _span()
+    span: Span = field(compare=False, repr=False)
 
 
 @dataclass(frozen=True, slots=True)
 class TensorType:
     dtype: Ident
     dims: tuple[Dim, ...]
-    span: Span = _span()
+    span: Span = field(compare=False, repr=False)
 
 
 @dataclass(frozen=True, slots=True)
 class WeightShard:
     weight: Ident
     dims: tuple[AxisSet, ...]
-    span: Span = _span()
+    span: Span = field(compare=False, repr=False)
 
 
 # ---- header items ---------------------------------------------------------------------------
@@ -109,34 +105,34 @@ class WeightShard:
 @dataclass(frozen=True, slots=True)
 class ModelDecl:
     name: Ident
-    span: Span = _span()
+    span: Span = field(compare=False, repr=False)
 
 
 @dataclass(frozen=True, slots=True)
 class MeshAxis:
     name: Ident
     size: Expr | None
-    span: Span = _span()
+    span: Span = field(compare=False, repr=False)
 
 
 @dataclass(frozen=True, slots=True)
 class MeshDecl:
     axes: tuple[MeshAxis, ...]
-    span: Span = _span()
+    span: Span = field(compare=False, repr=False)
 
 
 @dataclass(frozen=True, slots=True)
 class ConstDecl:
     name: Ident
     value: Expr
-    span: Span = _span()
+    span: Span = field(compare=False, repr=False)
 
 
 @dataclass(frozen=True, slots=True)
 class InputDecl:
     name: Ident
     type: TensorType
-    span: Span = _span()
+    span: Span = field(compare=False, repr=False)
 
 
 # ---- model body -----------------------------------------------------------------------------
@@ -148,14 +144,14 @@ class Arg:
 
     name: Ident | None
     value: Value
-    span: Span = _span()
+    span: Span = field(compare=False, repr=False)
 
 
 @dataclass(frozen=True, slots=True)
 class Call:
     callee: Ident
     args: tuple[Arg, ...]
-    span: Span = _span()
+    span: Span = field(compare=False, repr=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,14 +159,14 @@ class LayerStmt:
     label: Ident | None
     call: Call
     shards: tuple[WeightShard, ...]
-    span: Span = _span()
+    span: Span = field(compare=False, repr=False)
 
 
 @dataclass(frozen=True, slots=True)
 class ResidualStmt:
     label: Ident | None
     body: tuple[Stmt, ...]
-    span: Span = _span()
+    span: Span = field(compare=False, repr=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,25 +175,25 @@ class RepeatStmt:
     count: Expr
     call: Call | None
     body: tuple[Stmt, ...]
-    span: Span = _span()
+    span: Span = field(compare=False, repr=False)
 
 
 @dataclass(frozen=True, slots=True)
 class StageStmt:
     body: tuple[Stmt, ...]
-    span: Span = _span()
+    span: Span = field(compare=False, repr=False)
 
 
 @dataclass(frozen=True, slots=True)
 class StagesStmt:
     body: tuple[Stmt, ...]
-    span: Span = _span()
+    span: Span = field(compare=False, repr=False)
 
 
 @dataclass(frozen=True, slots=True)
 class LayoutStmt:
     dims: tuple[AxisSet, ...]
-    span: Span = _span()
+    span: Span = field(compare=False, repr=False)
 
 
 Stmt: TypeAlias = LayerStmt | ResidualStmt | RepeatStmt | StageStmt | StagesStmt | LayoutStmt
@@ -207,7 +203,7 @@ Stmt: TypeAlias = LayerStmt | ResidualStmt | RepeatStmt | StageStmt | StagesStmt
 class Param:
     name: Ident
     default: Value | None
-    span: Span = _span()
+    span: Span = field(compare=False, repr=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,7 +211,7 @@ class Checkpoint:
     policy: Ident
     saved: tuple[Ident, ...]
     has_list: bool
-    span: Span = _span()
+    span: Span = field(compare=False, repr=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -224,14 +220,14 @@ class BlockDef:
     params: tuple[Param, ...]
     checkpoint: Checkpoint | None
     body: tuple[Stmt, ...]
-    span: Span = _span()
+    span: Span = field(compare=False, repr=False)
 
 
 @dataclass(frozen=True, slots=True)
 class ForwardDef:
     input: Ident
     body: tuple[Stmt, ...]
-    span: Span = _span()
+    span: Span = field(compare=False, repr=False)
 
 
 # ---- plan -------------------------------------------------------------------------------------
@@ -241,37 +237,35 @@ class ForwardDef:
 class Setting:
     key: Ident
     values: tuple[Value | Call, ...]
-    span: Span = _span()
+    span: Span = field(compare=False, repr=False)
 
 
 @dataclass(frozen=True, slots=True)
 class ScheduleSetting:
     kind: Ident
-    span: Span = _span()
+    span: Span = field(compare=False, repr=False)
 
 
 @dataclass(frozen=True, slots=True)
 class PipelineDef:
     axis: Ident
     items: tuple[Setting | ScheduleSetting, ...]
-    span: Span = _span()
+    span: Span = field(compare=False, repr=False)
 
 
 @dataclass(frozen=True, slots=True)
 class TrainDef:
     settings: tuple[Setting, ...]
-    span: Span = _span()
+    span: Span = field(compare=False, repr=False)
 
 
-Item: TypeAlias = (
-    ModelDecl | MeshDecl | ConstDecl | InputDecl | BlockDef | ForwardDef | PipelineDef | TrainDef
-)
+Item: TypeAlias = ModelDecl | MeshDecl | ConstDecl | InputDecl | BlockDef | ForwardDef | PipelineDef | TrainDef
 
 
 @dataclass(frozen=True, slots=True)
 class Comment:
     text: str
-    span: Span = _span()
+    span: Span = field(compare=False, repr=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -279,5 +273,5 @@ class Module:
     """A whole .par file."""
 
     items: tuple[Item, ...]
-    span: Span = _span()
+    span: Span = field(compare=False, repr=False)
     comments: tuple[Comment, ...] = field(default=(), compare=False)

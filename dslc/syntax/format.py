@@ -1,9 +1,11 @@
 """`dslc fmt`: the canonical text of a spec.
 
 One statement per line, two-space indentation, single spaces around operators, the fewest
-parentheses that keep the meaning, at most one blank line where the author left one.
-Comments are kept: a comment alone on its line stays before the statement that followed it;
-a comment after code stays at the end of that statement's line.
+parentheses that keep the meaning (but `-(-x)`, not `--x`), at most one blank line where the
+author left one (none just inside a brace), `{}` for an empty body. Comments are kept: a
+comment alone on its line stays before the statement that followed it; a comment after code
+stays at the end of that statement's line; comments inside a statement written over several
+lines (which is printed on one) go on lines of their own after it, in their order.
 """
 
 from __future__ import annotations
@@ -21,11 +23,13 @@ class _Line:
     text: str
     src: int  # the source line this printed line stands for
     closing: bool = False
+    opening: bool = False
     comment: str | None = None
 
 
 def format_module(module: ast.Module, source_text: str) -> str:
-    printer = _Printer()
+    """The canonical text of `module`, which was parsed from `source_text`."""
+    printer = _Printer({c.span.line for c in module.comments})
     for item in module.items:
         printer.item(item)
     lines = printer.lines
@@ -38,18 +42,31 @@ def format_module(module: ast.Module, source_text: str) -> str:
 
 
 class _Printer:
-    def __init__(self) -> None:
+    def __init__(self, comment_lines: set[int]) -> None:
         self.lines: list[_Line] = []
         self.depth = 0
+        self.comment_lines = comment_lines
 
-    def emit(self, text: str, src: int, closing: bool = False) -> None:
-        self.lines.append(_Line(self.depth, text, src, closing))
+    def emit(self, text: str, src: int, closing: bool = False, opening: bool = False) -> None:
+        self.lines.append(_Line(self.depth, text, src, closing, opening))
 
     def body(self, header: str, span_line: int, stmts: tuple[ast.Stmt, ...], end_line: int) -> None:
-        self.emit(header + " {", span_line)
-        self.depth += 1
-        for s in stmts:
-            self.stmt(s)
+        if self.open(header, span_line, bool(stmts), end_line):
+            for s in stmts:
+                self.stmt(s)
+            self.close(end_line)
+
+    def open(self, header: str, line: int, nonempty: bool, end_line: int) -> bool:
+        """`header {` and True, or `header {}` and False for an empty body with no comment
+        inside (a comment inside needs lines of its own)."""
+        if nonempty or any(line < c < end_line for c in self.comment_lines):
+            self.emit(header + " {", line, opening=True)
+            self.depth += 1
+            return True
+        self.emit(header + " {}", line)
+        return False
+
+    def close(self, end_line: int) -> None:
         self.depth -= 1
         self.emit("}", end_line, closing=True)
 
@@ -74,19 +91,15 @@ class _Printer:
             case ast.ForwardDef(input=inp, body=body):
                 self.body(f"forward({inp.text})", line, body, item.span.end_line)
             case ast.PipelineDef(axis=axis, items=items):
-                self.emit(f"pipeline {axis.text} {{", line)
-                self.depth += 1
-                for s in items:
-                    self.setting(s)
-                self.depth -= 1
-                self.emit("}", item.span.end_line, closing=True)
+                if self.open(f"pipeline {axis.text}", line, bool(items), item.span.end_line):
+                    for s in items:
+                        self.setting(s)
+                    self.close(item.span.end_line)
             case ast.TrainDef(settings=settings):
-                self.emit("train {", line)
-                self.depth += 1
-                for s in settings:
-                    self.setting(s)
-                self.depth -= 1
-                self.emit("}", item.span.end_line, closing=True)
+                if self.open("train", line, bool(settings), item.span.end_line):
+                    for s in settings:
+                        self.setting(s)
+                    self.close(item.span.end_line)
 
     def setting(self, s: ast.Setting | ast.ScheduleSetting) -> None:
         match s:
@@ -213,10 +226,13 @@ def _attach_comments(lines: list[_Line], comments: tuple[ast.Comment, ...], sour
     tail: list[_Line] = []
     for c in comments:
         L = c.span.line
-        before = source_lines[L - 1][: c.span.column - 1] if L - 1 < len(source_lines) else ""
+        before = source_lines[L - 1][: c.span.column - 1]
         if before.strip():
+            # After code on the first line of what a printed line stands for: it stays at the
+            # end of that line. Later lines of a statement written over several lines are
+            # joined into one printed line, so their comments follow it, in their order.
             owner = _last_at_or_before(lines, L)
-            if owner is not None and owner.comment is None:
+            if owner is not None and owner.src == L and owner.comment is None:
                 owner.comment = c.text
                 continue
         target = next((i for i, line in enumerate(lines) if line.src >= L), None)
@@ -245,11 +261,12 @@ def _last_at_or_before(lines: list[_Line], src: int) -> _Line | None:
 
 
 def _keep_blank_lines(lines: list[_Line], source_text: str) -> None:
-    """Where the author left a blank line between two printed lines, keep one."""
+    """Where the author left a blank line between two printed lines, keep one (but not just
+    after an opening or before a closing brace)."""
     source_lines = source_text.split("\n")
     out: list[_Line] = []
     for prev, line in zip([None, *lines], lines, strict=False):
-        if prev is not None and not line.closing and line.src > prev.src + 1:
+        if prev is not None and not prev.opening and not line.closing and line.src > prev.src + 1:
             gap = source_lines[prev.src : line.src - 1]
             if any(not g.strip() for g in gap):
                 out.append(_Line(0, "", line.src))

@@ -18,6 +18,11 @@ from dslc.syntax.source import Source, check_nesting
 _MAX_INT_DIGITS = 64
 TOO_LARGE = 10**_MAX_INT_DIGITS
 
+# The parse tree may be no deeper than this. Brackets are already limited by
+# `source.MAX_NESTING`, but a run of unary minus signs (`- - - 1`) nests without them, and
+# every later pass (the transformer, evaluation, the formatter) recurses on the tree.
+MAX_TREE_DEPTH = 200
+
 
 @functools.cache
 def _parser() -> Lark:
@@ -39,6 +44,9 @@ def parse(source: Source) -> tuple[ast.Module | None, list[Diagnostic]]:
         tree = _parser().parse(source.text)
     except lark.UnexpectedInput as exc:
         return None, [_syntax_error(source, exc)]
+    too_deep = _too_deep(source, tree)
+    if too_deep:
+        return None, too_deep
     comments = _comments(source.text)
     module = _ToAst(source.name).transform(tree)
     assert isinstance(module, ast.Module)
@@ -58,9 +66,25 @@ def _comments(text: str) -> list[Token]:
         pos = raw.find("#")
         if pos >= 0:
             value = raw[pos:].rstrip()
-            out.append(Token("COMMENT", value, line=number, column=pos + 1, end_line=number,
-                             end_column=pos + 1 + len(value)))
+            out.append(
+                Token("COMMENT", value, line=number, column=pos + 1, end_line=number, end_column=pos + 1 + len(value))
+            )
     return out
+
+
+def _too_deep(source: Source, tree: lark.Tree[Token]) -> list[Diagnostic]:
+    """Refuse a tree deeper than MAX_TREE_DEPTH, found without recursion."""
+    stack = [(tree, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_TREE_DEPTH:
+            meta = node.meta
+            line, column = getattr(meta, "line", 1), getattr(meta, "column", 1)
+            span = Span(source.name, line, column, line, column + 1)
+            msg = f"the spec is nested more than {MAX_TREE_DEPTH} levels deep here"
+            return [error("E003", msg, span, help="flatten the expression or block")]
+        stack.extend((c, depth + 1) for c in node.children if isinstance(c, lark.Tree))
+    return []
 
 
 # ---- syntax errors -------------------------------------------------------------------------
@@ -238,9 +262,7 @@ class _ToAst(Transformer[Token, Any]):
         return ast.LayerStmt(label, call, shards, self._span(meta))
 
     def call(self, meta: Any, c: list[Any]) -> ast.Call:
-        args = tuple(
-            a if isinstance(a, ast.Arg) else ast.Arg(None, a, a.span) for a in c[1:]
-        )
+        args = tuple(a if isinstance(a, ast.Arg) else ast.Arg(None, a, a.span) for a in c[1:])
         return ast.Call(self._ident(c[0]), args, self._span(meta))
 
     def keyword_arg(self, meta: Any, c: list[Any]) -> ast.Arg:
@@ -318,5 +340,12 @@ class _ToAst(Transformer[Token, Any]):
     def _chain(self, meta: Any, c: list[Any]) -> ast.Expr:
         if len(c) == 1:
             return c[0]  # type: ignore[no-any-return]
-        rest = tuple((str(c[i]), c[i + 1]) for i in range(1, len(c), 2))
-        return ast.Chain(c[0], rest, self._span(meta))
+        first, rest = c[0], tuple((str(c[i]), c[i + 1]) for i in range(1, len(c), 2))
+        # `(a - b) - c` means `a - b - c`: both operators of a level associate to the left,
+        # so a parenthesised chain of the same level on the left is the same flat chain.
+        if isinstance(first, ast.Chain) and _LEVEL[first.rest[0][0]] == _LEVEL[rest[0][0]]:
+            first, rest = first.first, first.rest + rest
+        return ast.Chain(first, rest, self._span(meta))
+
+
+_LEVEL = {"+": 1, "-": 1, "*": 2, "//": 2}

@@ -57,9 +57,16 @@ def resolve(source_or_path: str | os.PathLike[str]) -> tuple[Source | None, list
     if isinstance(source_or_path, os.PathLike):
         return read_path(source_or_path)
     text = source_or_path
-    if "\n" not in text and len(text) < 4096 and Path(text).is_file():
+    if "\n" not in text and len(text) < 4096 and _is_file(text):
         return read_path(text)
     return from_text(text)
+
+
+def _is_file(text: str) -> bool:
+    try:
+        return Path(text).is_file()
+    except (OSError, ValueError):  # a name too long for the OS, or one with a NUL in it
+        return False
 
 
 def check_nesting(source: Source) -> list[Diagnostic]:
