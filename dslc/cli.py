@@ -13,6 +13,7 @@ import tempfile
 import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from dslc import resources
 from dslc.diagnostics import Severity, render_json, render_text
@@ -37,6 +38,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as exc:
         print(f"dslc: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except _Exit as exc:
+        return exc.code
     except KeyboardInterrupt:
         return 130
     except Exception as exc:
@@ -69,6 +72,24 @@ def _parser() -> argparse.ArgumentParser:
     fmt.add_argument("--check", action="store_true", help="only report whether the file is formatted")
     fmt.add_argument("--stdout", action="store_true", help="print the formatted text instead of rewriting")
     fmt.set_defaults(run=_fmt)
+
+    init = sub.add_parser("init", help="initialise a spec's weights on a mesh and save them (.npz)")
+    init.add_argument("spec", help="path of the .par file")
+    init.add_argument("--mesh", help="mesh sizes in the spec's axis order, e.g. 2x4x2")
+    init.add_argument("--seed", type=int, default=0)
+    init.add_argument("-o", "--output", required=True, help="where to write the weights (.npz)")
+    _set_arg(init)
+    init.set_defaults(run=_init)
+
+    run = sub.add_parser("run", help="run the forward pass (and with --grads, the loss and gradients)")
+    run.add_argument("spec", help="path of the .par file")
+    run.add_argument("--mesh", help="mesh sizes in the spec's axis order, e.g. 2x4x2")
+    run.add_argument("--weights", required=True, help="weights (.npz, as written by `dslc init`)")
+    run.add_argument("--inputs", required=True, help="inputs (.npz, one array per declared input)")
+    run.add_argument("-o", "--output", required=True, help="where to write the results (.npz)")
+    run.add_argument("--grads", action="store_true", help="also write `loss` and `grad/NAME` for every weight")
+    _set_arg(run)
+    run.set_defaults(run=_run)
 
     sched = sub.add_parser("schedule", help="print, draw or export a pipeline schedule table")
     sched.add_argument("--kind", required=True, help="gpipe, 1f1b, interleaved-1f1b or zb-h1")
@@ -174,18 +195,103 @@ def _fmt(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def write_atomic(path: Path, text: str) -> None:
+def write_atomic(path: Path, content: str | bytes) -> None:
     """Replace a file in one step, so a crash never leaves it half-written."""
+    if not path.parent.is_dir():
+        raise UsageError(f"no such folder: {path.parent}")
+    data = content.encode("utf-8") if isinstance(content, str) else content
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
         if path.exists():
             os.chmod(tmp, path.stat().st_mode & 0o7777)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _compile(args: argparse.Namespace) -> Any:
+    """The spec as a Program, or the exit that explains why not."""
+    from dslc.frontend import CompileError
+    from dslc.lower import compile
+    from dslc.lower.devices import DeviceError
+
+    path = _spec_path(args)
+    try:
+        return compile(path, args.mesh, args.set)
+    except ValueError as exc:  # a malformed --mesh or --set
+        raise UsageError(str(exc)) from None
+    except CompileError as exc:
+        sys.stderr.write(str(exc) + "\n")
+        raise _Exit(EXIT_ERRORS) from None
+    except DeviceError as exc:
+        print(f"dslc: error: {exc}", file=sys.stderr)
+        raise _Exit(EXIT_ERRORS) from None
+
+
+class _Exit(Exception):
+    def __init__(self, code: int) -> None:
+        self.code = code
+
+
+def _load_npz(path_text: str, what: str) -> dict[str, Any]:
+    import numpy as np
+
+    path = Path(path_text)
+    if not path.is_file():
+        raise UsageError(f"no such file: {path}")
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            return {name: data[name] for name in data.files}
+    except (OSError, ValueError) as exc:
+        print(f"dslc: error: cannot read {what} from {path}: {exc}", file=sys.stderr)
+        raise _Exit(EXIT_ERRORS) from None
+
+
+def _save_npz(path_text: str, arrays: dict[str, Any]) -> None:
+    import io
+
+    import numpy as np
+
+    buffer = io.BytesIO()
+    np.savez(buffer, **arrays)
+    write_atomic(Path(path_text), buffer.getvalue())
+
+
+def _init(args: argparse.Namespace) -> int:
+    program = _compile(args)
+    model = program.init(args.seed)
+    weights = program.export_weights(model)
+    _save_npz(args.output, weights)
+    print(f"{args.output}: {len(weights)} weights, {sum(w.size for w in weights.values()):,} parameters")
+    return EXIT_OK
+
+
+def _run(args: argparse.Namespace) -> int:
+    program = _compile(args)  # first: it decides how many host devices jax starts with
+    from dslc.lower.program import WeightsError
+
+    weights = _load_npz(args.weights, "weights")
+    inputs = _load_npz(args.inputs, "inputs")
+    model = program.init(0)
+    try:
+        program.import_weights(model, weights)
+        results = {"output": program.forward(model, inputs)}
+        if args.grads:
+            results["loss"] = program.loss(model, inputs)
+            results.update({f"grad/{name}": g for name, g in program.grads(model, inputs).items()})
+    except (WeightsError, ValueError) as exc:
+        print(f"dslc: error: {exc}", file=sys.stderr)
+        return EXIT_ERRORS
+    import numpy as np
+
+    _save_npz(args.output, {name: np.asarray(value) for name, value in results.items()})
+    print(f"{args.output}: " + ", ".join(sorted(results)[:4]) + (", ..." if len(results) > 4 else ""))
+    return EXIT_OK
 
 
 def _schedule(args: argparse.Namespace) -> int:
