@@ -57,7 +57,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dslc", description="Compiler for model-parallel training plans (.par files).")
+    parser = argparse.ArgumentParser(
+        prog="dslc", description="Compiler for model-parallel training plans (.par files)."
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     check = sub.add_parser("check", help="check a spec and report every problem with it")
@@ -110,6 +112,7 @@ def _spec_arg(p: argparse.ArgumentParser) -> None:
 
 
 def _set_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--schedule", help="replace the spec's pipeline schedule: gpipe, 1f1b, interleaved-1f1b, zb-h1")
     p.add_argument(
         "--set",
         action="append",
@@ -129,7 +132,7 @@ def _spec_path(args: argparse.Namespace) -> Path:
 def _analyze(args: argparse.Namespace) -> Analysis:
     path = _spec_path(args)
     try:
-        return analyze(path, args.mesh, args.set)
+        return analyze(path, args.mesh, args.set, args.schedule)
     except ValueError as exc:  # a malformed --mesh or --set
         raise UsageError(str(exc)) from None
 
@@ -147,9 +150,14 @@ def _check(args: argparse.Namespace) -> int:
         warnings = len(diags) - errors
         name = result.source.name if result.source else args.spec
         if errors:
-            print(f"{name}: {errors} error{'s' * (errors != 1)}, {warnings} warning{'s' * (warnings != 1)}", file=sys.stderr)
+            print(
+                f"{name}: {errors} error{'s' * (errors != 1)}, {warnings} warning{'s' * (warnings != 1)}",
+                file=sys.stderr,
+            )
         else:
-            print(f"{name}: ok{_summary(result)}" + (f", {warnings} warning{'s' * (warnings != 1)}" if warnings else ""))
+            print(
+                f"{name}: ok{_summary(result)}" + (f", {warnings} warning{'s' * (warnings != 1)}" if warnings else "")
+            )
     return EXIT_ERRORS if any(d.severity is Severity.ERROR for d in diags) else EXIT_OK
 
 
@@ -222,7 +230,7 @@ def _compile(args: argparse.Namespace) -> Any:
 
     path = _spec_path(args)
     try:
-        return compile(path, args.mesh, args.set)
+        return compile(path, args.mesh, args.set, args.schedule)
     except ValueError as exc:  # a malformed --mesh or --set
         raise UsageError(str(exc)) from None
     except CompileError as exc:

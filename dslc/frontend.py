@@ -8,12 +8,14 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from dslc.check import check_program
 from dslc.diagnostics import Diagnostic, Diagnostics, Span, error, has_errors, render_text, sort_key
 from dslc.ir.elaborate import elaborate
+from dslc.ir.names import closest
 from dslc.ir.nodes import Program
+from dslc.schedules import KINDS as SCHEDULES
 from dslc.syntax import ast
 from dslc.syntax.parser import parse
 from dslc.syntax.source import Source, resolve
@@ -62,7 +64,11 @@ def parse_overrides(pairs: Sequence[str] | Mapping[str, int] | None) -> dict[str
         items = []
         for pair in pairs:
             name, sep, value = pair.partition("=")
-            if not sep or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name.strip()) or not re.fullmatch(r"-?[0-9]{1,18}", value.strip()):
+            if (
+                not sep
+                or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name.strip())
+                or not re.fullmatch(r"-?[0-9]{1,18}", value.strip())
+            ):
                 raise ValueError(f"--set takes NAME=INTEGER, got {pair!r}")
             items.append((name.strip(), int(value)))
     out = {}
@@ -77,10 +83,18 @@ def analyze(
     source_or_path: str | os.PathLike[str],
     mesh: MeshArg = None,
     overrides: Sequence[str] | Mapping[str, int] | None = None,
+    schedule: str | None = None,
 ) -> Analysis:
-    """Parse, elaborate and check a spec. `overrides` sets constants (`{"layers": 4}`)."""
+    """Parse, elaborate and check a spec. `overrides` sets constants (`{"layers": 4}`);
+    `schedule` replaces the pipeline schedule the spec names."""
     sizes = parse_mesh(mesh)
     values = parse_overrides(overrides)
+    if schedule is not None and schedule not in SCHEDULES:
+        guess = closest(schedule, SCHEDULES)
+        raise ValueError(
+            f"unknown schedule {schedule!r}"
+            + (f"; did you mean {guess!r}?" if guess else f" (known: {', '.join(SCHEDULES)})")
+        )
     source, diags = resolve(source_or_path)
     if source is None:
         return Analysis(None, None, None, diags)
@@ -90,15 +104,22 @@ def analyze(
     declared = {item.name.text for item in module.items if isinstance(item, ast.ConstDecl)}
     for name in values:
         if name not in declared:
-            raise ValueError(f"cannot set `{name}`: the spec defines no constant `{name}` (it has: {', '.join(sorted(declared)) or 'none'})")
+            known = ", ".join(sorted(declared)) or "none"
+            raise ValueError(f"cannot set `{name}`: the spec defines no constant `{name}` (it has: {known})")
     collected = Diagnostics()
     try:
         program = elaborate(module, sizes, collected, values)
+        if schedule is not None and program is not None:
+            if program.pipeline is None:
+                raise ValueError(f"--schedule {schedule}: the spec declares no pipeline")
+            program = replace(program, pipeline=replace(program.pipeline, schedule=schedule))
         if program is not None and not collected.has_errors:
             check_program(program, collected)
     except RecursionError:
         span = Span(source.name, 1, 1, 1, 1)
-        collected.add(error("E003", "the spec is nested too deeply to check", span, help="flatten nested expressions and blocks"))
+        collected.add(
+            error("E003", "the spec is nested too deeply to check", span, help="flatten nested expressions and blocks")
+        )
         program = None
     return Analysis(source, module, program, _dedupe(collected.items))
 
@@ -129,10 +150,11 @@ def check(
     source_or_path: str | os.PathLike[str],
     mesh: MeshArg = None,
     overrides: Sequence[str] | Mapping[str, int] | None = None,
+    schedule: str | None = None,
 ) -> list[Diagnostic]:
     """Every diagnostic for a spec given as text or as a path (see `syntax.source.resolve`).
 
     `mesh` is "2x4x2" or a sequence of sizes, one per mesh axis in the spec's order; without
     it the spec's own default sizes are used.
     """
-    return analyze(source_or_path, mesh, overrides).diagnostics
+    return analyze(source_or_path, mesh, overrides, schedule).diagnostics

@@ -13,15 +13,16 @@ if TYPE_CHECKING:
     from dslc.lower.program import Program
 
 
-def compile(  # noqa: A001
+def compile(
     source_or_path: str | os.PathLike[str],
     mesh: MeshArg = None,
     overrides: Sequence[str] | Mapping[str, int] | None = None,
+    schedule: str | None = None,
 ) -> Program:
     """Check a spec and bind it to a mesh ("2x4x2", sizes in the spec's axis order; the
-    spec's defaults when None). `overrides` sets constants. Raises CompileError carrying
-    the diagnostics."""
-    analysis = analyze(source_or_path, mesh, overrides)
+    spec's defaults when None). `overrides` sets constants; `schedule` replaces the
+    spec's pipeline schedule. Raises CompileError carrying the diagnostics."""
+    analysis = analyze(source_or_path, mesh, overrides, schedule)
     if not analysis.ok:
         raise CompileError(analysis)
     program = analysis.program

@@ -89,12 +89,27 @@ def _signature(node: ir.Node, prefix: str | None = None) -> object:
     relative = node.path[len(prefix) :] if node.path.startswith(prefix) else node.path
     match node:
         case ir.Layer():
-            return ("layer", relative, node.kind, node.attrs, tuple((w.name, w.type) for w in node.weights), node.input, node.output, node.operand)
+            return (
+                "layer",
+                relative,
+                node.kind,
+                node.attrs,
+                tuple((w.name, w.type) for w in node.weights),
+                node.input,
+                node.output,
+                node.operand,
+            )
         case ir.Layout():
             return ("layout", node.input, node.output)
         case ir.Residual() | ir.Block():
             remat = node.remat if isinstance(node, ir.Block) else None
-            return (type(node).__name__, remat, node.input, node.output, tuple(_signature(c, prefix) for c in node.body))
+            return (
+                type(node).__name__,
+                remat,
+                node.input,
+                node.output,
+                tuple(_signature(c, prefix) for c in node.body),
+            )
         case _:
             assert_never(node)
 
@@ -162,7 +177,11 @@ def _remat(block: ir.Block, body: Callable[[jax.Array, Params], jax.Array]) -> C
             return jax.checkpoint(body)
         case "selective":
             prefix = block.path + "."
-            names = [n.path for n in ir.walk(block.body) if n.path[len(prefix) :] in block.remat.saved or n.path.rsplit(".", 1)[-1] in block.remat.saved]
+            names = [
+                n.path
+                for n in ir.walk(block.body)
+                if n.path[len(prefix) :] in block.remat.saved or n.path.rsplit(".", 1)[-1] in block.remat.saved
+            ]
             return jax.checkpoint(body, policy=jax.checkpoint_policies.save_only_these_names(*names))
         case other:
             assert_never(other)

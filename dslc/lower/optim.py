@@ -14,7 +14,9 @@ def learning_rate(opt: Optimizer) -> optax.Schedule:
     h = {**DEFAULTS, **dict(opt.hyper)}
     lr, warmup = h["lr"], int(h["warmup"])
     if "decay_steps" in h:
-        return optax.warmup_cosine_decay_schedule(0.0, lr, warmup, max(int(h["decay_steps"]), warmup + 1), end_value=lr / 10)
+        return optax.warmup_cosine_decay_schedule(
+            0.0, lr, warmup, max(int(h["decay_steps"]), warmup + 1), end_value=lr / 10
+        )
     if warmup == 0:
         return optax.constant_schedule(lr)
     return optax.join_schedules([optax.linear_schedule(0.0, lr, warmup), optax.constant_schedule(lr)], [warmup])

@@ -31,6 +31,7 @@ from dslc.lower.runtime import JNP_DTYPES, Runtime
 from dslc.schedules import build
 from dslc.schedules.buffers import BACKWARD, FORWARD, IDLE, INPUT_GRAD, WEIGHT_GRAD, ExecutionPlan, plan
 
+
 class PipelineExecutor:
     """Loss and gradients of a pipelined program, by running its schedule's table."""
 
@@ -45,13 +46,15 @@ class PipelineExecutor:
         self.compute_dtype = compute_dtype
         self.schedule = build(p.schedule, self.stages, p.microbatches, p.virtual)
         self.plan: ExecutionPlan = plan(self.schedule)
+        self.ops = sorted({code for row in self.plan.op for code in row} | {IDLE})
         self.chunks = program.chunks
         last = self.chunks[-1].nodes
         assert last and isinstance(last[-1], ir.Layer) and last[-1].kind in LOSS_KINDS, "the checker guarantees a loss"
         self.loss_layer = last[-1]
         self.boundary = self._boundary_type()
         self.weights_of = [
-            tuple(f"{layer.path}.{w.name}" for layer in ir.layers(chunk.nodes) for w in layer.weights) for chunk in self.chunks
+            tuple(f"{layer.path}.{w.name}" for layer in ir.layers(chunk.nodes) for w in layer.weights)
+            for chunk in self.chunks
         ]
 
     # ---- shapes ---------------------------------------------------------------------------------
@@ -83,13 +86,22 @@ class PipelineExecutor:
 
     # ---- one chunk --------------------------------------------------------------------------------
 
-    def _chunk_fn(self, c: int, inputs: dict[str, jax.Array], key: jax.Array | None) -> Callable[[Params, jax.Array], jax.Array]:
+    def _chunk_fn(
+        self, c: int, inputs: dict[str, jax.Array], key: jax.Array | None
+    ) -> Callable[[Params, jax.Array], jax.Array]:
         """Chunk c as a function of its weights and its input; the last one ends in the loss."""
         chunk = self.chunks[c]
         nodes = chunk.nodes[:-1] if c == len(self.chunks) - 1 else chunk.nodes
 
         def run(params: Params, x: jax.Array) -> jax.Array:
-            rt = Runtime(self.mesh, self.compute_dtype, inputs, training=key is not None, dropout_key=key, manual_axes=(self.axis,))
+            rt = Runtime(
+                self.mesh,
+                self.compute_dtype,
+                inputs,
+                training=key is not None,
+                dropout_key=key,
+                manual_axes=(self.axis,),
+            )
             y = forward_nodes(nodes, x, params, rt)
             if c == len(self.chunks) - 1:
                 rule = RULES[self.loss_layer.kind]
@@ -100,14 +112,25 @@ class PipelineExecutor:
 
     # ---- the step -----------------------------------------------------------------------------------
 
-    def value_and_grad(self, params: Params, batch: dict[str, jax.Array], key: jax.Array | None) -> tuple[jax.Array, Params]:
+    def value_and_grad(
+        self, params: Params, batch: dict[str, jax.Array], key: jax.Array | None
+    ) -> tuple[jax.Array, Params]:
         M = self.microbatches
         # Microbatch i takes rows i, i+M, i+2M, ...: each keeps rows from every data shard.
         micro = {k: v.reshape(v.shape[0] // M, M, *v.shape[1:]).swapaxes(0, 1) for k, v in batch.items()}
         tables = {
             name: jnp.asarray(getattr(self.plan, name), jnp.int32)
-            for name in ("op", "microbatch", "chunk", "stash_slot", "activation_slot", "gradient_slot", "receive_activation", "receive_gradient")
+            for name in (
+                "microbatch",
+                "chunk",
+                "stash_slot",
+                "activation_slot",
+                "gradient_slot",
+                "receive_activation",
+                "receive_gradient",
+            )
         }
+        tables["op_index"] = jnp.asarray([[self.ops.index(code) for code in row] for row in self.plan.op], jnp.int32)
         key_in = key if key is not None else jax.random.key(0)
         specs = (
             jax.tree.map(lambda _: PartitionSpec(), params),
@@ -124,7 +147,9 @@ class PipelineExecutor:
         )
         return run(params, micro, tables, key_in)
 
-    def _body(self, params: Params, micro: dict[str, jax.Array], tables: dict[str, jax.Array], key: jax.Array, training: bool) -> tuple[jax.Array, Params]:
+    def _body(
+        self, params: Params, micro: dict[str, jax.Array], tables: dict[str, jax.Array], key: jax.Array, training: bool
+    ) -> tuple[jax.Array, Params]:
         axis, P, C, M = self.axis, self.stages, len(self.chunks), self.microbatches
         s = lax.axis_index(axis)
         shape, dtype = self.boundary
@@ -137,7 +162,11 @@ class PipelineExecutor:
             return jax.tree.map(one, a)
 
         stash = vary(jnp.zeros((max(self.plan.stash_slots, 1), *shape), dtype))
-        first_stash = vary(jnp.zeros((max(self.plan.stash_slots, 1), *micro[self.program.stream].shape[1:]), micro[self.program.stream].dtype))
+        first_stash = vary(
+            jnp.zeros(
+                (max(self.plan.stash_slots, 1), *micro[self.program.stream].shape[1:]), micro[self.program.stream].dtype
+            )
+        )
         acts = vary(jnp.zeros((max(self.plan.activation_slots, 1), *shape), dtype))
         grads_in = vary(jnp.zeros((max(self.plan.gradient_slots, 1), *shape), dtype))
         gacc = vary(jax.tree.map(jnp.zeros_like, params))
@@ -146,8 +175,12 @@ class PipelineExecutor:
 
         def tick(carry: tuple[Any, ...], t: jax.Array) -> tuple[tuple[Any, ...], None]:
             stash, first_stash, acts, grads_in, gacc, loss = carry
-            op, m, c = tables["op"][t, s], tables["microbatch"][t, s], tables["chunk"][t, s]
-            slot, a_slot, g_slot = tables["stash_slot"][t, s], tables["activation_slot"][t, s], tables["gradient_slot"][t, s]
+            m, c = tables["microbatch"][t, s], tables["chunk"][t, s]
+            slot, a_slot, g_slot = (
+                tables["stash_slot"][t, s],
+                tables["activation_slot"][t, s],
+                tables["gradient_slot"][t, s],
+            )
             inputs = {k: v[m] for k, v in micro.items()}
             mb_key = jax.random.fold_in(key, m) if training else None
 
@@ -219,9 +252,16 @@ class PipelineExecutor:
 
                 return run
 
-            branches = [idle, forward, backward(True, True), backward(False, True), backward(True, False)]
-            assert [IDLE, FORWARD, BACKWARD, INPUT_GRAD, WEIGHT_GRAD] == list(range(5))
-            stash, first_stash, gacc, loss, send_act, send_grad = lax.switch(op, branches)
+            # Only the ops this schedule uses are compiled (GPipe and 1F1B never split B).
+            every = {
+                IDLE: idle,
+                FORWARD: forward,
+                BACKWARD: backward(True, True),
+                INPUT_GRAD: backward(False, True),
+                WEIGHT_GRAD: backward(True, False),
+            }
+            branches = [every[code] for code in self.ops]
+            stash, first_stash, gacc, loss, send_act, send_grad = lax.switch(tables["op_index"][t, s], branches)
             # Unconditional ring sends: every stage, every tick, outside the switch.
             got_act = lax.ppermute(send_act, axis, [(i, (i + 1) % P) for i in range(P)])
             got_grad = lax.ppermute(send_grad, axis, [(i, (i - 1) % P) for i in range(P)])
@@ -235,4 +275,3 @@ class PipelineExecutor:
         # Each stage holds the gradients of its own chunks (zeros elsewhere) and the loss of
         # the microbatches that ended on it: the sums over stages are the whole.
         return lax.psum(loss, axis), jax.tree.map(lambda g: lax.psum(g, axis), gacc)
-

@@ -49,7 +49,8 @@ class Program:
         pipelined = p is not None and program.mesh.size((p.axis,)) * p.virtual > 1
         self._pipeline = PipelineExecutor(program, mesh, self._compute) if pipelined else None
         abstract_params = {
-            path: jax.ShapeDtypeStruct(w.type.shape, JNP_DTYPES[w.type.dtype]) for path, w in ir.weights_by_path(program).items()
+            path: jax.ShapeDtypeStruct(w.type.shape, JNP_DTYPES[w.type.dtype])
+            for path, w in ir.weights_by_path(program).items()
         }
         self._opt_state_shardings = self._state_shardings(jax.eval_shape(self.optimizer.init, abstract_params))
 
@@ -81,7 +82,10 @@ class Program:
         if any(problems):
             raise WeightsError("cannot load weights, nothing was loaded: " + "; ".join(p for p in problems if p))
         dtypes = {name: JNP_DTYPES[w.type.dtype] for name, w in expected.items()}
-        placed = {name: jax.device_put(np.asarray(weights[name], dtype=dtypes[name]), self._shardings[name]) for name in expected}
+        placed = {
+            name: jax.device_put(np.asarray(weights[name], dtype=dtypes[name]), self._shardings[name])
+            for name in expected
+        }
         for name, value in placed.items():
             model.params[name].set_value(value)
 
@@ -110,7 +114,9 @@ class Program:
         for inp in self.ir.inputs:
             t = inp.type
             if t.dtype in ir.INT_DTYPES:
-                batch[inp.name] = rng.integers(0, bounds.get(inp.name, 2), size=t.shape).astype(np.dtype(JNP_DTYPES[t.dtype]))
+                batch[inp.name] = rng.integers(0, bounds.get(inp.name, 2), size=t.shape).astype(
+                    np.dtype(JNP_DTYPES[t.dtype])
+                )
             else:
                 batch[inp.name] = rng.standard_normal(t.shape).astype(np.dtype(JNP_DTYPES[t.dtype]))
         return batch
@@ -148,14 +154,18 @@ class Program:
 
     @functools.cached_property
     def _step(self) -> Any:
-        def step(params: Params, opt_state: Any, batch: dict[str, jax.Array], key: jax.Array) -> tuple[Params, Any, jax.Array]:
+        def step(
+            params: Params, opt_state: Any, batch: dict[str, jax.Array], key: jax.Array
+        ) -> tuple[Params, Any, jax.Array]:
             loss, grads = self._value_and_grad(params, batch, key)
             grads = jax.lax.with_sharding_constraint(grads, self._grad_shardings)
             updates, opt_state = self.optimizer.update(grads, opt_state, params)
             return optax.apply_updates(params, updates), opt_state, loss
 
         replicated = NamedSharding(self.mesh, PartitionSpec())
-        return jax.jit(step, out_shardings=(self._shardings, self._opt_state_shardings, replicated), donate_argnums=(0, 1))
+        return jax.jit(
+            step, out_shardings=(self._shardings, self._opt_state_shardings, replicated), donate_argnums=(0, 1)
+        )
 
     # --- internals ----------------------------------------------------------------------------
 
@@ -201,22 +211,22 @@ class Program:
 
         return jax.jit(grads, out_shardings=self._grad_shardings)
 
-    def _value_and_grad(self, params: Params, batch: dict[str, jax.Array], key: jax.Array | None) -> tuple[jax.Array, Params]:
+    def _value_and_grad(
+        self, params: Params, batch: dict[str, jax.Array], key: jax.Array | None
+    ) -> tuple[jax.Array, Params]:
         """Loss and gradients, over `accumulate` slices of the batch when the spec asks; through
         the pipeline schedule when the spec has one."""
         accumulate = self.ir.train.accumulate
-        once: Any
-        if self._pipeline is not None:
-            once = self._pipeline.value_and_grad
-        else:
-            once = jax.value_and_grad(self._loss_fn)
+        once: Any = self._pipeline.value_and_grad if self._pipeline is not None else jax.value_and_grad(self._loss_fn)
 
         if accumulate == 1:
             return once(params, batch, key)  # type: ignore[no-any-return]
         # Slice j takes rows j, j+A, j+2A, ...: every slice keeps rows from every data shard,
         # so all devices work on every slice. Gradients are summed as they arrive; their mean
         # over equal slices is the full-batch gradient of a mean loss.
-        sliced = {k: v.reshape(v.shape[0] // accumulate, accumulate, *v.shape[1:]).swapaxes(0, 1) for k, v in batch.items()}
+        sliced = {
+            k: v.reshape(v.shape[0] // accumulate, accumulate, *v.shape[1:]).swapaxes(0, 1) for k, v in batch.items()
+        }
         keys = jax.random.split(key, accumulate) if key is not None else None
 
         def one(total: tuple[jax.Array, Params], i: jax.Array) -> tuple[tuple[jax.Array, Params], None]:

@@ -17,7 +17,16 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from dslc.ir.nodes import Sharding
 
-JNP_DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16, "f64": jnp.float64, "i32": jnp.int32, "i64": jnp.int64, "i8": jnp.int8, "bool": jnp.bool_}
+JNP_DTYPES = {
+    "f32": jnp.float32,
+    "bf16": jnp.bfloat16,
+    "f16": jnp.float16,
+    "f64": jnp.float64,
+    "i32": jnp.int32,
+    "i64": jnp.int64,
+    "i8": jnp.int8,
+    "bool": jnp.bool_,
+}
 
 
 def partition_spec(sharding: Sharding) -> PartitionSpec:
