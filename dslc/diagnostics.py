@@ -128,13 +128,17 @@ def _render_one(d: Diagnostic, sources: dict[str, str]) -> str:
     lines = sources.get(s.file, "").splitlines()
     gutter = len(str(max([s.line] + [label.span.line for label in d.labels]))) + 1
     excerpts = [(s, "", "^")] + [(label.span, label.message, "-") for label in d.labels]
+    shown_line = 0
     for span, text, mark in sorted(excerpts, key=lambda e: (e[0].line, e[0].column)):
         if not 1 <= span.line <= len(lines):
             continue
         source_line = lines[span.line - 1].expandtabs(1)
         end = span.end_column if span.end_line == span.line else len(source_line) + 1
         width = max(1, end - span.column)
-        out.append(f"{str(span.line).rjust(gutter)} | {source_line}\n")
+        # Two marks on one line (a label and the primary span, say) share one copy of it.
+        if span.line != shown_line:
+            out.append(f"{str(span.line).rjust(gutter)} | {source_line}\n")
+            shown_line = span.line
         carets = " " * (span.column - 1) + mark * width
         out.append(f"{' ' * gutter} | {carets}{' ' + text if text else ''}\n")
     for note in d.notes:

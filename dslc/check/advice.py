@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from dslc.diagnostics import Diagnostics, Label
-from dslc.ir.nodes import Program, layers
+from dslc.diagnostics import Diagnostics, Label, Span
+from dslc.ir.nodes import Program, Weight, layers
 from dslc.schedules import KINDS, ScheduleError, build
 
 MIN_EFFICIENCY = 0.80
@@ -48,16 +48,29 @@ def check_balance(program: Program, diags: Diagnostics) -> None:
     light = min(range(stages), key=flops.__getitem__)
     if flops[heavy] <= (1 + MAX_IMBALANCE) * flops[light]:
         return
-    spread = (flops[heavy] - flops[light]) / flops[heavy]
     heavy_chunk = next(c for c in program.chunks if c.stage == heavy)
     diags.warning(
         "W002",
-        f"pipeline stages are unbalanced: stage {heavy} does {spread:.0%} more work than stage {light}",
+        f"pipeline stages are unbalanced: {_imbalance(heavy, flops[heavy], light, flops[light])}",
         p.span,
         labels=[Label(heavy_chunk.span, f"stage {heavy} starts here")],
         notes=["forward FLOPs per stage: " + ", ".join(f"{i}: {f:.3g}" for i, f in enumerate(flops))],
         help="the slowest stage sets the pace; move layers from the heavy stage or balance with `stage { }` blocks",
     )
+
+
+def _imbalance(heavy: int, heavy_flops: int, light: int, light_flops: int) -> str:
+    """How much more the heavy stage does than the light one, relative to the light one."""
+    if light_flops == 0:
+        return f"stage {light} does no work at all, stage {heavy} does {heavy_flops:.3g} FLOPs"
+    if heavy_flops >= 2 * light_flops:
+        ratio = heavy_flops / light_flops
+        return (
+            f"stage {heavy} does {ratio:.1f}x the work of stage {light}"
+            if ratio < 10
+            else (f"stage {heavy} does {ratio:,.0f}x the work of stage {light}")
+        )
+    return f"stage {heavy} does {(heavy_flops - light_flops) / light_flops:.0%} more work than stage {light}"
 
 
 def check_replication(program: Program, diags: Diagnostics) -> None:
@@ -66,23 +79,32 @@ def check_replication(program: Program, diags: Diagnostics) -> None:
     holders = mesh.devices // stages
     if holders < 2 or program.train.zero >= 3:
         return
-    seen: dict[tuple[object, str], int] = {}
-    first: dict[tuple[object, str], tuple[str, object]] = {}
+    # Grouped by where the weights were written: an unsharded layer's weights all carry its
+    # call's span, and a block's line is shared by all its uses; one warning per place.
+    found: dict[Span, list[tuple[str, Weight]]] = {}
+    uses: dict[Span, set[str]] = {}
     for chunk in program.chunks:
         for layer in layers(chunk.nodes):
             for w in layer.weights:
                 if w.type.axes_used or w.type.nbytes < LARGE_TENSOR_BYTES:
                     continue
-                key = (w.span, w.name)
-                seen[key] = seen.get(key, 0) + 1
-                first.setdefault(key, (f"{layer.path}.{w.name}", w))
-    for key, count in seen.items():
-        path, w = first[key]
-        t = w.type  # type: ignore[attr-defined]
-        uses = f" (and {count - 1} more uses of this line)" if count > 1 else ""
+                uses.setdefault(w.span, set()).add(layer.path)
+                if len(uses[w.span]) == 1:
+                    found.setdefault(w.span, []).append((f"{layer.path}.{w.name}", w))
+    for span, weights in found.items():
+        more = len(uses[span]) - 1
+        also = f" (and {more} more uses of this line)" if more else ""
+        if len(weights) == 1:
+            path, w = weights[0]
+            t = w.type
+            what = f"`{path}` {t.describe()} ({t.nbytes / 2**20:.0f} MiB) is"
+        else:
+            total = sum(w.type.nbytes for _, w in weights)
+            what = f"{', '.join(f'`{path}`' for path, _ in weights)} ({total / 2**20:.0f} MiB in all) are"
         diags.warning(
             "W003",
-            f"`{path}` {t.describe()} ({t.nbytes / 2**20:.0f} MiB) is replicated on all {holders} devices that hold it{uses}",
-            w.span,  # type: ignore[attr-defined]
-            help="shard one of its dimensions over a mesh axis, or shard parameters with `zero 3` / `fsdp`",
+            f"{what} replicated on all {holders} devices that hold {'it' if len(weights) == 1 else 'them'}{also}",
+            span,
+            help=f"shard one of {'its' if len(weights) == 1 else 'their'} dimensions over a mesh axis, "
+            "or shard parameters with `zero 3` / `fsdp`",
         )

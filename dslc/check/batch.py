@@ -43,7 +43,10 @@ def check_batch(program: Program, diags: Diagnostics) -> None:
         f"batch size {batch} cannot be split into {' x '.join(parts)} (= {pieces})",
         stream.span,
         labels=labels,
-        notes=[f"{batch} / {dp} data shards = {batch / dp:g} per shard, which splits evenly into {', '.join(map(str, works))}"]
+        notes=[
+            f"{batch} / {dp} data shards = {batch / dp:g} per shard, "
+            f"which splits evenly into {', '.join(map(str, works))}"
+        ]
         if batch % dp == 0
         else [],
         help="choose microbatches (and accumulation steps) whose product divides the per-shard batch",

@@ -15,4 +15,9 @@ def check_schedule(program: Program, diags: Diagnostics) -> None:
     try:
         build(p.schedule, stages, p.microbatches, p.virtual)
     except ScheduleError as exc:
-        diags.error("E022", str(exc), p.span, notes=[f"{stages} stages (`{p.axis}`), {p.microbatches} microbatches, virtual {p.virtual}"])
+        diags.error(
+            "E022",
+            str(exc),
+            p.span,
+            notes=[f"{stages} stages (`{p.axis}`), {p.microbatches} microbatches, virtual {p.virtual}"],
+        )

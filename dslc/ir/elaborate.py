@@ -10,7 +10,7 @@ goes on, so one run finds them all.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 from dslc.diagnostics import NO_SPAN, Diagnostic, Diagnostics, Label, Span
 from dslc.ir import nodes as ir
@@ -42,12 +42,23 @@ def elaborate(
     `overrides` replaces the values of named constants (`--set layers=4`); constants defined
     from them follow.
     """
+    if not module.items:
+        diags.error(
+            "E028",
+            "the spec is empty",
+            module.span,
+            help="a spec needs at least `model NAME`, an `input` and a `forward(INPUT) { ... }` body",
+        )
+        return None
     header = _Header.read(module, mesh_sizes, diags, overrides or {})
     if header.forward is None:
+        # Where the body would go: after the last item. (Not the whole file, which is where a
+        # missing `model` is reported: one report per code and span is kept.)
+        last = module.items[-1].span
         diags.error(
             "E028",
             "the spec has no `forward(...) { ... }` body",
-            module.span if module.span.line else NO_SPAN,
+            Span(last.file, last.end_line, last.end_column, last.end_line, last.end_column + 1),
             help="add `forward(INPUT) { ...layers... }` naming the input the layers read",
         )
         return None
@@ -57,7 +68,12 @@ def elaborate(
         return None
     stream, segments = chunks_source
     pipeline = read_pipeline(header.pipeline, header.mesh, diags) if header.pipeline else None
-    chunks = _assign_chunks(segments, pipeline, header, diags)
+    if header.pipeline is not None and pipeline is None:
+        # The pipeline was declared but could not be read (already reported): the stages
+        # cannot be counted against it, and "no pipeline is declared" would be untrue.
+        chunks: tuple[ir.Chunk, ...] = (ir.Chunk(0, 0, 0, tuple(n for s in segments for n in s.nodes)),)
+    else:
+        chunks = _assign_chunks(segments, pipeline, header, diags, builder.misplaced_stages)
     return ir.Program(
         name=header.name,
         mesh=header.mesh,
@@ -84,13 +100,22 @@ class _Header:
     forward: ast.ForwardDef | None
     pipeline: ast.PipelineDef | None
     train: ir.Train
+    # Inputs whose dtype or shape could not be read (already reported): they stand in the IR
+    # with placeholder sizes, so the layers they feed are not typed (that would only report
+    # the placeholder).
+    untyped_inputs: set[str] = field(default_factory=set)
+    # Those and the inputs whose sharding was refused (its bad axes dropped): a loss does not
+    # compare its targets' sharding with the activation's when either was mis-declared.
+    broken_inputs: set[str] = field(default_factory=set)
 
     @property
     def pipeline_axis(self) -> str | None:
         return self.pipeline.axis.text if self.pipeline else None
 
     @staticmethod
-    def read(module: ast.Module, mesh_sizes: Sequence[int] | None, diags: Diagnostics, overrides: Mapping[str, int]) -> _Header:
+    def read(
+        module: ast.Module, mesh_sizes: Sequence[int] | None, diags: Diagnostics, overrides: Mapping[str, int]
+    ) -> _Header:
         singles: dict[type, ast.Item] = {}
         for item in module.items:
             if isinstance(item, (ast.ModelDecl, ast.MeshDecl, ast.ForwardDef, ast.PipelineDef, ast.TrainDef)):
@@ -105,7 +130,12 @@ class _Header:
                     )
         model = singles.get(ast.ModelDecl)
         if model is None:
-            diags.error("E028", "the spec has no `model NAME` declaration", module.span, help="start the file with `model my_model`")
+            diags.error(
+                "E028",
+                "the spec has no `model NAME` declaration",
+                module.span,
+                help="start the file with `model my_model`",
+            )
         name = model.name.text if isinstance(model, ast.ModelDecl) else "model"
         mesh_decl = singles.get(ast.MeshDecl)
         mesh = _read_mesh(mesh_decl if isinstance(mesh_decl, ast.MeshDecl) else None, mesh_sizes, module, diags)
@@ -138,7 +168,9 @@ _KEYWORD = {
 }
 
 
-def _read_mesh(decl: ast.MeshDecl | None, sizes: Sequence[int] | None, module: ast.Module, diags: Diagnostics) -> ir.Mesh:
+def _read_mesh(
+    decl: ast.MeshDecl | None, sizes: Sequence[int] | None, module: ast.Module, diags: Diagnostics
+) -> ir.Mesh:
     if decl is None:
         if sizes is not None and tuple(sizes) != (1,) * len(sizes):
             diags.error(
@@ -162,7 +194,12 @@ def _read_mesh(decl: ast.MeshDecl | None, sizes: Sequence[int] | None, module: a
         sizes = None
     for i, axis in enumerate(decl.axes):
         if axis.name.text in seen:
-            diags.error("E011", f"mesh axis `{axis.name.text}` is declared twice", axis.name.span, labels=[Label(seen[axis.name.text].span, "first declared here")])
+            diags.error(
+                "E011",
+                f"mesh axis `{axis.name.text}` is declared twice",
+                axis.name.span,
+                labels=[Label(seen[axis.name.text].span, "first declared here")],
+            )
             continue
         seen[axis.name.text] = axis
         size: int | None
@@ -193,7 +230,12 @@ def _read_constants(module: ast.Module, overrides: Mapping[str, int], diags: Dia
     for decl in decls:
         name = decl.name.text
         if name in spans:
-            diags.error("E011", f"constant `{name}` is defined twice", decl.name.span, labels=[Label(spans[name], "first defined here")])
+            diags.error(
+                "E011",
+                f"constant `{name}` is defined twice",
+                decl.name.span,
+                labels=[Label(spans[name], "first defined here")],
+            )
             continue
         spans[name] = decl.name.span
         later = {n: s for n, s in declared_at.items() if n not in values and n != name}
@@ -229,29 +271,41 @@ def _read_inputs(module: ast.Module, header: _Header, diags: Diagnostics) -> dic
     for decl in (i for i in module.items if isinstance(i, ast.InputDecl)):
         name = decl.name.text
         if name in inputs:
-            diags.error("E011", f"input `{name}` is declared twice", decl.name.span, labels=[Label(inputs[name].span, "first declared here")])
+            diags.error(
+                "E011",
+                f"input `{name}` is declared twice",
+                decl.name.span,
+                labels=[Label(inputs[name].span, "first declared here")],
+            )
             continue
         t = decl.type
         dtype = t.dtype.text
         if dtype not in DTYPES:
             diags.add(unknown_name("dtype", dtype, t.dtype.span, DTYPES))
             dtype = "f32"
-        shape = []
+            header.untyped_inputs.add(name)
+        sizes: list[int | None] = []
         for dim in t.dims:
             size = eval_expr(dim.size, header.constants, diags)
             if size is not None and size < 1:
                 diags.error("E025", f"dimensions must be positive, got {size}", dim.size.span)
                 size = None
-            shape.append(size or 1)
+            if size is None:
+                header.untyped_inputs.add(name)
+            sizes.append(size)
+        reported = len(diags.items)
         sharding = resolve(
             [dim.sharding or ast.AxisSet((), dim.span) for dim in t.dims],
-            shape,
+            sizes,
             f"input `{name}`",
             header.mesh,
             header.pipeline_axis,
             diags,
         )
-        inputs[name] = ir.Input(name, ir.TensorType(dtype, tuple(shape), sharding), decl.span)
+        if name in header.untyped_inputs or len(diags.items) > reported:
+            header.broken_inputs.add(name)
+        shape = tuple(size or 1 for size in sizes)
+        inputs[name] = ir.Input(name, ir.TensorType(dtype, shape, sharding), decl.span)
     return inputs
 
 
@@ -260,9 +314,16 @@ def _read_blocks(module: ast.Module, diags: Diagnostics) -> dict[str, ast.BlockD
     for block in (i for i in module.items if isinstance(i, ast.BlockDef)):
         name = block.name.text
         if name in RULES:
-            diags.error("E011", f"block `{name}` has the name of a built-in layer", block.name.span, help="rename the block")
+            diags.error(
+                "E011", f"block `{name}` has the name of a built-in layer", block.name.span, help="rename the block"
+            )
         elif name in blocks:
-            diags.error("E011", f"block `{name}` is defined twice", block.name.span, labels=[Label(blocks[name].name.span, "first defined here")])
+            diags.error(
+                "E011",
+                f"block `{name}` is defined twice",
+                block.name.span,
+                labels=[Label(blocks[name].name.span, "first defined here")],
+            )
         else:
             blocks[name] = block
         params: dict[str, ast.Param] = {}
@@ -303,16 +364,19 @@ class _Builder:
         self.block_stack: list[str] = []
         self.count = 0
         self.too_big = False
+        self.misplaced_stages = False
+        self.stream = ""
 
     # entry ---------------------------------------------------------------------------------------
 
     def forward(self, fwd: ast.ForwardDef) -> tuple[str, list[_Segment]] | None:
         stream = fwd.input.text
+        self.stream = stream
         if stream not in self.h.inputs:
             self.diags.add(unknown_name("input", stream, fwd.input.span, self.h.inputs))
             return None
         src = self.h.inputs[stream]
-        flow = _Flow(src.type, src.span)
+        flow = _Flow(UNKNOWN if stream in self.h.untyped_inputs else src.type, src.span)
         names = self._names(fwd.body)
         segments: list[_Segment] = []
         scope: Scope = dict(self.h.constants)
@@ -356,7 +420,12 @@ class _Builder:
             label = getattr(s, "label", None)
             if label is not None:
                 if label.text in labels:
-                    self.diags.error("E011", f"`{label.text}` names two layers in the same scope", label.span, labels=[Label(labels[label.text].span, "first used here")])
+                    self.diags.error(
+                        "E011",
+                        f"`{label.text}` names two layers in the same scope",
+                        label.span,
+                        labels=[Label(labels[label.text].span, "first used here")],
+                    )
                 labels.setdefault(label.text, label)
         bases: dict[int, str] = {}
         for s in named:
@@ -392,7 +461,9 @@ class _Builder:
 
     # sequences ---------------------------------------------------------------------------------
 
-    def _seq(self, stmts: Sequence[ast.Stmt], flow: _Flow, scope: Scope, prefix: str, names: dict[int, str]) -> list[ir.Node]:
+    def _seq(
+        self, stmts: Sequence[ast.Stmt], flow: _Flow, scope: Scope, prefix: str, names: dict[int, str]
+    ) -> list[ir.Node]:
         out: list[ir.Node] = []
         for stmt in stmts:
             if self.too_big:
@@ -415,9 +486,13 @@ class _Builder:
                 case ast.RepeatStmt():
                     out.extend(self._repeat(stmt, names[id(stmt)], flow, scope, prefix))
                 case ast.LayoutStmt():
-                    out.append(self._layout(stmt, flow, prefix))
+                    layout = self._layout(stmt, flow, prefix)
+                    if out and isinstance(out[-1], ir.Layer):
+                        out[-1] = _fuse_reduce_scatter(out[-1], layout)
+                    out.append(layout)
                 case ast.StageStmt() | ast.StagesStmt():
                     keyword = "stage" if isinstance(stmt, ast.StageStmt) else "stages"
+                    self.misplaced_stages = True
                     self.diags.error(
                         "E028",
                         f"`{keyword}` marks pipeline chunks and may only appear at the top of `forward`",
@@ -426,7 +501,9 @@ class _Builder:
                     out.extend(self._seq(stmt.body, flow, scope, prefix, names))
         return out
 
-    def _residual(self, stmt: ast.ResidualStmt, flow: _Flow, scope: Scope, prefix: str, names: dict[int, str]) -> ir.Node:
+    def _residual(
+        self, stmt: ast.ResidualStmt, flow: _Flow, scope: Scope, prefix: str, names: dict[int, str]
+    ) -> ir.Node:
         path = prefix + names[id(stmt)] if stmt.label else prefix.rstrip(".") or "residual"
         inner_prefix = prefix + stmt.label.text + "." if stmt.label else prefix
         inner_names = self._names(stmt.body) if stmt.label else names
@@ -444,7 +521,8 @@ class _Builder:
             elif y.sharding != x.sharding:
                 self.diags.error(
                     "E017",
-                    f"a residual branch must keep its input's sharding, but it turns {x.describe()} into {y.describe()}",
+                    "a residual branch must keep its input's sharding, "
+                    f"but it turns {x.describe()} into {y.describe()}",
                     stmt.span,
                     labels=[Label(flow.span, "branch output produced here")],
                     help="end the branch with a row-parallel layer, or add `layout` to restore the sharding",
@@ -496,7 +574,9 @@ class _Builder:
         for old, new in zip(x.sharding, y.sharding, strict=True):
             gone = tuple(a for a in old if a not in new)
             if gone and self.h.mesh.size(gone) > 1:
-                collectives.append(ir.Collective("all-gather", gone, x.numel, x.dtype, "`layout`: gather the activation"))
+                collectives.append(
+                    ir.Collective("all-gather", gone, x.numel, x.dtype, "`layout`: gather the activation")
+                )
         flow.type, flow.span = y, stmt.span
         return ir.Layout(path, x, y, tuple(collectives), stmt.span)
 
@@ -515,7 +595,9 @@ class _Builder:
     ) -> ir.Node | None:
         self.count += 1
         if self.count > MAX_NODES:
-            self.diags.error("E025", f"the model expands to more than {MAX_NODES} layers", span, help="reduce repeat counts")
+            self.diags.error(
+                "E025", f"the model expands to more than {MAX_NODES} layers", span, help="reduce repeat counts"
+            )
             self.too_big = True
             return None
         callee = call.callee.text
@@ -524,10 +606,16 @@ class _Builder:
             return self._layer(RULES[callee], call, shards, path, flow, scope, span)
         if callee in self.h.blocks:
             if shards:
-                self.diags.error("E027", "`shard` applies to the weights of a built-in layer, not to a block", shards[0].span, help="put the `shard` on the layers inside the block")
+                self.diags.error(
+                    "E027",
+                    "`shard` applies to the weights of a built-in layer, not to a block",
+                    shards[0].span,
+                    help="put the `shard` on the layers inside the block",
+                )
             return self._block(self.h.blocks[callee], call, path, flow, scope)
         if not quiet:
             self.diags.add(unknown_name("layer or block", callee, call.callee.span, (*RULES, *self.h.blocks)))
+            self._check_shard_axes(shards, path)
         flow.type = UNKNOWN
         return None
 
@@ -552,12 +640,19 @@ class _Builder:
             diags=self.diags,
         )
         if attrs is None or not rule.validate(attrs, ctx):
+            self._check_shard_axes(shards, path)
             flow.type, flow.span = UNKNOWN, span
             return None
         weights = self._weights(rule, attrs, shards, path, call.span, ctx)
         x = flow.type
         y = UNKNOWN
-        if x is not UNKNOWN and weights is not None:
+        # A layer that reads a declared input (a loss's targets) compares it with the
+        # activation, which comes from the stream input. An unreadable target leaves nothing
+        # to compare; a refused sharding on either side leaves shapes, but not shardings.
+        reads = {attrs[spec.name] for spec in rule.args if spec.type == "input"}
+        if reads and (reads | {self.stream}) & self.h.broken_inputs:
+            ctx.shardings_as_written = False
+        if x is not UNKNOWN and weights is not None and not reads & self.h.untyped_inputs:
             typed = rule.infer(attrs, x, {w.name: w.type for w in weights}, ctx)
             y = typed if typed is not None else UNKNOWN
         node = ir.Layer(
@@ -569,6 +664,7 @@ class _Builder:
             output=y,
             collectives=tuple(ctx.collectives),
             flops=rule.flops(attrs, x, y) if y is not UNKNOWN else 0,
+            operand=ctx.operand if ctx.operand is not None else x.sharding,
             span=span,
         )
         flow.type, flow.span = y, span
@@ -602,41 +698,64 @@ class _Builder:
                 )
                 ok = False
             elif wname in given:
-                self.diags.error("E027", f"weight `{wname}` is sharded twice", shard.span, labels=[Label(given[wname].span, "first sharded here")])
+                self.diags.error(
+                    "E027",
+                    f"weight `{wname}` is sharded twice",
+                    shard.span,
+                    labels=[Label(given[wname].span, "first sharded here")],
+                )
                 ok = False
             elif len(shard.dims) != len(specs[wname].shape):
                 dims = ", ".join(map(str, specs[wname].shape))
                 self.diags.error(
                     "E027",
                     f"weight `{wname}` of `{rule.kind}` has {len(specs[wname].shape)} dimensions [{dims}], "
-                    f"but {len(shard.dims)} are sharded",
+                    f"but the clause gives {len(shard.dims)}",
                     shard.span,
-                    help=f"give one entry per dimension, `_` for replicated: {wname}[{', '.join('_' for _ in specs[wname].shape)}]",
+                    help="give one entry per dimension, `_` for replicated: "
+                    f"{wname}[{', '.join('_' for _ in specs[wname].shape)}]",
                 )
                 ok = False
             else:
                 given[wname] = shard
         out = []
+        reported = len(self.diags.items)
         for spec in specs.values():
             shard = given.get(spec.name)
             if any(n <= 0 for n in spec.shape):
                 ok = False
                 continue
             axis_sets = shard.dims if shard else tuple(ast.AxisSet((), span) for _ in spec.shape)
-            sharding = resolve(axis_sets, spec.shape, f"weight `{path}.{spec.name}`", self.h.mesh, self.h.pipeline_axis, self.diags)
+            what = f"weight `{path}.{spec.name}`"
+            sharding = resolve(axis_sets, spec.shape, what, self.h.mesh, self.h.pipeline_axis, self.diags)
             ctx.weight_spans[spec.name] = shard.span if shard else span
             t = ir.TensorType(self.h.train.param_dtype, spec.shape, sharding)
             out.append(ir.Weight(spec.name, t, spec.initializer(), shard.span if shard else span))
+        if len(self.diags.items) > reported:
+            ctx.shardings_as_written = False
         return out if ok else None
+
+    def _check_shard_axes(self, shards: tuple[ast.WeightShard, ...], path: str) -> None:
+        """The axis names of a layer that could not be built: they need no shapes to check."""
+        for shard in shards:
+            what = f"weight `{path}.{shard.weight.text}`"
+            resolve(shard.dims, [None] * len(shard.dims), what, self.h.mesh, self.h.pipeline_axis, self.diags)
 
     def _block(self, block: ast.BlockDef, call: ast.Call, path: str, flow: _Flow, scope: Scope) -> ir.Node | None:
         name = block.name.text
         if name in self.block_stack:
             chain = " -> ".join([*self.block_stack[self.block_stack.index(name) :], name])
-            self.diags.error("E028", f"block `{name}` uses itself ({chain})", call.span, labels=[Label(block.name.span, "defined here")])
+            self.diags.error(
+                "E028",
+                f"block `{name}` uses itself ({chain})",
+                call.span,
+                labels=[Label(block.name.span, "defined here")],
+            )
             flow.type = UNKNOWN
             return None
-        specs = tuple(ArgSpec(p.name.text, "any", p.default if p.default is not None else REQUIRED) for p in block.params)  # type: ignore[arg-type]
+        specs = tuple(
+            ArgSpec(p.name.text, "any", p.default if p.default is not None else REQUIRED) for p in block.params
+        )  # type: ignore[arg-type]
         bound = self._bind(specs, call, scope, f"block `{name}`", globals_=self.h.constants)
         if bound is None:
             flow.type = UNKNOWN
@@ -644,10 +763,19 @@ class _Builder:
         inner: Scope = {**self.h.constants, **bound}
         x = flow.type
         self.block_stack.append(name)
+        first = len(self.diags.items)
         body = self._seq(block.body, flow, inner, path + ".", self._names(block.body))
+        self._point_at_use(first, call, name)
         self.block_stack.pop()
         remat = self._remat(block, body, path)
         return ir.Block(path, name, remat, tuple(body), x, flow.type, call.span)
+
+    def _point_at_use(self, first: int, call: ast.Call, name: str) -> None:
+        """Label the mistakes found in a block's body with the use that led to them: the
+        body's text is shared by every use, and the arguments of this one may be the cause."""
+        use = Label(call.span, f"in this use of `{name}`")
+        items = self.diags.items
+        items[first:] = [d if d.span == call.span else replace(d, labels=(*d.labels, use)) for d in items[first:]]
 
     def _remat(self, block: ast.BlockDef, body: list[ir.Node], path: str) -> ir.Remat:
         cp = block.checkpoint
@@ -655,22 +783,35 @@ class _Builder:
             return ir.Remat()
         policy = cp.policy.text
         if policy not in ("none", "full", "selective"):
-            self.diags.add(unknown_name("checkpoint policy", policy, cp.policy.span, ("none", "full", "selective"), code="E026"))
+            self.diags.add(
+                unknown_name("checkpoint policy", policy, cp.policy.span, ("none", "full", "selective"), code="E026")
+            )
             return ir.Remat()
         if policy != "selective":
             if cp.saved:
-                self.diags.error("E026", f"`checkpoint {policy}` takes no list of saved layers", cp.span, help=f"use `checkpoint selective({', '.join(i.text for i in cp.saved)})`")
+                self.diags.error(
+                    "E026",
+                    f"`checkpoint {policy}` takes no list of saved layers",
+                    cp.span,
+                    help=f"use `checkpoint selective({', '.join(i.text for i in cp.saved)})`",
+                )
             return ir.Remat(policy)  # type: ignore[arg-type]
         inside = {n.path[len(path) + 1 :]: n for n in ir.walk(tuple(body))}
         short = {p.rsplit(".", 1)[-1] for p in inside}
         saved = []
         for ident in cp.saved:
             if ident.text not in inside and ident.text not in short:
-                self.diags.add(unknown_name(f"layer in block `{block.name.text}`", ident.text, ident.span, short))
+                message = f"block `{block.name.text}` has no layer `{ident.text}` to save"
+                self.diags.add(unknown_name("layer", ident.text, ident.span, short, message=message))
             else:
                 saved.append(ident.text)
         if not cp.saved:
-            self.diags.error("E026", "`checkpoint selective(...)` needs the layers whose outputs are saved", cp.span, help="for example `checkpoint selective(attn)`")
+            self.diags.error(
+                "E026",
+                "`checkpoint selective(...)` needs the layers whose outputs are saved",
+                cp.span,
+                help="for example `checkpoint selective(attn)`",
+            )
         return ir.Remat("selective", tuple(saved))
 
     # arguments ---------------------------------------------------------------------------------
@@ -694,10 +835,14 @@ class _Builder:
             elif seen_keyword:
                 self.diags.error("E024", "a positional argument cannot follow keyword arguments", arg.span)
                 ok = False
+        if not ok:
+            # Binding positions out of order would only add "given twice" for the same slip.
+            return None
         if len(positional) > len(specs):
             self.diags.error(
                 "E024",
-                f"{what} takes {len(specs)} positional argument{'s' if len(specs) != 1 else ''}, but {len(positional)} were given",
+                f"{what} takes {len(specs)} positional argument{'s' if len(specs) != 1 else ''}, "
+                f"but {len(positional)} were given",
                 positional[len(specs)].span,
                 notes=[f"{what} arguments: {', '.join(s.name for s in specs) or 'none'}"],
             )
@@ -719,12 +864,30 @@ class _Builder:
                 )
                 ok = False
             elif key in raw:
-                self.diags.error("E024", f"argument `{key}` is given twice", arg.span, labels=[Label(raw[key].span, "first given here")])
+                self.diags.error(
+                    "E024",
+                    f"argument `{key}` is given twice",
+                    arg.span,
+                    labels=[Label(raw[key].span, "first given here")],
+                )
                 ok = False
             else:
                 raw[key] = arg
         if not ok:
             return None
+        missing = [s for s in specs if s.name not in raw and s.default is REQUIRED]
+        if missing:
+            # One report for all of them: they share the call's span, and one report per code
+            # and span is kept.
+            names = [f"`{s.name}`" + (f" ({s.doc})" if s.doc else "") for s in missing]
+            listed = names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
+            self.diags.error(
+                "E024",
+                f"{what} needs argument{'s' if len(missing) > 1 else ''} {listed}",
+                call.span,
+                help=f"add {', '.join(f'`{s.name}=...`' for s in missing)}",
+            )
+            ok = False
         values: dict[str, object] = {}
         for spec in specs:
             if spec.name in raw:
@@ -734,13 +897,7 @@ class _Builder:
                     continue
                 values[spec.name] = value
             elif spec.default is REQUIRED:
-                self.diags.error(
-                    "E024",
-                    f"{what} needs argument `{spec.name}`" + (f" ({spec.doc})" if spec.doc else ""),
-                    call.span,
-                    help=f"add `{spec.name}=...`",
-                )
-                ok = False
+                continue
             elif callable(spec.default):
                 if ok:
                     values[spec.name] = spec.default(values)
@@ -772,12 +929,12 @@ class _Builder:
                 return value
             case "bool":
                 if not isinstance(value, bool):
-                    self.diags.error("E024", f"`{spec.name}` of {what} is true or false, got {value!r}", v.span)
+                    self.diags.error("E024", f"`{spec.name}` of {what} is true or false, got {_written(value)}", v.span)
                     return None
                 return value
             case "int":
                 if isinstance(value, bool) or not isinstance(value, int):
-                    self.diags.error("E024", f"`{spec.name}` of {what} is an integer, got {value!r}", v.span)
+                    self.diags.error("E024", f"`{spec.name}` of {what} is an integer, got {_written(value)}", v.span)
                     return None
                 if spec.positive and value < 1:
                     self.diags.error("E024", f"`{spec.name}` of {what} must be positive, got {value}", v.span)
@@ -785,16 +942,51 @@ class _Builder:
                 return value
             case "float":
                 if isinstance(value, bool):
-                    self.diags.error("E024", f"`{spec.name}` of {what} is a number, got {value!r}", v.span)
+                    self.diags.error("E024", f"`{spec.name}` of {what} is a number, got {_written(value)}", v.span)
                     return None
                 return float(value)
         raise AssertionError(spec.type)
 
 
+def _fuse_reduce_scatter(layer: ir.Layer, layout: ir.Layout) -> ir.Layer:
+    """A row-parallel sum re-split over the same axes right after is one reduce-scatter.
+
+    Megatron's sequence parallelism: the partial sums of a row-parallel layer need only
+    reach the device that keeps each slice of tokens, which moves half the bytes of an
+    all-reduce (XLA on CPU still spells it all-reduce + slice).
+    """
+    if not layer.collectives or layer.collectives[-1].kind != "all-reduce":
+        return layer
+    summed = layer.collectives[-1]
+    added = [
+        tuple(a for a in new if a not in old)
+        for old, new in zip(layout.input.sharding, layout.output.sharding, strict=True)
+    ]
+    if [axes for axes in added if axes] != [summed.axes] or layout.collectives:
+        return layer
+    scatter = ir.Collective(
+        "reduce-scatter", summed.axes, summed.elements, summed.dtype, summed.why.replace("sum", "sum and re-split")
+    )
+    return replace(layer, collectives=(*layer.collectives[:-1], scatter))
+
+
+def _written(value: object) -> str:
+    """A value as a spec writes it (`true`, not Python's `True`)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return repr(value)
+
+
 # ---- pipeline chunks ----------------------------------------------------------------------------
 
 
-def _assign_chunks(segments: list[_Segment], pipeline: ir.Pipeline | None, header: _Header, diags: Diagnostics) -> tuple[ir.Chunk, ...]:
+def _assign_chunks(
+    segments: list[_Segment],
+    pipeline: ir.Pipeline | None,
+    header: _Header,
+    diags: Diagnostics,
+    misplaced_stages: bool = False,
+) -> tuple[ir.Chunk, ...]:
     marked = [s for s in segments if s.kind != "loose"]
     if pipeline is None:
         for s in marked:
@@ -814,7 +1006,12 @@ def _assign_chunks(segments: list[_Segment], pipeline: ir.Pipeline | None, heade
         return ()
     if kinds == {"stages"}:
         if len(marked) > 1:
-            diags.error("E028", "a forward body has at most one `stages { }` region", marked[1].span, labels=[Label(marked[0].span, "first region")])
+            diags.error(
+                "E028",
+                "a forward body has at most one `stages { }` region",
+                marked[1].span,
+                labels=[Label(marked[0].span, "first region")],
+            )
             return ()
         region = marked[0]
         units = region.nodes
@@ -842,7 +1039,8 @@ def _assign_chunks(segments: list[_Segment], pipeline: ir.Pipeline | None, heade
                 f"{stages} and `virtual` is {pipeline.virtual}, which makes {wanted} chunks",
                 marked[0].span,
                 labels=[Label(pipeline.span, "pipeline declared here")],
-                help=f"write {wanted} `stage` blocks, or pass a --mesh whose `{pipeline.axis}` size times `virtual` is {len(marked)}",
+                help=f"write {wanted} `stage` blocks, or pass a --mesh whose `{pipeline.axis}` size "
+                f"times `virtual` is {len(marked)}",
             )
             return ()
         groups = [list(s.nodes) for s in marked]
@@ -857,14 +1055,17 @@ def _assign_chunks(segments: list[_Segment], pipeline: ir.Pipeline | None, heade
             else:
                 groups[g].extend(s.nodes)
     else:
+        # A `stage` written inside a block or residual was already reported; saying the body
+        # marks no stages would only repeat that mistake.
         if wanted > 1:
-            diags.error(
-                "E018",
-                f"the pipeline axis `{pipeline.axis}` has size {stages} (x {pipeline.virtual} virtual), "
-                "but the forward body marks no stages",
-                pipeline.span,
-                help="wrap the repeated layers in `stages { }`, or write `stage { }` blocks",
-            )
+            if not misplaced_stages:
+                diags.error(
+                    "E018",
+                    f"the pipeline axis `{pipeline.axis}` has size {stages} (x {pipeline.virtual} virtual), "
+                    "but the forward body marks no stages",
+                    pipeline.span,
+                    help="wrap the repeated layers in `stages { }`, or write `stage { }` blocks",
+                )
             return ()
         groups = [[n for s in segments for n in s.nodes]]
         before, after = [], []

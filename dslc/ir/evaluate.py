@@ -15,7 +15,9 @@ MAX_INT = 2**62
 ScalarValue = int | float | bool
 
 
-def eval_expr(e: ast.Expr, scope: Mapping[str, ScalarValue], diags: Diagnostics, *, suggest: tuple[str, ...] = ()) -> int | None:
+def eval_expr(
+    e: ast.Expr, scope: Mapping[str, ScalarValue], diags: Diagnostics, *, suggest: tuple[str, ...] = ()
+) -> int | None:
     """The integer an expression denotes, or None after reporting why it has none."""
     match e:
         case ast.IntLit(value=value):

@@ -13,7 +13,16 @@ def closest(name: str, candidates: Iterable[str]) -> str | None:
     return found[0] if found else None
 
 
-def unknown_name(what: str, name: str, span: Span, candidates: Iterable[str], code: str = "E010") -> Diagnostic:
+def unknown_name(
+    what: str,
+    name: str,
+    span: Span,
+    candidates: Iterable[str],
+    code: str = "E010",
+    message: str | None = None,
+) -> Diagnostic:
+    """`unknown {what} `{name}``, or `message` where that phrasing reads badly, with the
+    closest candidate as a did-you-mean, or all of them when there are few and none is close."""
     candidates = tuple(candidates)
     guess = closest(name, candidates)
     notes = []
@@ -21,7 +30,7 @@ def unknown_name(what: str, name: str, span: Span, candidates: Iterable[str], co
         notes.append("known: " + ", ".join(f"`{c}`" for c in sorted(set(candidates))))
     return error(
         code,
-        f"unknown {what} `{name}`",
+        message or f"unknown {what} `{name}`",
         span,
         notes=notes,
         help=f"did you mean `{guess}`?" if guess else None,

@@ -140,6 +140,9 @@ class Layer:
     output: TensorType
     collectives: tuple[Collective, ...] = ()
     flops: int = 0
+    # The input's sharding while the layer computes: differs from `input.sharding` where
+    # the layer gathers split tokens first (sequence parallelism).
+    operand: Sharding = ()
     span: Span = _span()
 
     def attr(self, name: str) -> object:

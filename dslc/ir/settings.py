@@ -21,7 +21,9 @@ OPTIMIZERS: dict[str, tuple[str, ...]] = {
 }
 
 
-def _unique(settings: tuple[ast.Setting | ast.ScheduleSetting, ...], diags: Diagnostics) -> dict[str, ast.Setting | ast.ScheduleSetting]:
+def _unique(
+    settings: tuple[ast.Setting | ast.ScheduleSetting, ...], diags: Diagnostics
+) -> dict[str, ast.Setting | ast.ScheduleSetting]:
     seen: dict[str, ast.Setting | ast.ScheduleSetting] = {}
     for s in settings:
         key = "schedule" if isinstance(s, ast.ScheduleSetting) else s.key.text
@@ -80,7 +82,12 @@ def read_pipeline(p: ast.PipelineDef, mesh: ir.Mesh, diags: Diagnostics) -> ir.P
                 _unknown_key(s, ("schedule", "microbatches", "virtual"), "pipeline", diags)
     if microbatches is None:
         if "microbatches" not in settings:
-            diags.error("E026", "the pipeline needs `microbatches N`", p.span, help="at least 4 per stage keeps the bubble small")
+            diags.error(
+                "E026",
+                "the pipeline needs `microbatches N`",
+                p.span,
+                help="at least 4 per stage keeps the bubble small",
+            )
         return None
     return ir.Pipeline(axis, schedule, microbatches, virtual, p.span)
 
@@ -100,7 +107,12 @@ def read_train(t: ast.TrainDef, mesh: ir.Mesh, diags: Diagnostics) -> ir.Train:
         axes = []
         for v in s.values:
             if not isinstance(v, ast.NameRef):
-                diags.error("E026", "`fsdp` takes the mesh axes to shard parameters over", v.span, help="for example `fsdp data`")
+                diags.error(
+                    "E026",
+                    "`fsdp` takes the mesh axes to shard parameters over",
+                    v.span,
+                    help="for example `fsdp data`",
+                )
                 return
             if v.name not in mesh.names:
                 diags.add(unknown_name("mesh axis", v.name, v.span, mesh.names, code="E012"))
@@ -116,10 +128,17 @@ def read_train(t: ast.TrainDef, mesh: ir.Mesh, diags: Diagnostics) -> ir.Train:
 
     def precision(s: ast.Setting) -> None:
         v = s.values[0] if len(s.values) == 1 else None
-        if not isinstance(v, ast.NameRef) or v.name not in PRECISIONS:
-            at = v.span if v is not None else s.span
-            name = v.name if isinstance(v, ast.NameRef) else "?"
-            diags.add(unknown_name("precision", name, at, PRECISIONS, code="E026"))
+        if not isinstance(v, ast.NameRef):
+            # Not a name at all (a number, a call, several values): nothing to suggest from.
+            diags.error(
+                "E026",
+                f"`{s.key.text}` takes one precision: {', '.join(PRECISIONS)}",
+                v.span if v is not None else s.span,
+                help=f"for example `{s.key.text} bf16`",
+            )
+            return
+        if v.name not in PRECISIONS:
+            diags.add(unknown_name("precision", v.name, v.span, PRECISIONS, code="E026"))
             return
         fields[s.key.text] = v.name
 
@@ -140,7 +159,9 @@ def read_train(t: ast.TrainDef, mesh: ir.Mesh, diags: Diagnostics) -> ir.Train:
                 diags.error("E026", "optimizer settings are named, for example `lr=3e-4`", arg.span)
                 continue
             if arg.name.text not in OPTIMIZERS[name]:
-                diags.add(unknown_name(f"`{name}` setting", arg.name.text, arg.name.span, OPTIMIZERS[name], code="E026"))
+                diags.add(
+                    unknown_name(f"`{name}` setting", arg.name.text, arg.name.span, OPTIMIZERS[name], code="E026")
+                )
                 continue
             value = eval_value(arg.value, {}, diags)
             if value is None or isinstance(value, bool):
@@ -165,7 +186,12 @@ def read_train(t: ast.TrainDef, mesh: ir.Mesh, diags: Diagnostics) -> ir.Train:
         else:
             _unknown_key(s, tuple(readers), "train", diags)
     if "zero" in settings and "fsdp" in settings:
-        diags.error("E026", "`fsdp` is ZeRO stage 3 over the axes it names; give `zero` or `fsdp`, not both", settings["fsdp"].span, labels=[Label(settings["zero"].span, "zero stage set here")])
+        diags.error(
+            "E026",
+            "`fsdp` is ZeRO stage 3 over the axes it names; give `zero` or `fsdp`, not both",
+            settings["fsdp"].span,
+            labels=[Label(settings["zero"].span, "zero stage set here")],
+        )
     return ir.Train(
         zero=fields.get("zero", train.zero),  # type: ignore[arg-type]
         shard_axes=fields.get("shard_axes", train.shard_axes),  # type: ignore[arg-type]

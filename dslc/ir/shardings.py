@@ -18,14 +18,15 @@ def divisor_sizes(n: int, limit: int = 1024) -> list[int]:
 
 def resolve(
     axis_sets: Sequence[ast.AxisSet],
-    shape: Sequence[int],
+    shape: Sequence[int | None],
     what: str,
     mesh: Mesh,
     pipeline_axis: str | None,
     diags: Diagnostics,
 ) -> Sharding:
     """Check and convert one tensor's per-dimension axes. Bad axes are dropped (after being
-    reported) so later passes see a well-formed tensor and do not pile on more errors."""
+    reported) so later passes see a well-formed tensor and do not pile on more errors. A size
+    of None is unknown (its own mistake already reported) and is not checked for splitting."""
     seen: dict[str, ast.Ident] = {}
     out: list[Axes] = []
     for dim, (axis_set, size) in enumerate(zip(axis_sets, shape, strict=True)):
@@ -56,7 +57,7 @@ def resolve(
             kept.append(name)
         axes = tuple(kept)
         pieces = mesh.size(axes)
-        if size % pieces:
+        if size is not None and size % pieces:
             sizes_of = " x ".join(f"{a}={mesh.size((a,))}" for a in axes)
             works = divisor_sizes(size)
             listed = ", ".join(map(str, works[:_MAX_LISTED])) + (", ..." if len(works) > _MAX_LISTED else "")

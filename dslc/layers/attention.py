@@ -20,9 +20,13 @@ from dslc.layers.base import (
 )
 
 
+def _divisors(n: int) -> str:
+    ok = [str(d) for d in range(1, n + 1) if n % d == 0]
+    return ok[0] if len(ok) == 1 else ", ".join(ok[:-1]) + " or " + ok[-1]
+
+
 def _divisors_note(n: int, what: str) -> str:
-    ok = [d for d in range(1, n + 1) if n % d == 0]
-    return f"{what} = {n} splits evenly over {', '.join(map(str, ok))} devices"
+    return f"{what} = {n} splits evenly over an axis of size {_divisors(n)}"
 
 
 class Attention(LayerRule):
@@ -57,11 +61,13 @@ class Attention(LayerRule):
             ctx.error(
                 "E024",
                 f"heads ({h}) must be a multiple of kv_heads ({kv}) for grouped-query attention",
-                notes=[_divisors_note(h, "heads").replace("devices", "groups")],
+                notes=[f"kv_heads must divide heads = {h}: {_divisors(h)}"],
             )
             return False
         if a["rope"] and a["head_dim"] % 2:  # type: ignore[operator]
-            ctx.error("E024", f"rotary embeddings rotate pairs of features, so head_dim must be even, got {a['head_dim']}")
+            ctx.error(
+                "E024", f"rotary embeddings rotate pairs of features, so head_dim must be even, got {a['head_dim']}"
+            )
             return False
         return True
 
@@ -91,10 +97,11 @@ class Attention(LayerRule):
             return None
         # One gather of the tokens serves q, k and v alike (Megatron sequence parallelism).
         x = gather_dims(ctx, x, tp, 2, f"`{ctx.path}`: gather tokens (sequence parallel)")
+        ctx.operand = x.sharding
         heads_out = contract(ctx, x, w["q"], "q", ctx.compute_dtype)
         if heads_out is None or None in (contract(ctx, x, w[n], n, ctx.compute_dtype) for n in "kv"):
             return None
-        return contract(ctx, heads_out, w["o"], "o", ctx.compute_dtype)
+        return contract(ctx, heads_out, w["o"], "o", ctx.compute_dtype, is_input=False)
 
     def _heads_split(self, ctx: Context, a: Attrs, w: dict[str, TensorType], tp: tuple[str, ...]) -> bool:
         size = ctx.mesh.size(tp)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
 from dslc.diagnostics import Diagnostics, Label, Span
-from dslc.ir.nodes import Axes, Collective, CollectiveKind, Input, Mesh, TensorType
+from dslc.ir.nodes import Axes, Collective, CollectiveKind, Input, Mesh, Sharding, TensorType
 
 Attrs = dict[str, object]
 
@@ -74,6 +74,13 @@ class Context:
     diags: Diagnostics
     weight_spans: dict[str, Span] = field(default_factory=dict)
     collectives: list[Collective] = field(default_factory=list)
+    # The sharding the layer's input is gathered to before it computes (sequence-parallel
+    # gathers); None when the input is used as it arrives.
+    operand: Sharding | None = None
+    # False when a sharding this layer compares was refused where it was written (an unknown
+    # axis dropped from one of its weights, or from an input it reads): "shardings do not
+    # line up" (E017) would then only restate that mistake, so it is not reported.
+    shardings_as_written: bool = True
 
     def error(
         self,
@@ -85,6 +92,8 @@ class Context:
         notes: Iterable[str] = (),
         help: str | None = None,
     ) -> None:
+        if code == "E017" and not self.shardings_as_written:
+            return
         self.diags.error(
             code,
             message,
@@ -175,6 +184,7 @@ def contract(
     kernel: TensorType,
     kernel_name: str,
     out_dtype: str,
+    is_input: bool = True,
 ) -> TensorType | None:
     """Type `x[..., K] @ kernel[K, N]`: Megatron's column/row-parallel algebra.
 
@@ -199,6 +209,8 @@ def contract(
         )
         return None
     x = gather_dims(ctx, x, k_in + k_out, x.rank - 1, f"`{ctx.path}`: gather tokens (sequence parallel)")
+    if is_input:
+        ctx.operand = x.sharding
     out_shape = (*x.shape[:-1], kernel.shape[-1])
     out = TensorType(out_dtype, out_shape, (*x.sharding[:-1], k_out))
     if k_in:
@@ -218,6 +230,8 @@ def same_sharding(ctx: Context, name: str, t: TensorType, dim: int, want: Axes, 
             f"`{name}` of `{ctx.path}` is {'split over ' + fmt_axes(got) if got else 'replicated'} "
             f"but must be {'split over ' + fmt_axes(want) if want else 'replicated'}: {why}",
             at=ctx.weight_span(name),
+            # A vector (a bias) has one way to be right; for matrices the message says which.
+            help=f"shard it as `{name}[{_bracket(want)}]`" if want and t.rank == 1 else None,
         )
         return False
     return True

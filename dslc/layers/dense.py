@@ -61,7 +61,9 @@ class SwiGLU(LayerRule):
         if not expect_features(ctx, x, a["in"], "input features"):  # type: ignore[arg-type]
             return None
         for d in (0, 1):
-            if not same_sharding(ctx, "up", w["up"], d, w["gate"].sharding[d], "gate and up are multiplied elementwise"):
+            if not same_sharding(
+                ctx, "up", w["up"], d, w["gate"].sharding[d], "gate and up are multiplied elementwise"
+            ):
                 return None
         return contract(ctx, x, w["gate"], "gate", ctx.compute_dtype)
 
@@ -93,6 +95,7 @@ class Embed(LayerRule):
             return None
         table = w["table"]
         x = gather_dims(ctx, x, table.sharding[0] + table.sharding[1], x.rank, f"`{ctx.path}`: gather token ids")
+        ctx.operand = x.sharding
         y = TensorType(ctx.compute_dtype, (*x.shape, a["dim"]), (*x.sharding, table.sharding[1]))  # type: ignore[arg-type]
         ctx.collective("all-reduce", table.sharding[0], y, f"`{ctx.path}`: combine vocab-parallel lookups")
         return y

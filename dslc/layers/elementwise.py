@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from dslc.diagnostics import Label
 from dslc.ir.nodes import FLOAT_DTYPES, TensorType
 from dslc.layers.base import ArgSpec, Attrs, Context, LayerRule
 
@@ -13,7 +14,11 @@ class Elementwise(LayerRule):
 
     def infer(self, a: Attrs, x: TensorType, w: dict[str, TensorType], ctx: Context) -> TensorType | None:
         if x.dtype not in FLOAT_DTYPES:
-            ctx.error("E016", f"`{ctx.path}` needs floating-point input, but its input is {x.describe()}")
+            ctx.error(
+                "E016",
+                f"`{ctx.path}` needs floating-point input, but its input is {x.describe()}",
+                labels=[Label(ctx.input_span, "input produced here")],
+            )
             return None
         return x
 

@@ -11,14 +11,19 @@ from dslc.layers.base import ArgSpec, Attrs, Context, LayerRule
 
 class CrossEntropy(LayerRule):
     kind = "cross_entropy"
-    doc = "Mean softmax cross-entropy of logits [..., classes] against integer targets [...]. Vocab-parallel logits allowed."
+    doc = (
+        "Mean softmax cross-entropy of logits [..., classes] against integer targets [...]. "
+        "Vocab-parallel logits allowed."
+    )
     args = (ArgSpec("targets", "input", doc="the declared input holding the class ids"),)
 
     def infer(self, a: Attrs, x: TensorType, w: dict[str, TensorType], ctx: Context) -> TensorType | None:
         target = ctx.inputs[a["targets"]]  # type: ignore[index]
         t = target.type
         if t.dtype not in INT_DTYPES:
-            ctx.error("E016", f"targets `{target.name}` must hold integer class ids, but are {t.describe()}", at=target.span)
+            ctx.error(
+                "E016", f"targets `{target.name}` must hold integer class ids, but are {t.describe()}", at=target.span
+            )
             return None
         if x.rank < 1 or t.shape != x.shape[:-1]:
             ctx.error(
@@ -37,7 +42,12 @@ class CrossEntropy(LayerRule):
             )
             return None
         scalar = replicated("f32", ())
-        ctx.collective("all-reduce", x.sharding[-1], TensorType("f32", x.shape[:-1], x.sharding[:-1]), f"`{ctx.path}`: vocab-parallel softmax statistics")
+        ctx.collective(
+            "all-reduce",
+            x.sharding[-1],
+            TensorType("f32", x.shape[:-1], x.sharding[:-1]),
+            f"`{ctx.path}`: vocab-parallel softmax statistics",
+        )
         return scalar
 
     def flops(self, a: Attrs, x: TensorType, y: TensorType) -> int:
@@ -64,7 +74,8 @@ class MeanSquaredError(LayerRule):
         if t.shape != x.shape:
             ctx.error(
                 "E016",
-                f"`{ctx.path}` compares tensors of one shape, but the activation is {x.describe()} and the targets are {t.describe()}",
+                f"`{ctx.path}` compares tensors of one shape, "
+                f"but the activation is {x.describe()} and the targets are {t.describe()}",
                 labels=[Label(ctx.input_span, "activation produced here"), Label(target.span, "targets declared here")],
             )
             return None

@@ -12,7 +12,8 @@ from dslc.layers.base import ArgSpec, Attrs, Context, LayerRule, WeightSpec, exp
 class MoE(LayerRule):
     kind = "moe"
     doc = (
-        "Top-k routed GELU MLP experts, gates renormalised over the chosen k. Expert parallel: w_in[ep, _, _], w_out[ep, _, _] "
+        "Top-k routed GELU MLP experts, gates renormalised over the chosen k. "
+        "Expert parallel: w_in[ep, _, _], w_out[ep, _, _] "
         "(tokens travel to their experts by all-to-all and back)."
     )
     args = (

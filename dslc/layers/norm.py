@@ -12,7 +12,11 @@ from dslc.layers.base import ArgSpec, Attrs, Context, LayerRule, WeightSpec, exp
 class _Norm(LayerRule):
     def infer(self, a: Attrs, x: TensorType, w: dict[str, TensorType], ctx: Context) -> TensorType | None:
         if x.dtype not in FLOAT_DTYPES:
-            ctx.error("E016", f"`{ctx.path}` needs floating-point input, but its input is {x.describe()}")
+            ctx.error(
+                "E016",
+                f"`{ctx.path}` needs floating-point input, but its input is {x.describe()}",
+                labels=[Label(ctx.input_span, "input produced here")],
+            )
             return None
         if not expect_features(ctx, x, a["dim"], "features"):  # type: ignore[arg-type]
             return None
