@@ -43,7 +43,7 @@ def test_check_without_spec_uses_embedded_default(capsys: pytest.CaptureFixture[
 def test_check_errors_exit_1_with_rendered_location(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     spec = tmp_path / "broken.par"
     spec.write_text(BROKEN)
-    code, out, err = run(capsys, "check", str(spec))
+    code, _, err = run(capsys, "check", str(spec))
     assert code == 1
     assert f"{spec}:5:7: error[E016]" in err
     assert "  5 |   fc: linear(5, 3)" in err or " 5 |   fc: linear(5, 3)" in err

@@ -21,15 +21,11 @@ FLOAT_DTYPES = ("f32", "bf16", "f16", "f64")
 INT_DTYPES = ("i32", "i64", "i8")
 
 
-def _span() -> Span:
-    return field(default=NO_SPAN, compare=False, repr=False)  # type: ignore[return-value]
-
-
 @dataclass(frozen=True, slots=True)
 class MeshAxis:
     name: str
     size: int
-    span: Span = _span()
+    span: Span = field(default=NO_SPAN, compare=False, repr=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,7 +109,7 @@ class Weight:
     name: str
     type: TensorType
     init: str
-    span: Span = _span()
+    span: Span = field(default=NO_SPAN, compare=False, repr=False)
 
 
 CollectiveKind = Literal["all-reduce", "all-gather", "reduce-scatter", "all-to-all"]
@@ -143,7 +139,7 @@ class Layer:
     # The input's sharding while the layer computes: differs from `input.sharding` where
     # the layer gathers split tokens first (sequence parallelism).
     operand: Sharding = ()
-    span: Span = _span()
+    span: Span = field(default=NO_SPAN, compare=False, repr=False)
 
     def attr(self, name: str) -> object:
         return dict(self.attrs)[name]
@@ -168,7 +164,7 @@ class Residual:
     body: tuple[Node, ...]
     input: TensorType
     output: TensorType
-    span: Span = _span()
+    span: Span = field(default=NO_SPAN, compare=False, repr=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,7 +177,7 @@ class Block:
     body: tuple[Node, ...]
     input: TensorType
     output: TensorType
-    span: Span = _span()
+    span: Span = field(default=NO_SPAN, compare=False, repr=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,7 +188,7 @@ class Layout:
     input: TensorType
     output: TensorType
     collectives: tuple[Collective, ...] = ()
-    span: Span = _span()
+    span: Span = field(default=NO_SPAN, compare=False, repr=False)
 
 
 Node: TypeAlias = Layer | Residual | Block | Layout
@@ -206,7 +202,7 @@ class Chunk:
     stage: int
     virtual: int
     nodes: tuple[Node, ...]
-    span: Span = _span()
+    span: Span = field(default=NO_SPAN, compare=False, repr=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,7 +211,7 @@ class Pipeline:
     schedule: str
     microbatches: int
     virtual: int
-    span: Span = _span()
+    span: Span = field(default=NO_SPAN, compare=False, repr=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -234,14 +230,14 @@ class Train:
     param_dtype: str = "f32"
     compute_dtype: str = "f32"
     optimizer: Optimizer = Optimizer("adamw", ())
-    span: Span = _span()
+    span: Span = field(default=NO_SPAN, compare=False, repr=False)
 
 
 @dataclass(frozen=True, slots=True)
 class Input:
     name: str
     type: TensorType
-    span: Span = _span()
+    span: Span = field(default=NO_SPAN, compare=False, repr=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -254,7 +250,7 @@ class Program:
     chunks: tuple[Chunk, ...]
     pipeline: Pipeline | None
     train: Train
-    span: Span = _span()
+    span: Span = field(default=NO_SPAN, compare=False, repr=False)
 
     def input(self, name: str) -> Input:
         return next(i for i in self.inputs if i.name == name)
