@@ -79,17 +79,14 @@ class TensorType:
         return tuple(a for dim in self.sharding for a in dim)
 
     def local_shape(self, mesh: Mesh) -> tuple[int, ...]:
-        return tuple(
-            -(-n // mesh.size(axes)) for n, axes in zip(self.shape, self.sharding, strict=True)
-        )
+        return tuple(-(-n // mesh.size(axes)) for n, axes in zip(self.shape, self.sharding, strict=True))
 
     def local_nbytes(self, mesh: Mesh) -> int:
         return math.prod(self.local_shape(mesh)) * DTYPE_BYTES[self.dtype]
 
     def describe(self) -> str:
         dims = ", ".join(
-            f"{n}@{_axes_text(axes)}" if axes else str(n)
-            for n, axes in zip(self.shape, self.sharding, strict=True)
+            f"{n}@{_axes_text(axes)}" if axes else str(n) for n, axes in zip(self.shape, self.sharding, strict=True)
         )
         return f"{self.dtype}[{dims}]"
 
