@@ -93,6 +93,14 @@ def _parser() -> argparse.ArgumentParser:
     _set_arg(run)
     run.set_defaults(run=_run)
 
+    plan = sub.add_parser("plan", help="memory, communication, bubble and FLOPs per device, before anything runs")
+    plan.add_argument("spec", help="path of the .par file")
+    plan.add_argument("--mesh", help="mesh sizes in the spec's axis order, e.g. 2x4x2")
+    plan.add_argument("--format", choices=("text", "json"), default="text")
+    plan.add_argument("--device-memory", type=float, metavar="GiB", help="warn when a device needs more than this")
+    _set_arg(plan)
+    plan.set_defaults(run=_plan)
+
     sched = sub.add_parser("schedule", help="print, draw or export a pipeline schedule table")
     sched.add_argument("--kind", required=True, help="gpipe, 1f1b, interleaved-1f1b or zb-h1")
     sched.add_argument("--stages", type=int, required=True)
@@ -299,6 +307,28 @@ def _run(args: argparse.Namespace) -> int:
 
     _save_npz(args.output, {name: np.asarray(value) for name, value in results.items()})
     print(f"{args.output}: " + ", ".join(sorted(results)[:4]) + (", ..." if len(results) > 4 else ""))
+    return EXIT_OK
+
+
+def _plan(args: argparse.Namespace) -> int:
+    import json
+
+    from dslc.plan import plan
+
+    if args.device_memory is not None and not args.device_memory > 0:
+        raise UsageError(f"--device-memory must be a positive number of GiB, got {args.device_memory}")
+    result = _analyze(args)
+    if not result.ok:
+        sources = {result.source.name: result.source.text} if result.source else {}
+        sys.stderr.write(render_text(result.diagnostics, sources))
+        return EXIT_ERRORS
+    assert result.program is not None
+    limit = None if args.device_memory is None else int(args.device_memory * (1 << 30))
+    report = plan(result.program, limit)
+    if args.format == "json":
+        print(json.dumps(report.to_json(), indent=2))
+    else:
+        sys.stdout.write(report.to_text())
     return EXIT_OK
 
 

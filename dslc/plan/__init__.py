@@ -1,0 +1,60 @@
+"""The planner: memory, communication, pipeline bubble and FLOPs of a checked program.
+
+Front-end code: it reads only the IR, the layer rules and the schedule tables, and imports
+no accelerator stack, so `dslc plan` answers before anything is compiled or allocated.
+"""
+
+from __future__ import annotations
+
+from dslc.ir.nodes import Program, weights_by_path
+from dslc.plan.communication import Transfer, communication
+from dslc.plan.flops import Flops, flops
+from dslc.plan.memory import Memory, memory
+from dslc.plan.report import Pipeline, Plan, format_bytes
+from dslc.plan.timetable import timetable
+from dslc.schedules import theoretical_bubble
+
+__all__ = ["Flops", "Memory", "Pipeline", "Plan", "Transfer", "plan"]
+
+
+def plan(program: Program, device_memory: int | None = None) -> Plan:
+    """The plan of one training step of `program`; `device_memory` (bytes per device), when
+    given, is compared with the total."""
+    mem = memory(program)
+    warnings = []
+    if device_memory is not None and mem.total > device_memory:
+        warnings.append(
+            f"each device needs {format_bytes(mem.total)}, more than the {format_bytes(device_memory)} "
+            "given by --device-memory"
+        )
+    return Plan(
+        model=program.name,
+        mesh=tuple(zip(program.mesh.names, program.mesh.shape, strict=True)),
+        parameters=sum(w.type.numel for w in weights_by_path(program).values()),
+        memory=mem,
+        communication=tuple(communication(program)),
+        flops=flops(program),
+        pipeline=_pipeline(program),
+        device_memory=device_memory,
+        warnings=tuple(warnings),
+    )
+
+
+def _pipeline(program: Program) -> Pipeline | None:
+    p = program.pipeline
+    if p is None:
+        return None
+    stages = program.mesh.size((p.axis,))
+    table = timetable(program)
+    if table is None:  # one stage: nothing to schedule
+        return None
+    schedule = table[0]
+    return Pipeline(
+        schedule=p.schedule,
+        stages=stages,
+        microbatches=p.microbatches,
+        virtual=p.virtual,
+        bubble_fraction=schedule.bubble_fraction,
+        theoretical_bubble=theoretical_bubble(p.schedule, stages, p.microbatches, p.virtual),
+        peak_in_flight=max(schedule.peak_in_flight),
+    )

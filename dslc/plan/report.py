@@ -1,0 +1,155 @@
+"""The plan as data, rendered as text for people and JSON for tools."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from dslc.plan.communication import Transfer
+from dslc.plan.flops import Flops
+from dslc.plan.memory import Memory
+
+GIB = 1 << 30
+
+
+@dataclass(frozen=True, slots=True)
+class Pipeline:
+    schedule: str
+    stages: int
+    microbatches: int
+    virtual: int
+    bubble_fraction: float
+    theoretical_bubble: float
+    peak_in_flight: int
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """What one training step of a checked program needs, per device, before anything runs."""
+
+    model: str
+    mesh: tuple[tuple[str, int], ...]
+    parameters: int
+    memory: Memory
+    communication: tuple[Transfer, ...]
+    flops: Flops
+    pipeline: Pipeline | None
+    device_memory: int | None
+    warnings: tuple[str, ...]
+
+    @property
+    def devices(self) -> int:
+        n = 1
+        for _, size in self.mesh:
+            n *= size
+        return n
+
+    def to_json(self) -> dict[str, Any]:
+        m = self.memory
+        by_kind: dict[str, int] = {}
+        by_axis: dict[str, int] = {}
+        for t in self.communication:
+            by_kind[t.kind] = by_kind.get(t.kind, 0) + t.bytes
+            axes = ",".join(t.axes)
+            by_axis[axes] = by_axis.get(axes, 0) + t.bytes
+        return {
+            "model": self.model,
+            "mesh": dict(self.mesh),
+            "devices": self.devices,
+            "parameters": self.parameters,
+            "memory": {
+                "params": m.params,
+                "grads": m.grads,
+                "grad_accumulator": m.grad_accumulator,
+                "optimizer": m.optimizer,
+                "inputs": m.inputs,
+                "activations": m.activations,
+                "temporaries": m.temporaries,
+                "grads_step": m.grads_step,
+                "total": m.total,
+                "details": [{"what": what, "bytes": size} for what, size in m.details],
+            },
+            "communication": {
+                "transfers": [
+                    {"kind": t.kind, "axes": list(t.axes), "phase": t.phase, "bytes": t.bytes, "count": t.count}
+                    for t in self.communication
+                ],
+                "by_kind": by_kind,
+                "by_axis": by_axis,
+                "total": sum(t.bytes for t in self.communication),
+            },
+            "flops": {
+                "forward": self.flops.forward,
+                "backward": self.flops.backward,
+                "recompute": self.flops.recompute,
+                "pipeline_recompute": self.flops.pipeline_recompute,
+                "model": self.flops.model,
+                "total": self.flops.total,
+                "per_device": self.flops.total // self.devices,
+            },
+            "pipeline": None
+            if self.pipeline is None
+            else {
+                "schedule": self.pipeline.schedule,
+                "stages": self.pipeline.stages,
+                "microbatches": self.pipeline.microbatches,
+                "virtual": self.pipeline.virtual,
+                "bubble_fraction": self.pipeline.bubble_fraction,
+                "theoretical_bubble": self.pipeline.theoretical_bubble,
+                "peak_in_flight": self.pipeline.peak_in_flight,
+            },
+            "device_memory": self.device_memory,
+            "fits": None if self.device_memory is None else m.total <= self.device_memory,
+            "warnings": list(self.warnings),
+        }
+
+    def to_text(self) -> str:
+        m = self.memory
+        mesh = "x".join(str(s) for _, s in self.mesh) + " (" + ", ".join(n for n, _ in self.mesh) + ")"
+        lines = [f"plan for {self.model} on mesh {mesh}, {self.devices} devices, {self.parameters:,} parameters", ""]
+        lines.append("memory per device")
+        rows = [
+            ("parameters", m.params),
+            ("gradients", m.grads),
+            ("gradient accumulators", m.grad_accumulator),
+            ("optimizer state", m.optimizer),
+            ("inputs", m.inputs),
+            ("activations", m.activations),
+            ("temporaries", m.temporaries),
+        ]
+        lines += [f"  {name:<24}{format_bytes(size):>12}" for name, size in rows]
+        lines.append(f"  {'total':<24}{format_bytes(m.total):>12}")
+        lines += [f"    {format_bytes(size):>10}  {what}" for what, size in m.details]
+        lines += ["", "communication per device per step (ring algorithms)"]
+        lines += [
+            f"  {t.kind:<15}{','.join(t.axes):<14}{t.phase:<11}{format_bytes(t.bytes):>12}  x{t.count}"
+            for t in self.communication
+        ] or ["  none"]
+        lines.append(f"  {'total':<40}{format_bytes(sum(t.bytes for t in self.communication)):>12}")
+        f = self.flops
+        lines += [
+            "",
+            "FLOPs per step (whole mesh)",
+            f"  forward {f.forward:.4g}, backward {f.backward:.4g}, recompute {f.recompute:.4g}"
+            + (f", pipeline recompute {f.pipeline_recompute:.4g}" if f.pipeline_recompute else ""),
+            f"  total {f.total:.4g} ({f.total / self.devices:.4g} per device)",
+        ]
+        if self.pipeline is not None:
+            p = self.pipeline
+            lines += [
+                "",
+                f"pipeline {p.schedule}: {p.stages} stages, {p.microbatches} microbatches"
+                + (f", {p.virtual} chunks per stage" if p.virtual > 1 else "")
+                + f"; bubble {p.bubble_fraction:.1%} (closed form {p.theoretical_bubble:.1%}),"
+                f" at most {p.peak_in_flight} microbatches in flight per stage",
+            ]
+        lines += [f"warning: {w}" for w in self.warnings]
+        return "\n".join(lines) + "\n"
+
+
+def format_bytes(n: int) -> str:
+    """Bytes in binary units, as people read them."""
+    for unit, scale in (("GiB", GIB), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} B"
