@@ -1,0 +1,322 @@
+"""An independent single-device reference for the numerics of a checked spec.
+
+Given the IR, a weights dict (dotted name -> array, as `Program.export_weights` gives) and a
+batch, it computes the activation fed to the loss, the loss and the gradient of the loss with
+respect to every weight, with plain `jax.numpy` on one device: no mesh, no sharding, nothing
+from `dslc.lower` and no `LayerRule.apply`. Each layer kind's math is written out here a
+second time, on purpose in a different form from the backend's where there is a choice
+(a gather rather than a one-hot product for embeddings, attention per head with the key/value
+heads repeated rather than a grouped einsum, convolution as a sum of shifted matrix products).
+
+Precision follows the spec's `train` section: weights are stored in `param_dtype` and cast to
+`compute_dtype` where they are used; every matrix product takes operands in the compute dtype,
+accumulates in f32 and rounds its result to the compute dtype; every layer's output has the
+dtype the IR gives it. Statistics (norms, softmax, log-sum-exp, the loss) are computed in f32.
+Dropout is the identity: forward, loss and gradients are evaluated with dropout off.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dslc.ir import nodes as ir
+
+DTYPES: dict[str, Any] = {
+    "f32": jnp.float32,
+    "bf16": jnp.bfloat16,
+    "f16": jnp.float16,
+    "f64": jnp.float64,
+    "i32": jnp.int32,
+    "i64": jnp.int64,
+    "i8": jnp.int8,
+    "bool": jnp.bool_,
+}
+
+Array = jax.Array
+Weights = dict[str, Array]
+
+
+@dataclass(frozen=True)
+class Reference:
+    """What the reference computed: the activation fed to the loss (the model's last output
+    when there is no loss), the loss (None without one) and the gradient of every weight."""
+
+    output: np.ndarray
+    loss: float | None
+    grads: dict[str, np.ndarray]
+
+
+@dataclass(frozen=True)
+class _Context:
+    compute: Any
+    batch: Mapping[str, Array]
+    # Set when the caller overrides the compute dtype: every float activation takes it.
+    every_float: bool = False
+
+    def dtype(self, t: ir.TensorType) -> Any:
+        """The dtype of an activation the IR types as `t`."""
+        return self.compute if self.every_float and t.dtype in ir.FLOAT_DTYPES else DTYPES[t.dtype]
+
+
+def evaluate(
+    program: ir.Program,
+    weights: Mapping[str, Any],
+    batch: Mapping[str, Any],
+    compute_dtype: str | None = None,
+) -> Reference:
+    """Run `program` on one device with `weights` and `batch` (see the module docstring).
+
+    `compute_dtype` replaces the spec's, for every float activation too: "f32" gives the
+    exact result that a bf16 spec approximates."""
+    device = jax.devices()[0]
+    declared = ir.weights_by_path(program)
+    assert set(weights) == set(declared), sorted(set(weights) ^ set(declared))
+    params = {
+        name: jax.device_put(np.asarray(weights[name]).astype(DTYPES[w.type.dtype]), device)
+        for name, w in declared.items()
+    }
+    inputs = {
+        i.name: jax.device_put(np.asarray(batch[i.name]).astype(DTYPES[i.type.dtype]), device)
+        for i in program.inputs
+        if i.name in batch
+    }
+    body, loss_layer = _split_loss(program)
+    ctx = _Context(DTYPES[compute_dtype or program.train.compute_dtype], inputs, every_float=compute_dtype is not None)
+
+    def forward(p: Weights) -> Array:
+        return _run(body, inputs[program.stream], p, ctx)
+
+    if loss_layer is None:
+        output = jax.jit(forward)(params)
+        return Reference(np.asarray(output), None, {})
+
+    def loss(p: Weights) -> tuple[Array, Array]:
+        y = forward(p)
+        return LOSSES[loss_layer.kind](loss_layer, y, ctx), y
+
+    (value, output), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
+    return Reference(np.asarray(output), float(value), {name: np.asarray(g) for name, g in grads.items()})
+
+
+def _split_loss(program: ir.Program) -> tuple[list[ir.Node], ir.Layer | None]:
+    nodes = [node for chunk in program.chunks for node in chunk.nodes]
+    last = nodes[-1] if nodes else None
+    if isinstance(last, ir.Layer) and last.kind in LOSSES:
+        return nodes[:-1], last
+    return nodes, None
+
+
+def _run(nodes: list[ir.Node] | tuple[ir.Node, ...], x: Array, params: Weights, ctx: _Context) -> Array:
+    for node in nodes:
+        match node:
+            case ir.Layer():
+                w = {weight.name: params[f"{node.path}.{weight.name}"].astype(ctx.compute) for weight in node.weights}
+                x = LAYERS[node.kind](node, w, x, ctx).astype(ctx.dtype(node.output))
+            case ir.Residual():
+                x = (x + _run(node.body, x, params, ctx)).astype(ctx.dtype(node.output))
+            case ir.Block():
+                # Checkpointing changes what is stored, never a number.
+                x = _run(node.body, x, params, ctx)
+            case ir.Layout():
+                pass
+    return x
+
+
+# ---- arithmetic -------------------------------------------------------------------------------
+
+
+def _matmul(spec: str, a: Array, b: Array, ctx: _Context) -> Array:
+    """A product with operands in the compute dtype, f32 accumulation, compute-dtype result."""
+    out = jnp.einsum(
+        spec,
+        a.astype(ctx.compute),
+        b.astype(ctx.compute),
+        precision=jax.lax.Precision.HIGHEST,
+        preferred_element_type=jnp.float32,
+    )
+    return out.astype(ctx.compute)
+
+
+def _f32(x: Array) -> Array:
+    return x.astype(jnp.float32)
+
+
+def _sigmoid(x: Array) -> Array:
+    return 1.0 / (1.0 + jnp.exp(-x))
+
+
+def _gelu_tanh(x: Array) -> Array:
+    return 0.5 * x * (1.0 + jnp.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x**3)))
+
+
+def _softmax(x: Array) -> Array:
+    e = jnp.exp(x - jax.lax.stop_gradient(x.max(-1, keepdims=True)))
+    return e / e.sum(-1, keepdims=True)
+
+
+def _logsumexp(x: Array) -> Array:
+    m = jax.lax.stop_gradient(x.max(-1, keepdims=True))
+    return (m + jnp.log(jnp.exp(x - m).sum(-1, keepdims=True)))[..., 0]
+
+
+# ---- the layer kinds --------------------------------------------------------------------------
+
+
+def linear(layer: ir.Layer, w: Weights, x: Array, ctx: _Context) -> Array:
+    y = _matmul("...i,io->...o", x, w["kernel"], ctx)
+    return y + w["bias"] if "bias" in w else y
+
+
+def swiglu(layer: ir.Layer, w: Weights, x: Array, ctx: _Context) -> Array:
+    gate = _f32(_matmul("...i,io->...o", x, w["gate"], ctx))
+    up = _f32(_matmul("...i,io->...o", x, w["up"], ctx))
+    return gate * _sigmoid(gate) * up
+
+
+def embed(layer: ir.Layer, w: Weights, ids: Array, ctx: _Context) -> Array:
+    return w["table"][ids]
+
+
+def layernorm(layer: ir.Layer, w: Weights, x: Array, ctx: _Context) -> Array:
+    h = _f32(x)
+    mean = h.mean(-1, keepdims=True)
+    var = ((h - mean) ** 2).mean(-1, keepdims=True)
+    eps = float(layer.attr("eps"))  # type: ignore[arg-type]
+    y = (h - mean) / jnp.sqrt(var + eps) * _f32(w["scale"])
+    return y + _f32(w["bias"]) if "bias" in w else y
+
+
+def rmsnorm(layer: ir.Layer, w: Weights, x: Array, ctx: _Context) -> Array:
+    h = _f32(x)
+    eps = float(layer.attr("eps"))  # type: ignore[arg-type]
+    return h / jnp.sqrt((h**2).mean(-1, keepdims=True) + eps) * _f32(w["scale"])
+
+
+def _rotate(t: Array, base: float) -> Array:
+    """Rotary embedding, rotate-half convention, on [batch, seq, heads, head_dim]; f32."""
+    seq, head_dim = t.shape[1], t.shape[3]
+    half = head_dim // 2
+    freqs = base ** (-np.arange(half, dtype=np.float64) / half)
+    angle = np.arange(seq, dtype=np.float64)[:, None] * freqs[None, :]
+    cos = jnp.asarray(np.cos(angle), jnp.float32)[None, :, None, :]
+    sin = jnp.asarray(np.sin(angle), jnp.float32)[None, :, None, :]
+    t1, t2 = _f32(t[..., :half]), _f32(t[..., half:])
+    return jnp.concatenate([t1 * cos - t2 * sin, t1 * sin + t2 * cos], axis=-1)
+
+
+def attention(layer: ir.Layer, w: Weights, x: Array, ctx: _Context) -> Array:
+    heads, kv_heads, head_dim = layer.attr("heads"), layer.attr("kv_heads"), layer.attr("head_dim")
+    assert isinstance(heads, int) and isinstance(kv_heads, int) and isinstance(head_dim, int)
+    b, s, _ = x.shape
+    q = _matmul("bsd,de->bse", x, w["q"], ctx).reshape(b, s, heads, head_dim)
+    k = _matmul("bsd,de->bse", x, w["k"], ctx).reshape(b, s, kv_heads, head_dim)
+    v = _matmul("bsd,de->bse", x, w["v"], ctx).reshape(b, s, kv_heads, head_dim)
+    if layer.attr("rope"):
+        base = float(layer.attr("rope_base"))  # type: ignore[arg-type]
+        q = _rotate(q, base).astype(ctx.compute)
+        k = _rotate(k, base).astype(ctx.compute)
+    # Query head i reads key/value head i // (heads // kv_heads).
+    group = heads // kv_heads
+    k = jnp.repeat(k, group, axis=2)
+    v = jnp.repeat(v, group, axis=2)
+    # Every query head attends on its own, to its own (repeated) key/value head.
+    scores = _f32(_matmul("bqhd,bkhd->bhqk", q, k, ctx)) / math.sqrt(head_dim)
+    if layer.attr("causal"):
+        scores = jnp.where(np.triu(np.ones((s, s), dtype=bool), k=1), -jnp.inf, scores)
+    out = _matmul("bhqk,bkhd->bqhd", _softmax(scores), v, ctx).reshape(b, s, heads * head_dim)
+    return _matmul("bse,ed->bsd", out, w["o"], ctx)
+
+
+def gelu(layer: ir.Layer, w: Weights, x: Array, ctx: _Context) -> Array:
+    return _gelu_tanh(_f32(x))
+
+
+def relu(layer: ir.Layer, w: Weights, x: Array, ctx: _Context) -> Array:
+    return jnp.where(x > 0, x, jnp.zeros_like(x))
+
+
+def silu(layer: ir.Layer, w: Weights, x: Array, ctx: _Context) -> Array:
+    h = _f32(x)
+    return h * _sigmoid(h)
+
+
+def dropout(layer: ir.Layer, w: Weights, x: Array, ctx: _Context) -> Array:
+    return x
+
+
+def conv(layer: ir.Layer, w: Weights, x: Array, ctx: _Context) -> Array:
+    """'same' padding as XLA defines it (the odd pixel of padding goes after), as a sum over
+    the window of strided slices each multiplied by one tap of the kernel."""
+    size, stride = layer.attr("kernel"), layer.attr("stride")
+    assert isinstance(size, int) and isinstance(stride, int)
+    _, height, width, _ = x.shape
+    out_h, out_w = -(-height // stride), -(-width // stride)
+    pad_h = max((out_h - 1) * stride + size - height, 0)
+    pad_w = max((out_w - 1) * stride + size - width, 0)
+    padded = jnp.pad(x, ((0, 0), (pad_h // 2, pad_h - pad_h // 2), (pad_w // 2, pad_w - pad_w // 2), (0, 0)))
+    y = jnp.zeros((*x.shape[:1], out_h, out_w, w["kernel"].shape[3]), jnp.float32)
+    for i in range(size):
+        for j in range(size):
+            window = padded[:, i : i + (out_h - 1) * stride + 1 : stride, j : j + (out_w - 1) * stride + 1 : stride, :]
+            y = y + _f32(_matmul("bhwi,io->bhwo", window, w["kernel"][i, j], ctx))
+    y = y.astype(ctx.compute)
+    return y + w["bias"] if "bias" in w else y
+
+
+def moe(layer: ir.Layer, w: Weights, x: Array, ctx: _Context) -> Array:
+    experts, top_k = layer.attr("experts"), layer.attr("top_k")
+    assert isinstance(experts, int) and isinstance(top_k, int)
+    probs = _softmax(_f32(_matmul("...d,de->...e", x, w["router"], ctx)))
+    # The k most probable experts per token, by sorting (ties do not occur with real data).
+    chosen = jnp.argsort(-jax.lax.stop_gradient(probs), axis=-1)[..., :top_k]
+    picked = jnp.take_along_axis(probs, chosen, axis=-1)
+    gates = picked / picked.sum(-1, keepdims=True)
+    y = jnp.zeros(x.shape, jnp.float32)
+    for e in range(experts):
+        gate = jnp.where(chosen == e, gates, 0.0).sum(-1, keepdims=True)
+        hidden = _gelu_tanh(_f32(_matmul("...d,df->...f", x, w["w_in"][e], ctx)))
+        y = y + gate * _f32(_matmul("...f,fd->...d", hidden, w["w_out"][e], ctx))
+    return y
+
+
+LayerMath = Callable[[ir.Layer, Weights, Array, _Context], Array]
+
+LAYERS: dict[str, LayerMath] = {
+    "linear": linear,
+    "swiglu": swiglu,
+    "embed": embed,
+    "layernorm": layernorm,
+    "rmsnorm": rmsnorm,
+    "attention": attention,
+    "gelu": gelu,
+    "relu": relu,
+    "silu": silu,
+    "dropout": dropout,
+    "conv": conv,
+    "moe": moe,
+}
+
+
+# ---- losses -----------------------------------------------------------------------------------
+
+
+def cross_entropy(layer: ir.Layer, logits: Array, ctx: _Context) -> Array:
+    logits = _f32(logits)
+    targets = ctx.batch[str(layer.attr("targets"))]
+    target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    return jnp.mean(_logsumexp(logits) - target_logit)
+
+
+def mse(layer: ir.Layer, y: Array, ctx: _Context) -> Array:
+    diff = _f32(y) - _f32(ctx.batch[str(layer.attr("targets"))])
+    return jnp.mean(diff**2)
+
+
+LOSSES: dict[str, Callable[[ir.Layer, Array, _Context], Array]] = {"cross_entropy": cross_entropy, "mse": mse}
