@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from dslc.diagnostics import Label
 from dslc.ir.nodes import TensorType
 from dslc.layers.base import (
@@ -144,35 +142,5 @@ class Attention(LayerRule):
         scores_and_mix = 2 * 2 * b * h * s * s * hd
         return projections + scores_and_mix
 
-    def apply(self, a: Attrs, w: dict[str, Any], x: Any, rt: Any) -> Any:
-        jnp = rt.jnp
-        b, s, _ = x.shape
-        h, kv, hd = a["heads"], a["kv_heads"], a["head_dim"]
-        assert isinstance(h, int) and isinstance(kv, int) and isinstance(hd, int)
-        x = x.astype(rt.compute_dtype)
-        q = jnp.einsum("bsd,de->bse", x, w["q"]).reshape(b, s, h, hd)
-        k = jnp.einsum("bsd,de->bse", x, w["k"]).reshape(b, s, kv, hd)
-        v = jnp.einsum("bsd,de->bse", x, w["v"]).reshape(b, s, kv, hd)
-        if a["rope"]:
-            q, k = _rotary(q, a["rope_base"], rt), _rotary(k, a["rope_base"], rt)  # type: ignore[arg-type]
-        # Grouped-query: the h query heads form kv groups, each sharing one key/value head.
-        q = q.reshape(b, s, kv, h // kv, hd)
-        scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k).astype(jnp.float32) * hd**-0.5
-        if a["causal"]:
-            mask = jnp.tril(jnp.ones((s, s), dtype=bool))
-            scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
-        probs = rt.nn.softmax(scores, axis=-1).astype(rt.compute_dtype)
-        out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v).reshape(b, s, h * hd)
-        return jnp.einsum("bse,ed->bsd", out, w["o"])
-
-
-def _rotary(t: Any, base: float, rt: Any) -> Any:
-    """Rotary position embedding on [batch, seq, heads, head_dim] (rotate-half layout)."""
-    jnp = rt.jnp
-    s, hd = t.shape[1], t.shape[-1]
-    half = hd // 2
-    freqs = base ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    angles = jnp.arange(s, dtype=jnp.float32)[:, None] * freqs[None, :]
-    cos, sin = jnp.cos(angles)[None, :, None, :], jnp.sin(angles)[None, :, None, :]
-    t1, t2 = t[..., :half].astype(jnp.float32), t[..., half:].astype(jnp.float32)
-    return jnp.concatenate([t1 * cos - t2 * sin, t1 * sin + t2 * cos], axis=-1).astype(t.dtype)
+    def kernel_args(self, a: Attrs, dtype: str) -> dict[str, object]:
+        return {name: a[name] for name in ("heads", "kv_heads", "causal", "rope", "rope_base")} | {"dtype": dtype}

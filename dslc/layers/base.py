@@ -1,7 +1,9 @@
 """What every layer kind knows: its arguments, its weights, its shape and sharding rule, its cost.
 
 A rule is consulted by the elaborator (arguments, weights), the shape pass (`infer`), the
-planner (`flops`) and, later, the backends. Nothing about a layer kind lives anywhere else.
+planner (`flops`) and the backends (`kernel`, `kernel_args`: which function of
+`dslc.kernels.layers` computes it, with which static arguments). Nothing about a layer kind
+lives anywhere else.
 """
 
 from __future__ import annotations
@@ -9,7 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal
+from typing import ClassVar, Literal
 
 from dslc.diagnostics import Diagnostics, Label, Span
 from dslc.ir.nodes import Axes, Collective, CollectiveKind, Input, Mesh, Sharding, TensorType
@@ -132,12 +134,22 @@ class LayerRule:
         """Forward FLOPs for the whole (global) batch; a multiply-add counts two."""
         return 0
 
-    def apply(self, a: Attrs, w: dict[str, Any], x: Any, rt: Any) -> Any:
-        """The layer's computation on arrays (global view; `rt` is dslc.lower.runtime.Runtime).
+    # The function in `dslc.kernels.layers` that computes this layer; both backends call it
+    # the same way (see that module's conventions). Defaults to the kind's own name.
+    @property
+    def kernel(self) -> str:
+        return self.kind
 
-        Weights arrive in the compute dtype; the caller pins the output's sharding.
+    # True when the kernel draws random numbers: it then takes `key` (None when evaluating).
+    random: ClassVar[bool] = False
+
+    def kernel_args(self, a: Attrs, dtype: str) -> dict[str, object]:
+        """The kernel's static keyword arguments; `dtype` names the compute dtype ("bfloat16").
+
+        Arguments of type "input" are not listed here: the caller passes the named input's
+        array under the argument's own name.
         """
-        raise NotImplementedError(self.kind)
+        return {}
 
 
 # ---- shared sharding algebra --------------------------------------------------------------------

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from dslc.diagnostics import Label
 from dslc.ir.nodes import TensorType
 from dslc.layers.base import ArgSpec, Attrs, Context, LayerRule, WeightSpec, contract, expect_features, same_sharding
@@ -64,13 +62,5 @@ class Conv(LayerRule):
         assert isinstance(k, int)
         return 2 * y.numel * k * k * x.shape[3]
 
-    def apply(self, a: Attrs, w: dict[str, Any], x: Any, rt: Any) -> Any:
-        stride = a["stride"]
-        y = rt.lax.conv_general_dilated(
-            x.astype(rt.compute_dtype),
-            w["kernel"],
-            window_strides=(stride, stride),
-            padding="SAME",
-            dimension_numbers=("NHWC", "HWIO", "NHWC"),
-        )
-        return y + w["bias"] if "bias" in w else y
+    def kernel_args(self, a: Attrs, dtype: str) -> dict[str, object]:
+        return {"stride": a["stride"], "dtype": dtype}

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from dslc.diagnostics import Label
 from dslc.ir.nodes import INT_DTYPES, TensorType
 from dslc.layers.base import (
@@ -43,9 +41,8 @@ class Linear(LayerRule):
     def flops(self, a: Attrs, x: TensorType, y: TensorType) -> int:
         return 2 * y.numel * a["in"]  # type: ignore[operator]
 
-    def apply(self, a: Attrs, w: dict[str, Any], x: Any, rt: Any) -> Any:
-        y = rt.jnp.einsum("...i,io->...o", x.astype(rt.compute_dtype), w["kernel"])
-        return y + w["bias"] if "bias" in w else y
+    def kernel_args(self, a: Attrs, dtype: str) -> dict[str, object]:
+        return {"dtype": dtype}
 
 
 class SwiGLU(LayerRule):
@@ -70,10 +67,8 @@ class SwiGLU(LayerRule):
     def flops(self, a: Attrs, x: TensorType, y: TensorType) -> int:
         return 4 * y.numel * a["in"] + 4 * y.numel  # type: ignore[operator]
 
-    def apply(self, a: Attrs, w: dict[str, Any], x: Any, rt: Any) -> Any:
-        x = x.astype(rt.compute_dtype)
-        gate = rt.jnp.einsum("...i,io->...o", x, w["gate"])
-        return rt.nn.silu(gate) * rt.jnp.einsum("...i,io->...o", x, w["up"])
+    def kernel_args(self, a: Attrs, dtype: str) -> dict[str, object]:
+        return {"dtype": dtype}
 
 
 class Embed(LayerRule):
@@ -100,8 +95,5 @@ class Embed(LayerRule):
         ctx.collective("all-reduce", table.sharding[0], y, f"`{ctx.path}`: combine vocab-parallel lookups")
         return y
 
-    def apply(self, a: Attrs, w: dict[str, Any], x: Any, rt: Any) -> Any:
-        # A one-hot contraction rather than a gather: with the table split over the vocabulary
-        # it is exactly Megatron's masked local lookup followed by one all-reduce.
-        one_hot = rt.nn.one_hot(x, a["vocab"], dtype=rt.compute_dtype)
-        return rt.jnp.einsum("...v,vd->...d", one_hot, w["table"])
+    def kernel_args(self, a: Attrs, dtype: str) -> dict[str, object]:
+        return {"dtype": dtype}

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from dslc.diagnostics import Label
 from dslc.ir.nodes import FLOAT_DTYPES, TensorType
 from dslc.layers.base import ArgSpec, Attrs, Context, LayerRule
@@ -30,17 +28,11 @@ class Relu(Elementwise):
     kind = "relu"
     doc = "max(x, 0)."
 
-    def apply(self, a: Attrs, w: dict[str, Any], x: Any, rt: Any) -> Any:
-        return rt.nn.relu(x)
-
 
 class Gelu(Elementwise):
     kind = "gelu"
     doc = "Gaussian error linear unit (tanh approximation)."
     cost = 8
-
-    def apply(self, a: Attrs, w: dict[str, Any], x: Any, rt: Any) -> Any:
-        return rt.nn.gelu(x, approximate=True)
 
 
 class Silu(Elementwise):
@@ -48,14 +40,12 @@ class Silu(Elementwise):
     doc = "x * sigmoid(x)."
     cost = 4
 
-    def apply(self, a: Attrs, w: dict[str, Any], x: Any, rt: Any) -> Any:
-        return rt.nn.silu(x)
-
 
 class Dropout(Elementwise):
     kind = "dropout"
     doc = "Zeroes a fraction `rate` of activations while training; the identity otherwise."
     args = (ArgSpec("rate", "float", doc="fraction dropped, in [0, 1)", positive=False),)
+    random = True
 
     def validate(self, a: Attrs, ctx: Context) -> bool:
         rate = a["rate"]
@@ -65,9 +55,5 @@ class Dropout(Elementwise):
             return False
         return True
 
-    def apply(self, a: Attrs, w: dict[str, Any], x: Any, rt: Any) -> Any:
-        rate = a["rate"]
-        if not rt.training or rate == 0.0:
-            return x
-        keep = rt.jax.random.bernoulli(rt.rng(rt.path), 1.0 - rate, x.shape)  # type: ignore[operator]
-        return rt.jnp.where(keep, x / (1.0 - rate), 0).astype(x.dtype)  # type: ignore[operator]
+    def kernel_args(self, a: Attrs, dtype: str) -> dict[str, object]:
+        return {"rate": a["rate"]}

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from dslc.diagnostics import Label
 from dslc.ir.nodes import INT_DTYPES, TensorType, replicated
 from dslc.layers.base import ArgSpec, Attrs, Context, LayerRule
@@ -53,15 +51,6 @@ class CrossEntropy(LayerRule):
     def flops(self, a: Attrs, x: TensorType, y: TensorType) -> int:
         return 6 * x.numel
 
-    def apply(self, a: Attrs, w: dict[str, Any], x: Any, rt: Any) -> Any:
-        jnp = rt.jnp
-        logits = x.astype(jnp.float32)
-        targets = rt.inputs[a["targets"]]
-        # The target logit picked by a one-hot product: over vocab-split logits this is a
-        # local partial sum and one all-reduce (Megatron's vocab-parallel cross-entropy).
-        picked = jnp.sum(logits * rt.nn.one_hot(targets, logits.shape[-1], dtype=jnp.float32), axis=-1)
-        return jnp.mean(rt.nn.logsumexp(logits, axis=-1) - picked)
-
 
 class MeanSquaredError(LayerRule):
     kind = "mse"
@@ -90,8 +79,3 @@ class MeanSquaredError(LayerRule):
 
     def flops(self, a: Attrs, x: TensorType, y: TensorType) -> int:
         return 3 * x.numel
-
-    def apply(self, a: Attrs, w: dict[str, Any], x: Any, rt: Any) -> Any:
-        jnp = rt.jnp
-        diff = x.astype(jnp.float32) - rt.inputs[a["targets"]].astype(jnp.float32)
-        return jnp.mean(diff * diff)

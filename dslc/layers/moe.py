@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from dslc.diagnostics import Label
 from dslc.ir.nodes import TensorType
 from dslc.layers.base import ArgSpec, Attrs, Context, LayerRule, WeightSpec, expect_features, fmt_axes, same_sharding
@@ -68,15 +66,5 @@ class MoE(LayerRule):
         assert isinstance(d, int) and isinstance(f, int) and isinstance(e, int) and isinstance(k, int)
         return 2 * tokens * d * e + k * tokens * 4 * d * f
 
-    def apply(self, a: Attrs, w: dict[str, Any], x: Any, rt: Any) -> Any:
-        # Exact top-k mixture: every expert sees every token and the gates pick k of them.
-        # No token is dropped, so `capacity` does not change the result here.
-        jnp = rt.jnp
-        x = x.astype(rt.compute_dtype)
-        probs = rt.nn.softmax(jnp.einsum("...d,de->...e", x, w["router"]).astype(jnp.float32), axis=-1)
-        top, chosen = rt.lax.top_k(probs, a["top_k"])
-        gates = top / top.sum(-1, keepdims=True)
-        combine = jnp.einsum("...k,...ke->...e", gates, rt.nn.one_hot(chosen, a["experts"], dtype=jnp.float32))
-        hidden = rt.nn.gelu(jnp.einsum("...d,edf->...ef", x, w["w_in"]), approximate=True)
-        per_expert = jnp.einsum("...ef,efd->...ed", hidden, w["w_out"])
-        return jnp.einsum("...e,...ed->...d", combine.astype(rt.compute_dtype), per_expert)
+    def kernel_args(self, a: Attrs, dtype: str) -> dict[str, object]:
+        return {"top_k": a["top_k"], "dtype": dtype}

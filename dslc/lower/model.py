@@ -17,6 +17,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from dslc.ir import nodes as ir
+from dslc.kernels import layers as kernels
 from dslc.layers import LOSS_KINDS, RULES
 from dslc.lower.runtime import JNP_DTYPES, Runtime, path_key
 
@@ -143,7 +144,6 @@ def _scan(run: tuple[ir.Node, ...], x: jax.Array, params: Params, rt: Runtime) -
 def _run(node: ir.Node, x: jax.Array, params: Params, rt: Runtime) -> jax.Array:
     match node:
         case ir.Layer():
-            rule = RULES[node.kind]
             # Parameters stored split over the data axes (ZeRO-3 / FSDP) are gathered to the
             # layout the layer computes with; for the others this constraint changes nothing.
             weights = {
@@ -152,8 +152,7 @@ def _run(node: ir.Node, x: jax.Array, params: Params, rt: Runtime) -> jax.Array:
             }
             if node.operand != node.input.sharding:
                 x = rt.constrain(x, node.operand)
-            rt.path = node.path
-            y = rule.apply(dict(node.attrs), weights, x, rt)
+            y = call_kernel(node, x, weights, rt)
             if node.output.rank:
                 y = rt.constrain(y, node.output.sharding)
             return rt.name(y, node.path)
@@ -166,6 +165,19 @@ def _run(node: ir.Node, x: jax.Array, params: Params, rt: Runtime) -> jax.Array:
             return rt.constrain(x, node.output.sharding)
         case _:
             assert_never(node)
+
+
+def call_kernel(layer: ir.Layer, x: jax.Array, weights: dict[str, jax.Array], rt: Runtime) -> jax.Array:
+    """Compute one layer with its kernel, called as `dslc.kernels.layers` prescribes."""
+    rule = RULES[layer.kind]
+    attrs = dict(layer.attrs)
+    arrays: dict[str, jax.Array | None] = {
+        arg.name: rt.inputs[attrs[arg.name]] for arg in rule.args if arg.type == "input"
+    }  # type: ignore[index]
+    if rule.random:
+        arrays["key"] = rt.rng(layer.path) if rt.training else None
+    static = rule.kernel_args(attrs, jnp.dtype(rt.compute_dtype).name)
+    return getattr(kernels, rule.kernel)(x, **weights, **arrays, **static)  # type: ignore[no-any-return]
 
 
 def _remat(block: ir.Block, body: Callable[[jax.Array, Params], jax.Array]) -> Callable[[jax.Array, Params], jax.Array]:
@@ -204,4 +216,4 @@ def run_loss(program: ir.Program, params: Params, batch: dict[str, jax.Array], r
     body, loss = split_loss(program)
     assert loss is not None, "run_loss needs a spec that ends in a loss"
     y = forward_nodes(body, batch[program.stream], params, rt)
-    return RULES[loss.kind].apply(dict(loss.attrs), {}, y, rt).astype(jnp.float32)
+    return call_kernel(loss, y, {}, rt)

@@ -25,8 +25,8 @@ from jax import lax
 from jax.sharding import PartitionSpec
 
 from dslc.ir import nodes as ir
-from dslc.layers import LOSS_KINDS, RULES
-from dslc.lower.model import Params, forward_nodes
+from dslc.layers import LOSS_KINDS
+from dslc.lower.model import Params, call_kernel, forward_nodes
 from dslc.lower.runtime import JNP_DTYPES, Runtime
 from dslc.schedules import build
 from dslc.schedules.buffers import BACKWARD, FORWARD, IDLE, INPUT_GRAD, WEIGHT_GRAD, ExecutionPlan, plan
@@ -104,8 +104,7 @@ class PipelineExecutor:
             )
             y = forward_nodes(nodes, x, params, rt)
             if c == len(self.chunks) - 1:
-                rule = RULES[self.loss_layer.kind]
-                return rule.apply(dict(self.loss_layer.attrs), {}, y, rt).astype(jnp.float32)
+                return call_kernel(self.loss_layer, y, {}, rt)
             return y
 
         return run

@@ -1,8 +1,4 @@
-"""What a layer rule sees while it runs: the array library, the mesh, the batch, the mode.
-
-Layer rules import nothing from jax themselves (the front end must work without it); they
-reach jax through this object, which exists only once lowering has started.
-"""
+"""What the interpreter carries while it runs a model: the mesh, the batch, the mode."""
 
 from __future__ import annotations
 
@@ -45,16 +41,9 @@ class Runtime:
     inputs: dict[str, jax.Array]
     training: bool = False
     dropout_key: jax.Array | None = None
-    # The layer being applied; the interpreter sets it (dropout keys are derived from it).
-    path: str = ""
     # Inside the pipeline executor the stage axis is manual: shardings are then given as
     # bare specs over the remaining (automatic) axes of the context mesh.
     manual_axes: tuple[str, ...] = ()
-
-    jax = jax
-    jnp = jnp
-    lax = jax.lax
-    nn = jax.nn
 
     def constrain(self, x: jax.Array, sharding: Sharding) -> jax.Array:
         """Pin an activation to the sharding the IR gave it; XLA places the collectives."""
