@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dslc.diagnostics import Label
-from dslc.ir.nodes import TensorType
+from dslc.ir.nodes import Sharding, TensorType
 from dslc.layers.base import (
     ArgSpec,
     Attrs,
@@ -142,5 +142,5 @@ class Attention(LayerRule):
         scores_and_mix = 2 * 2 * b * h * s * s * hd
         return projections + scores_and_mix
 
-    def kernel_args(self, a: Attrs, dtype: str) -> dict[str, object]:
+    def kernel_args(self, a: Attrs, dtype: str, operand: Sharding) -> dict[str, object]:
         return {name: a[name] for name in ("heads", "kv_heads", "causal", "rope", "rope_base")} | {"dtype": dtype}

@@ -143,8 +143,9 @@ class LayerRule:
     # True when the kernel draws random numbers: it then takes `key` (None when evaluating).
     random: ClassVar[bool] = False
 
-    def kernel_args(self, a: Attrs, dtype: str) -> dict[str, object]:
-        """The kernel's static keyword arguments; `dtype` names the compute dtype ("bfloat16").
+    def kernel_args(self, a: Attrs, dtype: str, operand: Sharding) -> dict[str, object]:
+        """The kernel's static keyword arguments; `dtype` names the compute dtype ("bfloat16"),
+        `operand` is the sharding of the input as the layer computes on it.
 
         Arguments of type "input" are not listed here: the caller passes the named input's
         array under the argument's own name.

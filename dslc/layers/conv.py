@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dslc.diagnostics import Label
-from dslc.ir.nodes import TensorType
+from dslc.ir.nodes import Sharding, TensorType
 from dslc.layers.base import ArgSpec, Attrs, Context, LayerRule, WeightSpec, contract, expect_features, same_sharding
 
 
@@ -62,5 +62,5 @@ class Conv(LayerRule):
         assert isinstance(k, int)
         return 2 * y.numel * k * k * x.shape[3]
 
-    def kernel_args(self, a: Attrs, dtype: str) -> dict[str, object]:
+    def kernel_args(self, a: Attrs, dtype: str, operand: Sharding) -> dict[str, object]:
         return {"stride": a["stride"], "dtype": dtype}

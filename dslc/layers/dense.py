@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dslc.diagnostics import Label
-from dslc.ir.nodes import INT_DTYPES, TensorType
+from dslc.ir.nodes import INT_DTYPES, Sharding, TensorType
 from dslc.layers.base import (
     ArgSpec,
     Attrs,
@@ -41,7 +41,7 @@ class Linear(LayerRule):
     def flops(self, a: Attrs, x: TensorType, y: TensorType) -> int:
         return 2 * y.numel * a["in"]  # type: ignore[operator]
 
-    def kernel_args(self, a: Attrs, dtype: str) -> dict[str, object]:
+    def kernel_args(self, a: Attrs, dtype: str, operand: Sharding) -> dict[str, object]:
         return {"dtype": dtype}
 
 
@@ -67,7 +67,7 @@ class SwiGLU(LayerRule):
     def flops(self, a: Attrs, x: TensorType, y: TensorType) -> int:
         return 4 * y.numel * a["in"] + 4 * y.numel  # type: ignore[operator]
 
-    def kernel_args(self, a: Attrs, dtype: str) -> dict[str, object]:
+    def kernel_args(self, a: Attrs, dtype: str, operand: Sharding) -> dict[str, object]:
         return {"dtype": dtype}
 
 
@@ -95,5 +95,5 @@ class Embed(LayerRule):
         ctx.collective("all-reduce", table.sharding[0], y, f"`{ctx.path}`: combine vocab-parallel lookups")
         return y
 
-    def kernel_args(self, a: Attrs, dtype: str) -> dict[str, object]:
+    def kernel_args(self, a: Attrs, dtype: str, operand: Sharding) -> dict[str, object]:
         return {"dtype": dtype}

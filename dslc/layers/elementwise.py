@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dslc.diagnostics import Label
-from dslc.ir.nodes import FLOAT_DTYPES, TensorType
+from dslc.ir.nodes import FLOAT_DTYPES, Sharding, TensorType
 from dslc.layers.base import ArgSpec, Attrs, Context, LayerRule
 
 
@@ -55,5 +55,5 @@ class Dropout(Elementwise):
             return False
         return True
 
-    def kernel_args(self, a: Attrs, dtype: str) -> dict[str, object]:
+    def kernel_args(self, a: Attrs, dtype: str, operand: Sharding) -> dict[str, object]:
         return {"rate": a["rate"]}

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dslc.diagnostics import Label
-from dslc.ir.nodes import TensorType
+from dslc.ir.nodes import Sharding, TensorType
 from dslc.layers.base import ArgSpec, Attrs, Context, LayerRule, WeightSpec, expect_features, fmt_axes, same_sharding
 
 
@@ -66,5 +66,5 @@ class MoE(LayerRule):
         assert isinstance(d, int) and isinstance(f, int) and isinstance(e, int) and isinstance(k, int)
         return 2 * tokens * d * e + k * tokens * 4 * d * f
 
-    def kernel_args(self, a: Attrs, dtype: str) -> dict[str, object]:
+    def kernel_args(self, a: Attrs, dtype: str, operand: Sharding) -> dict[str, object]:
         return {"top_k": a["top_k"], "dtype": dtype}

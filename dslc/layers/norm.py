@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dslc.diagnostics import Label
-from dslc.ir.nodes import FLOAT_DTYPES, TensorType
+from dslc.ir.nodes import FLOAT_DTYPES, Sharding, TensorType
 from dslc.layers.base import ArgSpec, Attrs, Context, LayerRule, WeightSpec, expect_features, fmt_axes, same_sharding
 
 
@@ -47,7 +47,7 @@ class LayerNorm(_Norm):
         scale = WeightSpec("scale", (a["dim"],), "ones")  # type: ignore[arg-type]
         return (scale, WeightSpec("bias", (a["dim"],), "zeros")) if a["bias"] else (scale,)  # type: ignore[arg-type]
 
-    def kernel_args(self, a: Attrs, dtype: str) -> dict[str, object]:
+    def kernel_args(self, a: Attrs, dtype: str, operand: Sharding) -> dict[str, object]:
         return {"eps": a["eps"], "dtype": dtype}
 
 
@@ -59,5 +59,5 @@ class RmsNorm(_Norm):
     def weights(self, a: Attrs) -> tuple[WeightSpec, ...]:
         return (WeightSpec("scale", (a["dim"],), "ones"),)  # type: ignore[arg-type]
 
-    def kernel_args(self, a: Attrs, dtype: str) -> dict[str, object]:
+    def kernel_args(self, a: Attrs, dtype: str, operand: Sharding) -> dict[str, object]:
         return {"eps": a["eps"], "dtype": dtype}

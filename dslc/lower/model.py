@@ -176,7 +176,7 @@ def call_kernel(layer: ir.Layer, x: jax.Array, weights: dict[str, jax.Array], rt
     }  # type: ignore[index]
     if rule.random:
         arrays["key"] = rt.rng(layer.path) if rt.training else None
-    static = rule.kernel_args(attrs, jnp.dtype(rt.compute_dtype).name)
+    static = rule.kernel_args(attrs, jnp.dtype(rt.compute_dtype).name, layer.operand)
     return getattr(kernels, rule.kernel)(x, **weights, **arrays, **static)  # type: ignore[no-any-return]
 
 
