@@ -119,3 +119,14 @@ def test_schedule_is_one_word_on_the_command_line() -> None:
         dslc.compile(text, schedule="zb-h2")
     with pytest.raises(dslc.CompileError, match="E022"):
         dslc.compile(text, schedule="interleaved-1f1b")  # needs virtual >= 2
+
+
+def test_executor_speaks_the_planners_op_codes() -> None:
+    # The executor (copied into generated code, so it cannot import the planner) and the
+    # buffer planner (which imports no jax) each spell the op codes; they must agree.
+    from dslc.kernels import pipeline as executor
+    from dslc.schedules import buffers
+
+    names = ("IDLE", "FORWARD", "BACKWARD", "INPUT_GRAD", "WEIGHT_GRAD")
+    assert [getattr(executor, n) for n in names] == [getattr(buffers, n) for n in names]
+    assert set(executor.TABLE_ENTRIES) <= set(buffers.ExecutionPlan.__dataclass_fields__)
