@@ -7,13 +7,13 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from dslc.ir import nodes as ir
 from dslc.ir.state import state_sharding
+from dslc.kernels.training import accumulate_gradients
 from dslc.lower.model import DslcModel, Params, init_params, run_forward, run_loss, split_loss
 from dslc.lower.optim import make_optimizer
 from dslc.lower.pipeline import PipelineExecutor
@@ -216,27 +216,8 @@ class Program:
     ) -> tuple[jax.Array, Params]:
         """Loss and gradients, over `accumulate` slices of the batch when the spec asks; through
         the pipeline schedule when the spec has one."""
-        accumulate = self.ir.train.accumulate
         once: Any = self._pipeline.value_and_grad if self._pipeline is not None else jax.value_and_grad(self._loss_fn)
-
-        if accumulate == 1:
-            return once(params, batch, key)  # type: ignore[no-any-return]
-        # Slice j takes rows j, j+A, j+2A, ...: every slice keeps rows from every data shard,
-        # so all devices work on every slice. Gradients are summed as they arrive; their mean
-        # over equal slices is the full-batch gradient of a mean loss.
-        sliced = {
-            k: v.reshape(v.shape[0] // accumulate, accumulate, *v.shape[1:]).swapaxes(0, 1) for k, v in batch.items()
-        }
-        keys = jax.random.split(key, accumulate) if key is not None else None
-
-        def one(total: tuple[jax.Array, Params], i: jax.Array) -> tuple[tuple[jax.Array, Params], None]:
-            piece = {k: v[i] for k, v in sliced.items()}
-            value, g = once(params, piece, keys[i] if keys is not None else None)
-            return (total[0] + value, jax.tree.map(jnp.add, total[1], g)), None
-
-        zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
-        (value, total), _ = jax.lax.scan(one, zeros, jnp.arange(accumulate))
-        return value / accumulate, jax.tree.map(lambda g: g / accumulate, total)
+        return accumulate_gradients(once, params, batch, key, self.ir.train.accumulate)
 
     def _integer_bounds(self) -> dict[str, int]:
         bounds: dict[str, int] = {}

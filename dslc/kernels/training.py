@@ -1,0 +1,76 @@
+"""The optimizer and gradient accumulation: the parts of a training step both backends share."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+OPTIMIZER_DEFAULTS = {
+    "lr": 1e-3,
+    "b1": 0.9,
+    "b2": 0.95,
+    "eps": 1e-8,
+    "weight_decay": 0.01,
+    "momentum": 0.9,
+    "warmup": 0.0,
+}
+
+
+def learning_rate(hyper: dict[str, float]) -> optax.Schedule:
+    """Linear warm-up to `lr`, then constant, or cosine decay to lr/10 over `decay_steps`."""
+    h = {**OPTIMIZER_DEFAULTS, **hyper}
+    lr, warmup = h["lr"], int(h["warmup"])
+    if "decay_steps" in h:
+        return optax.warmup_cosine_decay_schedule(
+            0.0, lr, warmup, max(int(h["decay_steps"]), warmup + 1), end_value=lr / 10
+        )
+    if warmup == 0:
+        return optax.constant_schedule(lr)
+    return optax.join_schedules([optax.linear_schedule(0.0, lr, warmup), optax.constant_schedule(lr)], [warmup])
+
+
+def make_optimizer(name: str, hyper: dict[str, float]) -> optax.GradientTransformation:
+    """adamw, adam or sgd with the spec's hyperparameters; `clip` adds global-norm clipping."""
+    h = {**OPTIMIZER_DEFAULTS, **hyper}
+    lr = learning_rate(hyper)
+    if name == "adamw":
+        core = optax.adamw(lr, b1=h["b1"], b2=h["b2"], eps=h["eps"], weight_decay=h["weight_decay"])
+    elif name == "adam":
+        core = optax.adam(lr, b1=h["b1"], b2=h["b2"], eps=h["eps"])
+    elif name == "sgd":
+        core = optax.sgd(lr, momentum=h["momentum"])
+    else:
+        raise ValueError(f"unknown optimizer {name!r}")
+    return optax.chain(optax.clip_by_global_norm(h["clip"]), core) if "clip" in h else core
+
+
+def accumulate_gradients(
+    value_and_grad: Callable[[Any, dict[str, jax.Array], jax.Array | None], tuple[jax.Array, Any]],
+    params: Any,
+    batch: dict[str, jax.Array],
+    key: jax.Array | None,
+    steps: int,
+) -> tuple[jax.Array, Any]:
+    """Mean loss and gradients over `steps` slices of the batch, one slice at a time.
+
+    Slice j takes rows j, j+steps, j+2*steps, ...: every slice keeps rows from every data
+    shard, so all devices work on every slice. Gradients are summed as they arrive; their
+    mean over equal slices is the full-batch gradient of a mean loss.
+    """
+    if steps == 1:
+        return value_and_grad(params, batch, key)
+    sliced = {k: v.reshape(v.shape[0] // steps, steps, *v.shape[1:]).swapaxes(0, 1) for k, v in batch.items()}
+    keys = jax.random.split(key, steps) if key is not None else None
+
+    def one(total: tuple[jax.Array, Any], i: jax.Array) -> tuple[tuple[jax.Array, Any], None]:
+        piece = {k: v[i] for k, v in sliced.items()}
+        value, grads = value_and_grad(params, piece, keys[i] if keys is not None else None)
+        return (total[0] + value, jax.tree.map(jnp.add, total[1], grads)), None
+
+    zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
+    (value, total), _ = jax.lax.scan(one, zeros, jnp.arange(steps))
+    return value / steps, jax.tree.map(lambda g: g / steps, total)
