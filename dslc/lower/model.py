@@ -17,6 +17,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from dslc.ir import nodes as ir
+from dslc.ir.repeats import group_repeats
 from dslc.kernels import layers as kernels
 from dslc.layers import LOSS_KINDS, RULES
 from dslc.lower.runtime import JNP_DTYPES, Runtime, path_key
@@ -69,50 +70,6 @@ def forward_nodes(nodes: tuple[ir.Node, ...], x: jax.Array, params: Params, rt: 
     for run in group_repeats(nodes):
         x = _run(run[0], x, params, rt) if len(run) == 1 else _scan(run, x, params, rt)
     return x
-
-
-def group_repeats(nodes: tuple[ir.Node, ...]) -> list[tuple[ir.Node, ...]]:
-    """Consecutive blocks that differ only in their names (a `repeat`), grouped into runs."""
-    runs: list[list[ir.Node]] = []
-    for node in nodes:
-        if runs and isinstance(node, ir.Block) and _signature(node) == _signature(runs[-1][0]):
-            runs[-1].append(node)
-        else:
-            runs.append([node])
-    return [tuple(run) for run in runs]
-
-
-def _signature(node: ir.Node, prefix: str | None = None) -> object:
-    """Everything about a subtree except where it sits: two blocks with equal signatures
-    compute the same function of their own weights."""
-    if prefix is None:
-        prefix = node.path + "."
-    relative = node.path[len(prefix) :] if node.path.startswith(prefix) else node.path
-    match node:
-        case ir.Layer():
-            return (
-                "layer",
-                relative,
-                node.kind,
-                node.attrs,
-                tuple((w.name, w.type) for w in node.weights),
-                node.input,
-                node.output,
-                node.operand,
-            )
-        case ir.Layout():
-            return ("layout", node.input, node.output)
-        case ir.Residual() | ir.Block():
-            remat = node.remat if isinstance(node, ir.Block) else None
-            return (
-                type(node).__name__,
-                remat,
-                node.input,
-                node.output,
-                tuple(_signature(c, prefix) for c in node.body),
-            )
-        case _:
-            assert_never(node)
 
 
 def _scan(run: tuple[ir.Node, ...], x: jax.Array, params: Params, rt: Runtime) -> jax.Array:
