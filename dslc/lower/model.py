@@ -19,8 +19,9 @@ from jax.sharding import NamedSharding
 from dslc.ir import nodes as ir
 from dslc.ir.repeats import group_repeats
 from dslc.kernels import layers as kernels
+from dslc.kernels.params import initial_value, named_key
 from dslc.layers import LOSS_KINDS, RULES
-from dslc.lower.runtime import JNP_DTYPES, Runtime, path_key
+from dslc.lower.runtime import JNP_DTYPES, Runtime
 
 Params = dict[str, jax.Array]
 
@@ -45,22 +46,12 @@ def init_params(program: ir.Program, shardings: dict[str, NamedSharding], seed: 
 
     def create() -> Params:
         key = jax.random.key(seed)
-        return {path: _initial(w, path_key(key, path)) for path, w in weights.items()}
+        return {
+            path: initial_value(w.init, w.type.shape, jnp.dtype(JNP_DTYPES[w.type.dtype]).name, named_key(key, path))
+            for path, w in weights.items()
+        }
 
     return jax.jit(create, out_shardings=shardings)()
-
-
-def _initial(w: ir.Weight, key: jax.Array) -> jax.Array:
-    dtype = JNP_DTYPES[w.type.dtype]
-    shape = w.type.shape
-    match w.init.split(":"):
-        case ["zeros"]:
-            return jnp.zeros(shape, dtype)
-        case ["ones"]:
-            return jnp.ones(shape, dtype)
-        case ["normal", std]:
-            return (float(std) * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
-    raise AssertionError(f"unknown initializer {w.init!r}")
 
 
 # ---- running the IR ---------------------------------------------------------------------------

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import zlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,6 +11,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding, PartitionSpec
 
 from dslc.ir.nodes import Sharding
+from dslc.kernels.params import named_key
 
 JNP_DTYPES = {
     "f32": jnp.float32,
@@ -27,11 +27,6 @@ JNP_DTYPES = {
 
 def partition_spec(sharding: Sharding) -> PartitionSpec:
     return PartitionSpec(*(None if not axes else axes[0] if len(axes) == 1 else axes for axes in sharding))
-
-
-def path_key(key: jax.Array, path: str) -> jax.Array:
-    """A key for one named thing, the same whatever else the model contains."""
-    return jax.random.fold_in(key, zlib.crc32(path.encode()))
 
 
 @dataclass
@@ -53,7 +48,7 @@ class Runtime:
 
     def rng(self, path: str) -> jax.Array:
         assert self.dropout_key is not None, "dropout while training needs a key"
-        return path_key(self.dropout_key, path)
+        return named_key(self.dropout_key, path)
 
     def name(self, x: jax.Array, path: str) -> jax.Array:
         """Tag an output so selective checkpointing can choose to keep it."""
