@@ -12,6 +12,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from dslc.ir import nodes as ir
+from dslc.ir.inputs import integer_bounds
 from dslc.ir.state import state_sharding
 from dslc.kernels.training import accumulate_gradients
 from dslc.lower.model import DslcModel, Params, init_params, run_forward, run_loss, split_loss
@@ -109,7 +110,7 @@ class Program:
         """Random inputs with the names, shapes and dtypes the spec declares; integer inputs
         are drawn below the vocabulary or class count of the layer that reads them."""
         rng = np.random.default_rng(seed)
-        bounds = self._integer_bounds()
+        bounds = integer_bounds(self.ir)
         batch = {}
         for inp in self.ir.inputs:
             t = inp.type
@@ -218,15 +219,6 @@ class Program:
         the pipeline schedule when the spec has one."""
         once: Any = self._pipeline.value_and_grad if self._pipeline is not None else jax.value_and_grad(self._loss_fn)
         return accumulate_gradients(once, params, batch, key, self.ir.train.accumulate)
-
-    def _integer_bounds(self) -> dict[str, int]:
-        bounds: dict[str, int] = {}
-        for layer in ir.all_layers(self.ir):
-            if layer.kind == "embed" and layer.path and layer.input.dtype in ir.INT_DTYPES:
-                bounds.setdefault(self.ir.stream, int(layer.attr("vocab")))  # type: ignore[call-overload]
-            if layer.kind == "cross_entropy":
-                bounds[str(layer.attr("targets"))] = layer.input.shape[-1]
-        return bounds
 
 
 def _listing(count: int, what: str, examples: list[str], shown: int = 3) -> str:
