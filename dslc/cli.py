@@ -9,13 +9,12 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from dslc import resources
+from dslc import files, resources
 from dslc.diagnostics import Severity, render_json, render_text
 from dslc.frontend import Analysis, analyze
 
@@ -100,6 +99,19 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--device-memory", type=float, metavar="GiB", help="warn when a device needs more than this")
     _set_arg(plan)
     plan.set_defaults(run=_plan)
+
+    train = sub.add_parser("train", help="train a spec on embedded data, with metrics and checkpoints")
+    _spec_arg(train)
+    train.add_argument("--mesh", help="mesh sizes in the spec's axis order, e.g. 2x4x2")
+    train.add_argument("--steps", type=_count, required=True, help="train until this many optimizer steps are done")
+    train.add_argument("--seed", type=_count, help="weights and data order (default 0; --resume keeps the run's own)")
+    train.add_argument("--out", help="run folder: metrics.jsonl, loss.png, checkpoints/ (default runs/MODEL)")
+    train.add_argument(
+        "--checkpoint-every", type=_count, metavar="K", help="also checkpoint every K steps (always at the end)"
+    )
+    train.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in the run folder")
+    _set_arg(train)
+    train.set_defaults(run=_train)
 
     sched = sub.add_parser("schedule", help="print, draw or export a pipeline schedule table")
     sched.add_argument("--kind", required=True, help="gpipe, 1f1b, interleaved-1f1b or zb-h1")
@@ -212,22 +224,11 @@ def _fmt(args: argparse.Namespace) -> int:
 
 
 def write_atomic(path: Path, content: str | bytes) -> None:
-    """Replace a file in one step, so a crash never leaves it half-written."""
-    if not path.parent.is_dir():
-        raise UsageError(f"no such folder: {path.parent}")
-    data = content.encode("utf-8") if isinstance(content, str) else content
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    """`dslc.files.write_atomic`, with a missing folder reported as a usage error."""
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        if path.exists():
-            os.chmod(tmp, path.stat().st_mode & 0o7777)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+        files.write_atomic(path, content)
+    except files.FolderMissing as exc:
+        raise UsageError(str(exc)) from None
 
 
 def _compile(args: argparse.Namespace) -> Any:
@@ -329,6 +330,30 @@ def _plan(args: argparse.Namespace) -> int:
         print(json.dumps(report.to_json(), indent=2))
     else:
         sys.stdout.write(report.to_text())
+    return EXIT_OK
+
+
+def _count(text: str) -> int:
+    """A whole number for --steps, --seed and --checkpoint-every (0 only for --seed)."""
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}")
+    return int(text)
+
+
+def _train(args: argparse.Namespace) -> int:
+    if args.steps == 0 or args.checkpoint_every == 0:
+        raise UsageError("--steps and --checkpoint-every must be at least 1")
+    program = _compile(args)  # first: it decides how many host devices jax starts with
+    from dslc.train.dataset import DataError
+    from dslc.train.loop import TrainError, TrainOptions, train
+
+    out = Path(args.out) if args.out else Path("runs") / program.ir.name
+    options = TrainOptions(args.steps, out, args.seed, args.checkpoint_every, args.resume)
+    try:
+        result = train(program, options)
+    except (DataError, TrainError) as exc:
+        raise UsageError(str(exc)) from None
+    print(result.summary())
     return EXIT_OK
 
 

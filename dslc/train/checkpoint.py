@@ -1,0 +1,140 @@
+"""Training checkpoints with orbax: parameters, optimizer state and where the run stands.
+
+Each checkpoint is one orbax step directory holding two items: `state` (the parameters by
+dotted name and the optimizer state, saved per shard) and `run` (a JSON `RunState`: step,
+seed, data position and what the spec looked like). Orbax writes a step into a temporary
+directory and renames it into place only when every item is complete, so a process killed
+mid-save leaves the previous checkpoints as they were and the half-written one is never
+listed (and is removed the next time the folder is opened).
+
+Restoring reads the arrays straight into the shardings of the program being resumed, so a
+run saved on one mesh continues on another.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+from orbax.checkpoint import checkpoint_managers
+
+from dslc.lower.model import DslcModel
+
+# The last few, so a checkpoint that turns out bad (a diverged run) is not the only one.
+KEEP = 3
+# Test hook: "STEP:MARKER" makes the save of checkpoint STEP stop half-way, after orbax has
+# started writing the step's temporary directory and before it commits it, and write the
+# temporary directory's path to the file MARKER; the process then waits to be killed.
+PAUSE_ENV = "DSLC_TRAIN_PAUSE_IN_SAVE"
+
+
+@dataclass(frozen=True)
+class RunState:
+    """Everything besides the arrays that a resumed run needs, and what it checks."""
+
+    step: int  # optimizer steps done
+    seed: int
+    data_position: int  # batches consumed; the next batch is `data_position`
+    data: str  # the data set's description
+    data_fingerprint: str
+    spec: str  # the spec's model name
+    mesh: str
+    weights: dict[str, list[int]]  # dotted name -> shape
+    optimizer_state: str  # the optimizer state's tree structure
+
+    def mismatch(self, other: RunState) -> list[str]:
+        """How the spec that wrote `self` differs from the one described by `other`."""
+        problems = []
+        if self.spec != other.spec:
+            problems.append(f"it is of model `{self.spec}`, this spec is `{other.spec}`")
+        missing = sorted(set(other.weights) - set(self.weights))
+        unknown = sorted(set(self.weights) - set(other.weights))
+        reshaped = [
+            f"`{n}` is {tuple(s)} there, {tuple(other.weights[n])} here"
+            for n, s in sorted(self.weights.items())
+            if n in other.weights and s != other.weights[n]
+        ]
+        if missing:
+            problems.append(f"it lacks {len(missing)} weights of this spec (`{missing[0]}`, ...)")
+        if unknown:
+            problems.append(f"it has {len(unknown)} weights this spec does not (`{unknown[0]}`, ...)")
+        problems.extend(reshaped[:3])
+        if not problems and self.optimizer_state != other.optimizer_state:
+            problems.append("its optimizer state has another structure (was the spec's optimizer changed?)")
+        return problems
+
+
+def run_state(model: DslcModel, opt_state: Any, **fields: Any) -> RunState:
+    """The RunState of a model and optimizer state; `fields` gives the rest."""
+    weights = {name: list(value.shape) for name, value in model.arrays().items()}
+    return RunState(weights=weights, optimizer_state=str(jax.tree.structure(opt_state)), **fields)
+
+
+class Checkpoints:
+    """The checkpoints of one run folder (`directory`), newest `KEEP` kept."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        options = ocp.CheckpointManagerOptions(
+            preservation_policy=checkpoint_managers.LatestN(KEEP),
+            cleanup_tmp_directories=True,
+            # Synchronous: a checkpoint is complete on disk when `save` returns, so the
+            # metrics written next never run ahead of the newest checkpoint.
+            enable_async_checkpointing=False,
+        )
+        registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
+        registry.add("state", ocp.args.StandardSave)
+        registry.add("state", ocp.args.StandardRestore)
+        run_handler = _PausingJsonHandler() if os.environ.get(PAUSE_ENV) else ocp.JsonCheckpointHandler()
+        registry.add("run", ocp.args.JsonSave, run_handler)
+        registry.add("run", ocp.args.JsonRestore, run_handler)
+        self._manager = ocp.CheckpointManager(directory.absolute(), options=options, handler_registry=registry)
+
+    def latest_step(self) -> int | None:
+        return self._manager.latest_step()
+
+    def save(self, model: DslcModel, opt_state: Any, state: RunState) -> None:
+        self._manager.save(
+            state.step,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardSave({"params": model.arrays(), "optimizer": opt_state}),
+                run=ocp.args.JsonSave(dataclasses.asdict(state)),
+            ),
+        )
+
+    def run_state(self, step: int) -> RunState:
+        restored = self._manager.restore(step, args=ocp.args.Composite(run=ocp.args.JsonRestore()))
+        return RunState(**restored.run)
+
+    def restore(self, step: int, model: DslcModel, opt_state: Any) -> Any:
+        """Load checkpoint `step` into `model` and return its optimizer state, each array
+        placed with the sharding it has in `model` and `opt_state` (which may be on another
+        mesh than the one that saved it)."""
+        target = {"params": model.arrays(), "optimizer": opt_state}
+        abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), target)
+        restored = self._manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))
+        for name, value in restored.state["params"].items():
+            model.params[name].set_value(value)
+        return restored.state["optimizer"]
+
+    def close(self) -> None:
+        self._manager.close()
+
+
+class _PausingJsonHandler(ocp.JsonCheckpointHandler):
+    """The `run` item's handler under the PAUSE_ENV test hook (see there)."""
+
+    async def async_save(self, directory: Any, item: Any = None, args: Any = None) -> Any:
+        futures = await super().async_save(directory, item, args)
+        step, marker = os.environ[PAUSE_ENV].split(":", 1)
+        if args is not None and args.item["step"] == int(step):
+            Path(marker).write_text(str(directory))
+            while True:  # until the test kills the process
+                time.sleep(3600)
+        return futures

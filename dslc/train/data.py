@@ -1,0 +1,103 @@
+"""Which embedded data set can feed a spec, decided from its declared inputs and loss.
+
+`dslc train` needs no downloads: byte-level language models read Python's own standard
+library (`corpus.py`), image classifiers read the handwritten digits shipped with dslc
+(`digits.py`). A spec whose inputs fit neither is refused with a message that says what
+each data set needs. Nothing here imports jax: the decision is made on the checked IR.
+"""
+
+from __future__ import annotations
+
+from dslc.ir import nodes as ir
+from dslc.train.corpus import ByteCorpus, stdlib_corpus
+from dslc.train.dataset import DataError, Dataset
+from dslc.train.digits import CLASSES, NATIVE_SIDE, DigitImages, image_side, load_digits
+
+LOSS_KINDS = ("cross_entropy", "mse")
+
+
+def dataset_for(program: ir.Program) -> Dataset:
+    """The embedded data set that fits the spec's inputs; DataError says why none does."""
+    stream = program.input(program.stream)
+    loss = _loss_layer(program)
+    if loss is None:
+        raise DataError(
+            f"spec `{program.name}` has no loss layer (cross_entropy or mse) at the end of `forward`: nothing to train"
+        )
+    target = program.input(str(loss.attr("targets")))
+    others = [i for i in program.inputs if i.name not in (stream.name, target.name)]
+    if not others:
+        if _is_language_model(program, stream, target, loss):
+            vocab = _token_count(program, loss)
+            return ByteCorpus(stdlib_corpus(), vocab, stream, target)
+        if _is_image_classifier(stream, target, loss):
+            return DigitImages(load_digits(), stream, target)
+    raise DataError(_refusal(program))
+
+
+def _loss_layer(program: ir.Program) -> ir.Layer | None:
+    nodes = [n for chunk in program.chunks for n in chunk.nodes]
+    last = nodes[-1] if nodes else None
+    return last if isinstance(last, ir.Layer) and last.kind in LOSS_KINDS else None
+
+
+def _embedding(program: ir.Program) -> ir.Layer | None:
+    """The layer that reads the integer token stream, if it is an embedding."""
+    layers = ir.all_layers(program)
+    return layers[0] if layers and layers[0].kind == "embed" else None
+
+
+def _is_language_model(program: ir.Program, stream: ir.Input, target: ir.Input, loss: ir.Layer) -> bool:
+    s, t = stream.type, target.type
+    return (
+        loss.kind == "cross_entropy"
+        and s.dtype in ir.INT_DTYPES
+        and t.dtype in ir.INT_DTYPES
+        and s.rank == 2
+        and t.shape == s.shape
+        and _embedding(program) is not None
+    )
+
+
+def _token_count(program: ir.Program, loss: ir.Layer) -> int:
+    """Token ids must index both the embedding table and the logits."""
+    embed = _embedding(program)
+    assert embed is not None
+    vocab = min(int(embed.attr("vocab")), loss.input.shape[-1])  # type: ignore[call-overload]
+    if vocab < 128:
+        raise DataError(
+            f"spec `{program.name}` is a language model over {vocab} token ids; the embedded corpus (Python's "
+            "standard-library sources, byte-level) needs at least 128 (ASCII) and keeps every byte with 256: "
+            "raise the embedding's vocabulary and the head's outputs (e.g. `--set vocab=256` where the spec "
+            "names that constant `vocab`)"
+        )
+    return vocab
+
+
+def _is_image_classifier(stream: ir.Input, target: ir.Input, loss: ir.Layer) -> bool:
+    s, t = stream.type, target.type
+    if s.dtype in ir.INT_DTYPES or s.rank != 2:
+        return False
+    if loss.kind == "cross_entropy":
+        labels_fit = t.shape == s.shape[:1] and loss.input.shape[-1] >= CLASSES
+    else:  # mse against one-hot rows
+        labels_fit = t.dtype not in ir.INT_DTYPES and t.shape == (s.shape[0], CLASSES)
+    if labels_fit and image_side(s.shape[1]) is None:
+        raise DataError(
+            f"input `{stream.name}` is {s.describe()}: the embedded digits are square images, so its width must "
+            f"be side*side pixels (e.g. {NATIVE_SIDE * NATIVE_SIDE} for the native {NATIVE_SIDE}x{NATIVE_SIDE} "
+            f"images, or 784 for 28x28, MNIST's size), not {s.shape[1]}"
+        )
+    return labels_fit
+
+
+def _refusal(program: ir.Program) -> str:
+    declared = ", ".join(f"`{i.name}`: {i.type.describe()}" for i in program.inputs)
+    return (
+        f"dslc train has no embedded data for spec `{program.name}` (inputs {declared}). It can feed "
+        "(1) a byte-level language model: an integer input [batch, seq] read by an `embed` layer with at least "
+        "128 ids, and integer targets of the same shape for `cross_entropy`; "
+        "(2) a digit classifier: a float input [batch, side*side] and integer labels [batch] for `cross_entropy` "
+        f"over at least {CLASSES} classes, or float targets [batch, {CLASSES}] (one-hot) for `mse`. "
+        "No other inputs may be declared"
+    )

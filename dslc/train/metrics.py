@@ -1,0 +1,84 @@
+"""Per-step training metrics: one JSON object a line in `metrics.jsonl`, and the loss curve.
+
+Keys of each line: `step` (optimizer steps done, from 1), `loss` (on that step's batch,
+before its update), `step_time_s` (wall time of the step, the loss fetched), `tokens_per_s`
+or `samples_per_s` (whichever the data set counts), `lr` (the learning rate the step used)
+and `compiled` (true on the first step a process runs, whose time includes compilation).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dslc.files import write_atomic
+from dslc.train.plot import loss_curve_png
+
+METRICS_FILE = "metrics.jsonl"
+CURVE_FILE = "loss.png"
+
+
+@dataclass(frozen=True)
+class Throughput:
+    """Steady state over the steps a process ran, compilation excluded."""
+
+    steps: int
+    step_time_s: float
+    per_s: float
+
+
+@dataclass
+class Metrics:
+    """The rows of one run folder, rewritten whole (and atomically) on every `write`."""
+
+    directory: Path
+    unit: str
+    rows: list[dict[str, Any]] = field(default_factory=list)
+
+    @classmethod
+    def resume(cls, directory: Path, unit: str, step: int) -> Metrics:
+        """The rows an earlier process wrote up to `step`, the checkpoint being resumed (0 for
+        a new run): rows past it belong to steps that will run again."""
+        path = directory / METRICS_FILE
+        rows = list(_read_rows(path)) if path.is_file() else []
+        return cls(directory, unit, [r for r in rows if r["step"] <= step])
+
+    def add(self, step: int, loss: float, step_time_s: float, per_batch: int, lr: float, compiled: bool) -> None:
+        self.rows.append(
+            {
+                "step": step,
+                "loss": loss,
+                "step_time_s": step_time_s,
+                f"{self.unit}_per_s": per_batch / step_time_s,
+                "lr": lr,
+                "compiled": compiled,
+            }
+        )
+
+    def write(self) -> None:
+        text = "".join(json.dumps(r) + "\n" for r in self.rows)
+        write_atomic(self.directory / METRICS_FILE, text)
+        steps = [r["step"] for r in self.rows]
+        write_atomic(self.directory / CURVE_FILE, loss_curve_png(steps, [r["loss"] for r in self.rows]))
+
+    def throughput(self, since_step: int) -> Throughput | None:
+        """Steady state over the steps after `since_step`, or None before any ran."""
+        steady = [r for r in self.rows if r["step"] > since_step and not r["compiled"]]
+        if not steady:
+            return None
+        seconds = sum(r["step_time_s"] for r in steady)
+        per_s = sum(r[f"{self.unit}_per_s"] * r["step_time_s"] for r in steady) / seconds
+        return Throughput(len(steady), seconds / len(steady), per_s)
+
+
+def _read_rows(path: Path) -> Iterator[dict[str, Any]]:
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a hand-edited line: losing it must not stop a resume
+        if isinstance(row, dict) and isinstance(row.get("step"), int):
+            yield row

@@ -1,0 +1,61 @@
+"""What a person watches while a spec trains, on standard error.
+
+On a terminal, a live `rich` progress bar with the step, loss, step time and throughput.
+Elsewhere (a log file, CI) a live bar would be noise, so a plain line every tenth of the
+run. Either way the first step a process runs is reported on its own: its time is mostly
+compilation, and is kept out of the steady-state figures.
+"""
+
+from __future__ import annotations
+
+import sys
+from types import TracebackType
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+
+class TrainingProgress:
+    """Steps `start + 1 .. total` of a run, as they finish."""
+
+    def __init__(self, total: int, start: int, unit: str) -> None:
+        self.total, self.start, self.unit = total, start, unit
+        self._console = Console(file=sys.stderr)
+        self._every = max((total - start) // 10, 1)
+        self._bar: Progress | None = None
+        if self._console.is_terminal:
+            self._bar = Progress(
+                TextColumn("step"),
+                MofNCompleteColumn(),
+                BarColumn(),
+                TextColumn("loss {task.fields[loss]}"),
+                TextColumn("{task.fields[step_ms]} ms/step"),
+                TextColumn("{task.fields[rate]} " + unit + "/s"),
+                TimeElapsedColumn(),
+                TextColumn("eta"),
+                TimeRemainingColumn(),
+                console=self._console,
+            )
+            self._task = self._bar.add_task("train", total=total, completed=start, loss="-", step_ms="-", rate="-")
+
+    def __enter__(self) -> TrainingProgress:
+        if self._bar is not None:
+            self._bar.start()
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
+    ) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+
+    def step(self, step: int, loss: float, step_time_s: float, per_s: float, compiled: bool) -> None:
+        if compiled:
+            self._console.print(f"step {step}: compiled and ran in {step_time_s:.2f} s, loss {loss:.4f}")
+        if self._bar is not None:
+            self._bar.update(
+                self._task, completed=step, loss=f"{loss:.4f}", step_ms=f"{step_time_s * 1e3:.0f}", rate=f"{per_s:,.0f}"
+            )
+        elif not compiled and ((step - self.start) % self._every == 0 or step == self.total):
+            timing = f"{step_time_s * 1e3:.0f} ms/step  {per_s:,.0f} {self.unit}/s"
+            self._console.print(f"step {step}/{self.total}  loss {loss:.4f}  {timing}", highlight=False)
