@@ -62,7 +62,9 @@ class Program:
             return DslcModel(init_params(self.ir, self._shardings, seed))
 
     def export_weights(self, model: DslcModel) -> dict[str, np.ndarray]:
-        return {name: np.asarray(jax.device_get(value)) for name, value in model.arrays().items()}
+        # Copies: on CPU a fetched array may share the device buffer, which the next
+        # (donating) train step frees and reuses.
+        return {name: np.array(jax.device_get(value), copy=True) for name, value in model.arrays().items()}
 
     def import_weights(self, model: DslcModel, weights: Mapping[str, Any]) -> None:
         """Load a dict of arrays by dotted name. Every name and shape is checked before any
