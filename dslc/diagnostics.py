@@ -122,10 +122,18 @@ def render_text(diagnostics: Sequence[Diagnostic], sources: dict[str, str]) -> s
     return "".join(_render_one(d, sources) for d in diagnostics)
 
 
+def _printable(line: str) -> str:
+    """A source line as a terminal can show it: lines are counted by newlines alone (as the
+    parser counts them), and any other control or line-separator character is shown as one
+    replacement character, so that the carets under it still line up."""
+    line = line.removesuffix("\r")
+    return "".join("\ufffd" if (c < " " and c != "\t") or c in "\x7f\x85\u2028\u2029" else c for c in line)
+
+
 def _render_one(d: Diagnostic, sources: dict[str, str]) -> str:
     s = d.span
     out = [f"{s.file}:{s.line}:{s.column}: {d.severity}[{d.code}]: {d.message}\n"]
-    lines = sources.get(s.file, "").splitlines()
+    lines = [_printable(line) for line in sources.get(s.file, "").split("\n")]
     gutter = len(str(max([s.line] + [label.span.line for label in d.labels]))) + 1
     excerpts = [(s, "", "^")] + [(label.span, label.message, "-") for label in d.labels]
     shown_line = 0

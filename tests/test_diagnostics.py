@@ -770,14 +770,55 @@ def test_e028_block_recursion_shows_the_chain() -> None:
 # ---- E029: unsupported combinations -----------------------------------------------------------
 
 
-def test_e029_attention_over_a_sequence_split_over_a_non_tensor_parallel_axis() -> None:
-    header = "model m\nmesh data=2, model=2\ninput x: f32[8, 4 @ data, 48]\ninput y: f32[8, 4 @ data, 48]\n"
-    attn = "attn: attention(48, 4) shard q[_, model], k[_, model], v[_, model], o[model, _]"
+def test_e029_attention_over_a_sequence_split_over_two_non_tensor_parallel_axes() -> None:
+    header = (
+        "model m\nmesh data=2, context=2, model=2\n"
+        "input x: f32[8, 4 @ (data, context), 48]\ninput y: f32[8, 4 @ (data, context), 48]\n"
+    )
+    attn = "attn: attention(48, 4, causal=false) shard q[_, model], k[_, model], v[_, model], o[model, _]"
     d = only(spec(attn, header=header))
     assert (d.code, d.severity) == ("E029", ERROR)
-    assert at(d) == (6, 9, 6, 25)
-    assert d.message == "`attn` needs every token of the sequence, but the sequence is split over `data`"
-    assert labels(d) == [((3, 1, 3, 30), "split here: f32[8, 4@data, 48]")]
+    assert at(d) == (6, 9, 6, 39)
+    assert d.message == (
+        "`attn` can pass key/value blocks around one mesh axis, but its sequence is split over (data, context)"
+    )
+    assert labels(d) == [((3, 1, 3, 41), "split here: f32[8, 4@(data, context), 48]")]
+
+
+def test_e029_context_parallel_attention_inside_a_pipeline() -> None:
+    header = (
+        "model m\nmesh context=2, model=2, stage=2\n"
+        "input x: f32[16, 4 @ context, 48]\ninput y: f32[16, 4 @ context, 48]\n"
+    )
+    attn = "attention(48, 4, causal=false) shard q[_, model], k[_, model], v[_, model], o[model, _]"
+    text = spec(
+        "stage {",
+        f"  a1: {attn}",
+        "}",
+        "stage {",
+        f"  a2: {attn}",
+        "  loss: mse(y)",
+        "}",
+        header=header,
+        after="pipeline stage {\n  schedule 1f1b\n  microbatches 8\n}\n",
+    )
+    diags = diagnose(text)
+    assert [d.code for d in diags] == ["E029", "E029"], shown(diags, text)
+    d = diags[0]
+    assert (d.code, d.severity) == ("E029", ERROR)
+    assert "does not run inside a pipeline stage yet" in d.message
+    assert labels(d)[0][1] == "pipelined over `stage` here"
+
+
+def test_e014_causal_context_parallel_sequence_not_in_two_chunks_per_device() -> None:
+    header = "model m\nmesh data=2, model=2\ninput x: f32[8, 6 @ data, 48]\ninput y: f32[8, 6 @ data, 48]\n"
+    attn = "attn: attention(48, 4) shard q[_, model], k[_, model], v[_, model], o[model, _]"
+    d = only(spec(attn, header=header))
+    assert (d.code, at(d)) == ("E014", (6, 9, 6, 25))
+    assert d.message == (
+        "`attn` splits its 6 tokens into 2 x data=2 = 4 equal chunks for causal context parallelism, "
+        "but 6 does not split evenly into 4"
+    )
 
 
 def test_e029_convolution_over_a_split_image() -> None:

@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 from dslc.check.advice import check_balance, check_efficiency, check_replication
 from dslc.check.batch import check_batch
-from dslc.check.schedule import check_schedule
+from dslc.check.schedule import check_pipelined_kernels, check_schedule
 from dslc.check.zero import check_zero
 from dslc.diagnostics import Diagnostics
 from dslc.ir.nodes import Program
@@ -18,6 +18,7 @@ from dslc.ir.nodes import Program
 PASSES: tuple[Callable[[Program, Diagnostics], None], ...] = (
     check_batch,
     check_schedule,
+    check_pipelined_kernels,
     check_efficiency,
     check_balance,
     check_replication,

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from dslc.diagnostics import Diagnostics
-from dslc.ir.nodes import Program
+from dslc.diagnostics import Diagnostics, Label
+from dslc.ir.nodes import Program, all_layers
+from dslc.layers import RULES
 from dslc.schedules import KINDS, ScheduleError, build
 
 
@@ -21,3 +22,21 @@ def check_schedule(program: Program, diags: Diagnostics) -> None:
             p.span,
             notes=[f"{stages} stages (`{p.axis}`), {p.microbatches} microbatches, virtual {p.virtual}"],
         )
+
+
+def check_pipelined_kernels(program: Program, diags: Diagnostics) -> None:
+    """Layers whose kernel enters its own `shard_map` (ring attention over a context axis)
+    cannot yet run inside the pipeline's, which is manual over the stage axis."""
+    p = program.pipeline
+    if p is None or program.mesh.size((p.axis,)) * p.virtual == 1:
+        return
+    for layer in all_layers(program):
+        rule = RULES[layer.kind]
+        if rule.kernel(dict(layer.attrs), layer.operand) == "ring_attention":
+            diags.error(
+                "E029",
+                f"`{layer.path}` is context-parallel (ring) attention, which does not run inside a pipeline stage yet",
+                layer.span,
+                labels=(Label(p.span, f"pipelined over `{p.axis}` here"),),
+                help="keep the sequence whole in pipelined models (split the batch instead), or drop the pipeline",
+            )

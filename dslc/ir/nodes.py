@@ -109,7 +109,9 @@ class Weight:
     span: Span = field(default=NO_SPAN, compare=False, repr=False)
 
 
-CollectiveKind = Literal["all-reduce", "all-gather", "reduce-scatter", "all-to-all"]
+# "collective-permute": every device of the group sends its piece of the tensor to one other
+# device, once (a ring pass, or a reordering of the pieces).
+CollectiveKind = Literal["all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute"]
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dslc.diagnostics import Label
-from dslc.ir.nodes import Sharding, TensorType
+from dslc.ir.nodes import Axes, Collective, Layer, Mesh, Sharding, TensorType
 from dslc.layers.base import (
     ArgSpec,
     Attrs,
@@ -84,22 +84,86 @@ class Attention(LayerRule):
             return None
         if not same_sharding(ctx, "o", w["o"], 0, tp, "it reads the heads that `q` produced"):
             return None
-        seq_axes = tuple(ax for ax in x.sharding[1] if ax not in tp)
-        if seq_axes:
-            ctx.error(
-                "E029",
-                f"`{ctx.path}` needs every token of the sequence, but the sequence is split over {fmt_axes(seq_axes)}",
-                labels=[Label(ctx.input_span, f"split here: {x.describe()}")],
-                help="context-parallel (ring) attention is not available yet; gather the sequence with `layout` first",
-            )
-            return None
-        # One gather of the tokens serves q, k and v alike (Megatron sequence parallelism).
+        # Tokens split over the tensor-parallel axis are gathered, one gather serving q, k and
+        # v alike (Megatron sequence parallelism); tokens split over another axis stay split
+        # and the layer becomes ring attention over it (context parallelism).
         x = gather_dims(ctx, x, tp, 2, f"`{ctx.path}`: gather tokens (sequence parallel)")
-        ctx.operand = x.sharding
+        context = x.sharding[1]
+        if context and not self._context_parallel(a, x, context, ctx):
+            return None
+        if context and a["causal"]:
+            half = TensorType(ctx.compute_dtype, (x.shape[0], x.shape[1] // 2, x.shape[2]), x.sharding)
+            for part in ("first", "second"):
+                ctx.collective(
+                    "collective-permute", context, half, f"`{ctx.path}`: zig-zag the {part} half of the tokens"
+                )
         heads_out = contract(ctx, x, w["q"], "q", ctx.compute_dtype)
         if heads_out is None or None in (contract(ctx, x, w[n], n, ctx.compute_dtype) for n in "kv"):
             return None
+        if context:
+            self._ring_passes(a, x, w, context, ctx)
         return contract(ctx, heads_out, w["o"], "o", ctx.compute_dtype, is_input=False)
+
+    def _context_parallel(self, a: Attrs, x: TensorType, context: tuple[str, ...], ctx: Context) -> bool:
+        """Whether ring attention can run over `context`; reports why not."""
+        split = f"split here: {x.describe()}"
+        if len(context) > 1:
+            ctx.error(
+                "E029",
+                f"`{ctx.path}` can pass key/value blocks around one mesh axis, but its sequence is split over "
+                f"{fmt_axes(context)}",
+                labels=[Label(ctx.input_span, split)],
+                help="split the sequence over one axis (a mesh axis of their combined size) for context parallelism",
+            )
+            return False
+        ring, seq = ctx.mesh.size(context), x.shape[1]
+        # A ring of one device is plain attention: nothing to balance.
+        if a["causal"] and ring > 1 and seq % (2 * ring):
+            ctx.error(
+                "E014",
+                f"`{ctx.path}` splits its {seq} tokens into 2 x {context[0]}={ring} = {2 * ring} equal chunks "
+                f"for causal context parallelism, but {seq} does not split evenly into {2 * ring}",
+                labels=[Label(ctx.input_span, split)],
+                notes=[
+                    f"device i of `{context[0]}` works on chunks i and {2 * ring - 1}-i, so that every device "
+                    "does the same work under the causal mask",
+                    f"{seq} splits evenly into {_divisors(seq)} chunks",
+                ],
+                help=f"make the sequence a multiple of {2 * ring}, or choose a `{context[0]}` size whose double "
+                "divides it",
+            )
+            return False
+        return True
+
+    def _ring_passes(self, a: Attrs, x: TensorType, w: dict[str, TensorType], context: Axes, ctx: Context) -> None:
+        """The collectives of the ring: ring - 1 passes of the key and of the value blocks,
+        then (causal) the outputs back to token order.
+
+        The keys' and outputs' heads may be split over a tensor-parallel axis, and a ring
+        moves only one tensor-parallel rank's heads: that share is what the collectives
+        count as their tensor (`Collective.elements` is per group of the collective).
+        """
+        b, seq, _ = x.shape
+        h, kv, hd = a["heads"], a["kv_heads"], a["head_dim"]
+        assert isinstance(h, int) and isinstance(kv, int) and isinstance(hd, int)
+        ring = ctx.mesh.size(context)
+        kv_local = kv * hd // ctx.mesh.size(w["k"].sharding[1])
+        blocks = TensorType(ctx.compute_dtype, (b, seq, kv_local), (x.sharding[0], context, ()))
+        for name in ("key", "value"):
+            for step in range(1, ring):
+                ctx.collective(
+                    "collective-permute", context, blocks, f"`{ctx.path}`: ring pass {step}/{ring - 1} of {name} blocks"
+                )
+        if a["causal"]:
+            heads_local = h * hd // ctx.mesh.size(w["q"].sharding[1])
+            half = TensorType(ctx.compute_dtype, (b, seq // 2, heads_local), (x.sharding[0], context, ()))
+            for part in ("first", "second"):
+                ctx.collective(
+                    "collective-permute",
+                    context,
+                    half,
+                    f"`{ctx.path}`: the {part} half of the outputs back to token order",
+                )
 
     def _heads_split(self, ctx: Context, a: Attrs, w: dict[str, TensorType], tp: tuple[str, ...]) -> bool:
         size = ctx.mesh.size(tp)
@@ -142,5 +206,39 @@ class Attention(LayerRule):
         scores_and_mix = 2 * 2 * b * h * s * s * hd
         return projections + scores_and_mix
 
+    def kernel(self, a: Attrs, operand: Sharding) -> str:
+        # `infer` accepts a sequence split over one axis at most (besides the heads' axis,
+        # which it gathers): context parallelism.
+        return "ring_attention" if operand[1] else "attention"
+
     def kernel_args(self, a: Attrs, dtype: str, operand: Sharding) -> dict[str, object]:
-        return {name: a[name] for name in ("heads", "kv_heads", "causal", "rope", "rope_base")} | {"dtype": dtype}
+        static = {name: a[name] for name in ("heads", "kv_heads", "causal", "rope", "rope_base")} | {"dtype": dtype}
+        return static | ({"axis": operand[1][0]} if operand[1] else {})
+
+
+def ring_backward_collectives(layer: Layer, mesh: Mesh) -> tuple[Collective, ...]:
+    """What ring attention's backward pass sends besides the transposes of its forward
+    collectives: the f32 gradient accumulators of the key and value blocks travel with the
+    blocks and take one pass more to come home, `ring` passes each (see
+    `dslc.kernels.layers._ring_backward`)."""
+    context = context_axes(layer, mesh)
+    if not context:
+        return ()
+    b, seq, _ = layer.input.shape
+    kv, hd = int(layer.attr("kv_heads")), int(layer.attr("head_dim"))  # type: ignore[call-overload]
+    kv_local = kv * hd // mesh.size(layer.weight("k").type.sharding[1])
+    ring = mesh.size(context)
+    return tuple(
+        Collective("collective-permute", context, b * seq * kv_local, "f32", f"`{layer.path}`: {name} gradient pass")
+        for name in ("key", "value")
+        for _ in range(ring)
+    )
+
+
+def context_axes(layer: Layer, mesh: Mesh) -> Axes:
+    """The mesh axes a checked layer passes key/value blocks around (context parallelism);
+    empty for every layer but an attention layer over a sequence split over more than one
+    device (the kernel computes a ring of one as plain attention)."""
+    if layer.kind != Attention.kind or not layer.operand or mesh.size(layer.operand[1]) == 1:
+        return ()
+    return layer.operand[1]
