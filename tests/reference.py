@@ -13,13 +13,16 @@ Precision follows the spec's `train` section: weights are stored in `param_dtype
 accumulates in f32 and rounds its result to the compute dtype; every layer's output has the
 dtype the IR gives it. Statistics (norms, softmax, log-sum-exp, the loss) are computed in f32.
 Dropout is the identity: forward, loss and gradients are evaluated with dropout off.
+
+A mixture of experts also returns auxiliary values (its load-balancing loss, which joins the
+loss, and its dropped and routed choice counts); they are summed over the layers.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import jax
@@ -41,16 +44,19 @@ DTYPES: dict[str, Any] = {
 
 Array = jax.Array
 Weights = dict[str, Array]
+Aux = dict[str, Array]
 
 
 @dataclass(frozen=True)
 class Reference:
     """What the reference computed: the activation fed to the loss (the model's last output
-    when there is no loss), the loss (None without one) and the gradient of every weight."""
+    when there is no loss), the loss (None without one; the layers' auxiliary losses
+    included), the gradient of every weight, and the layers' auxiliary values summed."""
 
     output: np.ndarray
     loss: float | None
     grads: dict[str, np.ndarray]
+    aux: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -90,19 +96,25 @@ def evaluate(
     body, loss_layer = _split_loss(program)
     ctx = _Context(DTYPES[compute_dtype or program.train.compute_dtype], inputs, every_float=compute_dtype is not None)
 
-    def forward(p: Weights) -> Array:
+    def forward(p: Weights) -> tuple[Array, Aux]:
         return _run(body, inputs[program.stream], p, ctx)
 
     if loss_layer is None:
-        output = jax.jit(forward)(params)
-        return Reference(np.asarray(output), None, {})
+        output, aux = jax.jit(forward)(params)
+        return Reference(np.asarray(output), None, {}, _floats(aux))
 
-    def loss(p: Weights) -> tuple[Array, Array]:
-        y = forward(p)
-        return LOSSES[loss_layer.kind](loss_layer, y, ctx), y
+    def loss(p: Weights) -> tuple[Array, tuple[Array, Aux]]:
+        y, aux = forward(p)
+        value = LOSSES[loss_layer.kind](loss_layer, y, ctx)
+        return (value + aux["aux_loss"] if "aux_loss" in aux else value), (y, aux)
 
-    (value, output), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
-    return Reference(np.asarray(output), float(value), {name: np.asarray(g) for name, g in grads.items()})
+    (value, (output, aux)), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
+    grads = {name: np.asarray(g) for name, g in grads.items()}
+    return Reference(np.asarray(output), float(value), grads, _floats(aux))
+
+
+def _floats(aux: Aux) -> dict[str, float]:
+    return {name: float(value) for name, value in aux.items()}
 
 
 def _split_loss(program: ir.Program) -> tuple[list[ir.Node], ir.Layer | None]:
@@ -113,20 +125,29 @@ def _split_loss(program: ir.Program) -> tuple[list[ir.Node], ir.Layer | None]:
     return nodes, None
 
 
-def _run(nodes: list[ir.Node] | tuple[ir.Node, ...], x: Array, params: Weights, ctx: _Context) -> Array:
+def _run(nodes: list[ir.Node] | tuple[ir.Node, ...], x: Array, params: Weights, ctx: _Context) -> tuple[Array, Aux]:
+    """The nodes' output, and the auxiliary values of the layers among them, summed."""
+    aux: Aux = {}
     for node in nodes:
+        more: Aux = {}
         match node:
             case ir.Layer():
                 w = {weight.name: params[f"{node.path}.{weight.name}"].astype(ctx.compute) for weight in node.weights}
-                x = LAYERS[node.kind](node, w, x, ctx).astype(ctx.dtype(node.output))
+                if node.kind in WITH_AUX:
+                    x, more = WITH_AUX[node.kind](node, w, x, ctx)
+                else:
+                    x = LAYERS[node.kind](node, w, x, ctx)
+                x = x.astype(ctx.dtype(node.output))
             case ir.Residual():
-                x = (x + _run(node.body, x, params, ctx)).astype(ctx.dtype(node.output))
+                y, more = _run(node.body, x, params, ctx)
+                x = (x + y).astype(ctx.dtype(node.output))
             case ir.Block():
                 # Checkpointing changes what is stored, never a number.
-                x = _run(node.body, x, params, ctx)
+                x, more = _run(node.body, x, params, ctx)
             case ir.Layout():
                 pass
-    return x
+        aux = {name: aux.get(name, 0.0) + more.get(name, 0.0) for name in {*aux, *more}}
+    return x, aux
 
 
 # ---- arithmetic -------------------------------------------------------------------------------
@@ -270,20 +291,46 @@ def conv(layer: ir.Layer, w: Weights, x: Array, ctx: _Context) -> Array:
     return y + w["bias"] if "bias" in w else y
 
 
-def moe(layer: ir.Layer, w: Weights, x: Array, ctx: _Context) -> Array:
-    experts, top_k = layer.attr("experts"), layer.attr("top_k")
+def moe(layer: ir.Layer, w: Weights, x: Array, ctx: _Context) -> tuple[Array, Aux]:
+    """Every sequence (one row of the batch, all its positions) is routed on its own. Each
+    expert has ceil(capacity * tokens * top_k / experts) places per sequence (at most
+    `tokens`), filled by every token's first choice in token order, then by the second
+    choices, and so on; a choice that finds no place adds nothing. Every expert is computed
+    on every token, densely, and weighted by the gates of the choices that found a place."""
+    experts, top_k, factor, weight = (layer.attr(n) for n in ("experts", "top_k", "capacity", "aux_weight"))
     assert isinstance(experts, int) and isinstance(top_k, int)
-    probs = _softmax(_f32(_matmul("...d,de->...e", x, w["router"], ctx)))
+    assert isinstance(factor, float) and isinstance(weight, float)
+    b, d = x.shape[0], x.shape[-1]
+    h = x.reshape(b, -1, d)
+    s = h.shape[1]
+    places = min(s, math.ceil(factor * s * top_k / experts))
+    probs = _softmax(_f32(_matmul("gsd,de->gse", h, w["router"], ctx)))
     # The k most probable experts per token, by sorting (ties do not occur with real data).
-    chosen = jnp.argsort(-jax.lax.stop_gradient(probs), axis=-1)[..., :top_k]
+    chosen = jnp.argsort(-jax.lax.stop_gradient(probs), axis=-1)[..., :top_k]  # [b, s, k]
     picked = jnp.take_along_axis(probs, chosen, axis=-1)
     gates = picked / picked.sum(-1, keepdims=True)
-    y = jnp.zeros(x.shape, jnp.float32)
+    # Choice j of token t ranks j * s + t; its place is the number of choices of the same
+    # sequence that rank before it and picked the same expert.
+    rank = (np.arange(top_k)[None, :] * s + np.arange(s)[:, None]).reshape(-1)
+    flat = chosen.reshape(b, s * top_k)
+    same_expert = flat[:, :, None] == flat[:, None, :]
+    place = jnp.sum(same_expert & (rank[None, :] < rank[:, None])[None], axis=-1).reshape(b, s, top_k)
+    found = place < places
+    y = jnp.zeros(h.shape, jnp.float32)
     for e in range(experts):
-        gate = jnp.where(chosen == e, gates, 0.0).sum(-1, keepdims=True)
-        hidden = _gelu_tanh(_f32(_matmul("...d,df->...f", x, w["w_in"][e], ctx)))
-        y = y + gate * _f32(_matmul("...f,fd->...d", hidden, w["w_out"][e], ctx))
-    return y
+        gate = jnp.where((chosen == e) & found, gates, 0.0).sum(-1, keepdims=True)
+        hidden = _gelu_tanh(_f32(_matmul("gsd,df->gsf", h, w["w_in"][e], ctx)))
+        y = y + gate * _f32(_matmul("gsf,fd->gsd", hidden, w["w_out"][e], ctx))
+    # Switch Transformer's loss, per sequence: experts * sum over e of (the share of the
+    # sequence's choices that picked e) * (e's mean router probability), then the mean.
+    share = jnp.stack([jnp.sum(chosen == e, axis=(1, 2)) for e in range(experts)], axis=-1) / (s * top_k)
+    balance = experts * jnp.sum(share * probs.mean(axis=1), axis=-1)
+    aux = {
+        "aux_loss": weight * balance.mean(),
+        "moe_dropped": jnp.sum(~found).astype(jnp.float32),
+        "moe_routed": jnp.asarray(b * s * top_k, jnp.float32),
+    }
+    return y.reshape(x.shape), aux
 
 
 LayerMath = Callable[[ir.Layer, Weights, Array, _Context], Array]
@@ -300,8 +347,9 @@ LAYERS: dict[str, LayerMath] = {
     "silu": silu,
     "dropout": dropout,
     "conv": conv,
-    "moe": moe,
 }
+# Layers that return auxiliary values besides their output.
+WITH_AUX: dict[str, Callable[[ir.Layer, Weights, Array, _Context], tuple[Array, Aux]]] = {"moe": moe}
 
 
 # ---- losses -----------------------------------------------------------------------------------

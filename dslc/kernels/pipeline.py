@@ -22,6 +22,11 @@ The table has one row per tick and one column per stage, with these entries:
 
 Parameters are passed whole to every stage (replicated over the stage axis); each stage
 only reads and differentiates its own chunks'.
+
+Chunks may return an auxiliary loss besides their output (`has_aux`: a mixture of experts'
+load-balancing loss). It is part of the objective: the chunk's backward differentiates
+(output, aux) with cotangents (output gradient, 1/M), and the aux of every (microbatch,
+chunk) is added, divided by M, to the loss where its backward runs.
 """
 
 from __future__ import annotations
@@ -49,8 +54,9 @@ TABLE_ENTRIES = (
 )
 
 # chunk(weights, x, inputs, key) -> the chunk's output; the last chunk returns its f32 loss.
+# With `has_aux`, every chunk returns (that, aux), aux an f32 scalar added to the loss.
 # `inputs` holds the microbatch of every model input; `key` is None when not training.
-Chunk = Callable[[Any, jax.Array, dict[str, jax.Array], jax.Array | None], jax.Array]
+Chunk = Callable[[Any, jax.Array, dict[str, jax.Array], jax.Array | None], Any]
 
 
 def pipeline_value_and_grad(
@@ -66,6 +72,7 @@ def pipeline_value_and_grad(
     microbatches: int,
     chunk_inputs: Sequence[tuple[int, ...]],
     boundary: tuple[tuple[int, ...], Any],
+    has_aux: bool = False,
 ) -> tuple[jax.Array, list[Any]]:
     """Mean loss over the microbatches and the gradient of each chunk's weights.
 
@@ -99,6 +106,7 @@ def pipeline_value_and_grad(
             stream=stream,
             chunk_inputs=chunk_inputs,
             boundary=boundary,
+            has_aux=has_aux,
         )
 
     run = jax.shard_map(
@@ -108,7 +116,7 @@ def pipeline_value_and_grad(
         out_specs=(PartitionSpec(), replicated(list(weights))),
         axis_names={axis},
     )
-    return run(list(weights), micro, tables, op_index, key if training else jax.random.key(0))
+    return run(list(weights), micro, tables, op_index, key if key is not None else jax.random.key(0))  # type: ignore[no-any-return]
 
 
 def _run_table(
@@ -125,6 +133,7 @@ def _run_table(
     stream: str,
     chunk_inputs: Sequence[tuple[int, ...]],
     boundary: tuple[tuple[int, ...], Any],
+    has_aux: bool,
 ) -> tuple[jax.Array, list[Any]]:
     """The body on one stage: scan over the ticks of the table."""
     C = len(chunks)
@@ -150,6 +159,11 @@ def _run_table(
         """Chunk c's own input out of the shared buffer."""
         return buffer[tuple(slice(0, n) for n in chunk_inputs[c])]
 
+    def scalar_like(t: jax.Array, value: float) -> jax.Array:
+        """`value` typed as `t` is, varying over the stages or not (a cotangent must be)."""
+        c = jnp.asarray(value, t.dtype)
+        return vary(c) if axis in jax.typeof(t).mat.varying else c
+
     stash = vary(jnp.zeros((slots["stash_slot"], *shape), dtype))
     # Chunk 0's inputs are the model's own input (token ids, say), kept apart from the buffer.
     first_stash = vary(jnp.zeros((slots["stash_slot"], *micro[stream].shape[1:]), micro[stream].dtype))
@@ -169,6 +183,11 @@ def _run_table(
         )
         inputs = {k: v[m] for k, v in micro.items()}
         mb_key = jax.random.fold_in(key, m) if key is not None else None
+
+        def call(i: int, w: Any, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+            """Chunk i's output (its loss, for the last) and its auxiliary loss."""
+            out = chunks[i](w, x, inputs, mb_key)
+            return out if has_aux else (out, jnp.zeros((), jnp.float32))
 
         def per_chunk(make: Callable[[int], Callable[[], tuple[Any, ...]]]) -> tuple[Any, ...]:
             return vary(lax.switch(c, [make(i) for i in range(C)]))
@@ -196,7 +215,7 @@ def _run_table(
                         new_first, new_stash = first_stash, stash.at[slot].set(fit(x))
                     # The last chunk's forward only keeps its input: its backward recomputes
                     # it together with the loss.
-                    y = zero if i == C - 1 else fit(chunks[i](own(i), x, inputs, mb_key))
+                    y = zero if i == C - 1 else fit(call(i, own(i), x)[0])
                     return new_stash, new_first, y
 
                 return go
@@ -208,22 +227,25 @@ def _run_table(
             def run() -> tuple[Any, ...]:
                 def make(i: int) -> Callable[[], tuple[Any, ...]]:
                     def go() -> tuple[Any, ...]:
-                        def f(w: Any, x: jax.Array) -> jax.Array:
-                            return chunks[i](w, x, inputs, mb_key)
+                        def f(w: Any, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+                            return call(i, w, x)
 
-                        # The loss's gradient is d(mean over microbatches)/d(loss_m); any other
-                        # chunk's output gradient arrived shaped as the next chunk's input.
+                        # The loss's gradient is d(mean over microbatches)/d(loss_m), and so is
+                        # an auxiliary loss's; any other chunk's output gradient arrived shaped
+                        # as the next chunk's input.
                         dy = jnp.asarray(1.0 / M, jnp.float32) if i == C - 1 else take(grads_in[g_slot], i + 1)
                         if i == 0:  # token ids: no gradient flows further back
-                            value, pull = jax.vjp(lambda w: f(w, first_stash[slot]), own(i))
-                            (dw,), dx = pull(vary(dy.astype(value.dtype))), zero
+                            (value, aux), pull = jax.vjp(lambda w: f(w, first_stash[slot]), own(i))
+                            (dw,), dx = pull((vary(dy.astype(value.dtype)), scalar_like(aux, 1.0 / M))), zero
                         else:
-                            value, pull = jax.vjp(f, own(i), take(stash[slot], i))
-                            dw, dx = pull(vary(dy.astype(value.dtype)))
+                            (value, aux), pull = jax.vjp(f, own(i), take(stash[slot], i))
+                            dw, dx = pull((vary(dy.astype(value.dtype)), scalar_like(aux, 1.0 / M)))
                             dx = fit(dx)
                         new_gacc = add_grads(i, dw) if weight_grads else gacc
-                        counted = value if i == C - 1 and input_grads else jnp.zeros((), jnp.float32)
-                        return new_gacc, loss + counted / M, dx if input_grads else zero
+                        # Counted once per microbatch and chunk: by B, or by I when B is split.
+                        counted = aux + value if i == C - 1 else aux
+                        new_loss = loss + counted / M if input_grads else loss
+                        return new_gacc, new_loss, dx if input_grads else zero
 
                     return go
 

@@ -134,14 +134,21 @@ class LayerRule:
         """Forward FLOPs for the whole (global) batch; a multiply-add counts two."""
         return 0
 
-    # The function in `dslc.kernels.layers` that computes this layer; both backends call it
-    # the same way (see that module's conventions). Defaults to the kind's own name.
-    @property
-    def kernel(self) -> str:
+    def kernel(self, a: Attrs, operand: Sharding) -> str:
+        """The function in `dslc.kernels.layers` that computes this use of the layer (both
+        backends call it the same way, see that module's conventions): by default the
+        kind's own name; a rule may choose by sharding (attention over a split sequence is
+        ring attention)."""
         return self.kind
 
     # True when the kernel draws random numbers: it then takes `key` (None when evaluating).
     random: ClassVar[bool] = False
+
+    # True when the kernel returns (y, aux) rather than y: aux is a dict of f32 scalars, summed
+    # over the layers that return one. Its "aux_loss" entry is added to the training loss (and
+    # so differentiated); the others are counts reported as they are (a mixture of experts'
+    # dropped tokens).
+    has_aux: ClassVar[bool] = False
 
     def kernel_args(self, a: Attrs, dtype: str, operand: Sharding) -> dict[str, object]:
         """The kernel's static keyword arguments; `dtype` names the compute dtype ("bfloat16"),

@@ -1,26 +1,49 @@
-"""Mixture of experts: a router picks top-k experts per token; experts split over an axis."""
+"""Mixture of experts: a router picks top-k experts per token; experts split over an axis.
+
+The arithmetic is `dslc.kernels.layers.moe` (GShard-style dispatch with a capacity per expert);
+this rule says how much room the experts have, which layouts the kernel supports, and what
+the layer communicates.
+"""
 
 from __future__ import annotations
 
+import math
+
 from dslc.diagnostics import Label
-from dslc.ir.nodes import Sharding, TensorType
-from dslc.layers.base import ArgSpec, Attrs, Context, LayerRule, WeightSpec, expect_features, fmt_axes, same_sharding
+from dslc.ir.nodes import Axes, Collective, Layer, Mesh, Sharding, TensorType
+from dslc.layers.base import (
+    ArgSpec,
+    Attrs,
+    Context,
+    LayerRule,
+    WeightSpec,
+    expect_features,
+    fmt_axes,
+    gather_dims,
+    same_sharding,
+)
 
 
 class MoE(LayerRule):
     kind = "moe"
     doc = (
-        "Top-k routed GELU MLP experts, gates renormalised over the chosen k. "
-        "Expert parallel: w_in[ep, _, _], w_out[ep, _, _] "
-        "(tokens travel to their experts by all-to-all and back)."
+        "Top-k routed GELU MLP experts. Each sequence is a routing group: every expert takes "
+        "ceil(capacity * tokens * top_k / experts) of its choices (first choices first); the "
+        "others are dropped (the residual path carries their tokens). Gates are renormalised over "
+        "the chosen k; aux_weight times the Switch load-balancing loss joins the training loss. "
+        "Expert parallel: w_in[ep, _, _], w_out[ep, _, _] (tokens split over ep travel to their "
+        "experts by all-to-all and back; tokens whole along ep are routed on every device, and "
+        "one all-reduce sums the experts' shares)."
     )
     args = (
         ArgSpec("dim", "int", doc="model width"),
         ArgSpec("hidden", "int", doc="hidden width of each expert"),
         ArgSpec("experts", "int", doc="number of experts"),
         ArgSpec("top_k", "int", 2, "experts per token"),
-        ArgSpec("capacity", "float", 1.25, "slots per expert, as a multiple of the even share"),
+        ArgSpec("capacity", "float", 1.25, "capacity factor: slots per expert, as a multiple of the even share"),
+        ArgSpec("aux_weight", "float", 0.01, "weight of the load-balancing loss", positive=False),
     )
+    has_aux = True
 
     def weights(self, a: Attrs) -> tuple[WeightSpec, ...]:
         d, f, e = a["dim"], a["hidden"], a["experts"]
@@ -31,13 +54,16 @@ class MoE(LayerRule):
         )
 
     def validate(self, a: Attrs, ctx: Context) -> bool:
-        k, e, c = a["top_k"], a["experts"], a["capacity"]
-        assert isinstance(k, int) and isinstance(e, int) and isinstance(c, float)
+        k, e, c, w = a["top_k"], a["experts"], a["capacity"], a["aux_weight"]
+        assert isinstance(k, int) and isinstance(e, int) and isinstance(c, float) and isinstance(w, float)
         if k > e:
             ctx.error("E024", f"top_k ({k}) is more than the {e} experts there are", help=f"use top_k <= {e}")
             return False
         if c <= 0:
-            ctx.error("E024", f"capacity must be positive, got {c}")
+            ctx.error("E024", f"capacity must be positive, got {c}", help="1.0 to 2.0 is usual")
+            return False
+        if w < 0:
+            ctx.error("E024", f"aux_weight cannot be negative, got {w}", help="0 turns the load-balancing loss off")
             return False
         return True
 
@@ -53,18 +79,126 @@ class MoE(LayerRule):
             return None
         ep = w["w_in"].sharding[0]
         ok = same_sharding(ctx, "w_out", w["w_out"], 0, ep, "each expert's two matrices live together")
-        ok &= same_sharding(ctx, "router", w["router"], 0, (), "every device routes its own tokens")
+        for dim in (0, 1):
+            ok &= same_sharding(ctx, "router", w["router"], dim, (), "every device routes its tokens over all experts")
         if not ok:
             return None
-        ctx.collective("all-to-all", ep, x, f"`{ctx.path}`: dispatch tokens to experts")
-        ctx.collective("all-to-all", ep, x, f"`{ctx.path}`: return expert outputs")
+        tokens, experts = split_axes(x.sharding[0], ctx.mesh), split_axes(ep, ctx.mesh)
+        if experts and any(axis in tokens for axis in experts) and not set(experts) <= set(tokens):
+            ctx.error(
+                "E029",
+                f"`{ctx.path}` splits its experts over {fmt_axes(experts)}, but its tokens over only "
+                f"{fmt_axes(tuple(axis for axis in experts if axis in tokens))} of them",
+                at=ctx.weight_span("w_in"),
+                labels=[Label(ctx.input_span, f"tokens split over {fmt_axes(x.sharding[0])} here")],
+                notes=[
+                    "the experts' axes must all split the batch too (tokens travel to their experts by "
+                    "all-to-all), or none of them (every device routes the same tokens)"
+                ],
+                help="split the batch over every expert axis, or over none of them",
+            )
+            return None
+        _check_capacity(a, x, ctx)
+        # The kernel's static arguments come from the attributes and the operand alone, and
+        # the operand cannot say which of the batch's axes hold experts: record them here.
+        a["expert_axes"] = ep
+        d, e = a["dim"], a["experts"]
+        assert isinstance(d, int) and isinstance(e, int)
+        if experts and set(experts) <= set(tokens):
+            shape = (x.shape[0], e, capacity_slots(a, group_tokens(x)), d)
+            slots = TensorType(ctx.compute_dtype, shape, (x.sharding[0], (), (), ()))
+            ctx.collective("all-to-all", experts, slots, f"`{ctx.path}`: send every expert its slots")
+            ctx.collective("all-to-all", experts, slots, f"`{ctx.path}`: return the experts' outputs")
+        else:
+            # Every device holds every token: a sequence split over an expert axis is gathered
+            # first (each device routes whole sequences), then the devices sum their experts'
+            # contributions.
+            operand = gather_dims(ctx, x, experts, x.rank - 1, f"`{ctx.path}`: gather whole sequences")
+            ctx.operand = operand.sharding
+            ctx.collective(
+                "all-reduce",
+                experts,
+                TensorType(ctx.compute_dtype, x.shape, operand.sharding),
+                f"`{ctx.path}`: sum the experts' outputs",
+            )
         return TensorType(ctx.compute_dtype, x.shape, x.sharding)
 
     def flops(self, a: Attrs, x: TensorType, y: TensorType) -> int:
-        tokens = x.numel // x.shape[-1]
-        d, f, e, k = a["dim"], a["hidden"], a["experts"], a["top_k"]
-        assert isinstance(d, int) and isinstance(f, int) and isinstance(e, int) and isinstance(k, int)
-        return 2 * tokens * d * e + k * tokens * 4 * d * f
+        """The router, the one-hot dispatch and combine products and the experts on every slot
+        (empty slots included: the kernel computes them)."""
+        d, f, e = a["dim"], a["hidden"], a["experts"]
+        assert isinstance(d, int) and isinstance(f, int) and isinstance(e, int)
+        groups, per_group = x.shape[0], group_tokens(x)
+        tokens, c = groups * per_group, capacity_slots(a, per_group)
+        router = 2 * tokens * d * e
+        dispatch_and_combine = 2 * (2 * tokens * e * c * d)  # [tokens, experts, slots] by [tokens, dim], and back
+        experts = 2 * (2 * groups * e * c * d * f)  # both matrices, on every slot
+        return router + dispatch_and_combine + experts
 
     def kernel_args(self, a: Attrs, dtype: str, operand: Sharding) -> dict[str, object]:
-        return {"top_k": a["top_k"], "dtype": dtype}
+        return {
+            "top_k": a["top_k"],
+            "capacity": a["capacity"],
+            "aux_weight": a["aux_weight"],
+            "expert_axes": a["expert_axes"],
+            "token_axes": operand[0],
+            "dtype": dtype,
+        }
+
+
+def group_tokens(x: TensorType) -> int:
+    """Tokens in one routing group (one sequence) of an input [batch, ..., dim]."""
+    return math.prod(x.shape[1:-1])
+
+
+def capacity_slots(a: Attrs, tokens: int) -> int:
+    """Slots each expert has in a routing group of `tokens` tokens: the kernel's formula."""
+    capacity, top_k, experts = a["capacity"], a["top_k"], a["experts"]
+    assert isinstance(capacity, float) and isinstance(top_k, int) and isinstance(experts, int)
+    return min(tokens, math.ceil(capacity * tokens * top_k / experts))
+
+
+def split_axes(axes: Axes, mesh: Mesh) -> Axes:
+    """The axes that split anything: those of more than one device (as the kernel sees them)."""
+    return tuple(a for a in axes if mesh.size((a,)) > 1)
+
+
+def expert_axes(layer: Layer, mesh: Mesh) -> Axes:
+    """The mesh axes a checked `moe` layer splits its experts over (none: not expert parallel)."""
+    return split_axes(layer.weight("w_in").type.sharding[0], mesh)
+
+
+def exchange_collectives(layer: Layer) -> tuple[Collective, ...]:
+    """The collectives that bring a checked `moe` layer's tokens to its experts and back:
+    the two all-to-alls, or the all-reduce of the experts' outputs (none without experts split)."""
+    return tuple(c for c in layer.collectives if c.kind in ("all-to-all", "all-reduce"))
+
+
+def pipeline_recompute_collectives(layer: Layer, pipelined: bool) -> tuple[Collective, ...]:
+    """What a layer sends again in its backward pass because it runs inside the pipeline's
+    `shard_map`: a mixture of experts there recomputes its forward, exchange included, before
+    differentiating it (see `dslc.kernels.layers._shard_map_with_inner_vjp`)."""
+    return exchange_collectives(layer) if pipelined and layer.kind == MoE.kind else ()
+
+
+def _check_capacity(a: Attrs, x: TensorType, ctx: Context) -> None:
+    """A capacity "cannot hold" a sequence when its experts' slots together are fewer than the
+    sequence's choices: then tokens are dropped at every step, however evenly the router
+    spreads them. (A capacity factor of 1 or more always holds.)"""
+    k, e, c = a["top_k"], a["experts"], a["capacity"]
+    assert isinstance(k, int) and isinstance(e, int)
+    tokens = group_tokens(x)
+    slots = capacity_slots(a, tokens)
+    if e * slots >= tokens * k:
+        return
+    ctx.error(
+        "E024",
+        f"capacity {c} cannot hold a sequence: its {e} experts have {e * slots} slots for the "
+        f"{tokens * k} choices of its {tokens} tokens (top_k={k})",
+        notes=[
+            f"each sequence of {x.describe()} is a routing group of {tokens} tokens; each expert takes "
+            f"ceil({c} x {tokens} x {k} / {e}) = {slots} of its choices",
+            "even perfectly balanced routing would drop tokens at every step",
+        ],
+        help="use capacity >= 1.0",
+    )

@@ -2,8 +2,8 @@
 
 Parameters live in one `nnx.Dict` keyed by their stable dotted names (`blocks.3.attn.q`),
 each an `nnx.Param` created directly with its declared sharding. The forward pass walks the
-IR: each layer is computed by its own rule (`LayerRule.apply`) and its output pinned to the
-sharding the checker gave it, so the collectives XLA inserts are the ones the IR predicts.
+IR: each layer is computed by its rule's kernel (`dslc.kernels.layers`) and its output pinned
+to the sharding the checker gave it, so the collectives XLA inserts are the ones the IR predicts.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from jax.sharding import NamedSharding
 from dslc.ir import nodes as ir
 from dslc.ir.repeats import group_repeats
 from dslc.kernels import layers as kernels
+from dslc.kernels.layers import add_aux
 from dslc.kernels.params import initial_value, named_key
 from dslc.layers import LOSS_KINDS, RULES
 from dslc.lower.runtime import JNP_DTYPES, Runtime
@@ -55,20 +56,34 @@ def init_params(program: ir.Program, shardings: dict[str, NamedSharding], seed: 
 
 
 # ---- running the IR ---------------------------------------------------------------------------
+#
+# Auxiliary values: a layer whose rule has `has_aux` returns (y, aux) from its kernel, aux
+# being a dict of f32 scalars. They travel back up as return values, never through a side
+# channel (a list appended to inside `lax.scan` or `jax.checkpoint` would leak tracers): every
+# function below returns (y, aux), with aux summed key by key over the layers it ran, `{}`
+# when none has any. A scan returns its blocks' aux dicts stacked and sums them; a
+# checkpointed block returns its aux like its output. `run_loss` adds `aux[AUX_LOSS]` to the
+# loss, so its gradient flows through everything the layer computed it from.
+
+Aux = dict[str, jax.Array]
 
 
-def forward_nodes(nodes: tuple[ir.Node, ...], x: jax.Array, params: Params, rt: Runtime) -> jax.Array:
+def forward_nodes(nodes: tuple[ir.Node, ...], x: jax.Array, params: Params, rt: Runtime) -> tuple[jax.Array, Aux]:
+    """The nodes run in order on `x`: their output, and their layers' auxiliary values."""
+    aux: Aux = {}
     for run in group_repeats(nodes):
-        x = _run(run[0], x, params, rt) if len(run) == 1 else _scan(run, x, params, rt)
-    return x
+        x, more = _run(run[0], x, params, rt) if len(run) == 1 else _scan(run, x, params, rt)
+        aux = add_aux(aux, more)
+    return x, aux
 
 
-def _scan(run: tuple[ir.Node, ...], x: jax.Array, params: Params, rt: Runtime) -> jax.Array:
+def _scan(run: tuple[ir.Node, ...], x: jax.Array, params: Params, rt: Runtime) -> tuple[jax.Array, Aux]:
     """A run of identical blocks as one `lax.scan` over their stacked weights.
 
     One loop body instead of N copies keeps compile time flat in depth, and it is what
     makes activation checkpointing save memory: the loop keeps only each block's input,
-    and the checkpointed body recomputes the rest during the backward pass.
+    and the checkpointed body recomputes the rest during the backward pass. Each step's
+    auxiliary values come out stacked, one row per block, and are summed.
     """
     first = run[0]
     assert isinstance(first, ir.Block)
@@ -77,19 +92,19 @@ def _scan(run: tuple[ir.Node, ...], x: jax.Array, params: Params, rt: Runtime) -
     stacked = {s: jnp.stack([params[block.path + s] for block in run]) for s in suffixes}
     base_key = rt.dropout_key
 
-    def body(h: jax.Array, step: tuple[jax.Array, dict[str, jax.Array]]) -> tuple[jax.Array, None]:
+    def body(h: jax.Array, step: tuple[jax.Array, dict[str, jax.Array]]) -> tuple[jax.Array, Aux]:
         index, weights = step
         if base_key is not None:
             rt.dropout_key = jax.random.fold_in(base_key, index)
         local = {first.path + s: w for s, w in weights.items()}
-        return _run(first, h, local, rt), None
+        return _run(first, h, local, rt)
 
-    y, _ = jax.lax.scan(body, x, (jnp.arange(len(run)), stacked))
+    y, aux = jax.lax.scan(body, x, (jnp.arange(len(run)), stacked))
     rt.dropout_key = base_key
-    return y
+    return y, {k: v.sum(0) for k, v in aux.items()}
 
 
-def _run(node: ir.Node, x: jax.Array, params: Params, rt: Runtime) -> jax.Array:
+def _run(node: ir.Node, x: jax.Array, params: Params, rt: Runtime) -> tuple[jax.Array, Aux]:
     match node:
         case ir.Layer():
             # Parameters stored split over the data axes (ZeRO-3 / FSDP) are gathered to the
@@ -100,23 +115,28 @@ def _run(node: ir.Node, x: jax.Array, params: Params, rt: Runtime) -> jax.Array:
             }
             if node.operand != node.input.sharding:
                 x = rt.constrain(x, node.operand)
-            y = call_kernel(node, x, weights, rt)
+            y, aux = call_kernel(node, x, weights, rt)
             if node.output.rank:
                 y = rt.constrain(y, node.output.sharding)
-            return rt.name(y, node.path)
+            return rt.name(y, node.path), aux
         case ir.Residual():
-            return x + forward_nodes(node.body, x, params, rt)
+            y, aux = forward_nodes(node.body, x, params, rt)
+            return x + y, aux
         case ir.Block():
-            body: Callable[[jax.Array, Params], jax.Array] = lambda h, p: forward_nodes(node.body, h, p, rt)  # noqa: E731
+
+            def body(h: jax.Array, p: Params) -> tuple[jax.Array, Aux]:
+                return forward_nodes(node.body, h, p, rt)
+
             return _remat(node, body)(x, params)
         case ir.Layout():
-            return rt.constrain(x, node.output.sharding)
+            return rt.constrain(x, node.output.sharding), {}
         case _:
             assert_never(node)
 
 
-def call_kernel(layer: ir.Layer, x: jax.Array, weights: dict[str, jax.Array], rt: Runtime) -> jax.Array:
-    """Compute one layer with its kernel, called as `dslc.kernels.layers` prescribes."""
+def call_kernel(layer: ir.Layer, x: jax.Array, weights: dict[str, jax.Array], rt: Runtime) -> tuple[jax.Array, Aux]:
+    """Compute one layer with its kernel, called as `dslc.kernels.layers` prescribes: its
+    output and its auxiliary values (`{}` unless the rule declares `has_aux`)."""
     rule = RULES[layer.kind]
     attrs = dict(layer.attrs)
     arrays: dict[str, jax.Array | None] = {
@@ -125,10 +145,13 @@ def call_kernel(layer: ir.Layer, x: jax.Array, weights: dict[str, jax.Array], rt
     if rule.random:
         arrays["key"] = rt.rng(layer.path) if rt.training else None
     static = rule.kernel_args(attrs, jnp.dtype(rt.compute_dtype).name, layer.operand)
-    return getattr(kernels, rule.kernel)(x, **weights, **arrays, **static)  # type: ignore[no-any-return]
+    out = getattr(kernels, rule.kernel(attrs, layer.operand))(x, **weights, **arrays, **static)
+    return out if rule.has_aux else (out, {})  # type: ignore[no-any-return]
 
 
-def _remat(block: ir.Block, body: Callable[[jax.Array, Params], jax.Array]) -> Callable[[jax.Array, Params], jax.Array]:
+def _remat(
+    block: ir.Block, body: Callable[[jax.Array, Params], tuple[jax.Array, Aux]]
+) -> Callable[[jax.Array, Params], tuple[jax.Array, Aux]]:
     """Activation checkpointing of one block, as the spec declared it."""
     match block.remat.policy:
         case "none":
@@ -155,13 +178,18 @@ def split_loss(program: ir.Program) -> tuple[tuple[ir.Node, ...], ir.Layer | Non
     return nodes, None
 
 
-def run_forward(program: ir.Program, params: Params, inputs: dict[str, jax.Array], rt: Runtime) -> jax.Array:
+def run_forward(
+    program: ir.Program, params: Params, inputs: dict[str, jax.Array], rt: Runtime
+) -> tuple[jax.Array, Aux]:
+    """The model's output before its loss, and the auxiliary values its layers returned."""
     body, _ = split_loss(program)
     return forward_nodes(body, inputs[program.stream], params, rt)
 
 
 def run_loss(program: ir.Program, params: Params, batch: dict[str, jax.Array], rt: Runtime) -> jax.Array:
+    """The loss layer's value plus the layers' auxiliary losses (`aux[AUX_LOSS]`), if any."""
     body, loss = split_loss(program)
     assert loss is not None, "run_loss needs a spec that ends in a loss"
-    y = forward_nodes(body, batch[program.stream], params, rt)
-    return call_kernel(loss, y, {}, rt)
+    y, aux = forward_nodes(body, batch[program.stream], params, rt)
+    value, _ = call_kernel(loss, y, {}, rt)
+    return value + aux[kernels.AUX_LOSS] if kernels.AUX_LOSS in aux else value

@@ -6,10 +6,12 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from dslc.ir import nodes as ir
+from dslc.kernels.layers import AUX_LOSS
 from dslc.kernels.pipeline import TABLE_ENTRIES, pipeline_value_and_grad
-from dslc.layers import LOSS_KINDS
+from dslc.layers import LOSS_KINDS, RULES
 from dslc.lower.model import Params, call_kernel, forward_nodes
 from dslc.lower.runtime import JNP_DTYPES, Runtime
 from dslc.schedules import build
@@ -38,6 +40,9 @@ class PipelineExecutor:
             for chunk in self.chunks
         ]
         self.table = {name: getattr(self.plan, name) for name in TABLE_ENTRIES}
+        # Chunks hand the executor their auxiliary losses only where some layer has one, so
+        # every other model runs exactly the executor it always did.
+        self.has_aux = any(RULES[layer.kind].has_aux for layer in ir.all_layers(program))
 
     def boundary(self) -> tuple[tuple[int, ...], Any]:
         """The buffer every inter-stage tensor fits in: one microbatch of the largest one."""
@@ -45,12 +50,13 @@ class PipelineExecutor:
         return shape, JNP_DTYPES[dtype] if dtype else self.compute_dtype
 
     def _chunk(self, c: int) -> Any:
-        """Chunk c as a function of its weights and its input; the last one ends in the loss."""
+        """Chunk c as a function of its weights and its input; the last one ends in the loss.
+        With `has_aux` it returns the sum of its layers' auxiliary losses as well."""
         chunk = self.chunks[c]
         last = c == len(self.chunks) - 1
         nodes = chunk.nodes[:-1] if last else chunk.nodes
 
-        def run(params: Params, x: jax.Array, inputs: dict[str, jax.Array], key: jax.Array | None) -> jax.Array:
+        def run(params: Params, x: jax.Array, inputs: dict[str, jax.Array], key: jax.Array | None) -> Any:
             rt = Runtime(
                 self.mesh,
                 self.compute_dtype,
@@ -59,8 +65,10 @@ class PipelineExecutor:
                 dropout_key=key,
                 manual_axes=(self.axis,),
             )
-            y = forward_nodes(nodes, x, params, rt)
-            return call_kernel(self.loss_layer, y, {}, rt) if last else y
+            y, aux = forward_nodes(nodes, x, params, rt)
+            if last:
+                y, _ = call_kernel(self.loss_layer, y, {}, rt)
+            return (y, aux.get(AUX_LOSS, jnp.zeros((), jnp.float32))) if self.has_aux else y
 
         return run
 
@@ -80,6 +88,7 @@ class PipelineExecutor:
             microbatches=M,
             chunk_inputs=[chunk_input(chunk, M) for chunk in self.chunks],
             boundary=self.boundary(),
+            has_aux=self.has_aux,
         )
         return loss, {n: g for chunk in grads for n, g in chunk.items()}
 

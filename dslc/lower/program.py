@@ -93,15 +93,29 @@ class Program:
             model.params[name].set_value(value)
 
     def param_shardings(self, model: DslcModel) -> dict[str, PartitionSpec]:
-        return {name: value.sharding.spec for name, value in model.arrays().items()}
+        return {name: value.sharding.spec for name, value in model.arrays().items()}  # type: ignore[attr-defined]
 
     # --- running ------------------------------------------------------------------------------
 
+    # Every computation traces under the mesh: kernels that enter `shard_map` (ring
+    # attention, expert-parallel mixtures of experts, the pipeline) find it there.
     def forward(self, model: DslcModel, inputs: Mapping[str, Any]) -> jax.Array:
-        return self._forward(model.arrays(), self._place(inputs))
+        with jax.set_mesh(self.mesh):
+            return self._forward(model.arrays(), self._place(inputs))[0]
 
     def loss(self, model: DslcModel, batch: Mapping[str, Any]) -> jax.Array:
-        return self._loss(model.arrays(), self._place(batch))
+        """The training objective: the loss layer's value plus the layers' auxiliary losses."""
+        with jax.set_mesh(self.mesh):
+            return self._loss(model.arrays(), self._place(batch))
+
+    def aux(self, model: DslcModel, inputs: Mapping[str, Any]) -> dict[str, float]:
+        """The auxiliary values the layers return on `inputs`, summed over the layers (dropout
+        off): `aux_loss`, the part of `loss` that is not the loss layer's, and a mixture of
+        experts' `moe_dropped` and `moe_routed` (token-to-expert choices dropped for want of
+        capacity, and made). Empty for a model whose layers return none."""
+        with jax.set_mesh(self.mesh):
+            aux = self._forward(model.arrays(), self._place(inputs))[1]
+        return {name: float(value) for name, value in aux.items()}
 
     def grads(self, model: DslcModel, batch: Mapping[str, Any]) -> dict[str, np.ndarray]:
         with jax.set_mesh(self.mesh):
@@ -185,7 +199,10 @@ class Program:
             if value.shape != inp.type.shape:
                 raise ValueError(f"input `{inp.name}` has shape {value.shape}, the spec says {inp.type.shape}")
             value = value.astype(np.dtype(JNP_DTYPES[inp.type.dtype]))
-            placed[inp.name] = jax.device_put(value, NamedSharding(self.mesh, partition_spec(inp.type.sharding)))
+            # Every process holds the whole batch and builds only its own devices' shards;
+            # device_put onto a mesh spanning processes would all-gather it to compare first.
+            sharding = NamedSharding(self.mesh, partition_spec(inp.type.sharding))
+            placed[inp.name] = jax.make_array_from_callback(value.shape, sharding, value.__getitem__)
         missing = [i.name for i in self.ir.inputs if i.name not in placed and (i.name == self.ir.stream)]
         if missing:
             raise ValueError(f"missing input `{missing[0]}`")
@@ -193,7 +210,7 @@ class Program:
 
     @functools.cached_property
     def _forward(self) -> Any:
-        def forward(params: Params, inputs: dict[str, jax.Array]) -> jax.Array:
+        def forward(params: Params, inputs: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
             return run_forward(self.ir, params, inputs, self._runtime(inputs))
 
         return jax.jit(forward)

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 from dslc.ir.nodes import Program, weights_by_path
 from dslc.plan.communication import Transfer, communication
+from dslc.plan.experts import ExpertLayer, experts
 from dslc.plan.flops import Flops, flops
 from dslc.plan.memory import Memory, memory
 from dslc.plan.report import Pipeline, Plan, format_bytes
 from dslc.plan.timetable import timetable
 from dslc.schedules import theoretical_bubble
 
-__all__ = ["Flops", "Memory", "Pipeline", "Plan", "Transfer", "plan"]
+__all__ = ["ExpertLayer", "Flops", "Memory", "Pipeline", "Plan", "Transfer", "plan"]
 
 
 def plan(program: Program, device_memory: int | None = None) -> Plan:
@@ -37,6 +38,7 @@ def plan(program: Program, device_memory: int | None = None) -> Plan:
         pipeline=_pipeline(program),
         device_memory=device_memory,
         warnings=tuple(warnings),
+        experts=experts(program),
     )
 
 

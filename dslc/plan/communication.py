@@ -3,21 +3,27 @@
 Sizes use the standard ring algorithms over a group of N devices, S being the bytes of the
 whole tensor the group works on (the collective's elements over the group's share of the
 batch): all-reduce sends 2(N-1)/N·S per device, all-gather and reduce-scatter (N-1)/N·S,
-all-to-all (N-1)/N of its local S/N, and a pipeline send (ppermute) its buffer once.
+all-to-all (N-1)/N of its local S/N, a collective-permute (one pass of a ring, or one
+reordering of the pieces) its own piece S/N, and a pipeline send (ppermute) its buffer once.
 
 Rules:
 
 * forward: the collectives the IR's layers and layouts imply (`Layer.collectives`);
 * backward: each forward collective's transpose on a tensor of the same size — an
   all-reduce for an all-reduce (Megatron's conjugate f/g pair), a reduce-scatter for an
-  all-gather and back, an all-to-all for an all-to-all. The loss's softmax statistics need
-  none: its gradient is local once the forward statistics are known;
+  all-gather and back, an all-to-all for an all-to-all, the inverse permutation for a
+  collective-permute. The loss's softmax statistics need none: its gradient is local once the
+  forward statistics are known. Ring attention (context parallelism) also sends its key and
+  value gradients around the ring (`attention.ring_backward_collectives`);
 * recompute: a checkpointed block's forward collectives happen again in its backward, and the
-  pipeline executor reruns every chunk's forward but the last's;
+  pipeline executor reruns every chunk's forward but the last's; inside the pipeline a mixture
+  of experts recomputes its forward exchange once more in its backward
+  (`moe.pipeline_recompute_collectives`);
 * gradients: data-parallel reduction over the batch axes of every gradient the device holds —
   an all-reduce, or a reduce-scatter where ZeRO >= 2 splits that gradient; ZeRO 1 and 2 then
   all-gather the updated parameters, ZeRO 3 all-gathers them before the forward and again
-  before the backward;
+  before the backward. Where attention rings over context axes, every layer saw only its
+  share of the tokens, so each gradient is first all-reduced over those axes as well;
 * pipeline: the executor sends one activation and one gradient buffer (a microbatch at the
   stage boundary) every tick, and sums the full-size gradient accumulator over the stages.
 """
@@ -39,10 +45,14 @@ from dslc.ir.nodes import (
     Program,
     Residual,
     TensorType,
+    all_layers,
+    layers,
     weights_by_path,
 )
 from dslc.ir.state import state_sharding
 from dslc.layers import LOSS_KINDS
+from dslc.layers.attention import context_axes, ring_backward_collectives
+from dslc.layers.moe import pipeline_recompute_collectives
 from dslc.plan.activations import tensor_bytes
 from dslc.plan.timetable import pipelined, timetable
 
@@ -53,6 +63,7 @@ TRANSPOSE = {
     "all-gather": "reduce-scatter",
     "reduce-scatter": "all-gather",
     "all-to-all": "all-to-all",
+    "collective-permute": "collective-permute",
 }
 
 
@@ -78,6 +89,8 @@ def ring_bytes(kind: str, group: int, size: int) -> int:
             return (group - 1) * size // group
         case "all-to-all":
             return (group - 1) * size // (group * group)
+        case "collective-permute":
+            return size // group
         case _:  # ppermute: the buffer itself
             return size
 
@@ -122,6 +135,11 @@ def communication(program: Program) -> list[Transfer]:
                 reruns = int(recomputed) + int(staged and chunk.index != last)
                 if reruns:
                     _add(totals, mesh, c.kind, c.axes, "recompute", size, reruns)
+            for layer in layers((node,)):
+                for c in ring_backward_collectives(layer, mesh):
+                    _add(totals, mesh, c.kind, c.axes, "backward", _group_bytes(c, layer.input, mesh))
+                for c in pipeline_recompute_collectives(layer, staged):
+                    _add(totals, mesh, c.kind, c.axes, "recompute", _group_bytes(c, layer.input, mesh))
     totals = max(per_stage.values(), key=lambda t: sum(b for b, _ in t.values()), default={})
     _gradient_sync(program, totals)
     if staged:
@@ -145,7 +163,11 @@ def batch_axes(program: Program) -> Axes:
 def _gradient_sync(program: Program, totals: Totals) -> None:
     mesh, zero = program.mesh, program.train.zero
     data = batch_axes(program)
+    context = tuple(dict.fromkeys(a for layer in all_layers(program) for a in context_axes(layer, mesh)))
     for w in weights_by_path(program).values():
+        summed = tuple(a for a in context if a not in w.type.axes_used)
+        if summed:
+            _add(totals, mesh, "all-reduce", summed, "gradients", w.type.local_nbytes(mesh))
         axes = tuple(a for a in data if a not in w.type.axes_used)
         if not axes:
             continue

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dslc.plan.communication import Transfer
+from dslc.plan.experts import ExpertLayer
 from dslc.plan.flops import Flops
 from dslc.plan.memory import Memory
 
@@ -36,6 +37,7 @@ class Plan:
     pipeline: Pipeline | None
     device_memory: int | None
     warnings: tuple[str, ...]
+    experts: tuple[ExpertLayer, ...] = ()
 
     @property
     def devices(self) -> int:
@@ -98,6 +100,20 @@ class Plan:
                 "theoretical_bubble": self.pipeline.theoretical_bubble,
                 "peak_in_flight": self.pipeline.peak_in_flight,
             },
+            "experts": [
+                {
+                    "path": e.path,
+                    "experts": e.experts,
+                    "expert_axes": list(e.expert_axes),
+                    "experts_per_device": e.experts_per_device,
+                    "tokens_per_group": e.tokens_per_group,
+                    "slots": e.slots,
+                    "exchange": e.exchange,
+                    "parameter_bytes": e.parameter_bytes,
+                    "exchange_bytes": e.exchange_bytes,
+                }
+                for e in self.experts
+            ],
             "device_memory": self.device_memory,
             "fits": None if self.device_memory is None else m.total <= self.device_memory,
             "warnings": list(self.warnings),
@@ -122,10 +138,10 @@ class Plan:
         lines += [f"    {format_bytes(size):>10}  {what}" for what, size in m.details]
         lines += ["", "communication per device per step (ring algorithms)"]
         lines += [
-            f"  {t.kind:<15}{','.join(t.axes):<14}{t.phase:<11}{format_bytes(t.bytes):>12}  x{t.count}"
+            f"  {t.kind:<20}{','.join(t.axes):<14}{t.phase:<11}{format_bytes(t.bytes):>12}  x{t.count}"
             for t in self.communication
         ] or ["  none"]
-        lines.append(f"  {'total':<40}{format_bytes(sum(t.bytes for t in self.communication)):>12}")
+        lines.append(f"  {'total':<45}{format_bytes(sum(t.bytes for t in self.communication)):>12}")
         f = self.flops
         lines += [
             "",
@@ -134,6 +150,15 @@ class Plan:
             + (f", pipeline recompute {f.pipeline_recompute:.4g}" if f.pipeline_recompute else ""),
             f"  total {f.total:.4g} ({f.total / self.devices:.4g} per device)",
         ]
+        if self.experts:
+            lines += ["", "experts per device (a routing group is one sequence)"]
+            lines += [
+                f"  {e.path}: {e.experts_per_device} of {e.experts} experts"
+                + (f" (split over {','.join(e.expert_axes)})" if e.expert_axes else "")
+                + f", {format_bytes(e.parameter_bytes)}; {e.slots} slots each per {e.tokens_per_group} tokens; "
+                + (f"{e.exchange} {format_bytes(e.exchange_bytes)} per step" if e.exchange != "none" else "no exchange")
+                for e in self.experts
+            ]
         if self.pipeline is not None:
             p = self.pipeline
             lines += [

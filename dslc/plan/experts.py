@@ -1,0 +1,100 @@
+"""Mixture-of-experts layers in the plan: where their experts live and what routing costs.
+
+Per layer, on one device: the expert parameters it holds (w_in and w_out, split over the
+expert axes; further split where ZeRO-3 stores them so), the capacity each expert has in a
+routing group (a sequence), and the bytes of the layer's own exchange per training step —
+the all-to-all that sends every expert its slots and the one that returns the results
+(capacity-sized buffers [groups, experts, slots, dim]), or, where the tokens are whole along
+the expert axes, the all-reduce that sums the experts' outputs — counted forward, backward
+(the transpose of each) and again wherever the forward is recomputed (a checkpointed block;
+the pipeline's rerun of every chunk but the last; the layer's own recompute inside the
+pipeline), as `communication` counts them.
+
+How many tokens are actually dropped, and the load-balancing loss, depend on the router's
+weights: they are measured when the model runs (`Program.aux`), not planned.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import assert_never
+
+from dslc.ir.nodes import Axes, Block, Layer, Layout, Node, Program, Residual, TensorType
+from dslc.ir.state import state_sharding
+from dslc.layers.moe import MoE, capacity_slots, exchange_collectives, expert_axes, group_tokens
+from dslc.plan.communication import TRANSPOSE, _group_bytes, ring_bytes
+from dslc.plan.timetable import pipelined
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertLayer:
+    """One `moe` layer, per device and per training step."""
+
+    path: str
+    experts: int
+    expert_axes: Axes
+    experts_per_device: int
+    tokens_per_group: int  # a routing group is one sequence
+    slots: int  # per expert and routing group
+    exchange: str  # "all-to-all", "all-reduce", or "none" (every expert on every device)
+    parameter_bytes: int  # w_in and w_out as stored on one device
+    exchange_bytes: int  # sent by one device per step: forward, backward and recompute
+
+
+def experts(program: Program) -> tuple[ExpertLayer, ...]:
+    mesh = program.mesh
+    staged = pipelined(program)
+    last = len(program.chunks) - 1
+    out = []
+    for chunk in program.chunks:
+        for layer, checkpointed in _moe_layers(chunk.nodes, False):
+            # The checkpointed block's rerun, the pipeline's rerun of all chunks but the last,
+            # and, inside the pipeline, the layer's own recompute in its backward.
+            reruns = int(checkpointed) + int(staged and chunk.index != last) + int(staged)
+            sent, kinds = 0, set()
+            for c in exchange_collectives(layer):
+                size = _group_bytes(c, layer.input, mesh)
+                sent += ring_bytes(c.kind, mesh.size(c.axes), size) * (1 + reruns)
+                sent += ring_bytes(TRANSPOSE[c.kind], mesh.size(c.axes), size)
+                kinds.add(c.kind)
+            axes = expert_axes(layer, mesh)
+            attrs = dict(layer.attrs)
+            experts_ = int(layer.attr("experts"))  # type: ignore[call-overload]
+            stored = (state_sharding(layer.weight(n).type, program).params for n in ("w_in", "w_out"))
+            params = sum(
+                TensorType(layer.weight(n).type.dtype, layer.weight(n).type.shape, s).local_nbytes(mesh)
+                for n, s in zip(("w_in", "w_out"), stored, strict=True)
+            )
+            out.append(
+                ExpertLayer(
+                    path=layer.path,
+                    experts=experts_,
+                    expert_axes=axes,
+                    experts_per_device=experts_ // mesh.size(axes),
+                    tokens_per_group=group_tokens(layer.input),
+                    slots=capacity_slots(attrs, group_tokens(layer.input)),
+                    exchange=kinds.pop() if kinds else "none",
+                    parameter_bytes=params,
+                    exchange_bytes=sent,
+                )
+            )
+    return tuple(out)
+
+
+def _moe_layers(nodes: tuple[Node, ...], checkpointed: bool) -> list[tuple[Layer, bool]]:
+    """The `moe` layers among `nodes`, each with whether its forward is recomputed."""
+    found = []
+    for node in nodes:
+        match node:
+            case Layer():
+                if node.kind == MoE.kind:
+                    found.append((node, checkpointed))
+            case Layout():
+                pass
+            case Residual():
+                found += _moe_layers(node.body, checkpointed)
+            case Block():
+                found += _moe_layers(node.body, checkpointed or node.remat.policy != "none")
+            case _:
+                assert_never(node)
+    return found
