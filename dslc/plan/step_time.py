@@ -1,0 +1,94 @@
+"""How long one training step takes, on paper: compute, exposed communication and bubble.
+
+The cost model `dslc plan --mesh auto` ranks plans with. Its inputs are the planner's own
+figures (FLOPs per device, bytes sent per collective and mesh axes, the schedule's bubble);
+its parameters are a few numbers about the hardware (`Hardware`), all overridable:
+
+* compute: FLOPs per device / `device_flops`, an *effective* rate (what a training step
+  sustains, well under the datasheet peak);
+* communication: bytes one device sends over a group / the bandwidth of the link the group
+  spans. Devices are numbered node by node, and the mesh axes are laid out innermost first in
+  Megatron-LM's order — tensor-like axes (tensor, expert, context), then data, then pipeline
+  — so an axis whose groups fit in one node (its size times the sizes of the axes inside it
+  is at most `node_size`) uses `intra_bandwidth`, and any other axis `inter_bandwidth`. All of
+  it is exposed: the lowering runs each collective between the computations that need it and
+  overlaps none of them;
+* bubble: the per-microbatch work (compute and layer collectives) stretched by the schedule's
+  bubble fraction b (idle over the makespan): bubble time = work · b / (1 − b). Pipeline sends
+  happen every tick, idle ones included, so they are not stretched again; nor are the
+  once-per-step gradient reductions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from dslc.plan.communication import Transfer
+
+# Phases whose collectives run inside each microbatch's forward and backward passes: the
+# schedule's idle ticks stretch them along with the compute.
+PER_MICROBATCH = ("forward", "backward", "recompute")
+
+
+@dataclass(frozen=True, slots=True)
+class Hardware:
+    """The machine a plan is costed on. Defaults: an A100/H100-class device at a realistic
+    training throughput, NVLink inside an 8-device node, 200 Gb/s InfiniBand between nodes."""
+
+    device_flops: float = 300e12  # FLOP/s one device sustains
+    intra_bandwidth: float = 300e9  # bytes/s one device sends to another in its node
+    inter_bandwidth: float = 25e9  # bytes/s one device sends to a device in another node
+    node_size: int = 8  # devices per node
+
+    def describe(self) -> str:
+        return (
+            f"{self.device_flops / 1e12:g} TFLOP/s per device, {self.intra_bandwidth / 1e9:g} GB/s inside a node "
+            f"of {self.node_size}, {self.inter_bandwidth / 1e9:g} GB/s between nodes"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class StepTime:
+    """Seconds per training step, by where they go."""
+
+    compute: float
+    communication: float
+    bubble: float
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.communication + self.bubble
+
+
+def intra_node_axes(axes: Sequence[tuple[str, int]], node_size: int) -> frozenset[str]:
+    """The axes whose groups stay inside one node, `axes` being (name, size) innermost first."""
+    inside, span = set(), 1
+    for name, size in axes:
+        span *= size
+        if span > node_size:
+            break
+        inside.add(name)
+    return frozenset(inside)
+
+
+def step_time(
+    flops_per_device: float,
+    transfers: Iterable[Transfer],
+    bubble_fraction: float,
+    intra: frozenset[str],
+    hardware: Hardware,
+) -> StepTime:
+    """The step time of a device doing `flops_per_device` and sending `transfers`, under a
+    schedule that idles `bubble_fraction` of its makespan."""
+    compute = flops_per_device / hardware.device_flops
+    in_microbatches = other = 0.0
+    for t in transfers:
+        bandwidth = hardware.intra_bandwidth if set(t.axes) <= intra else hardware.inter_bandwidth
+        seconds = t.bytes / bandwidth
+        if t.phase in PER_MICROBATCH:
+            in_microbatches += seconds
+        else:
+            other += seconds
+    bubble = (compute + in_microbatches) * bubble_fraction / (1 - bubble_fraction)
+    return StepTime(compute, in_microbatches + other, bubble)
