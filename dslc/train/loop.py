@@ -3,6 +3,10 @@
 A run lives in one folder: `metrics.jsonl`, `loss.png` and `checkpoints/`. Step numbers
 count optimizer steps done, so "step 3" is the state after three updates; checkpoint 3
 resumes by running the step whose 0-based index is 3 (the fourth batch).
+
+In a multi-process run (`distributed.py`) every process runs this same loop on the same
+global batches and takes part in every checkpoint save (orbax writes each process's shards);
+only process 0 reports: the log lines, the progress, the metrics and the loss curve.
 """
 
 from __future__ import annotations
@@ -13,6 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import jax
 
 from dslc.lower.model import DslcModel
 from dslc.lower.optim import learning_rate
@@ -51,6 +57,7 @@ class TrainResult:
     steady: Throughput | None
     unit: str
     checkpoint: int | None  # the newest checkpoint's step
+    leader: bool  # this process reports the run: the only one, or process 0 of several
 
     def summary(self) -> str:
         if not self.losses:
@@ -72,12 +79,14 @@ class TrainResult:
 
 def train(program: Program, options: TrainOptions, log: Callable[[str], None] | None = None) -> TrainResult:
     """Train `program` on its embedded data set as `options` say. `log` (standard error by
-    default, beside the progress display) gets what a person should read before it starts."""
-    log = log or _to_stderr
+    default, beside the progress display) gets what a person should read before it starts;
+    in a multi-process run only process 0 logs."""
+    leader = jax.process_index() == 0
+    log = (log or _to_stderr) if leader else _nowhere
     dataset = dataset_for(program.ir)
     checkpoints = _open_run(options.out)
     try:
-        return _train(program, dataset, checkpoints, options, log)
+        return _train(program, dataset, checkpoints, options, log, leader)
     finally:
         checkpoints.close()
 
@@ -91,7 +100,12 @@ def _open_run(out: Path) -> Checkpoints:
 
 
 def _train(
-    program: Program, dataset: Dataset, checkpoints: Checkpoints, options: TrainOptions, log: Callable[[str], None]
+    program: Program,
+    dataset: Dataset,
+    checkpoints: Checkpoints,
+    options: TrainOptions,
+    log: Callable[[str], None],
+    leader: bool,
 ) -> TrainResult:
     latest = checkpoints.latest_step()
     if options.resume and latest is None:
@@ -130,13 +144,13 @@ def _train(
             )
     log(f"training {program.ir.name} on mesh {here.mesh}: {dataset.description}, seed {seed}")
 
-    metrics = Metrics.resume(options.out, dataset.unit, start)
+    metrics = Metrics.resume(options.out, dataset.unit, start, writes=leader)
     schedule = learning_rate(program.ir.train.optimizer)
     losses: dict[int, float] = {}
     first_step_s = None
     newest = latest
     try:
-        with TrainingProgress(options.steps, start, dataset.unit) as progress:
+        with TrainingProgress(options.steps, start, dataset.unit, shown=leader) as progress:
             for index in range(start, options.steps):
                 batch = dataset.batch(seed, index)
                 began = time.perf_counter()
@@ -167,6 +181,7 @@ def _train(
         steady=metrics.throughput(since_step=start),
         unit=dataset.unit,
         checkpoint=newest,
+        leader=leader,
     )
 
 
@@ -181,6 +196,10 @@ def _saved_state(checkpoints: Checkpoints, step: int | None) -> RunState | None:
 
 def _to_stderr(line: str) -> None:
     print(line, file=sys.stderr)
+
+
+def _nowhere(line: str) -> None:
+    """The log of a process other than the first: process 0 has said the same."""
 
 
 def _state(program: Program, dataset: Dataset, model: DslcModel, opt_state: Any, seed: int, step: int) -> RunState:

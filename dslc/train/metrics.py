@@ -32,19 +32,23 @@ class Throughput:
 
 @dataclass
 class Metrics:
-    """The rows of one run folder, rewritten whole (and atomically) on every `write`."""
+    """The rows of one run folder, rewritten whole (and atomically) on every `write`.
+
+    `writes` is false in the processes of a multi-process run other than the first: they
+    share the folder, and one writer keeps the file that of one process's timings."""
 
     directory: Path
     unit: str
     rows: list[dict[str, Any]] = field(default_factory=list)
+    writes: bool = True
 
     @classmethod
-    def resume(cls, directory: Path, unit: str, step: int) -> Metrics:
+    def resume(cls, directory: Path, unit: str, step: int, writes: bool = True) -> Metrics:
         """The rows an earlier process wrote up to `step`, the checkpoint being resumed (0 for
         a new run): rows past it belong to steps that will run again."""
         path = directory / METRICS_FILE
         rows = list(_read_rows(path)) if path.is_file() else []
-        return cls(directory, unit, [r for r in rows if r["step"] <= step])
+        return cls(directory, unit, [r for r in rows if r["step"] <= step], writes)
 
     def add(self, step: int, loss: float, step_time_s: float, per_batch: int, lr: float, compiled: bool) -> None:
         self.rows.append(
@@ -59,6 +63,8 @@ class Metrics:
         )
 
     def write(self) -> None:
+        if not self.writes:
+            return
         text = "".join(json.dumps(r) + "\n" for r in self.rows)
         write_atomic(self.directory / METRICS_FILE, text)
         steps = [r["step"] for r in self.rows]

@@ -3,7 +3,8 @@
 On a terminal, a live `rich` progress bar with the step, loss, step time and throughput.
 Elsewhere (a log file, CI) a live bar would be noise, so a plain line every tenth of the
 run. Either way the first step a process runs is reported on its own: its time is mostly
-compilation, and is kept out of the steady-state figures.
+compilation, and is kept out of the steady-state figures. In a multi-process run only
+process 0 shows anything; the others' progress is hidden (`shown=False`).
 """
 
 from __future__ import annotations
@@ -18,12 +19,12 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 class TrainingProgress:
     """Steps `start + 1 .. total` of a run, as they finish."""
 
-    def __init__(self, total: int, start: int, unit: str) -> None:
-        self.total, self.start, self.unit = total, start, unit
+    def __init__(self, total: int, start: int, unit: str, shown: bool = True) -> None:
+        self.total, self.start, self.unit, self.shown = total, start, unit, shown
         self._console = Console(file=sys.stderr)
         self._every = max((total - start) // 10, 1)
         self._bar: Progress | None = None
-        if self._console.is_terminal:
+        if shown and self._console.is_terminal:
             self._bar = Progress(
                 TextColumn("step"),
                 MofNCompleteColumn(),
@@ -50,6 +51,8 @@ class TrainingProgress:
             self._bar.stop()
 
     def step(self, step: int, loss: float, step_time_s: float, per_s: float, compiled: bool) -> None:
+        if not self.shown:
+            return
         if compiled:
             self._console.print(f"step {step}: compiled and ran in {step_time_s:.2f} s, loss {loss:.4f}")
         if self._bar is not None:
