@@ -74,6 +74,14 @@ def _parser() -> argparse.ArgumentParser:
     fmt.add_argument("--stdout", action="store_true", help="print the formatted text instead of rewriting")
     fmt.set_defaults(run=_fmt)
 
+    comp = sub.add_parser("compile", help="write a spec as a standalone, readable Python module (jax, flax, optax)")
+    _spec_arg(comp)
+    comp.add_argument("--mesh", help="mesh sizes in the spec's axis order, e.g. 2x4x2")
+    comp.add_argument("-o", "--output", help="where to write the module (default: SPEC_NAME.py here)")
+    comp.add_argument("--force", action="store_true", help="overwrite a file that `dslc compile` did not write")
+    _set_arg(comp)
+    comp.set_defaults(run=_compile_to_python)
+
     init = sub.add_parser("init", help="initialise a spec's weights on a mesh and save them (.npz)")
     init.add_argument("spec", help="path of the .par file")
     init.add_argument("--mesh", help="mesh sizes in the spec's axis order, e.g. 2x4x2")
@@ -94,9 +102,21 @@ def _parser() -> argparse.ArgumentParser:
 
     plan = sub.add_parser("plan", help="memory, communication, bubble and FLOPs per device, before anything runs")
     plan.add_argument("spec", help="path of the .par file")
-    plan.add_argument("--mesh", help="mesh sizes in the spec's axis order, e.g. 2x4x2")
+    plan.add_argument(
+        "--mesh",
+        help="mesh sizes in the spec's axis order, e.g. 2x4x2; `auto` chooses them, with the pipeline "
+        "schedule and microbatches (needs --devices and --device-memory)",
+    )
     plan.add_argument("--format", choices=("text", "json"), default="text")
-    plan.add_argument("--device-memory", type=float, metavar="GiB", help="warn when a device needs more than this")
+    plan.add_argument(
+        "--device-memory", type=float, metavar="GiB", help="warn when a device needs more than this (auto: the limit)"
+    )
+    auto = plan.add_argument_group("--mesh auto (the cost model's defaults are in docs/plan.md)")
+    auto.add_argument("--devices", type=int, metavar="N", help="how many devices to plan for")
+    auto.add_argument("--device-flops", type=float, metavar="TFLOPS", help="effective TFLOP/s per device (300)")
+    auto.add_argument("--intra-bandwidth", type=float, metavar="GBps", help="GB/s between devices of a node (300)")
+    auto.add_argument("--inter-bandwidth", type=float, metavar="GBps", help="GB/s between nodes (25)")
+    auto.add_argument("--node-size", type=int, metavar="N", help="devices per node (8)")
     _set_arg(plan)
     plan.set_defaults(run=_plan)
 
@@ -110,6 +130,9 @@ def _parser() -> argparse.ArgumentParser:
         "--checkpoint-every", type=_count, metavar="K", help="also checkpoint every K steps (always at the end)"
     )
     train.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in the run folder")
+    train.add_argument("--coordinator", metavar="HOST:PORT", help="multi-process run: the address of process 0")
+    train.add_argument("--num-processes", type=_count, metavar="N", help="multi-process run: how many processes")
+    train.add_argument("--process-id", type=_count, metavar="I", help="multi-process run: this one's, 0 to N-1")
     _set_arg(train)
     train.set_defaults(run=_train)
 
@@ -223,6 +246,38 @@ def _fmt(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _compile_to_python(args: argparse.Namespace) -> int:
+    from dslc.codegen import MARKER, generate
+    from dslc.codegen.names import safe_identifier
+
+    result = _analyze(args)
+    if not result.ok or result.program is None or result.source is None:
+        sources = {result.source.name: result.source.text} if result.source else {}
+        sys.stderr.write(render_text(result.diagnostics, sources))
+        return EXIT_ERRORS
+    program = result.program
+    default = safe_identifier(Path(result.source.name).stem) + ".py"
+    path = Path(args.output) if args.output else Path(default)
+    if path.is_dir():
+        raise UsageError(f"{path} is a folder; give the module's file name, e.g. {path / default}")
+    if path.exists() and not args.force and not _written_by_dslc(path, MARKER):
+        raise UsageError(f"{path} exists and was not written by `dslc compile`; use --force to overwrite it")
+    text = generate(program, result.source.text, result.source.name, "x".join(map(str, program.mesh.shape)))
+    write_atomic(path, text)
+    print(f"{path}: model {program.name} on mesh {program.mesh.describe()}, {text.count(chr(10))} lines")
+    return EXIT_OK
+
+
+def _written_by_dslc(path: Path, marker: str) -> bool:
+    """Whether an existing file carries the generated-code marker near its top."""
+    try:
+        with path.open("rb") as f:
+            head = f.read(16384)
+    except OSError as exc:
+        raise UsageError(f"cannot read {path}: {exc.strerror or exc}") from None
+    return marker.encode() in head
+
+
 def write_atomic(path: Path, content: str | bytes) -> None:
     """`dslc.files.write_atomic`, with a missing folder reported as a usage error."""
     try:
@@ -318,6 +373,11 @@ def _plan(args: argparse.Namespace) -> int:
 
     if args.device_memory is not None and not args.device_memory > 0:
         raise UsageError(f"--device-memory must be a positive number of GiB, got {args.device_memory}")
+    if args.mesh is not None and args.mesh.strip().lower() == "auto":
+        return _plan_auto(args)
+    given = [f"--{name.replace('_', '-')}" for name in AUTO_FLAGS if getattr(args, name) is not None]
+    if given:
+        raise UsageError(f"{', '.join(given)} only apply with --mesh auto")
     result = _analyze(args)
     if not result.ok:
         sources = {result.source.name: result.source.text} if result.source else {}
@@ -333,8 +393,82 @@ def _plan(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+AUTO_FLAGS = ("devices", "device_flops", "intra_bandwidth", "inter_bandwidth", "node_size")
+
+
+def _plan_auto(args: argparse.Namespace) -> int:
+    import json
+
+    from dslc.frontend import parse_overrides
+    from dslc.plan.auto import AutoPlanner
+    from dslc.plan.report import format_bytes
+    from dslc.plan.step_time import Hardware
+
+    if args.devices is None or args.device_memory is None:
+        raise UsageError("--mesh auto needs --devices N and --device-memory GiB (how many devices, how much each)")
+    if args.devices < 1:
+        raise UsageError(f"--devices must be at least 1, got {args.devices}")
+    for name in AUTO_FLAGS[1:]:
+        value = getattr(args, name)
+        if value is not None and not value > 0:
+            raise UsageError(f"--{name.replace('_', '-')} must be positive, got {value}")
+    default = Hardware()
+    hardware = Hardware(
+        default.device_flops if args.device_flops is None else args.device_flops * 1e12,
+        default.intra_bandwidth if args.intra_bandwidth is None else args.intra_bandwidth * 1e9,
+        default.inter_bandwidth if args.inter_bandwidth is None else args.inter_bandwidth * 1e9,
+        default.node_size if args.node_size is None else args.node_size,
+    )
+    path = _spec_path(args)
+    try:
+        # The spec on its own mesh: its axes' roles, weights and FLOPs, whatever that mesh's errors.
+        result = analyze(path, None, args.set, args.schedule)
+        overrides = parse_overrides(args.set)
+    except ValueError as exc:  # a malformed --set or --schedule
+        raise UsageError(str(exc)) from None
+    sources = {result.source.name: result.source.text} if result.source else {}
+    if result.module is None or result.program is None:
+        sys.stderr.write(render_text(result.diagnostics, sources))
+        return EXIT_ERRORS
+    planner = AutoPlanner(
+        result.module,
+        result.program,
+        args.devices,
+        int(args.device_memory * (1 << 30)),
+        hardware,
+        overrides,
+        [args.schedule] if args.schedule else None,
+    )
+    found = planner.search()
+    if args.format == "json":
+        print(json.dumps(found.to_json(), indent=2))
+    else:
+        sys.stdout.write(found.to_text())
+    if found.chosen is not None:
+        return EXIT_OK
+    name = result.source.name if result.source else args.spec
+    if found.closest is None:
+        reason = next(
+            (e.reason for e in found.excluded if e.memory is None),
+            "none splits the batch evenly over its data axes with the schedules allowed",
+        )
+        print(f"dslc: error: {name}: no mesh of {args.devices} devices passes the checker: {reason}", file=sys.stderr)
+        return EXIT_ERRORS
+    mesh, size, exact = found.closest
+    print(
+        f"dslc: error: {name}: no plan on {args.devices} devices fits in {format_bytes(found.device_memory)} per "
+        f"device; the closest plan found, on mesh {found.mesh_text(mesh)}, needs {'' if exact else 'at least '}"
+        f"{format_bytes(size)}\n"
+        "  = help: give more devices or more memory per device, or save memory in the spec "
+        "(`zero`, `checkpoint`, bf16 `param_dtype`)",
+        file=sys.stderr,
+    )
+    return EXIT_ERRORS
+
+
 def _count(text: str) -> int:
-    """A whole number for --steps, --seed and --checkpoint-every (0 only for --seed)."""
+    """A whole number for --steps, --seed, --checkpoint-every, --num-processes and
+    --process-id (0 only for --seed and --process-id)."""
     if not text.isdigit():
         raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}")
     return int(text)
@@ -343,6 +477,25 @@ def _count(text: str) -> int:
 def _train(args: argparse.Namespace) -> int:
     if args.steps == 0 or args.checkpoint_every == 0:
         raise UsageError("--steps and --checkpoint-every must be at least 1")
+    from dslc.train.distributed import DistributedError, cluster_from_flags, detect_cluster, joined
+
+    try:
+        flags = cluster_from_flags(args.coordinator, args.num_processes, args.process_id)
+        cluster = flags or detect_cluster(os.environ)
+        if cluster is None:
+            return _train_here(args)
+        # The processes join before jax starts, each with its share of the mesh's devices,
+        # so the spec is read first; one with errors joins nothing, _compile reports them.
+        analysis = _analyze(args)
+        if analysis.program is None or not analysis.ok:
+            return _train_here(args)
+        with joined(cluster, analysis.program.mesh.devices):
+            return _train_here(args)
+    except DistributedError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def _train_here(args: argparse.Namespace) -> int:
     program = _compile(args)  # first: it decides how many host devices jax starts with
     from dslc.train.dataset import DataError
     from dslc.train.loop import TrainError, TrainOptions, train
@@ -353,7 +506,8 @@ def _train(args: argparse.Namespace) -> int:
         result = train(program, options)
     except (DataError, TrainError) as exc:
         raise UsageError(str(exc)) from None
-    print(result.summary())
+    if result.leader:
+        print(result.summary())
     return EXIT_OK
 
 

@@ -1,4 +1,4 @@
-"""The front end stays light: checking a spec imports no accelerator stack.
+"""The front end stays light: checking a spec, or writing it as Python, imports no accelerator stack.
 
 Run in a fresh interpreter, since this test process may have imported jax already.
 """
@@ -22,6 +22,8 @@ from dslc.syntax.format import format_module
 diags = dslc.check(sys.argv[1])
 analysis = dslc.analyze(sys.argv[1], mesh="2x4x2")
 format_module(analysis.module, analysis.source.text)
+from dslc.codegen import generate_module
+generate_module(sys.argv[1])
 heavy = sorted({m.split(".")[0] for m in sys.modules} & set(sys.argv[2:]))
 print(json.dumps({"diagnostics": len(diags), "ok": analysis.ok, "heavy": heavy}))
 """
