@@ -500,7 +500,7 @@ def _train_here(args: argparse.Namespace) -> int:
     from dslc.train.dataset import DataError
     from dslc.train.loop import TrainError, TrainOptions, train
 
-    out = Path(args.out) if args.out else Path("runs") / program.ir.name
+    out = Path(args.out) if args.out else _run_folder(program.ir.name, args)
     options = TrainOptions(args.steps, out, args.seed, args.checkpoint_every, args.resume)
     try:
         result = train(program, options)
@@ -509,6 +509,21 @@ def _train_here(args: argparse.Namespace) -> int:
     if result.leader:
         print(result.summary())
     return EXIT_OK
+
+
+def _run_folder(model: str, args: argparse.Namespace) -> Path:
+    """The default run folder: `runs/MODEL`, or for a fresh run when that already holds
+    one, the next free `runs/MODEL-2`, `-3`, ... (so running the same command twice never
+    clashes with, or touches, an earlier run); `--resume` continues the newest of them.
+    Processes of one multi-process run must agree on it, so they always use `runs/MODEL`."""
+    base = Path("runs") / model
+    if args.coordinator is not None or os.environ.get("SLURM_NTASKS") or os.environ.get("OMPI_COMM_WORLD_SIZE"):
+        return base
+    folders = [base] + [base.with_name(f"{model}-{i}") for i in range(2, 10_000)]
+    existing = [f for f in folders if f.exists()]
+    if args.resume:
+        return existing[-1] if existing else base
+    return next(f for f in folders if not f.exists())
 
 
 def _schedule(args: argparse.Namespace) -> int:

@@ -327,3 +327,16 @@ def test_checkpoints_of_another_spec_or_an_existing_run_are_refused(
     (tmp_path / "checkpoints" / "1" / "run" / "metadata").write_text('{"step": 1}')  # not dslc's
     code, _, err = train(capsys, TINY, "--steps", "2", "--resume", "--out", str(tmp_path))
     assert code == 2 and "cannot read the checkpoint at step 1" in err
+
+
+def test_the_default_run_folder_never_reuses_an_earlier_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The README's main command, run twice: the second run gets its own folder, and
+    # `--resume` continues the newest one.
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "--steps", "2"]) == 0
+    assert main(["train", "--steps", "2"]) == 0
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["tiny", "tiny-2"]
+    assert main(["train", "--steps", "3", "--resume"]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "runs" / "tiny-2" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows][-1] == 3
+    assert len((tmp_path / "runs" / "tiny" / "metrics.jsonl").read_text().splitlines()) == 2
