@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from dslc.ir import nodes as ir
+from dslc.ir.boundaries import boundary_of, chunk_input
 from dslc.kernels.layers import AUX_LOSS
 from dslc.kernels.pipeline import TABLE_ENTRIES, pipeline_value_and_grad
 from dslc.layers import LOSS_KINDS, RULES
@@ -46,7 +47,7 @@ class PipelineExecutor:
 
     def boundary(self) -> tuple[tuple[int, ...], Any]:
         """The buffer every inter-stage tensor fits in: one microbatch of the largest one."""
-        shape, dtype = boundary_of(self.program)
+        shape, dtype = boundary_of(self.program, self.microbatches)
         return shape, JNP_DTYPES[dtype] if dtype else self.compute_dtype
 
     def _chunk(self, c: int) -> Any:
@@ -91,26 +92,3 @@ class PipelineExecutor:
             has_aux=self.has_aux,
         )
         return loss, {n: g for chunk in grads for n, g in chunk.items()}
-
-
-def chunk_input(chunk: ir.Chunk, microbatches: int) -> tuple[int, ...]:
-    """The shape of one microbatch of a chunk's input."""
-    t = chunk.nodes[0].input
-    return (t.shape[0] // microbatches, *t.shape[1:])
-
-
-def boundary_of(program: ir.Program) -> tuple[tuple[int, ...], str | None]:
-    """One microbatch of the widest tensor handed between chunks, and its dtype (None when
-    there is a single chunk).
-
-    Stages of one model may hand over tensors of different widths (784 -> 512 -> 256); they
-    share a buffer padded to the widest, and each chunk reads its own slice.
-    """
-    assert program.pipeline is not None
-    outs = [chunk.nodes[-1].output for chunk in program.chunks[:-1] if chunk.nodes]
-    if not outs:
-        return (1,), None
-    rank = outs[0].rank
-    assert all(t.rank == rank for t in outs), "the checker keeps stage boundaries of one rank"
-    shape = tuple(max(t.shape[i] for t in outs) for i in range(rank))
-    return (shape[0] // program.pipeline.microbatches, *shape[1:]), outs[0].dtype
