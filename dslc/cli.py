@@ -247,7 +247,7 @@ def _fmt(args: argparse.Namespace) -> int:
 
 
 def _compile_to_python(args: argparse.Namespace) -> int:
-    from dslc.codegen import MARKER, generate
+    from dslc.codegen import MARKER, module_for
     from dslc.codegen.names import safe_identifier
 
     result = _analyze(args)
@@ -262,7 +262,7 @@ def _compile_to_python(args: argparse.Namespace) -> int:
         raise UsageError(f"{path} is a folder; give the module's file name, e.g. {path / default}")
     if path.exists() and not args.force and not _written_by_dslc(path, MARKER):
         raise UsageError(f"{path} exists and was not written by `dslc compile`; use --force to overwrite it")
-    text = generate(program, result.source.text, result.source.name, "x".join(map(str, program.mesh.shape)))
+    text = module_for(result)
     write_atomic(path, text)
     print(f"{path}: model {program.name} on mesh {program.mesh.describe()}, {text.count(chr(10))} lines")
     return EXIT_OK

@@ -9,7 +9,7 @@ import os
 from collections.abc import Mapping, Sequence
 
 from dslc.codegen.render import MARKER, generate
-from dslc.frontend import CompileError, MeshArg, analyze
+from dslc.frontend import Analysis, CompileError, MeshArg, analyze
 
 
 def generate_module(
@@ -21,10 +21,16 @@ def generate_module(
     """The standalone module for a spec (text or path) on a mesh; raises CompileError with
     the diagnostics when the spec does not check."""
     analysis = analyze(source_or_path, mesh, overrides, schedule)
-    if not analysis.ok or analysis.program is None or analysis.source is None:
+    if not analysis.ok:
         raise CompileError(analysis)
+    return module_for(analysis)
+
+
+def module_for(analysis: Analysis) -> str:
+    """The module for a spec that checked clean."""
+    assert analysis.program is not None and analysis.source is not None
     program = analysis.program
     return generate(program, analysis.source.text, analysis.source.name, "x".join(map(str, program.mesh.shape)))
 
 
-__all__ = ["MARKER", "generate", "generate_module"]
+__all__ = ["MARKER", "generate", "generate_module", "module_for"]

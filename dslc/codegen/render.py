@@ -36,6 +36,7 @@ _MODULE_NAMES = {
     "NamedTuple",
     "Parameter",
     "Input",
+    "Aux",
     "PARAMETERS",
     "INPUTS",
     "STREAM",
@@ -99,7 +100,8 @@ _ENV.filters["spec"] = spec
 def generate(program: ir.Program, spec_text: str, spec_name: str, mesh_size: str) -> str:
     """The module for `program`, checked from `spec_text` (named `spec_name`), at `mesh_size`."""
     file = _display_name(spec_name)
-    builder = Builder(program, spec_text.split("\n"), file, global_namer(_MODULE_NAMES | _kernel_names()))
+    taken = _MODULE_NAMES | set(source.PRELUDE_IMPORTS) | _kernel_names()
+    builder = Builder(program, spec_text.split("\n"), file, global_namer(taken))
     nodes = tuple(n for chunk in program.chunks for n in chunk.nodes)
     loss: Statement | None = None
     loss_layer = nodes[-1] if nodes and isinstance(nodes[-1], ir.Layer) and nodes[-1].kind in LOSS_KINDS else None
