@@ -420,7 +420,12 @@ def _ring_core(q: jax.Array, k: jax.Array, v: jax.Array, *, axis: str, causal: b
 def _ring_scores(q: jax.Array, k: jax.Array, mask: jax.Array | None) -> jax.Array:
     """Scaled scores [b, kv_heads, group, queries, keys] in f32, masked ones at the f32 minimum."""
     s = jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=jnp.float32) * q.shape[-1] ** -0.5
-    return s if mask is None else jnp.where(mask, s, jnp.finfo(jnp.float32).min)
+    if mask is None:
+        return s
+    # Added as a [queries, keys] bias rather than selected against a broadcast minimum: XLA
+    # hoists a loop-invariant broadcast out of the layers' scan, and a scores-sized constant
+    # would then stay allocated for the whole step. Adding 0 leaves visible scores exact.
+    return s + jnp.where(mask, 0.0, jnp.finfo(jnp.float32).min)
 
 
 def _block_stats(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None) -> RingStats:

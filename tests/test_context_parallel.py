@@ -369,9 +369,9 @@ def test_compiled_memory_falls_with_cp_and_the_plan_follows_it() -> None:
     """XLA's bytes per device for the gradient step of one attention layer over 256 tokens
     fall faster than 1/CP (measured: CP=2 0.287 and CP=4 0.083 of CP=1, plain attention):
     the backward's largest transient is one (seq / CP)^2 block of scores. The ring's are
-    planned within 10% (measured plan / XLA 1.026 and 1.063; plain attention's model, not
-    this change's, says 1.66 here); the whole long_context model within 15% (1.129: its
-    other layers, which test_plan.py sees at 1.07 and 1.08 on tiny and gpt_small)."""
+    planned within 10% (measured plan / XLA 1.026 and 1.063; plain attention's model says
+    1.66 here). The whole long_context model is held to 10% with every other spec in
+    test_plan.py."""
     measured, planned = {}, {}
     for ring in (1, 2, 4):
         measured[ring] = _xla_grads_step(dslc.compile(ATTENTION_ONLY, mesh=str(ring)))
@@ -382,10 +382,6 @@ def test_compiled_memory_falls_with_cp_and_the_plan_follows_it() -> None:
         assert measured[ring] <= measured[1] / ring
     for ring in (2, 4):
         assert abs(planned[ring] / measured[ring] - 1) <= 0.10, (ring, planned[ring], measured[ring])
-    program = dslc.analyze(LONG_CONTEXT).program
-    assert program is not None
-    whole = plan(program).memory.grads_step / _xla_grads_step(dslc.compile(LONG_CONTEXT))
-    assert abs(whole - 1) <= 0.15, whole
 
 
 def test_plan_text_names_the_ring(capsys: pytest.CaptureFixture[str]) -> None:

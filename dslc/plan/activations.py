@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import assert_never
 
 from dslc.ir.nodes import DTYPE_BYTES, Block, Layer, Layout, Mesh, Node, Residual, TensorType, layers
+from dslc.ir.repeats import group_repeats
 from dslc.plan.residuals import layer_residuals, layer_workspace, local_numel, weight_copies
 
 
@@ -47,14 +48,43 @@ def kept_by(nodes: tuple[Node, ...], mesh: Mesh, compute: str, slices: int) -> K
 
     The backward pass visits the nodes last to first, freeing each node's residuals once it
     is done, so while node i is differentiated the residuals of nodes before it are still
-    held: the peak is the largest (kept by nodes before i) + (node i's own peak).
+    held: the peak is the largest (kept by nodes before i) + (node i's own peak). A run of
+    identical blocks is one node here, as it is one `lax.scan` in the lowering.
     """
     kept = peak = 0
-    for node in nodes:
-        one = _kept_by_node(node, mesh, compute, slices)
+    for run in group_repeats(nodes):
+        one = _kept_by_scan(run, mesh, compute, slices) if len(run) > 1 else _kept_by_node(run[0], mesh, compute, slices)
         peak = max(peak, kept + one.peak)
         kept += one.kept
     return Kept(kept, max(peak, kept))
+
+
+def _kept_by_scan(run: tuple[Node, ...], mesh: Mesh, compute: str, slices: int) -> Kept:
+    """A `lax.scan` over a run of blocks stacks each step's residuals into one buffer per
+    residual, which its backward loop frees only when the loop is done: while the first
+    block is differentiated, every block's residuals are still held, the first block's own
+    included."""
+    block = run[0]
+    one = _kept_by_node(block, mesh, compute, slices)
+    return Kept(len(run) * one.kept, len(run) * one.kept + _transient(block, mesh, compute, slices))
+
+
+def _transient(node: Node, mesh: Mesh, compute: str, slices: int) -> int:
+    """What differentiating `node` needs beyond what it kept, when none of what it kept is
+    freed before it is done (its residuals sit in a scan's stacked buffers)."""
+    match node:
+        case Layer():
+            return layer_workspace(node, mesh, compute, slices)
+        case Block() if node.remat.policy != "none":
+            # The body is recomputed as a whole, into the step's own temporaries.
+            one = _kept_by_node(node, mesh, compute, slices)
+            return one.peak - one.kept
+        case Block() | Residual():
+            return max((_transient(c, mesh, compute, slices) for c in node.body), default=0)
+        case Layout():
+            return 0
+        case _:
+            assert_never(node)
 
 
 def _kept_by_node(node: Node, mesh: Mesh, compute: str, slices: int) -> Kept:
@@ -100,35 +130,9 @@ def scan_runs(nodes: tuple[Node, ...]) -> list[tuple[Block, ...]]:
     """Runs of identical consecutive blocks (a `repeat`), which the lowering turns into one
     `lax.scan` over stacked weights; found at any depth."""
     runs: list[tuple[Block, ...]] = []
-    current: list[Block] = []
-
-    def flush() -> None:
-        if len(current) > 1:
-            runs.append(tuple(current))
-        current.clear()
-
-    for node in nodes:
-        if isinstance(node, Block) and current and _same_shape(current[0], node):
-            current.append(node)
-            continue
-        flush()
-        if isinstance(node, Block):
-            current.append(node)
-        if isinstance(node, Block | Residual):
-            runs.extend(scan_runs(node.body))
-    flush()
+    for run in group_repeats(nodes):
+        if len(run) > 1:
+            runs.append(tuple(b for b in run if isinstance(b, Block)))
+        if isinstance(run[0], Block | Residual):
+            runs.extend(scan_runs(run[0].body))
     return runs
-
-
-def _same_shape(a: Block, b: Block) -> bool:
-    return (
-        a.block == b.block
-        and a.remat == b.remat
-        and a.input == b.input
-        and a.output == b.output
-        and [_layer_shape(x) for x in layers(a.body)] == [_layer_shape(x) for x in layers(b.body)]
-    )
-
-
-def _layer_shape(layer: Layer) -> object:
-    return (layer.kind, layer.attrs, tuple(w.type for w in layer.weights))

@@ -106,8 +106,6 @@ def _scan_temporaries(
         size = sum(w.type.local_nbytes(mesh) for w in ws)
         name = f"`{run[0].path}` .. `{run[-1].path}`"
         out.append((f"stacked weights and gradients of {name} (lax.scan)", 2 * size))
-        if run[0].remat.policy == "none" and all(w.type.dtype == compute for w in ws):
-            out.append((f"weights of {name} kept per scan step for the backward pass", size))
     return out
 
 
