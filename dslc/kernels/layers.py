@@ -468,6 +468,7 @@ def add_aux(a: dict[str, jax.Array], b: dict[str, jax.Array]) -> dict[str, jax.A
         out[key] = out[key] + value if key in out else value
     return out
 
+
 # A mixture of experts' output and its auxiliary values.
 MoEResult = tuple[jax.Array, dict[str, jax.Array]]
 

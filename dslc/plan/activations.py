@@ -53,7 +53,8 @@ def kept_by(nodes: tuple[Node, ...], mesh: Mesh, compute: str, slices: int) -> K
     """
     kept = peak = 0
     for run in group_repeats(nodes):
-        one = _kept_by_scan(run, mesh, compute, slices) if len(run) > 1 else _kept_by_node(run[0], mesh, compute, slices)
+        scanned = len(run) > 1
+        one = _kept_by_scan(run, mesh, compute, slices) if scanned else _kept_by_node(run[0], mesh, compute, slices)
         peak = max(peak, kept + one.peak)
         kept += one.kept
     return Kept(kept, max(peak, kept))
