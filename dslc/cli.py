@@ -117,6 +117,8 @@ def _parser() -> argparse.ArgumentParser:
     auto.add_argument("--intra-bandwidth", type=float, metavar="GBps", help="GB/s between devices of a node (300)")
     auto.add_argument("--inter-bandwidth", type=float, metavar="GBps", help="GB/s between nodes (25)")
     auto.add_argument("--node-size", type=int, metavar="N", help="devices per node (8)")
+    auto.add_argument("--intra-latency", type=float, metavar="US", help="µs per collective call inside a node (10)")
+    auto.add_argument("--inter-latency", type=float, metavar="US", help="µs per collective call between nodes (20)")
     _set_arg(plan)
     plan.set_defaults(run=_plan)
 
@@ -375,7 +377,7 @@ def _plan(args: argparse.Namespace) -> int:
         raise UsageError(f"--device-memory must be a positive number of GiB, got {args.device_memory}")
     if args.mesh is not None and args.mesh.strip().lower() == "auto":
         return _plan_auto(args)
-    given = [f"--{name.replace('_', '-')}" for name in AUTO_FLAGS if getattr(args, name) is not None]
+    given = [f"--{name.replace('_', '-')}" for name in (*AUTO_FLAGS, *LATENCY_FLAGS) if getattr(args, name) is not None]
     if given:
         raise UsageError(f"{', '.join(given)} only apply with --mesh auto")
     result = _analyze(args)
@@ -394,6 +396,7 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 AUTO_FLAGS = ("devices", "device_flops", "intra_bandwidth", "inter_bandwidth", "node_size")
+LATENCY_FLAGS = ("intra_latency", "inter_latency")
 
 
 def _plan_auto(args: argparse.Namespace) -> int:
@@ -412,12 +415,18 @@ def _plan_auto(args: argparse.Namespace) -> int:
         value = getattr(args, name)
         if value is not None and not value > 0:
             raise UsageError(f"--{name.replace('_', '-')} must be positive, got {value}")
+    for name in LATENCY_FLAGS:
+        value = getattr(args, name)
+        if value is not None and not value >= 0:
+            raise UsageError(f"--{name.replace('_', '-')} must be zero or more, got {value}")
     default = Hardware()
     hardware = Hardware(
         default.device_flops if args.device_flops is None else args.device_flops * 1e12,
         default.intra_bandwidth if args.intra_bandwidth is None else args.intra_bandwidth * 1e9,
         default.inter_bandwidth if args.inter_bandwidth is None else args.inter_bandwidth * 1e9,
         default.node_size if args.node_size is None else args.node_size,
+        default.intra_latency if args.intra_latency is None else args.intra_latency * 1e-6,
+        default.inter_latency if args.inter_latency is None else args.inter_latency * 1e-6,
     )
     path = _spec_path(args)
     try:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import re
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -76,10 +77,12 @@ def heuristic_mesh(roles: Roles, strategy: dict[str, Any]) -> tuple[int, ...]:
     return tuple(size.get(a, 1) for a in roles.names)
 
 
-def planner(spec: str | Path, devices: int, gib: float) -> tuple[Analysis, AutoPlanner]:
-    analysis = dslc.analyze(spec)
+def planner(
+    spec: str | Path, devices: int, gib: float, overrides: dict[str, int] | None = None
+) -> tuple[Analysis, AutoPlanner]:
+    analysis = dslc.analyze(spec, overrides=overrides)
     assert analysis.module is not None and analysis.program is not None
-    return analysis, AutoPlanner(analysis.module, analysis.program, devices, int(gib * GIB))
+    return analysis, AutoPlanner(analysis.module, analysis.program, devices, int(gib * GIB), overrides=overrides)
 
 
 def parameters(analysis: Analysis) -> int:
@@ -139,9 +142,11 @@ def test_a_data_parallel_pick_that_does_not_fit() -> None:
 
 
 def test_a_data_parallel_pick_that_is_slower() -> None:
-    """gpt_small on 16 devices of 80 GiB: data parallelism fits, but reducing every gradient
-    over two nodes costs more than auto's 4-way tensor parallelism inside a node."""
-    analysis, search = planner(SPECS / "gpt_small.par", 16, 80)
+    """gpt_small widened to d=512 (12.7M parameters) on 16 devices of 80 GiB: data parallelism
+    fits, but reducing every gradient over two nodes costs more than auto's 4-way tensor
+    parallelism inside a node. (At its own width, 64, gpt_small is so small that the
+    collectives' latency decides, and there data parallelism is the right call.)"""
+    analysis, search = planner(SPECS / "gpt_small.par", 16, 80, {"d": 512})
     mesh = heuristic_mesh(search.roles, select_parallelism_strategy(parameters(analysis), 16, 80))
     assert mesh == (16, 1, 1)
     theirs = chosen(search.search(meshes={mesh}))
@@ -305,16 +310,49 @@ def test_tensor_axes_are_laid_out_inside_a_node_first() -> None:
 
 
 def test_step_time_splits_compute_communication_and_bubble() -> None:
-    hardware = Hardware(device_flops=1e12, intra_bandwidth=100e9, inter_bandwidth=10e9, node_size=8)
+    hardware = Hardware(
+        device_flops=1e12,
+        intra_bandwidth=100e9,
+        inter_bandwidth=10e9,
+        node_size=8,
+        intra_latency=0.0,
+        inter_latency=0.0,
+    )
     transfers = [
         Transfer("all-reduce", ("model",), "forward", 100 * 10**9, 4),  # 1 s inside the node
-        Transfer("all-reduce", ("data",), "gradients", 10 * 10**9, 1),  # 1 s between nodes
+        Transfer("all-reduce", ("data",), "gradients", 10 * 10**9, 3),  # 1 s between nodes
         Transfer("ppermute", ("stage",), "pipeline", 20 * 10**9, 8),  # 2 s between nodes
     ]
     t = step_time(3e12, transfers, 0.25, frozenset({"model"}), hardware)
     assert (t.compute, t.communication) == (3.0, 4.0)
     assert t.bubble == pytest.approx((3.0 + 1.0) * 0.25 / 0.75)  # only per-microbatch work is stretched
     assert t.total == pytest.approx(3 + 4 + 4 / 3)
+
+    # Latency: each call pays its link's, except the gradient reductions, which XLA combines
+    # into one call per kind and axes.
+    slow = step_time(
+        3e12, transfers, 0.25, frozenset({"model"}), replace(hardware, intra_latency=0.01, inter_latency=0.1)
+    )
+    forward, gradients, sends = 1.0 + 4 * 0.01, 1.0 + 0.1, 2.0 + 8 * 0.1
+    assert slow.communication == pytest.approx(forward + gradients + sends)
+    assert slow.bubble == pytest.approx((3.0 + forward) * 0.25 / 0.75)
+
+
+def test_latency_makes_more_microbatches_cost_something() -> None:
+    """seed_hybrid_3d on 16 devices of 4 GiB: without latency every microbatch is free, and the
+    search takes the most it can keep in memory; with it, every microbatch runs each layer's
+    tensor-parallel collectives and every tick sends, and fewer win."""
+    analysis = dslc.analyze(SPECS / "seed_hybrid_3d.par")
+    assert analysis.module is not None and analysis.program is not None
+
+    def best(hardware: Hardware) -> Candidate:
+        return chosen(AutoPlanner(analysis.module, analysis.program, 16, 4 * GIB, hardware).search())
+
+    free = best(Hardware(intra_latency=0.0, inter_latency=0.0))
+    paid = best(Hardware())
+    assert free.mesh == paid.mesh == (2, 4, 2)
+    assert free.microbatches is not None and paid.microbatches is not None
+    assert paid.microbatches < free.microbatches
 
 
 # ---- the command ----------------------------------------------------------------------------------
@@ -328,10 +366,12 @@ def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
 
 def test_auto_text(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = run(
-        capsys, "plan", str(SPECS / "gpt_small.par"), "--mesh", "auto", "--devices", "16", "--device-memory", "1"
+        capsys,
+        *("plan", str(SPECS / "gpt_small.par"), "--set", "d=512"),
+        *("--mesh", "auto", "--devices", "16", "--device-memory", "1"),
     )
     assert code == 0 and err == ""
-    assert "chosen: mesh 4x4x1 (data=4, model=4, stage=1), no pipeline" in out
+    assert "chosen: mesh 4x4x1 (data=4, model=4, stage=1), no pipeline" in out, out
     assert "= compute" in out and "exposed communication" in out and "bubble" in out
     assert "of 1.00 GiB per device" in out and "% slower" in out
 
@@ -369,6 +409,8 @@ def test_auto_json_has_the_choice_and_the_ranking(capsys: pytest.CaptureFixture[
         "intra_bandwidth": 300e9,
         "inter_bandwidth": 25e9,
         "node_size": 8,
+        "intra_latency": 10e-6,
+        "inter_latency": 20e-6,
     }
     assert result["axes"] == [
         {"name": "data", "role": "data"},
@@ -489,5 +531,12 @@ def test_hardware_flags_change_the_cost_model(capsys: pytest.CaptureFixture[str]
     )
     assert code == slow_code == 0
     fast, slow = json.loads(out), json.loads(slow_out)
-    assert slow["hardware"] == {"device_flops": 30e12, "intra_bandwidth": 30e9, "inter_bandwidth": 25e9, "node_size": 4}
+    assert slow["hardware"] == {
+        "device_flops": 30e12,
+        "intra_bandwidth": 30e9,
+        "inter_bandwidth": 25e9,
+        "node_size": 4,
+        "intra_latency": 10e-6,
+        "inter_latency": 20e-6,
+    }
     assert slow["chosen"]["step_time"]["compute"] == pytest.approx(10 * fast["chosen"]["step_time"]["compute"])

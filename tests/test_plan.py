@@ -273,3 +273,25 @@ def test_zero_splits_optimizer_state_over_the_data_axis(tmp_path: Path, capsys: 
     assert figures[1]["grads"] == figures[0]["grads"] and figures[2]["grads"] * data == figures[0]["grads"]
     assert figures[3]["params"] * data == figures[0]["params"]
     assert figures[0]["total"] > figures[1]["total"] > figures[2]["total"] > figures[3]["total"]
+
+
+def test_layer_collectives_are_counted_once_per_microbatch() -> None:
+    """gpt_small's tensor-parallel all-reduces run on every microbatch: half the microbatches,
+    half the calls, and the same bytes (each call carries its microbatch's share). The
+    pipeline's sends follow the schedule's ticks, and the gradient reductions stay once."""
+
+    def transfers(microbatches: int) -> dict[tuple[str, tuple[str, ...], str], tuple[int, int]]:
+        text = (SPECS / "gpt_small.par").read_text().replace("microbatches 4", f"microbatches {microbatches}")
+        analysis = dslc.analyze(text)
+        assert analysis.program is not None
+        return {(t.kind, t.axes, t.phase): (t.bytes, t.count) for t in plan(analysis.program).communication}
+
+    four, two = transfers(4), transfers(2)
+    layer_phases = ("forward", "backward", "recompute")
+    layered = [k for k in four if k[2] in layer_phases]
+    assert layered and {k for k in two if k[2] in layer_phases} == set(layered)
+    for key in layered:
+        assert four[key][1] == 2 * two[key][1], key
+        assert four[key][0] == two[key][0], key
+    for key in [k for k in four if k[2] == "gradients"]:
+        assert four[key] == two[key], key

@@ -155,6 +155,17 @@ class _Costed:
     intra: frozenset[str]
     peaks: dict[int, int] = field(default_factory=dict)  # one chunk's backward peak, by microbatch count
 
+    def sliced(self, microbatches: int | None) -> tuple[Transfer, ...]:
+        """The transfers with each layer collective's count for `microbatches` instead of the
+        group's first option's: a layer's collectives run once per microbatch."""
+        first = self.group.options[0][1]
+        if not (pipelined(self.program) and first and microbatches) or first == microbatches:
+            return self.transfers
+        return tuple(
+            replace(t, count=t.count // first * microbatches) if t.phase in PER_MICROBATCH else t
+            for t in self.transfers
+        )
+
     @cached_property
     def planned(self) -> Memory:
         """The planner's memory for the group's first option: all of it but the activations holds
@@ -440,7 +451,7 @@ class AutoPlanner:
                 fig = figures(cast(Kind, schedule), stages, microbatches, group.virtual)
             sends = self._sends(costed, microbatches, fig) if microbatches and fig else []
             bubble = fig.bubble_fraction if fig else 0.0
-            transfers = (*costed.transfers, *sends)
+            transfers = (*costed.sliced(microbatches), *sends)
             time = step_time(costed.flops_per_device, transfers, bubble, costed.intra, self.hardware)
             pending.append(_Pending(costed, schedule, microbatches, fig, time, sum(t.bytes for t in transfers)))
         self.costed += len(pending)

@@ -138,6 +138,8 @@ class AutoPlan:
                 "intra_bandwidth": h.intra_bandwidth,
                 "inter_bandwidth": h.inter_bandwidth,
                 "node_size": h.node_size,
+                "intra_latency": h.intra_latency,
+                "inter_latency": h.inter_latency,
             },
             "axes": [{"name": name, "role": role} for name, role in self.axes],
             "chosen": chosen,

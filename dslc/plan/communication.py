@@ -119,27 +119,33 @@ def _node_collectives(node: Node, checkpointed: bool) -> list[tuple[Collective, 
 
 def communication(program: Program) -> list[Transfer]:
     """Bytes sent by the busiest device. Under a pipeline a device runs only its own stage's
-    layers, so their collectives are summed stage by stage and the busiest stage counts."""
+    layers, so their collectives are summed stage by stage and the busiest stage counts.
+
+    A layer's collectives run once per slice of the batch (microbatch, accumulation step), each
+    on that slice: their bytes add up to the whole batch's, their count is per slice."""
     mesh = program.mesh
     staged = pipelined(program)
     last = len(program.chunks) - 1
+    slices = microbatch_slices(program)
     per_stage: dict[int, Totals] = {}
     for chunk in program.chunks:
         totals = per_stage.setdefault(chunk.stage, {})
         for node in chunk.nodes:
             for c, around, backward, recomputed in _node_collectives(node, False):
                 size = _group_bytes(c, around, mesh)
-                _add(totals, mesh, c.kind, c.axes, "forward", size)
+                _add(totals, mesh, c.kind, c.axes, "forward", size, slices=slices)
                 if backward:
-                    _add(totals, mesh, TRANSPOSE[c.kind], c.axes, "backward", size)
+                    _add(totals, mesh, TRANSPOSE[c.kind], c.axes, "backward", size, slices=slices)
                 reruns = int(recomputed) + int(staged and chunk.index != last)
                 if reruns:
-                    _add(totals, mesh, c.kind, c.axes, "recompute", size, reruns)
+                    _add(totals, mesh, c.kind, c.axes, "recompute", size, reruns, slices=slices)
             for layer in layers((node,)):
                 for c in ring_backward_collectives(layer, mesh):
-                    _add(totals, mesh, c.kind, c.axes, "backward", _group_bytes(c, layer.input, mesh))
+                    size = _group_bytes(c, layer.input, mesh)
+                    _add(totals, mesh, c.kind, c.axes, "backward", size, slices=slices)
                 for c in pipeline_recompute_collectives(layer, staged):
-                    _add(totals, mesh, c.kind, c.axes, "recompute", _group_bytes(c, layer.input, mesh))
+                    size = _group_bytes(c, layer.input, mesh)
+                    _add(totals, mesh, c.kind, c.axes, "recompute", size, slices=slices)
     totals = max(per_stage.values(), key=lambda t: sum(b for b, _ in t.values()), default={})
     _gradient_sync(program, totals)
     if staged:
@@ -147,11 +153,22 @@ def communication(program: Program) -> list[Transfer]:
     return [Transfer(k, a, ph, b, n) for (k, a, ph), (b, n) in sorted(totals.items())]
 
 
-def _add(totals: Totals, mesh: Mesh, kind: str, axes: Axes, phase: Phase, size: int, times: int = 1) -> None:
+def _add(
+    totals: Totals, mesh: Mesh, kind: str, axes: Axes, phase: Phase, size: int, times: int = 1, *, slices: int = 1
+) -> None:
+    """Count a collective on a `size`-byte tensor, run `times` over, each time in `slices`
+    pieces (one per slice of the batch) that together carry the whole tensor."""
     sent = ring_bytes(kind, mesh.size(axes), size) * times
     if sent:
         bytes_, count = totals.get((kind, axes, phase), (0, 0))
-        totals[(kind, axes, phase)] = (bytes_ + sent, count + times)
+        totals[(kind, axes, phase)] = (bytes_ + sent, count + times * slices)
+
+
+def microbatch_slices(program: Program) -> int:
+    """How many slices of the batch a step runs its layers on, one after another: pipeline
+    microbatches times accumulation steps."""
+    microbatches = program.pipeline.microbatches if pipelined(program) and program.pipeline else 1
+    return microbatches * program.train.accumulate
 
 
 def batch_axes(program: Program) -> Axes:

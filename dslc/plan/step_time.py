@@ -6,13 +6,17 @@ its parameters are a few numbers about the hardware (`Hardware`), all overridabl
 
 * compute: FLOPs per device / `device_flops`, an *effective* rate (what a training step
   sustains, well under the datasheet peak);
-* communication: bytes one device sends over a group / the bandwidth of the link the group
-  spans. Devices are numbered node by node, and the mesh axes are laid out innermost first in
-  Megatron-LM's order — tensor-like axes (tensor, expert, context), then data, then pipeline
-  — so an axis whose groups fit in one node (its size times the sizes of the axes inside it
-  is at most `node_size`) uses `intra_bandwidth`, and any other axis `inter_bandwidth`. All of
-  it is exposed: the lowering runs each collective between the computations that need it and
-  overlaps none of them;
+* communication: for each collective call, a fixed latency plus the bytes one device sends
+  over the group / the bandwidth of the link the group spans (the alpha-beta model).
+  Devices are numbered node by node, and the mesh axes are laid out innermost first in
+  Megatron-LM's order — tensor-like axes (tensor, expert, context), then data, then
+  pipeline — so an axis whose groups fit in one node (its size times the sizes of the axes
+  inside it is at most `node_size`) uses `intra_bandwidth` and `intra_latency`, and any other
+  axis the inter-node pair. The latency is what makes slicing the batch finer cost
+  something: every microbatch runs each layer's collectives, and every pipeline tick sends.
+  All of it is exposed: the lowering runs each collective between the computations that
+  need it and overlaps none of them (only the gradient reductions, independent of one
+  another, are combined into one call per kind and axes, as XLA's combiner passes do);
 * bubble: the per-microbatch work (compute and layer collectives) stretched by the schedule's
   bubble fraction b (idle over the makespan): bubble time = work · b / (1 − b). Pipeline sends
   happen every tick, idle ones included, so they are not stretched again; nor are the
@@ -34,17 +38,22 @@ PER_MICROBATCH = ("forward", "backward", "recompute")
 @dataclass(frozen=True, slots=True)
 class Hardware:
     """The machine a plan is costed on. Defaults: an A100/H100-class device at a realistic
-    training throughput, NVLink inside an 8-device node, 200 Gb/s InfiniBand between nodes."""
+    training throughput, NVLink inside an 8-device node, 200 Gb/s InfiniBand between nodes;
+    the latencies are the order of a small collective's on such links (assumed, not measured
+    here)."""
 
     device_flops: float = 300e12  # FLOP/s one device sustains
     intra_bandwidth: float = 300e9  # bytes/s one device sends to another in its node
     inter_bandwidth: float = 25e9  # bytes/s one device sends to a device in another node
     node_size: int = 8  # devices per node
+    intra_latency: float = 10e-6  # seconds a collective call costs inside a node, whatever its size
+    inter_latency: float = 20e-6  # likewise between nodes
 
     def describe(self) -> str:
         return (
-            f"{self.device_flops / 1e12:g} TFLOP/s per device, {self.intra_bandwidth / 1e9:g} GB/s inside a node "
-            f"of {self.node_size}, {self.inter_bandwidth / 1e9:g} GB/s between nodes"
+            f"{self.device_flops / 1e12:g} TFLOP/s per device, {self.intra_bandwidth / 1e9:g} GB/s and "
+            f"{self.intra_latency * 1e6:g} µs per call inside a node of {self.node_size}, "
+            f"{self.inter_bandwidth / 1e9:g} GB/s and {self.inter_latency * 1e6:g} µs between nodes"
         )
 
 
@@ -84,11 +93,19 @@ def step_time(
     compute = flops_per_device / hardware.device_flops
     in_microbatches = other = 0.0
     for t in transfers:
-        bandwidth = hardware.intra_bandwidth if set(t.axes) <= intra else hardware.inter_bandwidth
-        seconds = t.bytes / bandwidth
+        inside = set(t.axes) <= intra
+        bandwidth = hardware.intra_bandwidth if inside else hardware.inter_bandwidth
+        latency = hardware.intra_latency if inside else hardware.inter_latency
+        seconds = _calls(t) * latency + t.bytes / bandwidth
         if t.phase in PER_MICROBATCH:
             in_microbatches += seconds
         else:
             other += seconds
     bubble = (compute + in_microbatches) * bubble_fraction / (1 - bubble_fraction)
     return StepTime(compute, in_microbatches + other, bubble)
+
+
+def _calls(t: Transfer) -> int:
+    """How many separate calls pay the latency: the once-per-step gradient reductions are
+    independent of one another, and XLA combines them into one call per kind and axes."""
+    return 1 if t.phase == "gradients" else t.count
