@@ -35,10 +35,10 @@ from jax.sharding import NamedSharding, PartitionSpec
 import dslc
 from dslc.ir import nodes as ir
 from dslc.kernels import layers as kernels
+from dslc.layers import RULES
 from dslc.layers.attention import context_axes
 from dslc.lower.model import group_repeats, split_loss
 from dslc.plan import plan
-from dslc.plan.residuals import layer_residuals, layer_workspace
 from tests import reference
 from tests.conftest import SPECS
 from tests.test_numerics import BF16
@@ -339,7 +339,8 @@ def _attention_memory(ring: int) -> tuple[int, int]:
     assert analysis.program is not None
     mesh = analysis.program.mesh
     layer = ir.all_layers(analysis.program)[0]
-    return layer_residuals(layer, mesh, "f32", 1), layer_workspace(layer, mesh, "f32", 1)
+    rule = RULES[layer.kind]
+    return rule.residual_bytes(layer, mesh, "f32", 1), rule.workspace_bytes(layer, mesh, "f32", 1)
 
 
 def test_planned_attention_memory_falls_at_least_as_one_over_cp() -> None:

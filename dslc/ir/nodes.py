@@ -84,6 +84,14 @@ class TensorType:
     def local_nbytes(self, mesh: Mesh) -> int:
         return math.prod(self.local_shape(mesh)) * DTYPE_BYTES[self.dtype]
 
+    def slice_numel(self, mesh: Mesh, slices: int = 1) -> int:
+        """Elements on one device for one of `slices` equal slices of the batch (the leading
+        dimension, rounded up): what one microbatch's forward call sees."""
+        shape = self.local_shape(mesh)
+        if not shape:
+            return 1
+        return -(-shape[0] // slices) * math.prod(shape[1:])
+
     def describe(self) -> str:
         dims = ", ".join(
             f"{n}@{_axes_text(axes)}" if axes else str(n) for n, axes in zip(self.shape, self.sharding, strict=True)

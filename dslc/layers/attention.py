@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from dslc.diagnostics import Label
-from dslc.ir.nodes import Axes, Collective, Layer, Mesh, Sharding, TensorType
+from dslc.ir.nodes import DTYPE_BYTES, Axes, Collective, Layer, Mesh, Sharding, TensorType
 from dslc.layers.base import (
+    F32,
     ArgSpec,
     Attrs,
     Context,
@@ -14,6 +15,7 @@ from dslc.layers.base import (
     expect_features,
     fmt_axes,
     gather_dims,
+    operand_numel,
     same_sharding,
 )
 
@@ -206,6 +208,31 @@ class Attention(LayerRule):
         scores_and_mix = 2 * 2 * b * h * s * s * hd
         return projections + scores_and_mix
 
+    def residual_bytes(self, layer: Layer, mesh: Mesh, compute: str, slices: int) -> int:
+        c = DTYPE_BYTES[compute]
+        x, q, k_v, scores, rows = _attention_sizes(layer, mesh, slices)
+        if context_axes(layer, mesh):
+            # Ring attention keeps no scores: its backward recomputes them block by block from
+            # the log-sum-exp of each query row (f32). Zig-zagged (causal), the outputs are kept
+            # twice: in that layout for the ring's backward, in token order for the output
+            # projection's.
+            outputs = 2 if layer.attr("causal") else 1
+            return x * c + (q + k_v + outputs * q) * c + rows * F32  # operand, q, k, v, outputs, lse
+        # The scores [b, heads, s, s]: the masked scores, their exp and the probabilities in f32,
+        # the mask itself, and the probabilities in the compute dtype when that is not f32.
+        kept_probs = scores * (3 * F32 + 1 + (c if c != F32 else 0))
+        return x * c + (2 * q + k_v) * c + kept_probs  # operand, q, k, v, mixed heads, probs
+
+    def workspace_bytes(self, layer: Layer, mesh: Mesh, compute: str, slices: int) -> int:
+        if not context_axes(layer, mesh):
+            return self.residual_bytes(layer, mesh, compute, slices)
+        # Ring attention's backward adds its gradients up in f32 accumulators as it goes (dq,
+        # and dk, dv travelling with the blocks: sent and received) rather than holding
+        # gradients of all its residuals at once; its largest transients are one block's
+        # scores recomputed, their probabilities and the gradients of both (f32).
+        _, q, k_v, scores, _ = _attention_sizes(layer, mesh, slices)
+        return 4 * scores * F32 + (q + 2 * k_v) * F32
+
     def kernel(self, a: Attrs, operand: Sharding) -> str:
         # `infer` accepts a sequence split over one axis at most (besides the heads' axis,
         # which it gathers): context parallelism.
@@ -214,6 +241,21 @@ class Attention(LayerRule):
     def kernel_args(self, a: Attrs, dtype: str, operand: Sharding) -> dict[str, object]:
         static = {name: a[name] for name in ("heads", "kv_heads", "causal", "rope", "rope_base")} | {"dtype": dtype}
         return static | ({"axis": operand[1][0]} if operand[1] else {})
+
+
+def _attention_sizes(layer: Layer, mesh: Mesh, slices: int) -> tuple[int, int, int, int, int]:
+    """Elements on one device of the operand, the queries, the keys and values together, the
+    scores of one query block against one key block, and the rows of those scores."""
+    # The operand, not the input: sequence parallelism gathers the tokens first, and under
+    # context parallelism the layer works on its own share of them.
+    operand = TensorType(layer.input.dtype, layer.input.shape, layer.operand or layer.input.sharding)
+    b, s, _ = operand.local_shape(mesh)
+    b = -(-b // slices)
+    h, kv, hd = (int(layer.attr(n)) for n in ("heads", "kv_heads", "head_dim"))  # type: ignore[call-overload]
+    h_local = h // mesh.size(layer.weight("q").type.sharding[1])
+    kv_local = kv // mesh.size(layer.weight("k").type.sharding[1])
+    rows = b * h_local * s
+    return operand_numel(layer, mesh, slices), rows * hd, 2 * b * s * kv_local * hd, rows * s, rows
 
 
 def ring_backward_collectives(layer: Layer, mesh: Mesh) -> tuple[Collective, ...]:

@@ -1,9 +1,9 @@
 """What every layer kind knows: its arguments, its weights, its shape and sharding rule, its cost.
 
 A rule is consulted by the elaborator (arguments, weights), the shape pass (`infer`), the
-planner (`flops`) and the backends (`kernel`, `kernel_args`: which function of
-`dslc.kernels.layers` computes it, with which static arguments). Nothing about a layer kind
-lives anywhere else.
+planner (`flops`; `residual_bytes` and `workspace_bytes`, its model of activation memory) and
+the backends (`kernel`, `kernel_args`: which function of `dslc.kernels.layers` computes it,
+with which static arguments). Nothing about a layer kind lives anywhere else.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
 from dslc.diagnostics import Diagnostics, Label, Span
-from dslc.ir.nodes import Axes, Collective, CollectiveKind, Input, Mesh, Sharding, TensorType
+from dslc.ir.nodes import DTYPE_BYTES, Axes, Collective, CollectiveKind, Input, Layer, Mesh, Sharding, TensorType
 
 Attrs = dict[str, object]
 
@@ -134,6 +134,24 @@ class LayerRule:
         """Forward FLOPs for the whole (global) batch; a multiply-add counts two."""
         return 0
 
+    # ---- activation memory: the planner's model (dslc/plan/activations.py, docs/plan.md) ----
+    #
+    # Bytes on one device for one of `slices` equal slices of the batch (microbatches), in the
+    # compute dtype `compute`. They follow what `jax.vjp` saves for the layer's kernel: a matrix
+    # product keeps its operand (for the weight's gradient), a nonlinearity its input and its
+    # own intermediates, a softmax its output; normalisation and the loss compute in f32
+    # whatever the compute dtype.
+
+    def residual_bytes(self, layer: Layer, mesh: Mesh, compute: str, slices: int) -> int:
+        """What autodiff keeps for the layer's backward pass. By default its input and output."""
+        y = layer.output.slice_numel(mesh, slices) if layer.output.rank else 1
+        return (layer.input.slice_numel(mesh, slices) + y) * DTYPE_BYTES[compute]
+
+    def workspace_bytes(self, layer: Layer, mesh: Mesh, compute: str, slices: int) -> int:
+        """The largest transient while the layer's backward runs, on top of its residuals. By
+        default their gradients, which live next to the residuals themselves: the same size."""
+        return self.residual_bytes(layer, mesh, compute, slices)
+
     def kernel(self, a: Attrs, operand: Sharding) -> str:
         """The function in `dslc.kernels.layers` that computes this use of the layer (both
         backends call it the same way, see that module's conventions): by default the
@@ -158,6 +176,16 @@ class LayerRule:
         array under the argument's own name.
         """
         return {}
+
+
+F32 = 4  # bytes of the f32 copies that normalisation and the losses compute in
+
+
+def operand_numel(layer: Layer, mesh: Mesh, slices: int) -> int:
+    """Elements of the layer's input as it computes on it (after a sequence-parallel gather),
+    on one device for one slice of the batch."""
+    operand = TensorType(layer.input.dtype, layer.input.shape, layer.operand or layer.input.sharding)
+    return operand.slice_numel(mesh, slices)
 
 
 # ---- shared sharding algebra --------------------------------------------------------------------

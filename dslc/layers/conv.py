@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dslc.diagnostics import Label
-from dslc.ir.nodes import Sharding, TensorType
+from dslc.ir.nodes import DTYPE_BYTES, Layer, Mesh, Sharding, TensorType
 from dslc.layers.base import ArgSpec, Attrs, Context, LayerRule, WeightSpec, contract, expect_features, same_sharding
 
 
@@ -61,6 +61,9 @@ class Conv(LayerRule):
         k = a["kernel"]
         assert isinstance(k, int)
         return 2 * y.numel * k * k * x.shape[3]
+
+    def residual_bytes(self, layer: Layer, mesh: Mesh, compute: str, slices: int) -> int:
+        return layer.input.slice_numel(mesh, slices) * DTYPE_BYTES[compute]  # the operand, for the kernel's gradient
 
     def kernel_args(self, a: Attrs, dtype: str, operand: Sharding) -> dict[str, object]:
         return {"stride": a["stride"], "dtype": dtype}

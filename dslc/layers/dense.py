@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dslc.diagnostics import Label
-from dslc.ir.nodes import INT_DTYPES, Sharding, TensorType
+from dslc.ir.nodes import DTYPE_BYTES, INT_DTYPES, Layer, Mesh, Sharding, TensorType
 from dslc.layers.base import (
     ArgSpec,
     Attrs,
@@ -41,6 +41,9 @@ class Linear(LayerRule):
     def flops(self, a: Attrs, x: TensorType, y: TensorType) -> int:
         return 2 * y.numel * a["in"]  # type: ignore[operator]
 
+    def residual_bytes(self, layer: Layer, mesh: Mesh, compute: str, slices: int) -> int:
+        return layer.input.slice_numel(mesh, slices) * DTYPE_BYTES[compute]  # the operand, for the kernel's gradient
+
     def kernel_args(self, a: Attrs, dtype: str, operand: Sharding) -> dict[str, object]:
         return {"dtype": dtype}
 
@@ -66,6 +69,11 @@ class SwiGLU(LayerRule):
 
     def flops(self, a: Attrs, x: TensorType, y: TensorType) -> int:
         return 4 * y.numel * a["in"] + 4 * y.numel  # type: ignore[operator]
+
+    def residual_bytes(self, layer: Layer, mesh: Mesh, compute: str, slices: int) -> int:
+        # The operand, and four hidden-sized values: the gate, its sigmoid, silu(gate), up.
+        x, y = layer.input.slice_numel(mesh, slices), layer.output.slice_numel(mesh, slices)
+        return (x + 4 * y) * DTYPE_BYTES[compute]
 
     def kernel_args(self, a: Attrs, dtype: str, operand: Sharding) -> dict[str, object]:
         return {"dtype": dtype}
@@ -94,6 +102,12 @@ class Embed(LayerRule):
         y = TensorType(ctx.compute_dtype, (*x.shape, a["dim"]), (*x.sharding, table.sharding[1]))  # type: ignore[arg-type]
         ctx.collective("all-reduce", table.sharding[0], y, f"`{ctx.path}`: combine vocab-parallel lookups")
         return y
+
+    def residual_bytes(self, layer: Layer, mesh: Mesh, compute: str, slices: int) -> int:
+        # The one-hot matrix [tokens, vocab on this device]: the lookup is a contraction.
+        vocab = int(layer.attr("vocab"))  # type: ignore[call-overload]
+        split = mesh.size(layer.weight("table").type.sharding[0])
+        return layer.input.slice_numel(mesh, slices) * -(-vocab // split) * DTYPE_BYTES[compute]
 
     def kernel_args(self, a: Attrs, dtype: str, operand: Sharding) -> dict[str, object]:
         return {"dtype": dtype}

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from dslc.diagnostics import Label
-from dslc.ir.nodes import FLOAT_DTYPES, Sharding, TensorType
+from dslc.ir.nodes import DTYPE_BYTES, FLOAT_DTYPES, Layer, Mesh, Sharding, TensorType
 from dslc.layers.base import ArgSpec, Attrs, Context, LayerRule
 
 
 class Elementwise(LayerRule):
     cost = 1
+    kept = 1  # input-sized values autodiff keeps (the input, and the function's own terms)
 
     def infer(self, a: Attrs, x: TensorType, w: dict[str, TensorType], ctx: Context) -> TensorType | None:
         if x.dtype not in FLOAT_DTYPES:
@@ -23,6 +24,9 @@ class Elementwise(LayerRule):
     def flops(self, a: Attrs, x: TensorType, y: TensorType) -> int:
         return self.cost * x.numel
 
+    def residual_bytes(self, layer: Layer, mesh: Mesh, compute: str, slices: int) -> int:
+        return self.kept * layer.input.slice_numel(mesh, slices) * DTYPE_BYTES[compute]
+
 
 class Relu(Elementwise):
     kind = "relu"
@@ -33,12 +37,14 @@ class Gelu(Elementwise):
     kind = "gelu"
     doc = "Gaussian error linear unit (tanh approximation)."
     cost = 8
+    kept = 5  # the input and four terms of the tanh approximation
 
 
 class Silu(Elementwise):
     kind = "silu"
     doc = "x * sigmoid(x)."
     cost = 4
+    kept = 2  # the input and its sigmoid
 
 
 class Dropout(Elementwise):

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from dslc.diagnostics import Label
-from dslc.ir.nodes import INT_DTYPES, TensorType, replicated
-from dslc.layers.base import ArgSpec, Attrs, Context, LayerRule
+from dslc.ir.nodes import INT_DTYPES, Layer, Mesh, TensorType, replicated
+from dslc.layers.base import F32, ArgSpec, Attrs, Context, LayerRule
 
 
 class CrossEntropy(LayerRule):
@@ -51,6 +51,9 @@ class CrossEntropy(LayerRule):
     def flops(self, a: Attrs, x: TensorType, y: TensorType) -> int:
         return 6 * x.numel
 
+    def residual_bytes(self, layer: Layer, mesh: Mesh, compute: str, slices: int) -> int:
+        return 2 * layer.input.slice_numel(mesh, slices) * F32  # the f32 one-hot targets and exp(logits)
+
 
 class MeanSquaredError(LayerRule):
     kind = "mse"
@@ -79,3 +82,6 @@ class MeanSquaredError(LayerRule):
 
     def flops(self, a: Attrs, x: TensorType, y: TensorType) -> int:
         return 3 * x.numel
+
+    def residual_bytes(self, layer: Layer, mesh: Mesh, compute: str, slices: int) -> int:
+        return layer.input.slice_numel(mesh, slices) * F32  # the f32 difference

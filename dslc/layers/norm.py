@@ -3,8 +3,18 @@
 from __future__ import annotations
 
 from dslc.diagnostics import Label
-from dslc.ir.nodes import FLOAT_DTYPES, Sharding, TensorType
-from dslc.layers.base import ArgSpec, Attrs, Context, LayerRule, WeightSpec, expect_features, fmt_axes, same_sharding
+from dslc.ir.nodes import FLOAT_DTYPES, Layer, Mesh, Sharding, TensorType
+from dslc.layers.base import (
+    F32,
+    ArgSpec,
+    Attrs,
+    Context,
+    LayerRule,
+    WeightSpec,
+    expect_features,
+    fmt_axes,
+    same_sharding,
+)
 
 
 class _Norm(LayerRule):
@@ -33,10 +43,16 @@ class _Norm(LayerRule):
     def flops(self, a: Attrs, x: TensorType, y: TensorType) -> int:
         return 8 * x.numel
 
+    kept_f32 = 2  # input-sized f32 values kept: x and the normalised value (rmsnorm)
+
+    def residual_bytes(self, layer: Layer, mesh: Mesh, compute: str, slices: int) -> int:
+        return self.kept_f32 * layer.input.slice_numel(mesh, slices) * F32
+
 
 class LayerNorm(_Norm):
     kind = "layernorm"
     doc = "(x - mean) / std * scale + bias over the last dimension."
+    kept_f32 = 3  # x - mean, its square, the normalised value
     args = (
         ArgSpec("dim", "int", doc="features"),
         ArgSpec("eps", "float", 1e-5, "added to the variance"),

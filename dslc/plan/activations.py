@@ -3,15 +3,16 @@
 The model, checkpoint policy by checkpoint policy (see docs/plan.md):
 
 * `checkpoint none` (and code outside any block): every layer keeps what its backward needs
-  (`residuals.layer_residuals`: operands of matrix products, f32 copies in norms and the
-  loss, attention probabilities [b, heads, s, s] in f32, the embedding's one-hot matrix).
+  (each layer rule's `residual_bytes`, dslc/layers: operands of matrix products, f32 copies
+  in norms and the loss, attention probabilities [b, heads, s, s] in f32, the embedding's
+  one-hot matrix), and the copies of weights cast to the compute dtype.
 * `checkpoint full`: a block keeps only its input; its backward recomputes the block, so one
   block's residuals exist again, transiently, while that block's backward runs.
 * `checkpoint selective(names)`: the block input plus the outputs of the named layers, with
   the same transient recompute.
 
 On top of what is kept, the backward pass needs a transient working set: the largest layer's
-residual gradients (`residuals.layer_workspace`), or a recomputed block's whole residuals.
+residual gradients (the rule's `workspace_bytes`), or a recomputed block's whole residuals.
 Total activation memory = kept + the largest transient.
 
 Under a pipeline the lowering differs (dslc/lower/pipeline.py): each stage stashes only chunk
@@ -27,7 +28,7 @@ from typing import assert_never
 
 from dslc.ir.nodes import DTYPE_BYTES, Block, Layer, Layout, Mesh, Node, Residual, TensorType, layers
 from dslc.ir.repeats import group_repeats
-from dslc.plan.residuals import layer_residuals, layer_workspace, local_numel, weight_copies
+from dslc.layers import RULES
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,7 +41,12 @@ class Kept:
 
 
 def tensor_bytes(t: TensorType, mesh: Mesh, slices: int) -> int:
-    return local_numel(t, mesh, slices) * DTYPE_BYTES[t.dtype]
+    return t.slice_numel(mesh, slices) * DTYPE_BYTES[t.dtype]
+
+
+def weight_copies(layer: Layer, mesh: Mesh, compute: str) -> int:
+    """Weights cast to the compute dtype: the backward pass keeps the cast copies."""
+    return sum(w.type.local_nbytes(mesh) // DTYPE_BYTES[w.type.dtype] * DTYPE_BYTES[compute] for w in layer.weights)
 
 
 def kept_by(nodes: tuple[Node, ...], mesh: Mesh, compute: str, slices: int) -> Kept:
@@ -75,7 +81,7 @@ def _transient(node: Node, mesh: Mesh, compute: str, slices: int) -> int:
     freed before it is done (its residuals sit in a scan's stacked buffers)."""
     match node:
         case Layer():
-            return layer_workspace(node, mesh, compute, slices)
+            return RULES[node.kind].workspace_bytes(node, mesh, compute, slices)
         case Block() if node.remat.policy != "none":
             # The body is recomputed as a whole, into the step's own temporaries.
             one = _kept_by_node(node, mesh, compute, slices)
@@ -91,10 +97,11 @@ def _transient(node: Node, mesh: Mesh, compute: str, slices: int) -> int:
 def _kept_by_node(node: Node, mesh: Mesh, compute: str, slices: int) -> Kept:
     match node:
         case Layer():
+            rule = RULES[node.kind]
             cast = any(w.type.dtype != compute for w in node.weights)
             copies = weight_copies(node, mesh, compute) if cast else 0
-            kept = layer_residuals(node, mesh, compute, slices) + copies
-            return Kept(kept, kept + layer_workspace(node, mesh, compute, slices))
+            kept = rule.residual_bytes(node, mesh, compute, slices) + copies
+            return Kept(kept, kept + rule.workspace_bytes(node, mesh, compute, slices))
         case Residual():
             return kept_by(node.body, mesh, compute, slices)
         case Layout():

@@ -14,7 +14,9 @@ Nothing here imports jax at module level: the CLI reads the flags before jax may
 
 from __future__ import annotations
 
+import os
 import socket
+import sys
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -122,9 +124,30 @@ def joined(cluster: Cluster | None, devices: int) -> Iterator[None]:
     except (RuntimeError, ValueError) as exc:
         raise DistributedError(f"{cluster.describe()} could not join the run: {exc}") from None
     try:
-        yield
+        with _native_output_to_stderr():
+            yield
     finally:
         jax.distributed.shutdown()
+
+
+@contextmanager
+def _native_output_to_stderr() -> Iterator[None]:
+    """Point file descriptor 1 at stderr, and Python's `sys.stdout` at a duplicate of the
+    real stdout. Gloo prints its connection lines ("[Gloo] Rank 0 is connected to 1 peer
+    ranks...") from C++ onto descriptor 1; this way they join the other diagnostics, and
+    stdout carries only what dslc prints there (the run's summary), which scripts may read."""
+    stdout = sys.stdout
+    stdout.flush()
+    real = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        with open(real, "w", buffering=1, encoding=stdout.encoding, errors=stdout.errors, closefd=False) as ours:
+            sys.stdout = ours
+            yield
+    finally:
+        sys.stdout = stdout
+        os.dup2(real, 1)
+        os.close(real)
 
 
 def _check_port_free(coordinator: str) -> None:
