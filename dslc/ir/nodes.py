@@ -46,8 +46,8 @@ class Mesh:
 
     def size(self, axes: Axes) -> int:
         """How many pieces a dimension split over `axes` is cut into."""
-        sizes = dict(zip(self.names, self.shape, strict=True))
-        return math.prod(sizes[a] for a in axes if a in sizes)
+        # A loop rather than a dict of sizes: the planner asks this for every tensor it counts.
+        return math.prod(a.size for a in self.axes if a.name in axes)
 
     def describe(self) -> str:
         return "x".join(str(s) for s in self.shape) + f" ({', '.join(self.names)})"
