@@ -26,7 +26,14 @@ def check_schedule(program: Program, diags: Diagnostics) -> None:
 
 def check_pipelined_kernels(program: Program, diags: Diagnostics) -> None:
     """Layers whose kernel enters its own `shard_map` (ring attention over a context axis)
-    cannot yet run inside the pipeline's, which is manual over the stage axis."""
+    cannot yet run inside the pipeline's, which is manual over the stage axis.
+
+    Two walls, both seen in jax 0.10.2: differentiating the nested `shard_map` fails to lower
+    (the `custom_vjp` that recomputes the forward, as the mixture of experts does, gets past
+    that); then the ring's `ppermute`s run inside the executor's per-stage `lax.switch`, and
+    on CPU each becomes a collective-permute that waits for every device of the mesh, so the
+    stages that take another branch never join it and the step deadlocks. The ring would have to pass
+    its blocks outside the switch, as the executor's own sends do."""
     p = program.pipeline
     if p is None or program.mesh.size((p.axis,)) * p.virtual == 1:
         return
