@@ -580,11 +580,16 @@ def test_e024_non_positive_size() -> None:
 
 def test_e024_arguments_that_clash_with_each_other() -> None:
     d = only(spec("dropout(1.5)", "loss: mse(y)"))
-    assert (d.code, at(d), d.message) == ("E024", (6, 3, 6, 15), "dropout rate must be in [0, 1), got 1.5")
+    # At the argument that is out of range, or that clashes with the others.
+    assert (d.code, at(d), d.message) == ("E024", (6, 11, 6, 14), "dropout rate must be in [0, 1), got 1.5")
     d = only(spec("attention(48, 4, kv_heads=3)", header=ATTENTION_HEADER))
-    assert (d.code, at(d)) == ("E024", (6, 3, 6, 31))
+    assert (d.code, at(d)) == ("E024", (6, 20, 6, 30))
     assert d.message == "heads (4) must be a multiple of kv_heads (3) for grouped-query attention"
     assert d.notes[0] == "kv_heads must divide heads = 4: 1, 2 or 4"
+    # head_dim left to its default (48 / 4 = 12 is even; 36 / 4 = 9 is not): at `rope=true`.
+    d = only(spec("attention(36, 4, rope=true)", header=ATTENTION_HEADER.replace("48", "36")))
+    assert (d.code, at(d)) == ("E024", (6, 20, 6, 29))
+    assert d.message == "rotary embeddings rotate pairs of features, so head_dim must be even, got 9"
 
 
 def test_e024_block_arguments() -> None:

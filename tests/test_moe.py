@@ -238,7 +238,8 @@ def test_experts_must_divide_by_the_expert_parallel_size() -> None:
 def test_top_k_cannot_exceed_the_experts() -> None:
     [d] = check("moe: moe(32, 64, 4, top_k=5)")
     assert (d.code, d.message) == ("E024", "top_k (5) is more than the 4 experts there are")
-    assert at(d) == (5, 8, 5, 31)  # the call: the rule sees no argument's own span
+    assert at(d) == (5, 23, 5, 30)  # `top_k=5`
+    assert [(label.span.column, label.message) for label in d.labels] == [(20, "4 experts")]
 
 
 def test_capacity_must_hold_a_sequence() -> None:
@@ -251,7 +252,7 @@ def test_capacity_must_hold_a_sequence() -> None:
     )
     assert "ceil(0.5 x 16 x 2 / 8) = 2" in d.notes[0]
     assert d.help == "use capacity >= 1.0"
-    assert at(d) == (5, 8, 5, 36)  # the call: the rule sees no argument's own span
+    assert at(d) == (5, 23, 5, 35)  # `capacity=0.5`
 
 
 def test_capacity_below_one_is_accepted_when_rounding_up_holds_every_choice() -> None:

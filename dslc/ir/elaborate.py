@@ -629,7 +629,8 @@ class _Builder:
         scope: Scope,
         span: Span,
     ) -> ir.Node | None:
-        attrs = self._bind(rule.args, call, scope, f"`{rule.kind}`")
+        arg_spans: dict[str, Span] = {}
+        attrs = self._bind(rule.args, call, scope, f"`{rule.kind}`", spans=arg_spans)
         ctx = Context(
             mesh=self.h.mesh,
             path=path,
@@ -638,6 +639,7 @@ class _Builder:
             inputs=self.h.inputs,
             compute_dtype=self.h.train.compute_dtype,
             diags=self.diags,
+            arg_spans=arg_spans,
         )
         if attrs is None or not rule.validate(attrs, ctx):
             self._check_shard_axes(shards, path)
@@ -823,7 +825,11 @@ class _Builder:
         scope: Scope,
         what: str,
         globals_: Scope | None = None,
+        spans: dict[str, Span] | None = None,
     ) -> dict[str, object] | None:
+        """The call's arguments bound to `specs` and evaluated, defaults filled in; None after
+        reporting what is wrong. `spans`, when given, receives where each argument written in
+        the call is (those left to their defaults have none)."""
         by_name = {s.name: s for s in specs}
         raw: dict[str, ast.Arg] = {}
         ok = True
@@ -875,6 +881,8 @@ class _Builder:
                 raw[key] = arg
         if not ok:
             return None
+        if spans is not None:
+            spans.update((name, arg.span) for name, arg in raw.items())
         missing = [s for s in specs if s.name not in raw and s.default is REQUIRED]
         if missing:
             # One report for all of them: they share the call's span, and one report per code

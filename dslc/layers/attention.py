@@ -61,12 +61,15 @@ class Attention(LayerRule):
             ctx.error(
                 "E024",
                 f"heads ({h}) must be a multiple of kv_heads ({kv}) for grouped-query attention",
+                at=ctx.arg_span("kv_heads"),
                 notes=[f"kv_heads must divide heads = {h}: {_divisors(h)}"],
             )
             return False
         if a["rope"] and a["head_dim"] % 2:  # type: ignore[operator]
             ctx.error(
-                "E024", f"rotary embeddings rotate pairs of features, so head_dim must be even, got {a['head_dim']}"
+                "E024",
+                f"rotary embeddings rotate pairs of features, so head_dim must be even, got {a['head_dim']}",
+                at=ctx.arg_span("head_dim") if "head_dim" in ctx.arg_spans else ctx.arg_span("rope"),
             )
             return False
         return True

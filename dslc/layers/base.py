@@ -75,6 +75,8 @@ class Context:
     compute_dtype: str
     diags: Diagnostics
     weight_spans: dict[str, Span] = field(default_factory=dict)
+    # Where each argument written in the call is (one left to its default has none).
+    arg_spans: dict[str, Span] = field(default_factory=dict)
     collectives: list[Collective] = field(default_factory=list)
     # The sharding the layer's input is gathered to before it computes (sequence-parallel
     # gathers); None when the input is used as it arrives.
@@ -107,6 +109,10 @@ class Context:
 
     def weight_span(self, name: str) -> Span:
         return self.weight_spans.get(name, self.span)
+
+    def arg_span(self, name: str) -> Span:
+        """Where argument `name` is written; the whole call when it was left to its default."""
+        return self.arg_spans.get(name, self.span)
 
     def collective(self, kind: CollectiveKind, axes: Axes, t: TensorType, why: str) -> None:
         if axes and self.mesh.size(axes) > 1:

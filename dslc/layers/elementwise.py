@@ -57,7 +57,12 @@ class Dropout(Elementwise):
         rate = a["rate"]
         assert isinstance(rate, float)
         if not 0.0 <= rate < 1.0:
-            ctx.error("E024", f"dropout rate must be in [0, 1), got {rate}", help="for example dropout(0.1)")
+            ctx.error(
+                "E024",
+                f"dropout rate must be in [0, 1), got {rate}",
+                at=ctx.arg_span("rate"),
+                help="for example dropout(0.1)",
+            )
             return False
         return True
 

@@ -59,13 +59,26 @@ class MoE(LayerRule):
         k, e, c, w = a["top_k"], a["experts"], a["capacity"], a["aux_weight"]
         assert isinstance(k, int) and isinstance(e, int) and isinstance(c, float) and isinstance(w, float)
         if k > e:
-            ctx.error("E024", f"top_k ({k}) is more than the {e} experts there are", help=f"use top_k <= {e}")
+            ctx.error(
+                "E024",
+                f"top_k ({k}) is more than the {e} experts there are",
+                at=ctx.arg_span("top_k"),
+                labels=[Label(ctx.arg_span("experts"), f"{e} experts")] if "experts" in ctx.arg_spans else [],
+                help=f"use top_k <= {e}",
+            )
             return False
         if c <= 0:
-            ctx.error("E024", f"capacity must be positive, got {c}", help="1.0 to 2.0 is usual")
+            ctx.error(
+                "E024", f"capacity must be positive, got {c}", at=ctx.arg_span("capacity"), help="1.0 to 2.0 is usual"
+            )
             return False
         if w < 0:
-            ctx.error("E024", f"aux_weight cannot be negative, got {w}", help="0 turns the load-balancing loss off")
+            ctx.error(
+                "E024",
+                f"aux_weight cannot be negative, got {w}",
+                at=ctx.arg_span("aux_weight"),
+                help="0 turns the load-balancing loss off",
+            )
             return False
         return True
 
@@ -232,6 +245,7 @@ def _check_capacity(a: Attrs, x: TensorType, ctx: Context) -> None:
         "E024",
         f"capacity {c} cannot hold a sequence: its {e} experts have {e * slots} slots for the "
         f"{tokens * k} choices of its {tokens} tokens (top_k={k})",
+        at=ctx.arg_span("capacity"),
         notes=[
             f"each sequence of {x.describe()} is a routing group of {tokens} tokens; each expert takes "
             f"ceil({c} x {tokens} x {k} / {e}) = {slots} of its choices",
