@@ -23,7 +23,6 @@ import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
 
-import jax
 
 import dslc
 from dslc.plan import plan
@@ -42,14 +41,9 @@ forward(x) {{
 def measure(text: str, mesh: str) -> tuple[tuple[int, int, int, int], int]:
     """XLA's (arguments, outputs, temp, total) bytes per device for the gradient step of
     `text` on `mesh`, and the planner's total for the same step."""
-    program = dslc.compile(text, mesh=mesh)
-    model = program.init(0)
-    batch = program._place(program.example_batch(0))
-    with jax.set_mesh(program.mesh):
-        stats = program._grads.lower(model.arrays(), batch).compile().memory_analysis()
-    args, out, temp, alias = (
-        int(getattr(stats, f"{name}_size_in_bytes")) for name in ("argument", "output", "temp", "alias")
-    )
+    stats = dslc.compile(text, mesh=mesh).compiled_memory("grads")
+    args, out, temp = stats.arguments, stats.outputs, stats.temporaries
+    alias = stats.aliased
     analysis = dslc.analyze(text, mesh=mesh)
     assert analysis.program is not None
     return (args, out, temp, args + out + temp - alias), plan(analysis.program).memory.grads_step

@@ -17,7 +17,6 @@ from pathlib import Path
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=16")
 
-import jax
 
 import dslc
 
@@ -28,11 +27,7 @@ def temp_bytes(text: str, kind: str, microbatches: int, mesh: str, rows: int) ->
     text = re.sub(r"schedule \S+", f"schedule {kind}", text)
     text = re.sub(r"microbatches \d+", f"microbatches {microbatches}", text)
     program = dslc.compile(text, mesh=mesh, overrides={"batch": rows * microbatches})
-    model = program.init(0)
-    batch = program._place(program.example_batch(0))
-    with jax.set_mesh(program.mesh):
-        compiled = program._grads.lower(model.arrays(), batch).compile()
-    return compiled.memory_analysis().temp_size_in_bytes
+    return program.compiled_memory("grads").temporaries
 
 
 def main() -> None:

@@ -13,11 +13,8 @@ from __future__ import annotations
 import argparse
 import os
 from pathlib import Path
-from typing import Any
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=16")
-
-import jax
 
 import dslc
 from dslc.plan import plan
@@ -29,25 +26,14 @@ REDUCED = {"seed_hybrid_3d": {"layers": 4, "seq": 64, "hidden": 128}}
 SKIPPED = {"gpt3_175b"}
 
 
-def xla_bytes(stats: Any) -> int:
-    return int(
-        stats.argument_size_in_bytes + stats.output_size_in_bytes + stats.temp_size_in_bytes - stats.alias_size_in_bytes
-    )
-
-
 def measure(path: Path, mesh: str | None, overrides: dict[str, int] | None) -> tuple[int, int, int, int]:
     """(planned gradient step, XLA's, planned training step, XLA's), bytes per device."""
     analysis = dslc.analyze(path, mesh=mesh, overrides=overrides)
-    assert analysis.program is not None, analysis.render()
+    assert analysis.program is not None, [d.message for d in analysis.diagnostics]
     memory = plan(analysis.program).memory
     program = dslc.compile(path, mesh=mesh, overrides=overrides)
-    model = program.init(0)
-    batch = program._place(program.example_batch(0))
-    state = program.init_optimizer(model)
-    with jax.set_mesh(program.mesh):
-        grads = program._grads.lower(model.arrays(), batch).compile().memory_analysis()
-        step = program._step.lower(model.arrays(), state, batch, jax.random.key(0)).compile().memory_analysis()
-    return memory.grads_step, xla_bytes(grads), memory.total, xla_bytes(step)
+    grads, step = program.compiled_memory("grads"), program.compiled_memory("train")
+    return memory.grads_step, grads.total, memory.total, step.total
 
 
 def main() -> None:

@@ -11,6 +11,7 @@ import os
 import sys
 import traceback
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -110,6 +111,12 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--format", choices=("text", "json"), default="text")
     plan.add_argument(
         "--device-memory", type=float, metavar="GiB", help="warn when a device needs more than this (auto: the limit)"
+    )
+    plan.add_argument(
+        "--xla",
+        action="store_true",
+        help="also compile the gradient and training steps for the mesh on this machine and show XLA's "
+        "memory analysis next to the plan (imports jax; on a CPU-only machine the devices are simulated)",
     )
     auto = plan.add_argument_group("--mesh auto (the cost model's defaults are in docs/plan.md)")
     auto.add_argument("--devices", type=int, metavar="N", help="how many devices to plan for")
@@ -376,6 +383,8 @@ def _plan(args: argparse.Namespace) -> int:
     if args.device_memory is not None and not args.device_memory > 0:
         raise UsageError(f"--device-memory must be a positive number of GiB, got {args.device_memory}")
     if args.mesh is not None and args.mesh.strip().lower() == "auto":
+        if args.xla:
+            raise UsageError("--xla compares the plan of one mesh; give --mesh AxBxC, not auto")
         return _plan_auto(args)
     given = [f"--{name.replace('_', '-')}" for name in (*AUTO_FLAGS, *LATENCY_FLAGS) if getattr(args, name) is not None]
     if given:
@@ -388,6 +397,11 @@ def _plan(args: argparse.Namespace) -> int:
     assert result.program is not None
     limit = None if args.device_memory is None else int(args.device_memory * (1 << 30))
     report = plan(result.program, limit)
+    if args.xla:
+        from dslc.plan.report import Measured
+
+        program = _compile(args)
+        report = replace(report, measured=Measured(*(program.compiled_memory(s).total for s in ("grads", "train"))))
     if args.format == "json":
         print(json.dumps(report.to_json(), indent=2))
     else:

@@ -163,10 +163,7 @@ def test_zero_stages_do_not_change_the_training_trajectory(zero_runs: dict[str, 
 
 
 def _temp_bytes(source: str) -> int:
-    program = dslc.compile(source)
-    model = program.init(0)
-    batch = program._place(program.example_batch(0))
-    return program._grads.lower(model.arrays(), batch).compile().memory_analysis().temp_size_in_bytes
+    return dslc.compile(source).compiled_memory("grads").temporaries
 
 
 def test_checkpointing_lowers_compiled_temp_memory() -> None:

@@ -345,16 +345,8 @@ def test_plan_with_tokens_whole_along_the_experts_sums_with_one_all_reduce() -> 
 def test_planned_memory_is_within_ten_percent_of_xla() -> None:
     """What tests/test_plan.py holds every spec to: the gradient step's memory per device as
     planned, against XLA's memory analysis (measured 1.04 for moe_small on 2x4)."""
-    import jax
 
-    program = dslc.compile(MOE_SMALL)
-    model = program.init(SEED)
-    batch = program._place(program.example_batch(SEED))
-    with jax.set_mesh(program.mesh):
-        stats = program._grads.lower(model.arrays(), batch).compile().memory_analysis()
-    measured = (
-        stats.argument_size_in_bytes + stats.output_size_in_bytes + stats.temp_size_in_bytes - stats.alias_size_in_bytes
-    )
+    measured = dslc.compile(MOE_SMALL).compiled_memory("grads").total
     analysis = dslc.analyze(MOE_SMALL)
     assert analysis.program is not None
     assert abs(plan(analysis.program).memory.grads_step / measured - 1) <= 0.10

@@ -9,6 +9,7 @@ compiled with layers=4, seq=64, hidden=128: at full size it is too large to comp
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -53,28 +54,9 @@ def test_every_spec_is_measured() -> None:
 # ---- accuracy against XLA ---------------------------------------------------------------------
 
 
-def _xla_bytes(stats: Any) -> int:
-    return int(
-        stats.argument_size_in_bytes + stats.output_size_in_bytes + stats.temp_size_in_bytes - stats.alias_size_in_bytes
-    )
-
-
-@pytest.fixture(scope="module", params=ACCURACY_SPECS)
-def compiled(request: pytest.FixtureRequest) -> tuple[str, Any, Any, Any]:
-    name = request.param
-    program = dslc.compile(SPECS / f"{name}.par", overrides=overrides(name))
-    model = program.init(0)
-    batch = program._place(program.example_batch(0))
-    return name, program, model, batch
-
-
-def test_gradient_step_memory_within_tolerance_of_xla(compiled: tuple[str, Any, Any, Any]) -> None:
-    import jax
-
-    name, program, model, batch = compiled
-    with jax.set_mesh(program.mesh):
-        stats = program._grads.lower(model.arrays(), batch).compile().memory_analysis()
-    measured = _xla_bytes(stats)
+@pytest.mark.parametrize("name", ACCURACY_SPECS)
+def test_gradient_step_memory_within_tolerance_of_xla(name: str) -> None:
+    measured = dslc.compile(SPECS / f"{name}.par", overrides=overrides(name)).compiled_memory("grads").total
     predicted = planned(name).memory.grads_step
     ratio = predicted / measured
     assert abs(ratio - 1) <= TOLERANCE, f"{name}: planned {predicted:,} B, XLA {measured:,} B, ratio {ratio:.3f}"
@@ -84,16 +66,7 @@ def test_gradient_step_memory_within_tolerance_of_xla(compiled: tuple[str, Any, 
 def test_train_step_memory_within_tolerance_of_xla(name: str) -> None:
     """The whole step (optimizer state included) for one plain and one pipelined spec; the
     other specs' steps agree as well (docs/plan.md) but cost a compile each."""
-    import jax
-
-    program = dslc.compile(SPECS / f"{name}.par")
-    model = program.init(0)
-    batch = program._place(program.example_batch(0))
-    state = program.init_optimizer(model)
-    with jax.set_mesh(program.mesh):
-        lowered = program._step.lower(model.arrays(), state, batch, jax.random.key(0))
-        stats = lowered.compile().memory_analysis()
-    ratio = planned(name).memory.total / _xla_bytes(stats)
+    ratio = planned(name).memory.total / dslc.compile(SPECS / f"{name}.par").compiled_memory("train").total
     assert abs(ratio - 1) <= TOLERANCE, f"{name}: ratio {ratio:.3f}"
 
 
@@ -239,6 +212,7 @@ def test_plan_spec_errors_exit_1(capsys: pytest.CaptureFixture[str]) -> None:
         ["plan", str(SPECS / "tiny.par"), "--device-memory", "-1"],
         ["plan", str(SPECS / "tiny.par"), "--format", "yaml"],
         ["plan", str(SPECS / "tiny.par"), "--set", "nope=1"],
+        ["plan", str(SPECS / "tiny.par"), "--xla", "--mesh", "auto", "--devices", "4", "--device-memory", "1"],
     ],
 )
 def test_plan_usage_errors_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
@@ -295,3 +269,19 @@ def test_layer_collectives_are_counted_once_per_microbatch() -> None:
         assert four[key][0] == two[key][0], key
     for key in [k for k in four if k[2] == "gradients"]:
         assert four[key] == two[key], key
+
+
+def test_plan_xla_compiles_the_steps_and_shows_both_figures(capsys: pytest.CaptureFixture[str]) -> None:
+    """`--xla` puts XLA's memory analysis of the compiled steps next to the plan (the same
+    figures the accuracy tests above compare), in the text and in the JSON."""
+    code, out, _ = run(capsys, "plan", str(SPECS / "tiny.par"), "--xla")
+    assert code == 0
+    assert "compiled by XLA on this machine (memory analysis, per device)" in out
+    ratios = [float(r) for r in re.findall(r"planned / XLA (\d\.\d{3})", out)]
+    assert len(ratios) == 2 and all(abs(r - 1) <= TOLERANCE for r in ratios), out
+    result = plan_json(capsys, str(SPECS / "tiny.par"), "--xla")
+    program = dslc.compile(SPECS / "tiny.par")
+    assert result["xla"]["grads_step"] == program.compiled_memory("grads").total
+    assert result["xla"]["train_step"] == program.compiled_memory("train").total
+    assert result["xla"]["grads_step_ratio"] == result["memory"]["grads_step"] / result["xla"]["grads_step"]
+    assert plan_json(capsys, str(SPECS / "tiny.par"))["xla"] is None

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import jax
 import numpy as np
@@ -23,6 +24,23 @@ from dslc.lower.runtime import JNP_DTYPES, Runtime, partition_spec
 
 class WeightsError(ValueError):
     """Weights that do not fit the program (names or shapes); nothing was loaded."""
+
+
+@dataclass(frozen=True, slots=True)
+class CompiledMemory:
+    """XLA's memory analysis of one compiled step, bytes per device. `total` is what the step
+    holds at once as `dslc plan` counts it: arguments, outputs and temporaries, less the
+    outputs that reuse a donated argument's buffer (the field notes, section 6, say why not
+    XLA's own peak on CPU)."""
+
+    arguments: int
+    outputs: int
+    temporaries: int
+    aliased: int
+
+    @property
+    def total(self) -> int:
+        return self.arguments + self.outputs + self.temporaries - self.aliased
 
 
 class Program:
@@ -182,6 +200,42 @@ class Program:
         replicated = NamedSharding(self.mesh, PartitionSpec())
         return jax.jit(
             step, out_shardings=(self._shardings, self._opt_state_shardings, replicated), donate_argnums=(0, 1)
+        )
+
+    def compiled_memory(self, step: Literal["grads", "train"] = "train") -> CompiledMemory:
+        """Compile the gradient step (`grads`) or the whole training step (`train`: gradients
+        and optimizer update, parameters and optimizer state donated) for this mesh, and report
+        XLA's memory analysis per device. Nothing is allocated: the step is compiled for
+        abstract arrays with the program's shardings."""
+        weights = ir.weights_by_path(self.ir)
+        params = {
+            path: jax.ShapeDtypeStruct(w.type.shape, JNP_DTYPES[w.type.dtype], sharding=self._shardings[path])
+            for path, w in weights.items()
+        }
+        batch = {
+            inp.name: jax.ShapeDtypeStruct(
+                inp.type.shape,
+                JNP_DTYPES[inp.type.dtype],
+                sharding=NamedSharding(self.mesh, partition_spec(inp.type.sharding)),
+            )
+            for inp in self.ir.inputs
+        }
+        with jax.set_mesh(self.mesh):
+            if step == "grads":
+                lowered = self._grads.lower(params, batch)
+            else:
+                state = jax.tree.map(
+                    lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
+                    jax.eval_shape(self.optimizer.init, params),
+                    self._opt_state_shardings,
+                )
+                lowered = self._step.lower(params, state, batch, jax.random.key(0))
+            stats = lowered.compile().memory_analysis()
+        return CompiledMemory(
+            int(stats.argument_size_in_bytes),
+            int(stats.output_size_in_bytes),
+            int(stats.temp_size_in_bytes),
+            int(stats.alias_size_in_bytes),
         )
 
     # --- internals ----------------------------------------------------------------------------

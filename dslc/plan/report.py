@@ -25,6 +25,15 @@ class Pipeline:
 
 
 @dataclass(frozen=True, slots=True)
+class Measured:
+    """What XLA's memory analysis of the compiled steps says, bytes per device (arguments +
+    outputs + temporaries - aliased): filled in by `dslc plan --xla`, never by the planner."""
+
+    grads_step: int
+    train_step: int
+
+
+@dataclass(frozen=True, slots=True)
 class Plan:
     """What one training step of a checked program needs, per device, before anything runs."""
 
@@ -38,6 +47,7 @@ class Plan:
     device_memory: int | None
     warnings: tuple[str, ...]
     experts: tuple[ExpertLayer, ...] = ()
+    measured: Measured | None = None
 
     @property
     def devices(self) -> int:
@@ -114,6 +124,14 @@ class Plan:
                 }
                 for e in self.experts
             ],
+            "xla": None
+            if self.measured is None
+            else {
+                "grads_step": self.measured.grads_step,
+                "train_step": self.measured.train_step,
+                "grads_step_ratio": m.grads_step / self.measured.grads_step,
+                "train_step_ratio": m.total / self.measured.train_step,
+            },
             "device_memory": self.device_memory,
             "fits": None if self.device_memory is None else m.total <= self.device_memory,
             "warnings": list(self.warnings),
@@ -136,6 +154,16 @@ class Plan:
         lines += [f"  {name:<24}{format_bytes(size):>12}" for name, size in rows]
         lines.append(f"  {'total':<24}{format_bytes(m.total):>12}")
         lines += [f"    {format_bytes(size):>10}  {what}" for what, size in m.details]
+        if self.measured is not None:
+            lines += ["", "compiled by XLA on this machine (memory analysis, per device)"]
+            lines += [
+                f"  {name:<16}planned {format_bytes(planned):>12}   XLA {format_bytes(measured):>12}"
+                f"   planned / XLA {planned / measured:.3f}"
+                for name, planned, measured in (
+                    ("gradient step", m.grads_step, self.measured.grads_step),
+                    ("training step", m.total, self.measured.train_step),
+                )
+            ]
         lines += ["", "communication per device per step (ring algorithms)"]
         lines += [
             f"  {t.kind:<20}{','.join(t.axes):<14}{t.phase:<11}{format_bytes(t.bytes):>12}  x{t.count}"
