@@ -72,10 +72,10 @@ def parse_overrides(pairs: Sequence[str] | Mapping[str, int] | None) -> dict[str
                 raise ValueError(f"--set takes NAME=INTEGER, got {pair!r}")
             items.append((name.strip(), int(value)))
     out: dict[str, int] = {}
-    for name, value in items:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ValueError(f"constant `{name}` must be set to an integer, got {value!r}")
-        out[name] = value
+    for name, number in items:
+        if isinstance(number, bool) or not isinstance(number, int):
+            raise ValueError(f"constant `{name}` must be set to an integer, got {number!r}")
+        out[name] = number
     return out
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from typing import cast
 
 from dslc.diagnostics import NO_SPAN, Diagnostic, Diagnostics, Label, Span
 from dslc.ir import nodes as ir
@@ -487,8 +488,9 @@ class _Builder:
                     out.extend(self._repeat(stmt, names[id(stmt)], flow, scope, prefix))
                 case ast.LayoutStmt():
                     layout = self._layout(stmt, flow, prefix)
-                    if out and isinstance(out[-1], ir.Layer):
-                        out[-1] = _fuse_reduce_scatter(out[-1], layout)
+                    last = out[-1] if out else None
+                    if isinstance(last, ir.Layer):
+                        out[-1] = _fuse_reduce_scatter(last, layout)
                     out.append(layout)
                 case ast.StageStmt() | ast.StagesStmt():
                     keyword = "stage" if isinstance(stmt, ast.StageStmt) else "stages"
@@ -555,7 +557,7 @@ class _Builder:
                 out.append(ir.Block(here, "repeat", ir.Remat(), tuple(body), x, flow.type, stmt.span))
         return out
 
-    def _layout(self, stmt: ast.LayoutStmt, flow: _Flow, prefix: str) -> ir.Node:
+    def _layout(self, stmt: ast.LayoutStmt, flow: _Flow, prefix: str) -> ir.Layout:
         x = flow.type
         path = prefix + "layout"
         if x is UNKNOWN:
@@ -723,16 +725,16 @@ class _Builder:
         out = []
         reported = len(self.diags.items)
         for spec in specs.values():
-            shard = given.get(spec.name)
+            written = given.get(spec.name)
             if any(n <= 0 for n in spec.shape):
                 ok = False
                 continue
-            axis_sets = shard.dims if shard else tuple(ast.AxisSet((), span) for _ in spec.shape)
+            axis_sets = written.dims if written else tuple(ast.AxisSet((), span) for _ in spec.shape)
             what = f"weight `{path}.{spec.name}`"
             sharding = resolve(axis_sets, spec.shape, what, self.h.mesh, self.h.pipeline_axis, self.diags)
-            ctx.weight_spans[spec.name] = shard.span if shard else span
+            ctx.weight_spans[spec.name] = written.span if written else span
             t = ir.TensorType(self.h.train.param_dtype, spec.shape, sharding)
-            out.append(ir.Weight(spec.name, t, spec.initializer(), shard.span if shard else span))
+            out.append(ir.Weight(spec.name, t, spec.initializer(), written.span if written else span))
         if len(self.diags.items) > reported:
             ctx.shardings_as_written = False
         return out if ok else None
@@ -762,7 +764,8 @@ class _Builder:
         if bound is None:
             flow.type = UNKNOWN
             return None
-        inner: Scope = {**self.h.constants, **bound}
+        # A block's arguments are scalars (`_arg_value` of type "any" evaluates to one).
+        inner: Scope = {**self.h.constants, **cast(Scope, bound)}
         x = flow.type
         self.block_stack.append(name)
         first = len(self.diags.items)
@@ -824,7 +827,7 @@ class _Builder:
         call: ast.Call,
         scope: Scope,
         what: str,
-        globals_: Scope | None = None,
+        globals_: Mapping[str, ScalarValue] | None = None,
         spans: dict[str, Span] | None = None,
     ) -> dict[str, object] | None:
         """The call's arguments bound to `specs` and evaluated, defaults filled in; None after
@@ -910,7 +913,8 @@ class _Builder:
                 if ok:
                     values[spec.name] = spec.default(values)
             elif isinstance(spec.default, ast.IntLit | ast.FloatLit | ast.BoolLit | ast.NameRef | ast.Neg | ast.Chain):
-                value = eval_value(spec.default, {**(globals_ or {}), **values}, self.diags)  # type: ignore[arg-type]
+                # The arguments bound so far are scalars: a default refers to them by name.
+                value = eval_value(spec.default, {**(globals_ or {}), **cast(Scope, values)}, self.diags)
                 if value is None:
                     ok = False
                 else:

@@ -26,11 +26,11 @@ def eval_expr(
             if name not in scope:
                 diags.add(unknown_name("constant", name, e.span, tuple(scope) + suggest))
                 return None
-            value = scope[name]
-            if isinstance(value, bool) or not isinstance(value, int):
-                diags.error("E025", f"`{name}` is {_kind(value)}, but an integer is needed here", e.span)
+            known = scope[name]
+            if isinstance(known, bool) or not isinstance(known, int):
+                diags.error("E025", f"`{name}` is {_kind(known)}, but an integer is needed here", e.span)
                 return None
-            return value
+            return known
         case ast.Neg(operand=operand):
             inner = eval_expr(operand, scope, diags, suggest=suggest)
             return None if inner is None else -inner

@@ -47,11 +47,12 @@ class Attention(LayerRule):
 
     def weights(self, a: Attrs) -> tuple[WeightSpec, ...]:
         d, h, kv, hd = (a["dim"], a["heads"], a["kv_heads"], a["head_dim"])
+        assert isinstance(d, int) and isinstance(h, int) and isinstance(kv, int) and isinstance(hd, int)
         return (
-            WeightSpec("q", (d, h * hd), "fan_in"),  # type: ignore[operator]
-            WeightSpec("k", (d, kv * hd), "fan_in"),  # type: ignore[operator]
-            WeightSpec("v", (d, kv * hd), "fan_in"),  # type: ignore[operator]
-            WeightSpec("o", (h * hd, d), "fan_in"),  # type: ignore[operator]
+            WeightSpec("q", (d, h * hd), "fan_in"),
+            WeightSpec("k", (d, kv * hd), "fan_in"),
+            WeightSpec("v", (d, kv * hd), "fan_in"),
+            WeightSpec("o", (h * hd, d), "fan_in"),
         )
 
     def validate(self, a: Attrs, ctx: Context) -> bool:

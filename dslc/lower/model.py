@@ -139,9 +139,10 @@ def call_kernel(layer: ir.Layer, x: jax.Array, weights: dict[str, jax.Array], rt
     output and its auxiliary values (`{}` unless the rule declares `has_aux`)."""
     rule = RULES[layer.kind]
     attrs = dict(layer.attrs)
+    # An argument of type "input" holds the name of the declared input it reads.
     arrays: dict[str, jax.Array | None] = {
-        arg.name: rt.inputs[attrs[arg.name]] for arg in rule.args if arg.type == "input"
-    }  # type: ignore[index]
+        arg.name: rt.inputs[str(attrs[arg.name])] for arg in rule.args if arg.type == "input"
+    }
     if rule.random:
         arrays["key"] = rt.rng(layer.path) if rt.training else None
     static = rule.kernel_args(attrs, jnp.dtype(rt.compute_dtype).name, layer.operand)

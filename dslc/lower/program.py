@@ -245,7 +245,7 @@ class Program:
 
     def _place(self, batch: Mapping[str, Any]) -> dict[str, jax.Array]:
         """Put each input on the mesh with its declared sharding (checking its shape)."""
-        placed = {}
+        placed: dict[str, jax.Array] = {}
         for inp in self.ir.inputs:
             if inp.name not in batch:
                 continue

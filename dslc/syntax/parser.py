@@ -136,7 +136,8 @@ def _syntax_error(source: Source, exc: lark.UnexpectedInput) -> Diagnostic:
     line = getattr(exc, "line", 1) or 1
     column = getattr(exc, "column", 1) or 1
     if isinstance(exc, lark.UnexpectedCharacters):
-        ch = source.text[exc.pos_in_stream] if exc.pos_in_stream < len(source.text) else ""
+        pos = exc.pos_in_stream
+        ch = source.text[pos] if pos is not None and pos < len(source.text) else ""
         span = Span(source.name, line, column, line, column + 1)
         expected = _expected(set(exc.allowed or ()))
         shown = repr(ch) if ch.isprintable() else f"U+{ord(ch):04X}"
@@ -340,11 +341,13 @@ class _ToAst(Transformer[Token, Any]):
     def _chain(self, meta: Any, c: list[Any]) -> ast.Expr:
         if len(c) == 1:
             return c[0]  # type: ignore[no-any-return]
-        first, rest = c[0], tuple((str(c[i]), c[i + 1]) for i in range(1, len(c), 2))
+        first: ast.Expr = c[0]
+        rest = tuple((str(c[i]), c[i + 1]) for i in range(1, len(c), 2))
         # `(a - b) - c` means `a - b - c`: both operators of a level associate to the left,
         # so a parenthesised chain of the same level on the left is the same flat chain.
         if isinstance(first, ast.Chain) and _LEVEL[first.rest[0][0]] == _LEVEL[rest[0][0]]:
-            first, rest = first.first, first.rest + rest
+            inner = first
+            first, rest = inner.first, inner.rest + rest
         return ast.Chain(first, rest, self._span(meta))
 
 
