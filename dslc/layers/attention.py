@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import cast
+
 from dslc.diagnostics import Label
 from dslc.ir.nodes import DTYPE_BYTES, Axes, Collective, Layer, Mesh, Sharding, TensorType
 from dslc.layers.base import (
@@ -46,8 +48,8 @@ class Attention(LayerRule):
     )
 
     def weights(self, a: Attrs) -> tuple[WeightSpec, ...]:
-        d, h, kv, hd = (a["dim"], a["heads"], a["kv_heads"], a["head_dim"])
-        assert isinstance(d, int) and isinstance(h, int) and isinstance(kv, int) and isinstance(hd, int)
+        # Integers when elaborating; docs/gen_layers.py passes symbols to print the shapes.
+        d, h, kv, hd = (cast(int, a[name]) for name in ("dim", "heads", "kv_heads", "head_dim"))
         return (
             WeightSpec("q", (d, h * hd), "fan_in"),
             WeightSpec("k", (d, kv * hd), "fan_in"),
