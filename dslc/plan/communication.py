@@ -54,7 +54,7 @@ from dslc.layers import LOSS_KINDS
 from dslc.layers.attention import context_axes, ring_backward_collectives
 from dslc.layers.moe import pipeline_recompute_collectives
 from dslc.plan.activations import tensor_bytes
-from dslc.plan.timetable import pipelined, timetable
+from dslc.plan.timetable import microbatch_slices, pipelined, timetable
 
 Phase = Literal["forward", "backward", "recompute", "gradients", "pipeline"]
 Totals = dict[tuple[str, Axes, Phase], tuple[int, int]]
@@ -164,13 +164,6 @@ def _add(
         totals[(kind, axes, phase)] = (bytes_ + sent, count + times * slices)
 
 
-def microbatch_slices(program: Program) -> int:
-    """How many slices of the batch a step runs its layers on, one after another: pipeline
-    microbatches times accumulation steps."""
-    microbatches = program.pipeline.microbatches if pipelined(program) and program.pipeline else 1
-    return microbatches * program.train.accumulate
-
-
 def batch_axes(program: Program) -> Axes:
     if not program.inputs:
         return ()
@@ -200,7 +193,7 @@ def _pipeline_sends(program: Program, totals: Totals) -> None:
     p, table = program.pipeline, timetable(program)
     assert p is not None and table is not None
     mesh = program.mesh
-    slices = p.microbatches * program.train.accumulate
+    slices = microbatch_slices(program)
     outs = [chunk.nodes[-1].output for chunk in program.chunks[:-1] if chunk.nodes]
     boundary = max((tensor_bytes(t, mesh, slices) for t in outs), default=0)
     # Both directions, every tick, on every stage (see dslc/lower/pipeline.py).

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from dslc.ir.nodes import Mesh, Node, Program, TensorType, Weight, weights_by_path
 from dslc.ir.state import state_sharding
 from dslc.plan.activations import Kept, kept_by, scan_runs, tensor_bytes
-from dslc.plan.timetable import pipelined, timetable
+from dslc.plan.timetable import microbatch_slices, pipelined, timetable
 
 MOMENTS = {"adamw": 2, "adam": 2, "sgd": 1}
 
@@ -85,7 +85,7 @@ def memory(program: Program) -> Memory:
         details.extend(pipe_details)
         temporaries += pipe_temps
     else:
-        slices = train.accumulate
+        slices = microbatch_slices(program)
         kept = kept_by(tuple(n for chunk in program.chunks for n in chunk.nodes), mesh, train.compute_dtype, slices)
         acts = kept.peak
         details.append(("activations kept for the backward pass", kept.kept))
@@ -115,7 +115,7 @@ def _pipeline_activations(program: Program) -> tuple[int, list[tuple[str, int]],
     assert pipeline is not None
     mesh, train = program.mesh, program.train
     M = pipeline.microbatches
-    slices = M * train.accumulate
+    slices = microbatch_slices(program)
     table = timetable(program)
     assert table is not None
     schedule, slots = table

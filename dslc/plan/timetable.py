@@ -32,3 +32,10 @@ def pipelined(program: Program) -> bool:
     """Whether the lowering runs the pipeline executor (more than one chunk in the table)."""
     p = program.pipeline
     return p is not None and program.mesh.size((p.axis,)) * p.virtual > 1
+
+
+def microbatch_slices(program: Program) -> int:
+    """How many slices of the batch a step runs its layers on, one after another: pipeline
+    microbatches (when the executor runs) times accumulation steps."""
+    microbatches = program.pipeline.microbatches if pipelined(program) and program.pipeline else 1
+    return microbatches * program.train.accumulate
