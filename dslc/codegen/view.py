@@ -178,7 +178,7 @@ class Builder:
             weights = tuple(WeightArg(w.name, attr, w.name, w.type.sharding) for w in layer.weights)
         a = dict(layer.attrs)
         dtype = JAX_DTYPE_NAMES[self.program.train.compute_dtype]
-        static = rule.kernel_args(a, dtype, layer.operand)
+        static = rule.kernel_args(a, dtype, layer.operand, {w.name: w.type.sharding for w in layer.weights})
         return Statement(
             "loss" if layer.kind in LOSS_KINDS else "layer",
             var,

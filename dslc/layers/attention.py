@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import cast
 
 from dslc.diagnostics import Label
@@ -244,7 +245,9 @@ class Attention(LayerRule):
         # which it gathers): context parallelism.
         return "ring_attention" if operand[1] else "attention"
 
-    def kernel_args(self, a: Attrs, dtype: str, operand: Sharding) -> dict[str, object]:
+    def kernel_args(
+        self, a: Attrs, dtype: str, operand: Sharding, weights: Mapping[str, Sharding]
+    ) -> dict[str, object]:
         static = {name: a[name] for name in ("heads", "kv_heads", "causal", "rope", "rope_base")} | {"dtype": dtype}
         return static | ({"axis": operand[1][0]} if operand[1] else {})
 

@@ -9,7 +9,7 @@ with which static arguments). Nothing about a layer kind lives anywhere else.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
@@ -174,9 +174,12 @@ class LayerRule:
     # dropped tokens).
     has_aux: ClassVar[bool] = False
 
-    def kernel_args(self, a: Attrs, dtype: str, operand: Sharding) -> dict[str, object]:
+    def kernel_args(
+        self, a: Attrs, dtype: str, operand: Sharding, weights: Mapping[str, Sharding]
+    ) -> dict[str, object]:
         """The kernel's static keyword arguments; `dtype` names the compute dtype ("bfloat16"),
-        `operand` is the sharding of the input as the layer computes on it.
+        `operand` is the sharding of the input as the layer computes on it, `weights` the
+        sharding of each of its weights.
 
         Arguments of type "input" are not listed here: the caller passes the named input's
         array under the argument's own name.

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from dslc.diagnostics import Label
 from dslc.ir.nodes import DTYPE_BYTES, Layer, Mesh, Sharding, TensorType
 from dslc.layers.base import ArgSpec, Attrs, Context, LayerRule, WeightSpec, contract, expect_features, same_sharding
@@ -65,5 +67,7 @@ class Conv(LayerRule):
     def residual_bytes(self, layer: Layer, mesh: Mesh, compute: str, slices: int) -> int:
         return layer.input.slice_numel(mesh, slices) * DTYPE_BYTES[compute]  # the operand, for the kernel's gradient
 
-    def kernel_args(self, a: Attrs, dtype: str, operand: Sharding) -> dict[str, object]:
+    def kernel_args(
+        self, a: Attrs, dtype: str, operand: Sharding, weights: Mapping[str, Sharding]
+    ) -> dict[str, object]:
         return {"stride": a["stride"], "dtype": dtype}

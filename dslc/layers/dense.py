@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from dslc.diagnostics import Label
 from dslc.ir.nodes import DTYPE_BYTES, INT_DTYPES, Layer, Mesh, Sharding, TensorType
 from dslc.layers.base import (
@@ -44,7 +46,9 @@ class Linear(LayerRule):
     def residual_bytes(self, layer: Layer, mesh: Mesh, compute: str, slices: int) -> int:
         return layer.input.slice_numel(mesh, slices) * DTYPE_BYTES[compute]  # the operand, for the kernel's gradient
 
-    def kernel_args(self, a: Attrs, dtype: str, operand: Sharding) -> dict[str, object]:
+    def kernel_args(
+        self, a: Attrs, dtype: str, operand: Sharding, weights: Mapping[str, Sharding]
+    ) -> dict[str, object]:
         return {"dtype": dtype}
 
 
@@ -75,7 +79,9 @@ class SwiGLU(LayerRule):
         x, y = layer.input.slice_numel(mesh, slices), layer.output.slice_numel(mesh, slices)
         return (x + 4 * y) * DTYPE_BYTES[compute]
 
-    def kernel_args(self, a: Attrs, dtype: str, operand: Sharding) -> dict[str, object]:
+    def kernel_args(
+        self, a: Attrs, dtype: str, operand: Sharding, weights: Mapping[str, Sharding]
+    ) -> dict[str, object]:
         return {"dtype": dtype}
 
 
@@ -109,5 +115,7 @@ class Embed(LayerRule):
         split = mesh.size(layer.weight("table").type.sharding[0])
         return layer.input.slice_numel(mesh, slices) * -(-vocab // split) * DTYPE_BYTES[compute]
 
-    def kernel_args(self, a: Attrs, dtype: str, operand: Sharding) -> dict[str, object]:
+    def kernel_args(
+        self, a: Attrs, dtype: str, operand: Sharding, weights: Mapping[str, Sharding]
+    ) -> dict[str, object]:
         return {"dtype": dtype}

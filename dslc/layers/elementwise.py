@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from dslc.diagnostics import Label
 from dslc.ir.nodes import DTYPE_BYTES, FLOAT_DTYPES, Layer, Mesh, Sharding, TensorType
 from dslc.layers.base import ArgSpec, Attrs, Context, LayerRule
@@ -66,5 +68,7 @@ class Dropout(Elementwise):
             return False
         return True
 
-    def kernel_args(self, a: Attrs, dtype: str, operand: Sharding) -> dict[str, object]:
+    def kernel_args(
+        self, a: Attrs, dtype: str, operand: Sharding, weights: Mapping[str, Sharding]
+    ) -> dict[str, object]:
         return {"rate": a["rate"]}

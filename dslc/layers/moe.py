@@ -8,6 +8,7 @@ the layer communicates.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 from dslc.diagnostics import Label
 from dslc.ir.nodes import DTYPE_BYTES, Axes, Collective, Layer, Mesh, Sharding, TensorType
@@ -114,9 +115,6 @@ class MoE(LayerRule):
             )
             return None
         _check_capacity(a, x, ctx)
-        # The kernel's static arguments come from the attributes and the operand alone, and
-        # the operand cannot say which of the batch's axes hold experts: record them here.
-        a["expert_axes"] = ep
         d, e = a["dim"], a["experts"]
         assert isinstance(d, int) and isinstance(e, int)
         if experts and set(experts) <= set(tokens):
@@ -167,12 +165,14 @@ class MoE(LayerRule):
         x, _, _, computed, width = _moe_sizes(layer, mesh, slices)
         return (x + computed * width) * DTYPE_BYTES[compute]
 
-    def kernel_args(self, a: Attrs, dtype: str, operand: Sharding) -> dict[str, object]:
+    def kernel_args(
+        self, a: Attrs, dtype: str, operand: Sharding, weights: Mapping[str, Sharding]
+    ) -> dict[str, object]:
         return {
             "top_k": a["top_k"],
             "capacity": a["capacity"],
             "aux_weight": a["aux_weight"],
-            "expert_axes": a["expert_axes"],
+            "expert_axes": weights["w_in"][0],
             "token_axes": operand[0],
             "dtype": dtype,
         }

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from dslc.diagnostics import Label
 from dslc.ir.nodes import FLOAT_DTYPES, Layer, Mesh, Sharding, TensorType
 from dslc.layers.base import (
@@ -63,7 +65,9 @@ class LayerNorm(_Norm):
         scale = WeightSpec("scale", (a["dim"],), "ones")  # type: ignore[arg-type]
         return (scale, WeightSpec("bias", (a["dim"],), "zeros")) if a["bias"] else (scale,)  # type: ignore[arg-type]
 
-    def kernel_args(self, a: Attrs, dtype: str, operand: Sharding) -> dict[str, object]:
+    def kernel_args(
+        self, a: Attrs, dtype: str, operand: Sharding, weights: Mapping[str, Sharding]
+    ) -> dict[str, object]:
         return {"eps": a["eps"], "dtype": dtype}
 
 
@@ -75,5 +79,7 @@ class RmsNorm(_Norm):
     def weights(self, a: Attrs) -> tuple[WeightSpec, ...]:
         return (WeightSpec("scale", (a["dim"],), "ones"),)  # type: ignore[arg-type]
 
-    def kernel_args(self, a: Attrs, dtype: str, operand: Sharding) -> dict[str, object]:
+    def kernel_args(
+        self, a: Attrs, dtype: str, operand: Sharding, weights: Mapping[str, Sharding]
+    ) -> dict[str, object]:
         return {"eps": a["eps"], "dtype": dtype}

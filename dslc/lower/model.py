@@ -145,7 +145,8 @@ def call_kernel(layer: ir.Layer, x: jax.Array, weights: dict[str, jax.Array], rt
     }
     if rule.random:
         arrays["key"] = rt.rng(layer.path) if rt.training else None
-    static = rule.kernel_args(attrs, jnp.dtype(rt.compute_dtype).name, layer.operand)
+    shardings = {w.name: w.type.sharding for w in layer.weights}
+    static = rule.kernel_args(attrs, jnp.dtype(rt.compute_dtype).name, layer.operand, shardings)
     out = getattr(kernels, rule.kernel(attrs, layer.operand))(x, **weights, **arrays, **static)
     return out if rule.has_aux else (out, {})  # type: ignore[no-any-return]
 
