@@ -385,6 +385,10 @@ def test_plan_text_names_the_ring(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["plan", str(LONG_CONTEXT)]) == 0
     out = capsys.readouterr().out
     assert re.search(r"^  collective-permute  context\s+forward\s+24\.00 KiB  x20$", out, re.M), out
+    # The planner's known undercount for rings at larger sizes is said where it applies.
+    assert "warning: `layers.0.attn` and 1 more are ring attention, whose memory this plan undercounts" in out
+    assert cli.main(["plan", str(SPECS / "tiny.par")]) == 0
+    assert "ring attention" not in capsys.readouterr().out
 
 
 # ---- the CLI -------------------------------------------------------------------------------------------
