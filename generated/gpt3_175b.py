@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import math
 import zlib
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -54,10 +55,11 @@ def constrain(x: jax.Array, spec: P) -> jax.Array:
     return lax.with_sharding_constraint(x, spec)
 
 
-def weight(param: nnx.Param, spec: P) -> jax.Array:
-    """A parameter as its layer computes with it: in its compute sharding (parameters stored
-    split over the data axes, ZeRO-3, are gathered here) and in the compute dtype."""
-    return constrain(param[...], spec).astype(COMPUTE_DTYPE)
+def weight(param: nnx.Param, spec: P | None = None) -> jax.Array:
+    """A parameter as its layer computes with it, in the compute dtype; with `spec`, gathered
+    to that sharding first (parameters stored split over the data axes, ZeRO-3 and FSDP)."""
+    value = param[...] if spec is None else constrain(param[...], spec)
+    return value.astype(COMPUTE_DTYPE)
 
 
 def layer_key(key: jax.Array | None, path: str) -> jax.Array | None:
@@ -68,5816 +70,296 @@ def layer_key(key: jax.Array | None, path: str) -> jax.Array | None:
 # ---- parameters and inputs ---------------------------------------------------------------------
 
 
+class Row(NamedTuple):
+    """What one stage's row of a per-stage array holds: a weight of its own shape (padded to
+    the row's), initialised its own way; `first` is the first layer of a repeat's share."""
+
+    name: str
+    shape: tuple[int, ...]
+    init: str
+    first: int = 0
+
+
 class Parameter(NamedTuple):
-    """A trainable array of the spec and where it lives."""
+    """A stored array of trainable state and where it lives."""
 
     shape: tuple[int, ...]
     dtype: str
-    init: str  # "zeros", "ones" or "normal:STD"
-    sharding: P  # between steps
-    # Where its gradient and its optimizer state live, when not like the parameter: ZeRO
+    init: str  # "zeros", "ones", "normal:STD", or "rows" (each row its own)
+    sharding: Any  # a PartitionSpec: where it lives between steps
+    # Where its gradient and its optimizer state live, when not like the array itself: ZeRO
     # stage 2 and up split the gradient over the data axes, stage 1 and up the state.
-    grad_sharding: P | None = None
-    optimizer_sharding: P | None = None
-    chunk: int = 0  # the pipeline chunk that computes with it
+    grad_sharding: Any = None
+    optimizer_sharding: Any = None
+    # A repeat's weight: how many leading dimensions each `*` of its name spans.
+    layers: tuple[int, ...] = ()
+    # One row per pipeline stage: what each stage's row holds.
+    rows: tuple[Row | None, ...] = ()
+    # Under a pipeline: the dimension whose pieces are each stage's own (a repeat's layers,
+    # or rows), or the dimension a weight used by one stage is split along over the stages
+    # between steps (the step gathers it for the stages).
+    stage_rows: int | None = None
+    stage_split: int | None = None
 
 
-# Every parameter, under its name in the spec.
+def expand_names(pattern: str, lengths: tuple[int, ...], first: int = 0) -> list[str]:
+    """The per-layer names a stacked name stands for: `blocks.*.attn.q` with lengths (2,) is
+    `blocks.0.attn.q`, `blocks.1.attn.q`; the first `*` counts from `first`."""
+    names = [""]
+    starts = iter((first, *(0,) * (len(lengths) - 1)))
+    counts = iter(lengths)
+    for part in pattern.split("."):
+        if part == "*":
+            start, count = next(starts), next(counts)
+            names = [f"{n}{start + i}." for n in names for i in range(count)]
+        else:
+            names = [f"{n}{part}." for n in names]
+    return [n[:-1] for n in names]
+
+
+def unravel(flat: int, dims: tuple[int, ...]) -> tuple[int, ...]:
+    """The row-major index of element `flat` of an array of shape `dims`."""
+    out = []
+    for n in reversed(dims):
+        out.append(flat % n)
+        flat //= n
+    return tuple(reversed(out))
+
+
+class Held(NamedTuple):
+    """One weight in a stored array: its per-layer name, where it is in the array (an index of
+    its leading dimensions; padding aside), its shape and how it is initialised."""
+
+    name: str
+    at: tuple[int, ...]
+    shape: tuple[int, ...]
+    init: str
+
+
+def weight_names(name: str, p: Parameter) -> list[Held]:
+    """Every weight a stored array holds, in the array's order."""
+    out: list[Held] = []
+    if p.rows:
+        for r, row in enumerate(p.rows):
+            if row is None:
+                continue
+            stars = row.name.count("*")
+            dims = row.shape[:stars]
+            for flat, layer in enumerate(expand_names(row.name, dims, row.first)):
+                out.append(Held(layer, (r, *unravel(flat, dims)), row.shape[stars:], row.init))
+        return out
+    dims = p.shape[: sum(p.layers)]
+    lengths, at = [], 0
+    for span in p.layers:
+        lengths.append(math.prod(dims[at : at + span]))
+        at += span
+    inner = p.shape[len(dims) :]
+    return [
+        Held(layer, unravel(flat, dims), inner, p.init) for flat, layer in enumerate(expand_names(name, tuple(lengths)))
+    ]
+
+
+def to_weights(parameters: dict[str, Parameter], arrays: dict[str, Any]) -> dict[str, Any]:
+    """Stored arrays -> every weight by its per-layer name (numpy copies, padding dropped)."""
+    import numpy as np  # here, not above: the compiler's front end reads this module without numpy
+
+    out = {}
+    for name, p in parameters.items():
+        value = np.asarray(arrays[name])
+        for held in weight_names(name, p):
+            out[held.name] = np.array(value[held.at][tuple(slice(0, n) for n in held.shape)], copy=True)
+    return out
+
+
+def from_weights(parameters: dict[str, Parameter], weights: dict[str, Any]) -> dict[str, Any]:
+    """Every weight by its per-layer name -> the stored arrays, as numpy (padding zero). The
+    caller checks names and shapes first."""
+    import numpy as np  # here, not above: the compiler's front end reads this module without numpy
+
+    out = {}
+    for name, p in parameters.items():
+        # In the weights' own dtype: the caller casts to the stored dtype as it places them.
+        held = weight_names(name, p)
+        value = np.zeros(p.shape, np.asarray(weights[held[0].name]).dtype)
+        for h in held:
+            value[h.at][tuple(slice(0, n) for n in h.shape)] = np.asarray(weights[h.name], dtype=value.dtype)
+        out[name] = value
+    return out
+
+
+def named_key(key: jax.Array, name: str) -> jax.Array:
+    """A key for one named thing (a parameter, a dropout layer), the same whatever else the
+    model contains, so a seed gives the same weights whatever the mesh."""
+    return jax.random.fold_in(key, zlib.crc32(name.encode()))
+
+
+def initial_value(init: str, shape: tuple[int, ...], dtype: str, key: jax.Array) -> jax.Array:
+    """A parameter's first value; `init` is "zeros", "ones" or "normal:STD"."""
+    if init == "zeros":
+        return jnp.zeros(shape, dtype)
+    if init == "ones":
+        return jnp.ones(shape, dtype)
+    kind, _, std = init.partition(":")
+    if kind != "normal":
+        raise ValueError(f"unknown initializer {init!r}")
+    return (float(std) * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+
+
+def initial_array(name: str, p: Parameter, key: jax.Array) -> jax.Array:
+    """A stored array's first value: each weight it holds drawn from the key of its own
+    per-layer name (`blocks.3.attn.q`), so how weights are stored changes no value."""
+    held = weight_names(name, p)
+    if not p.rows and len(held) == 1:
+        return initial_value(p.init, p.shape, p.dtype, named_key(key, name))
+    value = jnp.zeros(p.shape, p.dtype)
+    for h in held:
+        piece = initial_value(h.init, h.shape, p.dtype, named_key(key, h.name))
+        value = value.at[h.at + tuple(slice(0, n) for n in h.shape)].set(piece)
+    return value
+
+
+# Every array of trainable state, under its name in the spec: `*` stands for a repeat's layers,
+# stacked along a leading dimension (weights are exported one by one, as `blocks.3.attn.q`).
 PARAMETERS = {
     "embed.table": Parameter(
         (51200, 12288),
         "float32",
         "normal:0.02",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
+        P(("model", "stage"), None),
+        optimizer_sharding=P(("model", "stage", "data"), None),
+        stage_split=0,
     ),
-    "blocks.0.ln1.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data")),
-    "blocks.0.ln1.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data")),
-    "blocks.0.attn.q": Parameter(
-        (12288, 12288),
+    "blocks.*.ln1.scale": Parameter(
+        (96, 12288),
         "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-    ),
-    "blocks.0.attn.k": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-    ),
-    "blocks.0.attn.v": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-    ),
-    "blocks.0.attn.o": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-    ),
-    "blocks.0.ln2.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data")),
-    "blocks.0.ln2.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data")),
-    "blocks.0.up.kernel": Parameter(
-        (12288, 49152),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-    ),
-    "blocks.0.up.bias": Parameter((49152,), "float32", "zeros", P("model"), optimizer_sharding=P(("model", "data"))),
-    "blocks.0.down.kernel": Parameter(
-        (49152, 12288),
-        "float32",
-        "normal:0.004510548978043951",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-    ),
-    "blocks.0.down.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data")),
-    "blocks.1.ln1.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data")),
-    "blocks.1.ln1.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data")),
-    "blocks.1.attn.q": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-    ),
-    "blocks.1.attn.k": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-    ),
-    "blocks.1.attn.v": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-    ),
-    "blocks.1.attn.o": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-    ),
-    "blocks.1.ln2.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data")),
-    "blocks.1.ln2.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data")),
-    "blocks.1.up.kernel": Parameter(
-        (12288, 49152),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-    ),
-    "blocks.1.up.bias": Parameter((49152,), "float32", "zeros", P("model"), optimizer_sharding=P(("model", "data"))),
-    "blocks.1.down.kernel": Parameter(
-        (49152, 12288),
-        "float32",
-        "normal:0.004510548978043951",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-    ),
-    "blocks.1.down.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data")),
-    "blocks.2.ln1.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data")),
-    "blocks.2.ln1.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data")),
-    "blocks.2.attn.q": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-    ),
-    "blocks.2.attn.k": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-    ),
-    "blocks.2.attn.v": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-    ),
-    "blocks.2.attn.o": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-    ),
-    "blocks.2.ln2.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data")),
-    "blocks.2.ln2.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data")),
-    "blocks.2.up.kernel": Parameter(
-        (12288, 49152),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-    ),
-    "blocks.2.up.bias": Parameter((49152,), "float32", "zeros", P("model"), optimizer_sharding=P(("model", "data"))),
-    "blocks.2.down.kernel": Parameter(
-        (49152, 12288),
-        "float32",
-        "normal:0.004510548978043951",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-    ),
-    "blocks.2.down.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data")),
-    "blocks.3.ln1.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data")),
-    "blocks.3.ln1.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data")),
-    "blocks.3.attn.q": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-    ),
-    "blocks.3.attn.k": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-    ),
-    "blocks.3.attn.v": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-    ),
-    "blocks.3.attn.o": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-    ),
-    "blocks.3.ln2.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data")),
-    "blocks.3.ln2.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data")),
-    "blocks.3.up.kernel": Parameter(
-        (12288, 49152),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-    ),
-    "blocks.3.up.bias": Parameter((49152,), "float32", "zeros", P("model"), optimizer_sharding=P(("model", "data"))),
-    "blocks.3.down.kernel": Parameter(
-        (49152, 12288),
-        "float32",
-        "normal:0.004510548978043951",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-    ),
-    "blocks.3.down.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data")),
-    "blocks.4.ln1.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data")),
-    "blocks.4.ln1.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data")),
-    "blocks.4.attn.q": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-    ),
-    "blocks.4.attn.k": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-    ),
-    "blocks.4.attn.v": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-    ),
-    "blocks.4.attn.o": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-    ),
-    "blocks.4.ln2.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data")),
-    "blocks.4.ln2.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data")),
-    "blocks.4.up.kernel": Parameter(
-        (12288, 49152),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-    ),
-    "blocks.4.up.bias": Parameter((49152,), "float32", "zeros", P("model"), optimizer_sharding=P(("model", "data"))),
-    "blocks.4.down.kernel": Parameter(
-        (49152, 12288),
-        "float32",
-        "normal:0.004510548978043951",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-    ),
-    "blocks.4.down.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data")),
-    "blocks.5.ln1.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data")),
-    "blocks.5.ln1.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data")),
-    "blocks.5.attn.q": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-    ),
-    "blocks.5.attn.k": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-    ),
-    "blocks.5.attn.v": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-    ),
-    "blocks.5.attn.o": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-    ),
-    "blocks.5.ln2.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data")),
-    "blocks.5.ln2.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data")),
-    "blocks.5.up.kernel": Parameter(
-        (12288, 49152),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-    ),
-    "blocks.5.up.bias": Parameter((49152,), "float32", "zeros", P("model"), optimizer_sharding=P(("model", "data"))),
-    "blocks.5.down.kernel": Parameter(
-        (49152, 12288),
-        "float32",
-        "normal:0.004510548978043951",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-    ),
-    "blocks.5.down.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data")),
-    "blocks.6.ln1.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=1),
-    "blocks.6.ln1.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=1),
-    "blocks.6.attn.q": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=1,
-    ),
-    "blocks.6.attn.k": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=1,
-    ),
-    "blocks.6.attn.v": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=1,
-    ),
-    "blocks.6.attn.o": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=1,
-    ),
-    "blocks.6.ln2.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=1),
-    "blocks.6.ln2.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=1),
-    "blocks.6.up.kernel": Parameter(
-        (12288, 49152),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=1,
-    ),
-    "blocks.6.up.bias": Parameter(
-        (49152,),
-        "float32",
-        "zeros",
-        P("model"),
-        optimizer_sharding=P(("model", "data")),
-        chunk=1,
-    ),
-    "blocks.6.down.kernel": Parameter(
-        (49152, 12288),
-        "float32",
-        "normal:0.004510548978043951",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=1,
-    ),
-    "blocks.6.down.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=1),
-    "blocks.7.ln1.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=1),
-    "blocks.7.ln1.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=1),
-    "blocks.7.attn.q": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=1,
-    ),
-    "blocks.7.attn.k": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=1,
-    ),
-    "blocks.7.attn.v": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=1,
-    ),
-    "blocks.7.attn.o": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=1,
-    ),
-    "blocks.7.ln2.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=1),
-    "blocks.7.ln2.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=1),
-    "blocks.7.up.kernel": Parameter(
-        (12288, 49152),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=1,
-    ),
-    "blocks.7.up.bias": Parameter(
-        (49152,),
-        "float32",
-        "zeros",
-        P("model"),
-        optimizer_sharding=P(("model", "data")),
-        chunk=1,
-    ),
-    "blocks.7.down.kernel": Parameter(
-        (49152, 12288),
-        "float32",
-        "normal:0.004510548978043951",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=1,
-    ),
-    "blocks.7.down.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=1),
-    "blocks.8.ln1.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=1),
-    "blocks.8.ln1.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=1),
-    "blocks.8.attn.q": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=1,
-    ),
-    "blocks.8.attn.k": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=1,
-    ),
-    "blocks.8.attn.v": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=1,
-    ),
-    "blocks.8.attn.o": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=1,
-    ),
-    "blocks.8.ln2.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=1),
-    "blocks.8.ln2.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=1),
-    "blocks.8.up.kernel": Parameter(
-        (12288, 49152),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=1,
-    ),
-    "blocks.8.up.bias": Parameter(
-        (49152,),
-        "float32",
-        "zeros",
-        P("model"),
-        optimizer_sharding=P(("model", "data")),
-        chunk=1,
-    ),
-    "blocks.8.down.kernel": Parameter(
-        (49152, 12288),
-        "float32",
-        "normal:0.004510548978043951",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=1,
-    ),
-    "blocks.8.down.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=1),
-    "blocks.9.ln1.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=1),
-    "blocks.9.ln1.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=1),
-    "blocks.9.attn.q": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=1,
-    ),
-    "blocks.9.attn.k": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=1,
-    ),
-    "blocks.9.attn.v": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=1,
-    ),
-    "blocks.9.attn.o": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=1,
-    ),
-    "blocks.9.ln2.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=1),
-    "blocks.9.ln2.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=1),
-    "blocks.9.up.kernel": Parameter(
-        (12288, 49152),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=1,
-    ),
-    "blocks.9.up.bias": Parameter(
-        (49152,),
-        "float32",
-        "zeros",
-        P("model"),
-        optimizer_sharding=P(("model", "data")),
-        chunk=1,
-    ),
-    "blocks.9.down.kernel": Parameter(
-        (49152, 12288),
-        "float32",
-        "normal:0.004510548978043951",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=1,
-    ),
-    "blocks.9.down.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=1),
-    "blocks.10.ln1.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=1),
-    "blocks.10.ln1.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=1),
-    "blocks.10.attn.q": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=1,
-    ),
-    "blocks.10.attn.k": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=1,
-    ),
-    "blocks.10.attn.v": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=1,
-    ),
-    "blocks.10.attn.o": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=1,
-    ),
-    "blocks.10.ln2.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=1),
-    "blocks.10.ln2.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=1),
-    "blocks.10.up.kernel": Parameter(
-        (12288, 49152),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=1,
-    ),
-    "blocks.10.up.bias": Parameter(
-        (49152,),
-        "float32",
-        "zeros",
-        P("model"),
-        optimizer_sharding=P(("model", "data")),
-        chunk=1,
-    ),
-    "blocks.10.down.kernel": Parameter(
-        (49152, 12288),
-        "float32",
-        "normal:0.004510548978043951",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=1,
-    ),
-    "blocks.10.down.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=1),
-    "blocks.11.ln1.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=1),
-    "blocks.11.ln1.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=1),
-    "blocks.11.attn.q": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=1,
-    ),
-    "blocks.11.attn.k": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=1,
-    ),
-    "blocks.11.attn.v": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=1,
-    ),
-    "blocks.11.attn.o": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=1,
-    ),
-    "blocks.11.ln2.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=1),
-    "blocks.11.ln2.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=1),
-    "blocks.11.up.kernel": Parameter(
-        (12288, 49152),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=1,
-    ),
-    "blocks.11.up.bias": Parameter(
-        (49152,),
-        "float32",
-        "zeros",
-        P("model"),
-        optimizer_sharding=P(("model", "data")),
-        chunk=1,
-    ),
-    "blocks.11.down.kernel": Parameter(
-        (49152, 12288),
-        "float32",
-        "normal:0.004510548978043951",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=1,
-    ),
-    "blocks.11.down.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=1),
-    "blocks.12.ln1.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=2),
-    "blocks.12.ln1.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=2),
-    "blocks.12.attn.q": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=2,
-    ),
-    "blocks.12.attn.k": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=2,
-    ),
-    "blocks.12.attn.v": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=2,
-    ),
-    "blocks.12.attn.o": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=2,
-    ),
-    "blocks.12.ln2.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=2),
-    "blocks.12.ln2.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=2),
-    "blocks.12.up.kernel": Parameter(
-        (12288, 49152),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=2,
-    ),
-    "blocks.12.up.bias": Parameter(
-        (49152,),
-        "float32",
-        "zeros",
-        P("model"),
-        optimizer_sharding=P(("model", "data")),
-        chunk=2,
-    ),
-    "blocks.12.down.kernel": Parameter(
-        (49152, 12288),
-        "float32",
-        "normal:0.004510548978043951",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=2,
-    ),
-    "blocks.12.down.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=2),
-    "blocks.13.ln1.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=2),
-    "blocks.13.ln1.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=2),
-    "blocks.13.attn.q": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=2,
-    ),
-    "blocks.13.attn.k": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=2,
-    ),
-    "blocks.13.attn.v": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=2,
-    ),
-    "blocks.13.attn.o": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=2,
-    ),
-    "blocks.13.ln2.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=2),
-    "blocks.13.ln2.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=2),
-    "blocks.13.up.kernel": Parameter(
-        (12288, 49152),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=2,
-    ),
-    "blocks.13.up.bias": Parameter(
-        (49152,),
-        "float32",
-        "zeros",
-        P("model"),
-        optimizer_sharding=P(("model", "data")),
-        chunk=2,
-    ),
-    "blocks.13.down.kernel": Parameter(
-        (49152, 12288),
-        "float32",
-        "normal:0.004510548978043951",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=2,
-    ),
-    "blocks.13.down.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=2),
-    "blocks.14.ln1.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=2),
-    "blocks.14.ln1.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=2),
-    "blocks.14.attn.q": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=2,
-    ),
-    "blocks.14.attn.k": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=2,
-    ),
-    "blocks.14.attn.v": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=2,
-    ),
-    "blocks.14.attn.o": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=2,
-    ),
-    "blocks.14.ln2.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=2),
-    "blocks.14.ln2.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=2),
-    "blocks.14.up.kernel": Parameter(
-        (12288, 49152),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=2,
-    ),
-    "blocks.14.up.bias": Parameter(
-        (49152,),
-        "float32",
-        "zeros",
-        P("model"),
-        optimizer_sharding=P(("model", "data")),
-        chunk=2,
-    ),
-    "blocks.14.down.kernel": Parameter(
-        (49152, 12288),
-        "float32",
-        "normal:0.004510548978043951",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=2,
-    ),
-    "blocks.14.down.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=2),
-    "blocks.15.ln1.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=2),
-    "blocks.15.ln1.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=2),
-    "blocks.15.attn.q": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=2,
-    ),
-    "blocks.15.attn.k": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=2,
-    ),
-    "blocks.15.attn.v": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=2,
-    ),
-    "blocks.15.attn.o": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=2,
-    ),
-    "blocks.15.ln2.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=2),
-    "blocks.15.ln2.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=2),
-    "blocks.15.up.kernel": Parameter(
-        (12288, 49152),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=2,
-    ),
-    "blocks.15.up.bias": Parameter(
-        (49152,),
-        "float32",
-        "zeros",
-        P("model"),
-        optimizer_sharding=P(("model", "data")),
-        chunk=2,
-    ),
-    "blocks.15.down.kernel": Parameter(
-        (49152, 12288),
-        "float32",
-        "normal:0.004510548978043951",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=2,
-    ),
-    "blocks.15.down.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=2),
-    "blocks.16.ln1.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=2),
-    "blocks.16.ln1.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=2),
-    "blocks.16.attn.q": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=2,
-    ),
-    "blocks.16.attn.k": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=2,
-    ),
-    "blocks.16.attn.v": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=2,
-    ),
-    "blocks.16.attn.o": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=2,
-    ),
-    "blocks.16.ln2.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=2),
-    "blocks.16.ln2.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=2),
-    "blocks.16.up.kernel": Parameter(
-        (12288, 49152),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=2,
-    ),
-    "blocks.16.up.bias": Parameter(
-        (49152,),
-        "float32",
-        "zeros",
-        P("model"),
-        optimizer_sharding=P(("model", "data")),
-        chunk=2,
-    ),
-    "blocks.16.down.kernel": Parameter(
-        (49152, 12288),
-        "float32",
-        "normal:0.004510548978043951",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=2,
-    ),
-    "blocks.16.down.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=2),
-    "blocks.17.ln1.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=2),
-    "blocks.17.ln1.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=2),
-    "blocks.17.attn.q": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=2,
-    ),
-    "blocks.17.attn.k": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=2,
-    ),
-    "blocks.17.attn.v": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=2,
-    ),
-    "blocks.17.attn.o": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=2,
-    ),
-    "blocks.17.ln2.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=2),
-    "blocks.17.ln2.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=2),
-    "blocks.17.up.kernel": Parameter(
-        (12288, 49152),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=2,
-    ),
-    "blocks.17.up.bias": Parameter(
-        (49152,),
-        "float32",
-        "zeros",
-        P("model"),
-        optimizer_sharding=P(("model", "data")),
-        chunk=2,
-    ),
-    "blocks.17.down.kernel": Parameter(
-        (49152, 12288),
-        "float32",
-        "normal:0.004510548978043951",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=2,
-    ),
-    "blocks.17.down.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=2),
-    "blocks.18.ln1.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=3),
-    "blocks.18.ln1.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=3),
-    "blocks.18.attn.q": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=3,
-    ),
-    "blocks.18.attn.k": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=3,
-    ),
-    "blocks.18.attn.v": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=3,
-    ),
-    "blocks.18.attn.o": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=3,
-    ),
-    "blocks.18.ln2.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=3),
-    "blocks.18.ln2.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=3),
-    "blocks.18.up.kernel": Parameter(
-        (12288, 49152),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=3,
-    ),
-    "blocks.18.up.bias": Parameter(
-        (49152,),
-        "float32",
-        "zeros",
-        P("model"),
-        optimizer_sharding=P(("model", "data")),
-        chunk=3,
-    ),
-    "blocks.18.down.kernel": Parameter(
-        (49152, 12288),
-        "float32",
-        "normal:0.004510548978043951",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=3,
-    ),
-    "blocks.18.down.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=3),
-    "blocks.19.ln1.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=3),
-    "blocks.19.ln1.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=3),
-    "blocks.19.attn.q": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=3,
-    ),
-    "blocks.19.attn.k": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=3,
-    ),
-    "blocks.19.attn.v": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=3,
-    ),
-    "blocks.19.attn.o": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=3,
-    ),
-    "blocks.19.ln2.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=3),
-    "blocks.19.ln2.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=3),
-    "blocks.19.up.kernel": Parameter(
-        (12288, 49152),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=3,
-    ),
-    "blocks.19.up.bias": Parameter(
-        (49152,),
-        "float32",
-        "zeros",
-        P("model"),
-        optimizer_sharding=P(("model", "data")),
-        chunk=3,
-    ),
-    "blocks.19.down.kernel": Parameter(
-        (49152, 12288),
-        "float32",
-        "normal:0.004510548978043951",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=3,
-    ),
-    "blocks.19.down.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=3),
-    "blocks.20.ln1.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=3),
-    "blocks.20.ln1.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=3),
-    "blocks.20.attn.q": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=3,
-    ),
-    "blocks.20.attn.k": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=3,
-    ),
-    "blocks.20.attn.v": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=3,
-    ),
-    "blocks.20.attn.o": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=3,
-    ),
-    "blocks.20.ln2.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=3),
-    "blocks.20.ln2.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=3),
-    "blocks.20.up.kernel": Parameter(
-        (12288, 49152),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=3,
-    ),
-    "blocks.20.up.bias": Parameter(
-        (49152,),
-        "float32",
-        "zeros",
-        P("model"),
-        optimizer_sharding=P(("model", "data")),
-        chunk=3,
-    ),
-    "blocks.20.down.kernel": Parameter(
-        (49152, 12288),
-        "float32",
-        "normal:0.004510548978043951",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=3,
-    ),
-    "blocks.20.down.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=3),
-    "blocks.21.ln1.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=3),
-    "blocks.21.ln1.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=3),
-    "blocks.21.attn.q": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=3,
-    ),
-    "blocks.21.attn.k": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=3,
-    ),
-    "blocks.21.attn.v": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=3,
-    ),
-    "blocks.21.attn.o": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=3,
-    ),
-    "blocks.21.ln2.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=3),
-    "blocks.21.ln2.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=3),
-    "blocks.21.up.kernel": Parameter(
-        (12288, 49152),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=3,
-    ),
-    "blocks.21.up.bias": Parameter(
-        (49152,),
-        "float32",
-        "zeros",
-        P("model"),
-        optimizer_sharding=P(("model", "data")),
-        chunk=3,
-    ),
-    "blocks.21.down.kernel": Parameter(
-        (49152, 12288),
-        "float32",
-        "normal:0.004510548978043951",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=3,
-    ),
-    "blocks.21.down.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=3),
-    "blocks.22.ln1.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=3),
-    "blocks.22.ln1.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=3),
-    "blocks.22.attn.q": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=3,
-    ),
-    "blocks.22.attn.k": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=3,
-    ),
-    "blocks.22.attn.v": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=3,
-    ),
-    "blocks.22.attn.o": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=3,
-    ),
-    "blocks.22.ln2.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=3),
-    "blocks.22.ln2.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=3),
-    "blocks.22.up.kernel": Parameter(
-        (12288, 49152),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=3,
-    ),
-    "blocks.22.up.bias": Parameter(
-        (49152,),
-        "float32",
-        "zeros",
-        P("model"),
-        optimizer_sharding=P(("model", "data")),
-        chunk=3,
-    ),
-    "blocks.22.down.kernel": Parameter(
-        (49152, 12288),
-        "float32",
-        "normal:0.004510548978043951",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=3,
-    ),
-    "blocks.22.down.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=3),
-    "blocks.23.ln1.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=3),
-    "blocks.23.ln1.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=3),
-    "blocks.23.attn.q": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=3,
-    ),
-    "blocks.23.attn.k": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=3,
-    ),
-    "blocks.23.attn.v": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=3,
-    ),
-    "blocks.23.attn.o": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=3,
-    ),
-    "blocks.23.ln2.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=3),
-    "blocks.23.ln2.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=3),
-    "blocks.23.up.kernel": Parameter(
-        (12288, 49152),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=3,
-    ),
-    "blocks.23.up.bias": Parameter(
-        (49152,),
-        "float32",
-        "zeros",
-        P("model"),
-        optimizer_sharding=P(("model", "data")),
-        chunk=3,
-    ),
-    "blocks.23.down.kernel": Parameter(
-        (49152, 12288),
-        "float32",
-        "normal:0.004510548978043951",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=3,
-    ),
-    "blocks.23.down.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=3),
-    "blocks.24.ln1.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=4),
-    "blocks.24.ln1.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=4),
-    "blocks.24.attn.q": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=4,
-    ),
-    "blocks.24.attn.k": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=4,
-    ),
-    "blocks.24.attn.v": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=4,
-    ),
-    "blocks.24.attn.o": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=4,
-    ),
-    "blocks.24.ln2.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=4),
-    "blocks.24.ln2.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=4),
-    "blocks.24.up.kernel": Parameter(
-        (12288, 49152),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=4,
-    ),
-    "blocks.24.up.bias": Parameter(
-        (49152,),
-        "float32",
-        "zeros",
-        P("model"),
-        optimizer_sharding=P(("model", "data")),
-        chunk=4,
-    ),
-    "blocks.24.down.kernel": Parameter(
-        (49152, 12288),
-        "float32",
-        "normal:0.004510548978043951",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=4,
-    ),
-    "blocks.24.down.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=4),
-    "blocks.25.ln1.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=4),
-    "blocks.25.ln1.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=4),
-    "blocks.25.attn.q": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=4,
-    ),
-    "blocks.25.attn.k": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=4,
-    ),
-    "blocks.25.attn.v": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=4,
-    ),
-    "blocks.25.attn.o": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=4,
-    ),
-    "blocks.25.ln2.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=4),
-    "blocks.25.ln2.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=4),
-    "blocks.25.up.kernel": Parameter(
-        (12288, 49152),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=4,
-    ),
-    "blocks.25.up.bias": Parameter(
-        (49152,),
-        "float32",
-        "zeros",
-        P("model"),
-        optimizer_sharding=P(("model", "data")),
-        chunk=4,
-    ),
-    "blocks.25.down.kernel": Parameter(
-        (49152, 12288),
-        "float32",
-        "normal:0.004510548978043951",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=4,
-    ),
-    "blocks.25.down.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=4),
-    "blocks.26.ln1.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=4),
-    "blocks.26.ln1.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=4),
-    "blocks.26.attn.q": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=4,
-    ),
-    "blocks.26.attn.k": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=4,
-    ),
-    "blocks.26.attn.v": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=4,
-    ),
-    "blocks.26.attn.o": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=4,
-    ),
-    "blocks.26.ln2.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=4),
-    "blocks.26.ln2.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=4),
-    "blocks.26.up.kernel": Parameter(
-        (12288, 49152),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=4,
-    ),
-    "blocks.26.up.bias": Parameter(
-        (49152,),
-        "float32",
-        "zeros",
-        P("model"),
-        optimizer_sharding=P(("model", "data")),
-        chunk=4,
-    ),
-    "blocks.26.down.kernel": Parameter(
-        (49152, 12288),
-        "float32",
-        "normal:0.004510548978043951",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=4,
-    ),
-    "blocks.26.down.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=4),
-    "blocks.27.ln1.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=4),
-    "blocks.27.ln1.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=4),
-    "blocks.27.attn.q": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=4,
-    ),
-    "blocks.27.attn.k": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=4,
-    ),
-    "blocks.27.attn.v": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=4,
-    ),
-    "blocks.27.attn.o": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=4,
-    ),
-    "blocks.27.ln2.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=4),
-    "blocks.27.ln2.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=4),
-    "blocks.27.up.kernel": Parameter(
-        (12288, 49152),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=4,
-    ),
-    "blocks.27.up.bias": Parameter(
-        (49152,),
-        "float32",
-        "zeros",
-        P("model"),
-        optimizer_sharding=P(("model", "data")),
-        chunk=4,
-    ),
-    "blocks.27.down.kernel": Parameter(
-        (49152, 12288),
-        "float32",
-        "normal:0.004510548978043951",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=4,
-    ),
-    "blocks.27.down.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=4),
-    "blocks.28.ln1.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=4),
-    "blocks.28.ln1.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=4),
-    "blocks.28.attn.q": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=4,
-    ),
-    "blocks.28.attn.k": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=4,
-    ),
-    "blocks.28.attn.v": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=4,
-    ),
-    "blocks.28.attn.o": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=4,
-    ),
-    "blocks.28.ln2.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=4),
-    "blocks.28.ln2.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=4),
-    "blocks.28.up.kernel": Parameter(
-        (12288, 49152),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=4,
-    ),
-    "blocks.28.up.bias": Parameter(
-        (49152,),
-        "float32",
-        "zeros",
-        P("model"),
-        optimizer_sharding=P(("model", "data")),
-        chunk=4,
-    ),
-    "blocks.28.down.kernel": Parameter(
-        (49152, 12288),
-        "float32",
-        "normal:0.004510548978043951",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=4,
-    ),
-    "blocks.28.down.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=4),
-    "blocks.29.ln1.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=4),
-    "blocks.29.ln1.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=4),
-    "blocks.29.attn.q": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=4,
-    ),
-    "blocks.29.attn.k": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=4,
-    ),
-    "blocks.29.attn.v": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=4,
-    ),
-    "blocks.29.attn.o": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=4,
-    ),
-    "blocks.29.ln2.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=4),
-    "blocks.29.ln2.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=4),
-    "blocks.29.up.kernel": Parameter(
-        (12288, 49152),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=4,
-    ),
-    "blocks.29.up.bias": Parameter(
-        (49152,),
-        "float32",
-        "zeros",
-        P("model"),
-        optimizer_sharding=P(("model", "data")),
-        chunk=4,
-    ),
-    "blocks.29.down.kernel": Parameter(
-        (49152, 12288),
-        "float32",
-        "normal:0.004510548978043951",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=4,
-    ),
-    "blocks.29.down.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=4),
-    "blocks.30.ln1.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=5),
-    "blocks.30.ln1.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=5),
-    "blocks.30.attn.q": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=5,
-    ),
-    "blocks.30.attn.k": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=5,
-    ),
-    "blocks.30.attn.v": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=5,
-    ),
-    "blocks.30.attn.o": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=5,
-    ),
-    "blocks.30.ln2.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=5),
-    "blocks.30.ln2.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=5),
-    "blocks.30.up.kernel": Parameter(
-        (12288, 49152),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=5,
-    ),
-    "blocks.30.up.bias": Parameter(
-        (49152,),
-        "float32",
-        "zeros",
-        P("model"),
-        optimizer_sharding=P(("model", "data")),
-        chunk=5,
-    ),
-    "blocks.30.down.kernel": Parameter(
-        (49152, 12288),
-        "float32",
-        "normal:0.004510548978043951",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=5,
-    ),
-    "blocks.30.down.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=5),
-    "blocks.31.ln1.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=5),
-    "blocks.31.ln1.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=5),
-    "blocks.31.attn.q": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=5,
-    ),
-    "blocks.31.attn.k": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=5,
-    ),
-    "blocks.31.attn.v": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=5,
-    ),
-    "blocks.31.attn.o": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=5,
-    ),
-    "blocks.31.ln2.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=5),
-    "blocks.31.ln2.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=5),
-    "blocks.31.up.kernel": Parameter(
-        (12288, 49152),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=5,
-    ),
-    "blocks.31.up.bias": Parameter(
-        (49152,),
-        "float32",
-        "zeros",
-        P("model"),
-        optimizer_sharding=P(("model", "data")),
-        chunk=5,
-    ),
-    "blocks.31.down.kernel": Parameter(
-        (49152, 12288),
-        "float32",
-        "normal:0.004510548978043951",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=5,
-    ),
-    "blocks.31.down.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=5),
-    "blocks.32.ln1.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=5),
-    "blocks.32.ln1.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=5),
-    "blocks.32.attn.q": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=5,
-    ),
-    "blocks.32.attn.k": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=5,
-    ),
-    "blocks.32.attn.v": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=5,
-    ),
-    "blocks.32.attn.o": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=5,
-    ),
-    "blocks.32.ln2.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=5),
-    "blocks.32.ln2.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=5),
-    "blocks.32.up.kernel": Parameter(
-        (12288, 49152),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=5,
-    ),
-    "blocks.32.up.bias": Parameter(
-        (49152,),
-        "float32",
-        "zeros",
-        P("model"),
-        optimizer_sharding=P(("model", "data")),
-        chunk=5,
-    ),
-    "blocks.32.down.kernel": Parameter(
-        (49152, 12288),
-        "float32",
-        "normal:0.004510548978043951",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=5,
-    ),
-    "blocks.32.down.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=5),
-    "blocks.33.ln1.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=5),
-    "blocks.33.ln1.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=5),
-    "blocks.33.attn.q": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=5,
-    ),
-    "blocks.33.attn.k": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=5,
-    ),
-    "blocks.33.attn.v": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=5,
-    ),
-    "blocks.33.attn.o": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=5,
-    ),
-    "blocks.33.ln2.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=5),
-    "blocks.33.ln2.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=5),
-    "blocks.33.up.kernel": Parameter(
-        (12288, 49152),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=5,
-    ),
-    "blocks.33.up.bias": Parameter(
-        (49152,),
-        "float32",
-        "zeros",
-        P("model"),
-        optimizer_sharding=P(("model", "data")),
-        chunk=5,
-    ),
-    "blocks.33.down.kernel": Parameter(
-        (49152, 12288),
-        "float32",
-        "normal:0.004510548978043951",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=5,
-    ),
-    "blocks.33.down.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=5),
-    "blocks.34.ln1.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=5),
-    "blocks.34.ln1.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=5),
-    "blocks.34.attn.q": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=5,
-    ),
-    "blocks.34.attn.k": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=5,
-    ),
-    "blocks.34.attn.v": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=5,
-    ),
-    "blocks.34.attn.o": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=5,
-    ),
-    "blocks.34.ln2.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=5),
-    "blocks.34.ln2.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=5),
-    "blocks.34.up.kernel": Parameter(
-        (12288, 49152),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=5,
-    ),
-    "blocks.34.up.bias": Parameter(
-        (49152,),
-        "float32",
-        "zeros",
-        P("model"),
-        optimizer_sharding=P(("model", "data")),
-        chunk=5,
-    ),
-    "blocks.34.down.kernel": Parameter(
-        (49152, 12288),
-        "float32",
-        "normal:0.004510548978043951",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=5,
-    ),
-    "blocks.34.down.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=5),
-    "blocks.35.ln1.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=5),
-    "blocks.35.ln1.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=5),
-    "blocks.35.attn.q": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=5,
-    ),
-    "blocks.35.attn.k": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=5,
-    ),
-    "blocks.35.attn.v": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=5,
-    ),
-    "blocks.35.attn.o": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=5,
-    ),
-    "blocks.35.ln2.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=5),
-    "blocks.35.ln2.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=5),
-    "blocks.35.up.kernel": Parameter(
-        (12288, 49152),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=5,
-    ),
-    "blocks.35.up.bias": Parameter(
-        (49152,),
-        "float32",
-        "zeros",
-        P("model"),
-        optimizer_sharding=P(("model", "data")),
-        chunk=5,
-    ),
-    "blocks.35.down.kernel": Parameter(
-        (49152, 12288),
-        "float32",
-        "normal:0.004510548978043951",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=5,
-    ),
-    "blocks.35.down.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=5),
-    "blocks.36.ln1.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=6),
-    "blocks.36.ln1.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=6),
-    "blocks.36.attn.q": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=6,
-    ),
-    "blocks.36.attn.k": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=6,
-    ),
-    "blocks.36.attn.v": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=6,
-    ),
-    "blocks.36.attn.o": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=6,
-    ),
-    "blocks.36.ln2.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=6),
-    "blocks.36.ln2.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=6),
-    "blocks.36.up.kernel": Parameter(
-        (12288, 49152),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=6,
-    ),
-    "blocks.36.up.bias": Parameter(
-        (49152,),
-        "float32",
-        "zeros",
-        P("model"),
-        optimizer_sharding=P(("model", "data")),
-        chunk=6,
-    ),
-    "blocks.36.down.kernel": Parameter(
-        (49152, 12288),
-        "float32",
-        "normal:0.004510548978043951",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=6,
-    ),
-    "blocks.36.down.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=6),
-    "blocks.37.ln1.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=6),
-    "blocks.37.ln1.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=6),
-    "blocks.37.attn.q": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=6,
-    ),
-    "blocks.37.attn.k": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=6,
-    ),
-    "blocks.37.attn.v": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=6,
-    ),
-    "blocks.37.attn.o": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=6,
-    ),
-    "blocks.37.ln2.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=6),
-    "blocks.37.ln2.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=6),
-    "blocks.37.up.kernel": Parameter(
-        (12288, 49152),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=6,
-    ),
-    "blocks.37.up.bias": Parameter(
-        (49152,),
-        "float32",
-        "zeros",
-        P("model"),
-        optimizer_sharding=P(("model", "data")),
-        chunk=6,
-    ),
-    "blocks.37.down.kernel": Parameter(
-        (49152, 12288),
-        "float32",
-        "normal:0.004510548978043951",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=6,
-    ),
-    "blocks.37.down.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=6),
-    "blocks.38.ln1.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=6),
-    "blocks.38.ln1.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=6),
-    "blocks.38.attn.q": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=6,
-    ),
-    "blocks.38.attn.k": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=6,
-    ),
-    "blocks.38.attn.v": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=6,
-    ),
-    "blocks.38.attn.o": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=6,
-    ),
-    "blocks.38.ln2.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=6),
-    "blocks.38.ln2.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=6),
-    "blocks.38.up.kernel": Parameter(
-        (12288, 49152),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=6,
-    ),
-    "blocks.38.up.bias": Parameter(
-        (49152,),
-        "float32",
-        "zeros",
-        P("model"),
-        optimizer_sharding=P(("model", "data")),
-        chunk=6,
-    ),
-    "blocks.38.down.kernel": Parameter(
-        (49152, 12288),
-        "float32",
-        "normal:0.004510548978043951",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=6,
-    ),
-    "blocks.38.down.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=6),
-    "blocks.39.ln1.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=6),
-    "blocks.39.ln1.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=6),
-    "blocks.39.attn.q": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=6,
-    ),
-    "blocks.39.attn.k": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=6,
-    ),
-    "blocks.39.attn.v": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=6,
-    ),
-    "blocks.39.attn.o": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=6,
-    ),
-    "blocks.39.ln2.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=6),
-    "blocks.39.ln2.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=6),
-    "blocks.39.up.kernel": Parameter(
-        (12288, 49152),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=6,
-    ),
-    "blocks.39.up.bias": Parameter(
-        (49152,),
-        "float32",
-        "zeros",
-        P("model"),
-        optimizer_sharding=P(("model", "data")),
-        chunk=6,
-    ),
-    "blocks.39.down.kernel": Parameter(
-        (49152, 12288),
-        "float32",
-        "normal:0.004510548978043951",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=6,
-    ),
-    "blocks.39.down.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=6),
-    "blocks.40.ln1.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=6),
-    "blocks.40.ln1.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=6),
-    "blocks.40.attn.q": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=6,
-    ),
-    "blocks.40.attn.k": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=6,
-    ),
-    "blocks.40.attn.v": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=6,
-    ),
-    "blocks.40.attn.o": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=6,
-    ),
-    "blocks.40.ln2.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=6),
-    "blocks.40.ln2.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=6),
-    "blocks.40.up.kernel": Parameter(
-        (12288, 49152),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=6,
-    ),
-    "blocks.40.up.bias": Parameter(
-        (49152,),
-        "float32",
-        "zeros",
-        P("model"),
-        optimizer_sharding=P(("model", "data")),
-        chunk=6,
-    ),
-    "blocks.40.down.kernel": Parameter(
-        (49152, 12288),
-        "float32",
-        "normal:0.004510548978043951",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=6,
-    ),
-    "blocks.40.down.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=6),
-    "blocks.41.ln1.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=6),
-    "blocks.41.ln1.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=6),
-    "blocks.41.attn.q": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=6,
-    ),
-    "blocks.41.attn.k": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=6,
-    ),
-    "blocks.41.attn.v": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=6,
-    ),
-    "blocks.41.attn.o": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=6,
-    ),
-    "blocks.41.ln2.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=6),
-    "blocks.41.ln2.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=6),
-    "blocks.41.up.kernel": Parameter(
-        (12288, 49152),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=6,
-    ),
-    "blocks.41.up.bias": Parameter(
-        (49152,),
-        "float32",
-        "zeros",
-        P("model"),
-        optimizer_sharding=P(("model", "data")),
-        chunk=6,
-    ),
-    "blocks.41.down.kernel": Parameter(
-        (49152, 12288),
-        "float32",
-        "normal:0.004510548978043951",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=6,
-    ),
-    "blocks.41.down.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=6),
-    "blocks.42.ln1.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=7),
-    "blocks.42.ln1.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=7),
-    "blocks.42.attn.q": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=7,
-    ),
-    "blocks.42.attn.k": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=7,
-    ),
-    "blocks.42.attn.v": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=7,
-    ),
-    "blocks.42.attn.o": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=7,
-    ),
-    "blocks.42.ln2.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=7),
-    "blocks.42.ln2.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=7),
-    "blocks.42.up.kernel": Parameter(
-        (12288, 49152),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=7,
-    ),
-    "blocks.42.up.bias": Parameter(
-        (49152,),
-        "float32",
-        "zeros",
-        P("model"),
-        optimizer_sharding=P(("model", "data")),
-        chunk=7,
-    ),
-    "blocks.42.down.kernel": Parameter(
-        (49152, 12288),
-        "float32",
-        "normal:0.004510548978043951",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=7,
-    ),
-    "blocks.42.down.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=7),
-    "blocks.43.ln1.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=7),
-    "blocks.43.ln1.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=7),
-    "blocks.43.attn.q": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=7,
-    ),
-    "blocks.43.attn.k": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=7,
-    ),
-    "blocks.43.attn.v": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=7,
-    ),
-    "blocks.43.attn.o": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=7,
-    ),
-    "blocks.43.ln2.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=7),
-    "blocks.43.ln2.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=7),
-    "blocks.43.up.kernel": Parameter(
-        (12288, 49152),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=7,
-    ),
-    "blocks.43.up.bias": Parameter(
-        (49152,),
-        "float32",
-        "zeros",
-        P("model"),
-        optimizer_sharding=P(("model", "data")),
-        chunk=7,
-    ),
-    "blocks.43.down.kernel": Parameter(
-        (49152, 12288),
-        "float32",
-        "normal:0.004510548978043951",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=7,
-    ),
-    "blocks.43.down.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=7),
-    "blocks.44.ln1.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=7),
-    "blocks.44.ln1.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=7),
-    "blocks.44.attn.q": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=7,
-    ),
-    "blocks.44.attn.k": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=7,
-    ),
-    "blocks.44.attn.v": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=7,
-    ),
-    "blocks.44.attn.o": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=7,
-    ),
-    "blocks.44.ln2.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=7),
-    "blocks.44.ln2.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=7),
-    "blocks.44.up.kernel": Parameter(
-        (12288, 49152),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=7,
-    ),
-    "blocks.44.up.bias": Parameter(
-        (49152,),
-        "float32",
-        "zeros",
-        P("model"),
-        optimizer_sharding=P(("model", "data")),
-        chunk=7,
-    ),
-    "blocks.44.down.kernel": Parameter(
-        (49152, 12288),
-        "float32",
-        "normal:0.004510548978043951",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=7,
-    ),
-    "blocks.44.down.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=7),
-    "blocks.45.ln1.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=7),
-    "blocks.45.ln1.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=7),
-    "blocks.45.attn.q": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=7,
-    ),
-    "blocks.45.attn.k": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=7,
-    ),
-    "blocks.45.attn.v": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=7,
-    ),
-    "blocks.45.attn.o": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=7,
-    ),
-    "blocks.45.ln2.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=7),
-    "blocks.45.ln2.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=7),
-    "blocks.45.up.kernel": Parameter(
-        (12288, 49152),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=7,
-    ),
-    "blocks.45.up.bias": Parameter(
-        (49152,),
-        "float32",
-        "zeros",
-        P("model"),
-        optimizer_sharding=P(("model", "data")),
-        chunk=7,
-    ),
-    "blocks.45.down.kernel": Parameter(
-        (49152, 12288),
-        "float32",
-        "normal:0.004510548978043951",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=7,
-    ),
-    "blocks.45.down.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=7),
-    "blocks.46.ln1.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=7),
-    "blocks.46.ln1.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=7),
-    "blocks.46.attn.q": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=7,
-    ),
-    "blocks.46.attn.k": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=7,
-    ),
-    "blocks.46.attn.v": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=7,
-    ),
-    "blocks.46.attn.o": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=7,
-    ),
-    "blocks.46.ln2.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=7),
-    "blocks.46.ln2.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=7),
-    "blocks.46.up.kernel": Parameter(
-        (12288, 49152),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=7,
-    ),
-    "blocks.46.up.bias": Parameter(
-        (49152,),
-        "float32",
-        "zeros",
-        P("model"),
-        optimizer_sharding=P(("model", "data")),
-        chunk=7,
-    ),
-    "blocks.46.down.kernel": Parameter(
-        (49152, 12288),
-        "float32",
-        "normal:0.004510548978043951",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=7,
-    ),
-    "blocks.46.down.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=7),
-    "blocks.47.ln1.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=7),
-    "blocks.47.ln1.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=7),
-    "blocks.47.attn.q": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=7,
-    ),
-    "blocks.47.attn.k": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=7,
-    ),
-    "blocks.47.attn.v": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=7,
-    ),
-    "blocks.47.attn.o": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=7,
-    ),
-    "blocks.47.ln2.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=7),
-    "blocks.47.ln2.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=7),
-    "blocks.47.up.kernel": Parameter(
-        (12288, 49152),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=7,
-    ),
-    "blocks.47.up.bias": Parameter(
-        (49152,),
-        "float32",
-        "zeros",
-        P("model"),
-        optimizer_sharding=P(("model", "data")),
-        chunk=7,
-    ),
-    "blocks.47.down.kernel": Parameter(
-        (49152, 12288),
-        "float32",
-        "normal:0.004510548978043951",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=7,
-    ),
-    "blocks.47.down.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=7),
-    "blocks.48.ln1.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=8),
-    "blocks.48.ln1.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=8),
-    "blocks.48.attn.q": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=8,
-    ),
-    "blocks.48.attn.k": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=8,
-    ),
-    "blocks.48.attn.v": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=8,
-    ),
-    "blocks.48.attn.o": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=8,
-    ),
-    "blocks.48.ln2.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=8),
-    "blocks.48.ln2.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=8),
-    "blocks.48.up.kernel": Parameter(
-        (12288, 49152),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=8,
-    ),
-    "blocks.48.up.bias": Parameter(
-        (49152,),
-        "float32",
-        "zeros",
-        P("model"),
-        optimizer_sharding=P(("model", "data")),
-        chunk=8,
-    ),
-    "blocks.48.down.kernel": Parameter(
-        (49152, 12288),
-        "float32",
-        "normal:0.004510548978043951",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=8,
-    ),
-    "blocks.48.down.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=8),
-    "blocks.49.ln1.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=8),
-    "blocks.49.ln1.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=8),
-    "blocks.49.attn.q": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=8,
-    ),
-    "blocks.49.attn.k": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=8,
-    ),
-    "blocks.49.attn.v": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=8,
-    ),
-    "blocks.49.attn.o": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=8,
-    ),
-    "blocks.49.ln2.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=8),
-    "blocks.49.ln2.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=8),
-    "blocks.49.up.kernel": Parameter(
-        (12288, 49152),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=8,
-    ),
-    "blocks.49.up.bias": Parameter(
-        (49152,),
-        "float32",
-        "zeros",
-        P("model"),
-        optimizer_sharding=P(("model", "data")),
-        chunk=8,
-    ),
-    "blocks.49.down.kernel": Parameter(
-        (49152, 12288),
-        "float32",
-        "normal:0.004510548978043951",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=8,
-    ),
-    "blocks.49.down.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=8),
-    "blocks.50.ln1.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=8),
-    "blocks.50.ln1.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=8),
-    "blocks.50.attn.q": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=8,
-    ),
-    "blocks.50.attn.k": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=8,
-    ),
-    "blocks.50.attn.v": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=8,
-    ),
-    "blocks.50.attn.o": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=8,
-    ),
-    "blocks.50.ln2.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=8),
-    "blocks.50.ln2.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=8),
-    "blocks.50.up.kernel": Parameter(
-        (12288, 49152),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=8,
-    ),
-    "blocks.50.up.bias": Parameter(
-        (49152,),
-        "float32",
-        "zeros",
-        P("model"),
-        optimizer_sharding=P(("model", "data")),
-        chunk=8,
-    ),
-    "blocks.50.down.kernel": Parameter(
-        (49152, 12288),
-        "float32",
-        "normal:0.004510548978043951",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=8,
-    ),
-    "blocks.50.down.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=8),
-    "blocks.51.ln1.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=8),
-    "blocks.51.ln1.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=8),
-    "blocks.51.attn.q": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=8,
-    ),
-    "blocks.51.attn.k": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=8,
-    ),
-    "blocks.51.attn.v": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=8,
-    ),
-    "blocks.51.attn.o": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=8,
-    ),
-    "blocks.51.ln2.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=8),
-    "blocks.51.ln2.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=8),
-    "blocks.51.up.kernel": Parameter(
-        (12288, 49152),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=8,
-    ),
-    "blocks.51.up.bias": Parameter(
-        (49152,),
-        "float32",
-        "zeros",
-        P("model"),
-        optimizer_sharding=P(("model", "data")),
-        chunk=8,
-    ),
-    "blocks.51.down.kernel": Parameter(
-        (49152, 12288),
-        "float32",
-        "normal:0.004510548978043951",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=8,
-    ),
-    "blocks.51.down.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=8),
-    "blocks.52.ln1.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=8),
-    "blocks.52.ln1.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=8),
-    "blocks.52.attn.q": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=8,
-    ),
-    "blocks.52.attn.k": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=8,
-    ),
-    "blocks.52.attn.v": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=8,
-    ),
-    "blocks.52.attn.o": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=8,
-    ),
-    "blocks.52.ln2.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=8),
-    "blocks.52.ln2.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=8),
-    "blocks.52.up.kernel": Parameter(
-        (12288, 49152),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=8,
-    ),
-    "blocks.52.up.bias": Parameter(
-        (49152,),
-        "float32",
-        "zeros",
-        P("model"),
-        optimizer_sharding=P(("model", "data")),
-        chunk=8,
-    ),
-    "blocks.52.down.kernel": Parameter(
-        (49152, 12288),
-        "float32",
-        "normal:0.004510548978043951",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=8,
-    ),
-    "blocks.52.down.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=8),
-    "blocks.53.ln1.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=8),
-    "blocks.53.ln1.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=8),
-    "blocks.53.attn.q": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=8,
-    ),
-    "blocks.53.attn.k": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=8,
-    ),
-    "blocks.53.attn.v": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=8,
-    ),
-    "blocks.53.attn.o": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=8,
-    ),
-    "blocks.53.ln2.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=8),
-    "blocks.53.ln2.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=8),
-    "blocks.53.up.kernel": Parameter(
-        (12288, 49152),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=8,
-    ),
-    "blocks.53.up.bias": Parameter(
-        (49152,),
-        "float32",
-        "zeros",
-        P("model"),
-        optimizer_sharding=P(("model", "data")),
-        chunk=8,
-    ),
-    "blocks.53.down.kernel": Parameter(
-        (49152, 12288),
-        "float32",
-        "normal:0.004510548978043951",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=8,
-    ),
-    "blocks.53.down.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=8),
-    "blocks.54.ln1.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=9),
-    "blocks.54.ln1.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=9),
-    "blocks.54.attn.q": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=9,
-    ),
-    "blocks.54.attn.k": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=9,
-    ),
-    "blocks.54.attn.v": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=9,
-    ),
-    "blocks.54.attn.o": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=9,
-    ),
-    "blocks.54.ln2.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=9),
-    "blocks.54.ln2.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=9),
-    "blocks.54.up.kernel": Parameter(
-        (12288, 49152),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=9,
-    ),
-    "blocks.54.up.bias": Parameter(
-        (49152,),
-        "float32",
-        "zeros",
-        P("model"),
-        optimizer_sharding=P(("model", "data")),
-        chunk=9,
-    ),
-    "blocks.54.down.kernel": Parameter(
-        (49152, 12288),
-        "float32",
-        "normal:0.004510548978043951",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=9,
-    ),
-    "blocks.54.down.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=9),
-    "blocks.55.ln1.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=9),
-    "blocks.55.ln1.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=9),
-    "blocks.55.attn.q": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=9,
-    ),
-    "blocks.55.attn.k": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=9,
-    ),
-    "blocks.55.attn.v": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=9,
-    ),
-    "blocks.55.attn.o": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=9,
-    ),
-    "blocks.55.ln2.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=9),
-    "blocks.55.ln2.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=9),
-    "blocks.55.up.kernel": Parameter(
-        (12288, 49152),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=9,
-    ),
-    "blocks.55.up.bias": Parameter(
-        (49152,),
-        "float32",
-        "zeros",
-        P("model"),
-        optimizer_sharding=P(("model", "data")),
-        chunk=9,
-    ),
-    "blocks.55.down.kernel": Parameter(
-        (49152, 12288),
-        "float32",
-        "normal:0.004510548978043951",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=9,
-    ),
-    "blocks.55.down.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=9),
-    "blocks.56.ln1.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=9),
-    "blocks.56.ln1.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=9),
-    "blocks.56.attn.q": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=9,
-    ),
-    "blocks.56.attn.k": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=9,
-    ),
-    "blocks.56.attn.v": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=9,
-    ),
-    "blocks.56.attn.o": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=9,
-    ),
-    "blocks.56.ln2.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=9),
-    "blocks.56.ln2.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=9),
-    "blocks.56.up.kernel": Parameter(
-        (12288, 49152),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=9,
-    ),
-    "blocks.56.up.bias": Parameter(
-        (49152,),
-        "float32",
-        "zeros",
-        P("model"),
-        optimizer_sharding=P(("model", "data")),
-        chunk=9,
-    ),
-    "blocks.56.down.kernel": Parameter(
-        (49152, 12288),
-        "float32",
-        "normal:0.004510548978043951",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=9,
-    ),
-    "blocks.56.down.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=9),
-    "blocks.57.ln1.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=9),
-    "blocks.57.ln1.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=9),
-    "blocks.57.attn.q": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=9,
-    ),
-    "blocks.57.attn.k": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=9,
-    ),
-    "blocks.57.attn.v": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=9,
-    ),
-    "blocks.57.attn.o": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=9,
-    ),
-    "blocks.57.ln2.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=9),
-    "blocks.57.ln2.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=9),
-    "blocks.57.up.kernel": Parameter(
-        (12288, 49152),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=9,
-    ),
-    "blocks.57.up.bias": Parameter(
-        (49152,),
-        "float32",
-        "zeros",
-        P("model"),
-        optimizer_sharding=P(("model", "data")),
-        chunk=9,
-    ),
-    "blocks.57.down.kernel": Parameter(
-        (49152, 12288),
-        "float32",
-        "normal:0.004510548978043951",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=9,
-    ),
-    "blocks.57.down.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=9),
-    "blocks.58.ln1.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=9),
-    "blocks.58.ln1.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=9),
-    "blocks.58.attn.q": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=9,
-    ),
-    "blocks.58.attn.k": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=9,
-    ),
-    "blocks.58.attn.v": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=9,
-    ),
-    "blocks.58.attn.o": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=9,
-    ),
-    "blocks.58.ln2.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=9),
-    "blocks.58.ln2.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=9),
-    "blocks.58.up.kernel": Parameter(
-        (12288, 49152),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=9,
-    ),
-    "blocks.58.up.bias": Parameter(
-        (49152,),
-        "float32",
-        "zeros",
-        P("model"),
-        optimizer_sharding=P(("model", "data")),
-        chunk=9,
-    ),
-    "blocks.58.down.kernel": Parameter(
-        (49152, 12288),
-        "float32",
-        "normal:0.004510548978043951",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=9,
-    ),
-    "blocks.58.down.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=9),
-    "blocks.59.ln1.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=9),
-    "blocks.59.ln1.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=9),
-    "blocks.59.attn.q": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=9,
-    ),
-    "blocks.59.attn.k": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=9,
-    ),
-    "blocks.59.attn.v": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=9,
-    ),
-    "blocks.59.attn.o": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=9,
-    ),
-    "blocks.59.ln2.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=9),
-    "blocks.59.ln2.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=9),
-    "blocks.59.up.kernel": Parameter(
-        (12288, 49152),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=9,
-    ),
-    "blocks.59.up.bias": Parameter(
-        (49152,),
-        "float32",
-        "zeros",
-        P("model"),
-        optimizer_sharding=P(("model", "data")),
-        chunk=9,
-    ),
-    "blocks.59.down.kernel": Parameter(
-        (49152, 12288),
-        "float32",
-        "normal:0.004510548978043951",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=9,
-    ),
-    "blocks.59.down.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=9),
-    "blocks.60.ln1.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=10),
-    "blocks.60.ln1.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=10),
-    "blocks.60.attn.q": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=10,
-    ),
-    "blocks.60.attn.k": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=10,
-    ),
-    "blocks.60.attn.v": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=10,
-    ),
-    "blocks.60.attn.o": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=10,
-    ),
-    "blocks.60.ln2.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=10),
-    "blocks.60.ln2.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=10),
-    "blocks.60.up.kernel": Parameter(
-        (12288, 49152),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=10,
-    ),
-    "blocks.60.up.bias": Parameter(
-        (49152,),
-        "float32",
-        "zeros",
-        P("model"),
-        optimizer_sharding=P(("model", "data")),
-        chunk=10,
-    ),
-    "blocks.60.down.kernel": Parameter(
-        (49152, 12288),
-        "float32",
-        "normal:0.004510548978043951",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=10,
-    ),
-    "blocks.60.down.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=10),
-    "blocks.61.ln1.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=10),
-    "blocks.61.ln1.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=10),
-    "blocks.61.attn.q": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=10,
-    ),
-    "blocks.61.attn.k": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=10,
-    ),
-    "blocks.61.attn.v": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=10,
-    ),
-    "blocks.61.attn.o": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=10,
-    ),
-    "blocks.61.ln2.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=10),
-    "blocks.61.ln2.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=10),
-    "blocks.61.up.kernel": Parameter(
-        (12288, 49152),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=10,
-    ),
-    "blocks.61.up.bias": Parameter(
-        (49152,),
-        "float32",
-        "zeros",
-        P("model"),
-        optimizer_sharding=P(("model", "data")),
-        chunk=10,
-    ),
-    "blocks.61.down.kernel": Parameter(
-        (49152, 12288),
-        "float32",
-        "normal:0.004510548978043951",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=10,
-    ),
-    "blocks.61.down.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=10),
-    "blocks.62.ln1.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=10),
-    "blocks.62.ln1.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=10),
-    "blocks.62.attn.q": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=10,
-    ),
-    "blocks.62.attn.k": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=10,
-    ),
-    "blocks.62.attn.v": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=10,
-    ),
-    "blocks.62.attn.o": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=10,
-    ),
-    "blocks.62.ln2.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=10),
-    "blocks.62.ln2.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=10),
-    "blocks.62.up.kernel": Parameter(
-        (12288, 49152),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=10,
-    ),
-    "blocks.62.up.bias": Parameter(
-        (49152,),
-        "float32",
-        "zeros",
-        P("model"),
-        optimizer_sharding=P(("model", "data")),
-        chunk=10,
-    ),
-    "blocks.62.down.kernel": Parameter(
-        (49152, 12288),
-        "float32",
-        "normal:0.004510548978043951",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=10,
-    ),
-    "blocks.62.down.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=10),
-    "blocks.63.ln1.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=10),
-    "blocks.63.ln1.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=10),
-    "blocks.63.attn.q": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=10,
-    ),
-    "blocks.63.attn.k": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=10,
-    ),
-    "blocks.63.attn.v": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=10,
-    ),
-    "blocks.63.attn.o": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=10,
-    ),
-    "blocks.63.ln2.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=10),
-    "blocks.63.ln2.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=10),
-    "blocks.63.up.kernel": Parameter(
-        (12288, 49152),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=10,
-    ),
-    "blocks.63.up.bias": Parameter(
-        (49152,),
-        "float32",
-        "zeros",
-        P("model"),
-        optimizer_sharding=P(("model", "data")),
-        chunk=10,
-    ),
-    "blocks.63.down.kernel": Parameter(
-        (49152, 12288),
-        "float32",
-        "normal:0.004510548978043951",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=10,
-    ),
-    "blocks.63.down.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=10),
-    "blocks.64.ln1.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=10),
-    "blocks.64.ln1.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=10),
-    "blocks.64.attn.q": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=10,
-    ),
-    "blocks.64.attn.k": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=10,
-    ),
-    "blocks.64.attn.v": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=10,
-    ),
-    "blocks.64.attn.o": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=10,
-    ),
-    "blocks.64.ln2.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=10),
-    "blocks.64.ln2.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=10),
-    "blocks.64.up.kernel": Parameter(
-        (12288, 49152),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=10,
-    ),
-    "blocks.64.up.bias": Parameter(
-        (49152,),
-        "float32",
-        "zeros",
-        P("model"),
-        optimizer_sharding=P(("model", "data")),
-        chunk=10,
-    ),
-    "blocks.64.down.kernel": Parameter(
-        (49152, 12288),
-        "float32",
-        "normal:0.004510548978043951",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=10,
-    ),
-    "blocks.64.down.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=10),
-    "blocks.65.ln1.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=10),
-    "blocks.65.ln1.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=10),
-    "blocks.65.attn.q": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=10,
-    ),
-    "blocks.65.attn.k": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=10,
-    ),
-    "blocks.65.attn.v": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=10,
-    ),
-    "blocks.65.attn.o": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=10,
-    ),
-    "blocks.65.ln2.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=10),
-    "blocks.65.ln2.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=10),
-    "blocks.65.up.kernel": Parameter(
-        (12288, 49152),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=10,
-    ),
-    "blocks.65.up.bias": Parameter(
-        (49152,),
-        "float32",
-        "zeros",
-        P("model"),
-        optimizer_sharding=P(("model", "data")),
-        chunk=10,
-    ),
-    "blocks.65.down.kernel": Parameter(
-        (49152, 12288),
-        "float32",
-        "normal:0.004510548978043951",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=10,
-    ),
-    "blocks.65.down.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=10),
-    "blocks.66.ln1.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=11),
-    "blocks.66.ln1.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=11),
-    "blocks.66.attn.q": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=11,
-    ),
-    "blocks.66.attn.k": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=11,
-    ),
-    "blocks.66.attn.v": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=11,
-    ),
-    "blocks.66.attn.o": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=11,
-    ),
-    "blocks.66.ln2.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=11),
-    "blocks.66.ln2.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=11),
-    "blocks.66.up.kernel": Parameter(
-        (12288, 49152),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=11,
-    ),
-    "blocks.66.up.bias": Parameter(
-        (49152,),
-        "float32",
-        "zeros",
-        P("model"),
-        optimizer_sharding=P(("model", "data")),
-        chunk=11,
-    ),
-    "blocks.66.down.kernel": Parameter(
-        (49152, 12288),
-        "float32",
-        "normal:0.004510548978043951",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=11,
-    ),
-    "blocks.66.down.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=11),
-    "blocks.67.ln1.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=11),
-    "blocks.67.ln1.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=11),
-    "blocks.67.attn.q": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=11,
-    ),
-    "blocks.67.attn.k": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=11,
-    ),
-    "blocks.67.attn.v": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=11,
-    ),
-    "blocks.67.attn.o": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=11,
-    ),
-    "blocks.67.ln2.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=11),
-    "blocks.67.ln2.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=11),
-    "blocks.67.up.kernel": Parameter(
-        (12288, 49152),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=11,
-    ),
-    "blocks.67.up.bias": Parameter(
-        (49152,),
-        "float32",
-        "zeros",
-        P("model"),
-        optimizer_sharding=P(("model", "data")),
-        chunk=11,
-    ),
-    "blocks.67.down.kernel": Parameter(
-        (49152, 12288),
-        "float32",
-        "normal:0.004510548978043951",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=11,
-    ),
-    "blocks.67.down.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=11),
-    "blocks.68.ln1.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=11),
-    "blocks.68.ln1.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=11),
-    "blocks.68.attn.q": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=11,
-    ),
-    "blocks.68.attn.k": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=11,
-    ),
-    "blocks.68.attn.v": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=11,
-    ),
-    "blocks.68.attn.o": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=11,
-    ),
-    "blocks.68.ln2.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=11),
-    "blocks.68.ln2.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=11),
-    "blocks.68.up.kernel": Parameter(
-        (12288, 49152),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=11,
-    ),
-    "blocks.68.up.bias": Parameter(
-        (49152,),
-        "float32",
-        "zeros",
-        P("model"),
-        optimizer_sharding=P(("model", "data")),
-        chunk=11,
-    ),
-    "blocks.68.down.kernel": Parameter(
-        (49152, 12288),
-        "float32",
-        "normal:0.004510548978043951",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=11,
-    ),
-    "blocks.68.down.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=11),
-    "blocks.69.ln1.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=11),
-    "blocks.69.ln1.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=11),
-    "blocks.69.attn.q": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=11,
-    ),
-    "blocks.69.attn.k": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=11,
-    ),
-    "blocks.69.attn.v": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=11,
-    ),
-    "blocks.69.attn.o": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=11,
-    ),
-    "blocks.69.ln2.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=11),
-    "blocks.69.ln2.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=11),
-    "blocks.69.up.kernel": Parameter(
-        (12288, 49152),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=11,
-    ),
-    "blocks.69.up.bias": Parameter(
-        (49152,),
-        "float32",
-        "zeros",
-        P("model"),
-        optimizer_sharding=P(("model", "data")),
-        chunk=11,
-    ),
-    "blocks.69.down.kernel": Parameter(
-        (49152, 12288),
-        "float32",
-        "normal:0.004510548978043951",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=11,
-    ),
-    "blocks.69.down.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=11),
-    "blocks.70.ln1.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=11),
-    "blocks.70.ln1.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=11),
-    "blocks.70.attn.q": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=11,
-    ),
-    "blocks.70.attn.k": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=11,
-    ),
-    "blocks.70.attn.v": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=11,
-    ),
-    "blocks.70.attn.o": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=11,
-    ),
-    "blocks.70.ln2.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=11),
-    "blocks.70.ln2.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=11),
-    "blocks.70.up.kernel": Parameter(
-        (12288, 49152),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=11,
-    ),
-    "blocks.70.up.bias": Parameter(
-        (49152,),
-        "float32",
-        "zeros",
-        P("model"),
-        optimizer_sharding=P(("model", "data")),
-        chunk=11,
-    ),
-    "blocks.70.down.kernel": Parameter(
-        (49152, 12288),
-        "float32",
-        "normal:0.004510548978043951",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=11,
-    ),
-    "blocks.70.down.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=11),
-    "blocks.71.ln1.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=11),
-    "blocks.71.ln1.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=11),
-    "blocks.71.attn.q": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=11,
-    ),
-    "blocks.71.attn.k": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=11,
-    ),
-    "blocks.71.attn.v": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=11,
-    ),
-    "blocks.71.attn.o": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=11,
-    ),
-    "blocks.71.ln2.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=11),
-    "blocks.71.ln2.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=11),
-    "blocks.71.up.kernel": Parameter(
-        (12288, 49152),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=11,
-    ),
-    "blocks.71.up.bias": Parameter(
-        (49152,),
-        "float32",
-        "zeros",
-        P("model"),
-        optimizer_sharding=P(("model", "data")),
-        chunk=11,
-    ),
-    "blocks.71.down.kernel": Parameter(
-        (49152, 12288),
-        "float32",
-        "normal:0.004510548978043951",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=11,
-    ),
-    "blocks.71.down.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=11),
-    "blocks.72.ln1.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=12),
-    "blocks.72.ln1.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=12),
-    "blocks.72.attn.q": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=12,
-    ),
-    "blocks.72.attn.k": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=12,
-    ),
-    "blocks.72.attn.v": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=12,
-    ),
-    "blocks.72.attn.o": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=12,
-    ),
-    "blocks.72.ln2.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=12),
-    "blocks.72.ln2.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=12),
-    "blocks.72.up.kernel": Parameter(
-        (12288, 49152),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=12,
-    ),
-    "blocks.72.up.bias": Parameter(
-        (49152,),
-        "float32",
-        "zeros",
-        P("model"),
-        optimizer_sharding=P(("model", "data")),
-        chunk=12,
-    ),
-    "blocks.72.down.kernel": Parameter(
-        (49152, 12288),
-        "float32",
-        "normal:0.004510548978043951",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=12,
-    ),
-    "blocks.72.down.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=12),
-    "blocks.73.ln1.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=12),
-    "blocks.73.ln1.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=12),
-    "blocks.73.attn.q": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=12,
-    ),
-    "blocks.73.attn.k": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=12,
-    ),
-    "blocks.73.attn.v": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=12,
-    ),
-    "blocks.73.attn.o": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=12,
-    ),
-    "blocks.73.ln2.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=12),
-    "blocks.73.ln2.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=12),
-    "blocks.73.up.kernel": Parameter(
-        (12288, 49152),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=12,
-    ),
-    "blocks.73.up.bias": Parameter(
-        (49152,),
-        "float32",
-        "zeros",
-        P("model"),
-        optimizer_sharding=P(("model", "data")),
-        chunk=12,
-    ),
-    "blocks.73.down.kernel": Parameter(
-        (49152, 12288),
-        "float32",
-        "normal:0.004510548978043951",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=12,
-    ),
-    "blocks.73.down.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=12),
-    "blocks.74.ln1.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=12),
-    "blocks.74.ln1.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=12),
-    "blocks.74.attn.q": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=12,
-    ),
-    "blocks.74.attn.k": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=12,
-    ),
-    "blocks.74.attn.v": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=12,
-    ),
-    "blocks.74.attn.o": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=12,
-    ),
-    "blocks.74.ln2.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=12),
-    "blocks.74.ln2.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=12),
-    "blocks.74.up.kernel": Parameter(
-        (12288, 49152),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=12,
-    ),
-    "blocks.74.up.bias": Parameter(
-        (49152,),
-        "float32",
-        "zeros",
-        P("model"),
-        optimizer_sharding=P(("model", "data")),
-        chunk=12,
-    ),
-    "blocks.74.down.kernel": Parameter(
-        (49152, 12288),
-        "float32",
-        "normal:0.004510548978043951",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=12,
-    ),
-    "blocks.74.down.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=12),
-    "blocks.75.ln1.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=12),
-    "blocks.75.ln1.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=12),
-    "blocks.75.attn.q": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=12,
-    ),
-    "blocks.75.attn.k": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=12,
-    ),
-    "blocks.75.attn.v": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=12,
-    ),
-    "blocks.75.attn.o": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=12,
-    ),
-    "blocks.75.ln2.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=12),
-    "blocks.75.ln2.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=12),
-    "blocks.75.up.kernel": Parameter(
-        (12288, 49152),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=12,
-    ),
-    "blocks.75.up.bias": Parameter(
-        (49152,),
-        "float32",
-        "zeros",
-        P("model"),
-        optimizer_sharding=P(("model", "data")),
-        chunk=12,
-    ),
-    "blocks.75.down.kernel": Parameter(
-        (49152, 12288),
-        "float32",
-        "normal:0.004510548978043951",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=12,
-    ),
-    "blocks.75.down.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=12),
-    "blocks.76.ln1.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=12),
-    "blocks.76.ln1.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=12),
-    "blocks.76.attn.q": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=12,
-    ),
-    "blocks.76.attn.k": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=12,
-    ),
-    "blocks.76.attn.v": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=12,
-    ),
-    "blocks.76.attn.o": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=12,
-    ),
-    "blocks.76.ln2.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=12),
-    "blocks.76.ln2.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=12),
-    "blocks.76.up.kernel": Parameter(
-        (12288, 49152),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=12,
-    ),
-    "blocks.76.up.bias": Parameter(
-        (49152,),
-        "float32",
-        "zeros",
-        P("model"),
-        optimizer_sharding=P(("model", "data")),
-        chunk=12,
-    ),
-    "blocks.76.down.kernel": Parameter(
-        (49152, 12288),
-        "float32",
-        "normal:0.004510548978043951",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=12,
-    ),
-    "blocks.76.down.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=12),
-    "blocks.77.ln1.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=12),
-    "blocks.77.ln1.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=12),
-    "blocks.77.attn.q": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=12,
-    ),
-    "blocks.77.attn.k": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=12,
-    ),
-    "blocks.77.attn.v": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=12,
-    ),
-    "blocks.77.attn.o": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=12,
-    ),
-    "blocks.77.ln2.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=12),
-    "blocks.77.ln2.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=12),
-    "blocks.77.up.kernel": Parameter(
-        (12288, 49152),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=12,
-    ),
-    "blocks.77.up.bias": Parameter(
-        (49152,),
-        "float32",
-        "zeros",
-        P("model"),
-        optimizer_sharding=P(("model", "data")),
-        chunk=12,
-    ),
-    "blocks.77.down.kernel": Parameter(
-        (49152, 12288),
-        "float32",
-        "normal:0.004510548978043951",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=12,
-    ),
-    "blocks.77.down.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=12),
-    "blocks.78.ln1.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=13),
-    "blocks.78.ln1.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=13),
-    "blocks.78.attn.q": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=13,
-    ),
-    "blocks.78.attn.k": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=13,
-    ),
-    "blocks.78.attn.v": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=13,
-    ),
-    "blocks.78.attn.o": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=13,
-    ),
-    "blocks.78.ln2.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=13),
-    "blocks.78.ln2.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=13),
-    "blocks.78.up.kernel": Parameter(
-        (12288, 49152),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=13,
-    ),
-    "blocks.78.up.bias": Parameter(
-        (49152,),
-        "float32",
-        "zeros",
-        P("model"),
-        optimizer_sharding=P(("model", "data")),
-        chunk=13,
-    ),
-    "blocks.78.down.kernel": Parameter(
-        (49152, 12288),
-        "float32",
-        "normal:0.004510548978043951",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=13,
-    ),
-    "blocks.78.down.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=13),
-    "blocks.79.ln1.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=13),
-    "blocks.79.ln1.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=13),
-    "blocks.79.attn.q": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=13,
-    ),
-    "blocks.79.attn.k": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=13,
-    ),
-    "blocks.79.attn.v": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=13,
-    ),
-    "blocks.79.attn.o": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=13,
-    ),
-    "blocks.79.ln2.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=13),
-    "blocks.79.ln2.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=13),
-    "blocks.79.up.kernel": Parameter(
-        (12288, 49152),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=13,
-    ),
-    "blocks.79.up.bias": Parameter(
-        (49152,),
-        "float32",
-        "zeros",
-        P("model"),
-        optimizer_sharding=P(("model", "data")),
-        chunk=13,
-    ),
-    "blocks.79.down.kernel": Parameter(
-        (49152, 12288),
-        "float32",
-        "normal:0.004510548978043951",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=13,
-    ),
-    "blocks.79.down.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=13),
-    "blocks.80.ln1.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=13),
-    "blocks.80.ln1.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=13),
-    "blocks.80.attn.q": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=13,
-    ),
-    "blocks.80.attn.k": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=13,
-    ),
-    "blocks.80.attn.v": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=13,
-    ),
-    "blocks.80.attn.o": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=13,
-    ),
-    "blocks.80.ln2.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=13),
-    "blocks.80.ln2.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=13),
-    "blocks.80.up.kernel": Parameter(
-        (12288, 49152),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=13,
-    ),
-    "blocks.80.up.bias": Parameter(
-        (49152,),
-        "float32",
-        "zeros",
-        P("model"),
-        optimizer_sharding=P(("model", "data")),
-        chunk=13,
-    ),
-    "blocks.80.down.kernel": Parameter(
-        (49152, 12288),
-        "float32",
-        "normal:0.004510548978043951",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=13,
-    ),
-    "blocks.80.down.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=13),
-    "blocks.81.ln1.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=13),
-    "blocks.81.ln1.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=13),
-    "blocks.81.attn.q": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=13,
-    ),
-    "blocks.81.attn.k": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=13,
-    ),
-    "blocks.81.attn.v": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=13,
-    ),
-    "blocks.81.attn.o": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=13,
-    ),
-    "blocks.81.ln2.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=13),
-    "blocks.81.ln2.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=13),
-    "blocks.81.up.kernel": Parameter(
-        (12288, 49152),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=13,
-    ),
-    "blocks.81.up.bias": Parameter(
-        (49152,),
-        "float32",
-        "zeros",
-        P("model"),
-        optimizer_sharding=P(("model", "data")),
-        chunk=13,
-    ),
-    "blocks.81.down.kernel": Parameter(
-        (49152, 12288),
-        "float32",
-        "normal:0.004510548978043951",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=13,
+        "ones",
+        P("stage", None),
+        optimizer_sharding=P("stage", "data"),
+        layers=(1,),
+        stage_rows=0,
     ),
-    "blocks.81.down.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=13),
-    "blocks.82.ln1.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=13),
-    "blocks.82.ln1.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=13),
-    "blocks.82.attn.q": Parameter(
-        (12288, 12288),
+    "blocks.*.ln1.bias": Parameter(
+        (96, 12288),
         "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=13,
-    ),
-    "blocks.82.attn.k": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=13,
-    ),
-    "blocks.82.attn.v": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=13,
-    ),
-    "blocks.82.attn.o": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=13,
-    ),
-    "blocks.82.ln2.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=13),
-    "blocks.82.ln2.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=13),
-    "blocks.82.up.kernel": Parameter(
-        (12288, 49152),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=13,
-    ),
-    "blocks.82.up.bias": Parameter(
-        (49152,),
-        "float32",
-        "zeros",
-        P("model"),
-        optimizer_sharding=P(("model", "data")),
-        chunk=13,
-    ),
-    "blocks.82.down.kernel": Parameter(
-        (49152, 12288),
-        "float32",
-        "normal:0.004510548978043951",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=13,
-    ),
-    "blocks.82.down.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=13),
-    "blocks.83.ln1.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=13),
-    "blocks.83.ln1.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=13),
-    "blocks.83.attn.q": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=13,
-    ),
-    "blocks.83.attn.k": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=13,
-    ),
-    "blocks.83.attn.v": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=13,
-    ),
-    "blocks.83.attn.o": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=13,
-    ),
-    "blocks.83.ln2.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=13),
-    "blocks.83.ln2.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=13),
-    "blocks.83.up.kernel": Parameter(
-        (12288, 49152),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=13,
-    ),
-    "blocks.83.up.bias": Parameter(
-        (49152,),
-        "float32",
-        "zeros",
-        P("model"),
-        optimizer_sharding=P(("model", "data")),
-        chunk=13,
-    ),
-    "blocks.83.down.kernel": Parameter(
-        (49152, 12288),
-        "float32",
-        "normal:0.004510548978043951",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=13,
-    ),
-    "blocks.83.down.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=13),
-    "blocks.84.ln1.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=14),
-    "blocks.84.ln1.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=14),
-    "blocks.84.attn.q": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=14,
-    ),
-    "blocks.84.attn.k": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=14,
-    ),
-    "blocks.84.attn.v": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=14,
-    ),
-    "blocks.84.attn.o": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=14,
-    ),
-    "blocks.84.ln2.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=14),
-    "blocks.84.ln2.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=14),
-    "blocks.84.up.kernel": Parameter(
-        (12288, 49152),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=14,
-    ),
-    "blocks.84.up.bias": Parameter(
-        (49152,),
-        "float32",
-        "zeros",
-        P("model"),
-        optimizer_sharding=P(("model", "data")),
-        chunk=14,
-    ),
-    "blocks.84.down.kernel": Parameter(
-        (49152, 12288),
-        "float32",
-        "normal:0.004510548978043951",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=14,
-    ),
-    "blocks.84.down.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=14),
-    "blocks.85.ln1.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=14),
-    "blocks.85.ln1.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=14),
-    "blocks.85.attn.q": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=14,
-    ),
-    "blocks.85.attn.k": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=14,
-    ),
-    "blocks.85.attn.v": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=14,
-    ),
-    "blocks.85.attn.o": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=14,
-    ),
-    "blocks.85.ln2.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=14),
-    "blocks.85.ln2.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=14),
-    "blocks.85.up.kernel": Parameter(
-        (12288, 49152),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=14,
-    ),
-    "blocks.85.up.bias": Parameter(
-        (49152,),
-        "float32",
-        "zeros",
-        P("model"),
-        optimizer_sharding=P(("model", "data")),
-        chunk=14,
-    ),
-    "blocks.85.down.kernel": Parameter(
-        (49152, 12288),
-        "float32",
-        "normal:0.004510548978043951",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=14,
-    ),
-    "blocks.85.down.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=14),
-    "blocks.86.ln1.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=14),
-    "blocks.86.ln1.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=14),
-    "blocks.86.attn.q": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=14,
-    ),
-    "blocks.86.attn.k": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=14,
-    ),
-    "blocks.86.attn.v": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=14,
-    ),
-    "blocks.86.attn.o": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=14,
-    ),
-    "blocks.86.ln2.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=14),
-    "blocks.86.ln2.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=14),
-    "blocks.86.up.kernel": Parameter(
-        (12288, 49152),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=14,
-    ),
-    "blocks.86.up.bias": Parameter(
-        (49152,),
-        "float32",
-        "zeros",
-        P("model"),
-        optimizer_sharding=P(("model", "data")),
-        chunk=14,
-    ),
-    "blocks.86.down.kernel": Parameter(
-        (49152, 12288),
-        "float32",
-        "normal:0.004510548978043951",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=14,
-    ),
-    "blocks.86.down.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=14),
-    "blocks.87.ln1.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=14),
-    "blocks.87.ln1.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=14),
-    "blocks.87.attn.q": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=14,
-    ),
-    "blocks.87.attn.k": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=14,
-    ),
-    "blocks.87.attn.v": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=14,
-    ),
-    "blocks.87.attn.o": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=14,
-    ),
-    "blocks.87.ln2.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=14),
-    "blocks.87.ln2.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=14),
-    "blocks.87.up.kernel": Parameter(
-        (12288, 49152),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=14,
-    ),
-    "blocks.87.up.bias": Parameter(
-        (49152,),
-        "float32",
-        "zeros",
-        P("model"),
-        optimizer_sharding=P(("model", "data")),
-        chunk=14,
-    ),
-    "blocks.87.down.kernel": Parameter(
-        (49152, 12288),
-        "float32",
-        "normal:0.004510548978043951",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=14,
-    ),
-    "blocks.87.down.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=14),
-    "blocks.88.ln1.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=14),
-    "blocks.88.ln1.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=14),
-    "blocks.88.attn.q": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=14,
-    ),
-    "blocks.88.attn.k": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=14,
-    ),
-    "blocks.88.attn.v": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=14,
-    ),
-    "blocks.88.attn.o": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=14,
-    ),
-    "blocks.88.ln2.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=14),
-    "blocks.88.ln2.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=14),
-    "blocks.88.up.kernel": Parameter(
-        (12288, 49152),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=14,
-    ),
-    "blocks.88.up.bias": Parameter(
-        (49152,),
-        "float32",
-        "zeros",
-        P("model"),
-        optimizer_sharding=P(("model", "data")),
-        chunk=14,
-    ),
-    "blocks.88.down.kernel": Parameter(
-        (49152, 12288),
-        "float32",
-        "normal:0.004510548978043951",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=14,
-    ),
-    "blocks.88.down.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=14),
-    "blocks.89.ln1.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=14),
-    "blocks.89.ln1.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=14),
-    "blocks.89.attn.q": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=14,
-    ),
-    "blocks.89.attn.k": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=14,
-    ),
-    "blocks.89.attn.v": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=14,
-    ),
-    "blocks.89.attn.o": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=14,
-    ),
-    "blocks.89.ln2.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=14),
-    "blocks.89.ln2.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=14),
-    "blocks.89.up.kernel": Parameter(
-        (12288, 49152),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=14,
-    ),
-    "blocks.89.up.bias": Parameter(
-        (49152,),
-        "float32",
-        "zeros",
-        P("model"),
-        optimizer_sharding=P(("model", "data")),
-        chunk=14,
-    ),
-    "blocks.89.down.kernel": Parameter(
-        (49152, 12288),
-        "float32",
-        "normal:0.004510548978043951",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=14,
-    ),
-    "blocks.89.down.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=14),
-    "blocks.90.ln1.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=15),
-    "blocks.90.ln1.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=15),
-    "blocks.90.attn.q": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=15,
-    ),
-    "blocks.90.attn.k": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=15,
-    ),
-    "blocks.90.attn.v": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=15,
-    ),
-    "blocks.90.attn.o": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=15,
-    ),
-    "blocks.90.ln2.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=15),
-    "blocks.90.ln2.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=15),
-    "blocks.90.up.kernel": Parameter(
-        (12288, 49152),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=15,
-    ),
-    "blocks.90.up.bias": Parameter(
-        (49152,),
-        "float32",
-        "zeros",
-        P("model"),
-        optimizer_sharding=P(("model", "data")),
-        chunk=15,
-    ),
-    "blocks.90.down.kernel": Parameter(
-        (49152, 12288),
-        "float32",
-        "normal:0.004510548978043951",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=15,
-    ),
-    "blocks.90.down.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=15),
-    "blocks.91.ln1.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=15),
-    "blocks.91.ln1.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=15),
-    "blocks.91.attn.q": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=15,
-    ),
-    "blocks.91.attn.k": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=15,
-    ),
-    "blocks.91.attn.v": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=15,
-    ),
-    "blocks.91.attn.o": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=15,
-    ),
-    "blocks.91.ln2.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=15),
-    "blocks.91.ln2.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=15),
-    "blocks.91.up.kernel": Parameter(
-        (12288, 49152),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=15,
-    ),
-    "blocks.91.up.bias": Parameter(
-        (49152,),
-        "float32",
         "zeros",
-        P("model"),
-        optimizer_sharding=P(("model", "data")),
-        chunk=15,
+        P("stage", None),
+        optimizer_sharding=P("stage", "data"),
+        layers=(1,),
+        stage_rows=0,
     ),
-    "blocks.91.down.kernel": Parameter(
-        (49152, 12288),
+    "blocks.*.attn.q": Parameter(
+        (96, 12288, 12288),
         "float32",
-        "normal:0.004510548978043951",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=15,
-    ),
-    "blocks.91.down.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=15),
-    "blocks.92.ln1.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=15),
-    "blocks.92.ln1.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=15),
-    "blocks.92.attn.q": Parameter(
-        (12288, 12288),
-        "float32",
         "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=15,
+        P("stage", None, "model"),
+        optimizer_sharding=P("stage", "data", "model"),
+        layers=(1,),
+        stage_rows=0,
     ),
-    "blocks.92.attn.k": Parameter(
-        (12288, 12288),
+    "blocks.*.attn.k": Parameter(
+        (96, 12288, 12288),
         "float32",
         "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=15,
+        P("stage", None, "model"),
+        optimizer_sharding=P("stage", "data", "model"),
+        layers=(1,),
+        stage_rows=0,
     ),
-    "blocks.92.attn.v": Parameter(
-        (12288, 12288),
+    "blocks.*.attn.v": Parameter(
+        (96, 12288, 12288),
         "float32",
         "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=15,
+        P("stage", None, "model"),
+        optimizer_sharding=P("stage", "data", "model"),
+        layers=(1,),
+        stage_rows=0,
     ),
-    "blocks.92.attn.o": Parameter(
-        (12288, 12288),
+    "blocks.*.attn.o": Parameter(
+        (96, 12288, 12288),
         "float32",
         "normal:0.009021097956087902",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=15,
+        P("stage", "model", None),
+        optimizer_sharding=P("stage", ("model", "data"), None),
+        layers=(1,),
+        stage_rows=0,
     ),
-    "blocks.92.ln2.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=15),
-    "blocks.92.ln2.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=15),
-    "blocks.92.up.kernel": Parameter(
-        (12288, 49152),
+    "blocks.*.ln2.scale": Parameter(
+        (96, 12288),
         "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=15,
+        "ones",
+        P("stage", None),
+        optimizer_sharding=P("stage", "data"),
+        layers=(1,),
+        stage_rows=0,
     ),
-    "blocks.92.up.bias": Parameter(
-        (49152,),
+    "blocks.*.ln2.bias": Parameter(
+        (96, 12288),
         "float32",
         "zeros",
-        P("model"),
-        optimizer_sharding=P(("model", "data")),
-        chunk=15,
+        P("stage", None),
+        optimizer_sharding=P("stage", "data"),
+        layers=(1,),
+        stage_rows=0,
     ),
-    "blocks.92.down.kernel": Parameter(
-        (49152, 12288),
+    "blocks.*.up.kernel": Parameter(
+        (96, 12288, 49152),
         "float32",
-        "normal:0.004510548978043951",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=15,
-    ),
-    "blocks.92.down.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=15),
-    "blocks.93.ln1.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=15),
-    "blocks.93.ln1.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=15),
-    "blocks.93.attn.q": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=15,
-    ),
-    "blocks.93.attn.k": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=15,
-    ),
-    "blocks.93.attn.v": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=15,
-    ),
-    "blocks.93.attn.o": Parameter(
-        (12288, 12288),
-        "float32",
         "normal:0.009021097956087902",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=15,
+        P("stage", None, "model"),
+        optimizer_sharding=P("stage", "data", "model"),
+        layers=(1,),
+        stage_rows=0,
     ),
-    "blocks.93.ln2.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=15),
-    "blocks.93.ln2.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=15),
-    "blocks.93.up.kernel": Parameter(
-        (12288, 49152),
+    "blocks.*.up.bias": Parameter(
+        (96, 49152),
         "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=15,
-    ),
-    "blocks.93.up.bias": Parameter(
-        (49152,),
-        "float32",
         "zeros",
-        P("model"),
-        optimizer_sharding=P(("model", "data")),
-        chunk=15,
+        P("stage", "model"),
+        optimizer_sharding=P("stage", ("model", "data")),
+        layers=(1,),
+        stage_rows=0,
     ),
-    "blocks.93.down.kernel": Parameter(
-        (49152, 12288),
+    "blocks.*.down.kernel": Parameter(
+        (96, 49152, 12288),
         "float32",
         "normal:0.004510548978043951",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=15,
-    ),
-    "blocks.93.down.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=15),
-    "blocks.94.ln1.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=15),
-    "blocks.94.ln1.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=15),
-    "blocks.94.attn.q": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=15,
-    ),
-    "blocks.94.attn.k": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=15,
-    ),
-    "blocks.94.attn.v": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=15,
+        P("stage", "model", None),
+        optimizer_sharding=P("stage", ("model", "data"), None),
+        layers=(1,),
+        stage_rows=0,
     ),
-    "blocks.94.attn.o": Parameter(
-        (12288, 12288),
+    "blocks.*.down.bias": Parameter(
+        (96, 12288),
         "float32",
-        "normal:0.009021097956087902",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=15,
-    ),
-    "blocks.94.ln2.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=15),
-    "blocks.94.ln2.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=15),
-    "blocks.94.up.kernel": Parameter(
-        (12288, 49152),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=15,
-    ),
-    "blocks.94.up.bias": Parameter(
-        (49152,),
-        "float32",
         "zeros",
-        P("model"),
-        optimizer_sharding=P(("model", "data")),
-        chunk=15,
-    ),
-    "blocks.94.down.kernel": Parameter(
-        (49152, 12288),
-        "float32",
-        "normal:0.004510548978043951",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=15,
-    ),
-    "blocks.94.down.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=15),
-    "blocks.95.ln1.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=15),
-    "blocks.95.ln1.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=15),
-    "blocks.95.attn.q": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=15,
-    ),
-    "blocks.95.attn.k": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=15,
-    ),
-    "blocks.95.attn.v": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=15,
-    ),
-    "blocks.95.attn.o": Parameter(
-        (12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=15,
+        P("stage", None),
+        optimizer_sharding=P("stage", "data"),
+        layers=(1,),
+        stage_rows=0,
     ),
-    "blocks.95.ln2.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=15),
-    "blocks.95.ln2.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=15),
-    "blocks.95.up.kernel": Parameter(
-        (12288, 49152),
+    "ln_f.scale": Parameter(
+        (12288,),
         "float32",
-        "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=15,
+        "ones",
+        P("stage"),
+        optimizer_sharding=P(("stage", "data")),
+        stage_split=0,
     ),
-    "blocks.95.up.bias": Parameter(
-        (49152,),
+    "ln_f.bias": Parameter(
+        (12288,),
         "float32",
         "zeros",
-        P("model"),
-        optimizer_sharding=P(("model", "data")),
-        chunk=15,
-    ),
-    "blocks.95.down.kernel": Parameter(
-        (49152, 12288),
-        "float32",
-        "normal:0.004510548978043951",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
-        chunk=15,
+        P("stage"),
+        optimizer_sharding=P(("stage", "data")),
+        stage_split=0,
     ),
-    "blocks.95.down.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=15),
-    "ln_f.scale": Parameter((12288,), "float32", "ones", P(None), optimizer_sharding=P("data"), chunk=15),
-    "ln_f.bias": Parameter((12288,), "float32", "zeros", P(None), optimizer_sharding=P("data"), chunk=15),
     "head.kernel": Parameter(
         (12288, 51200),
         "float32",
         "normal:0.009021097956087902",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
-        chunk=15,
+        P("stage", "model"),
+        optimizer_sharding=P(("stage", "data"), "model"),
+        stage_split=0,
     ),
 }
 
@@ -5905,10 +387,25 @@ def init_params(seed: int, mesh: jax.sharding.Mesh) -> dict[str, jax.Array]:
 
     def create() -> dict[str, jax.Array]:
         key = jax.random.key(seed)
-        return {name: initial_value(p.init, p.shape, p.dtype, named_key(key, name)) for name, p in PARAMETERS.items()}
+        return {name: initial_array(name, p, key) for name, p in PARAMETERS.items()}
 
     shardings = {name: NamedSharding(mesh, p.sharding) for name, p in PARAMETERS.items()}
     return jax.jit(create, out_shardings=shardings)()
+
+
+def export_weights(params: dict[str, jax.Array]) -> dict[str, np.ndarray]:
+    """Every weight by its per-layer name, as numpy arrays."""
+    return to_weights(PARAMETERS, {name: jax.device_get(value) for name, value in params.items()})
+
+
+def import_weights(weights: dict[str, np.ndarray], mesh: jax.sharding.Mesh) -> dict[str, jax.Array]:
+    """The stored arrays for weights given by their per-layer names, placed on the mesh."""
+    return {
+        name: jax.device_put(
+            value.astype(jnp.dtype(PARAMETERS[name].dtype)), NamedSharding(mesh, PARAMETERS[name].sharding)
+        )
+        for name, value in from_weights(PARAMETERS, weights).items()
+    }
 
 
 def place(batch: dict[str, np.ndarray], mesh: jax.sharding.Mesh) -> dict[str, jax.Array]:
@@ -5933,24 +430,6 @@ def random_batch(seed: int) -> dict[str, np.ndarray]:
 
 
 # ---- kernels: the arithmetic of each layer kind, the pipeline executor and the optimizer ----
-
-
-def named_key(key: jax.Array, name: str) -> jax.Array:
-    """A key for one named thing (a parameter, a dropout layer), the same whatever else the
-    model contains, so a seed gives the same weights whatever the mesh."""
-    return jax.random.fold_in(key, zlib.crc32(name.encode()))
-
-
-def initial_value(init: str, shape: tuple[int, ...], dtype: str, key: jax.Array) -> jax.Array:
-    """A parameter's first value; `init` is "zeros", "ones" or "normal:STD"."""
-    if init == "zeros":
-        return jnp.zeros(shape, dtype)
-    if init == "ones":
-        return jnp.ones(shape, dtype)
-    kind, _, std = init.partition(":")
-    if kind != "normal":
-        raise ValueError(f"unknown initializer {init!r}")
-    return (float(std) * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
 
 
 def linear(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *, dtype: str) -> jax.Array:
@@ -6057,9 +536,14 @@ TABLE_ENTRIES = (
 Chunk = Callable[[Any, jax.Array, dict[str, jax.Array], jax.Array | None], Any]
 
 
+# weights(stage_arrays) -> a chunk's weights, as its code computes with them.
+ChunkWeights = Callable[[dict[str, jax.Array]], dict[str, jax.Array]]
+
+
 def pipeline_value_and_grad(
     chunks: Sequence[Chunk],
-    weights: Sequence[Any],
+    shares: Sequence[ChunkWeights],
+    params: dict[str, jax.Array],
     batch: dict[str, jax.Array],
     key: jax.Array | None,
     *,
@@ -6070,210 +554,362 @@ def pipeline_value_and_grad(
     microbatches: int,
     chunk_inputs: Sequence[tuple[int, ...]],
     boundary: tuple[tuple[int, ...], Any],
+    stage_dims: dict[str, tuple[int | None, int | None]],
     has_aux: bool = False,
-) -> tuple[jax.Array, list[Any]]:
-    """Mean loss over the microbatches and the gradient of each chunk's weights.
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Mean loss over the microbatches and the gradient of every stored array.
 
-    `chunk_inputs[c]` is the shape of one microbatch of chunk c's input; `boundary` is the
-    (shape, dtype) of the buffer every inter-stage tensor is padded into: stages of one model
-    may hand over tensors of different widths, and they share a buffer padded to the widest.
+    `stage_dims[name]` is (own, split): `own` the dimension of the array whose pieces are each
+    stage's own (rows or layers), or `split` the dimension a whole array is split along over
+    the stage axis between steps (both None: every stage holds all of it). `chunk_inputs[c]`
+    is the shape of one microbatch of chunk c's input; `boundary` the (shape, dtype) of the
+    buffer every inter-stage tensor is padded into.
     """
     M = microbatches
     # Microbatch i takes rows i, i+M, i+2M, ...: each keeps rows from every data shard.
     micro = {k: v.reshape(v.shape[0] // M, M, *v.shape[1:]).swapaxes(0, 1) for k, v in batch.items()}
     tables = {name: jnp.asarray(np.asarray(table[name], np.int32)) for name in TABLE_ENTRIES}
-    ops = sorted({int(code) for row in table["op"] for code in row} | {IDLE})
-    op_index = jnp.asarray([[ops.index(int(code)) for code in row] for row in table["op"]], jnp.int32)
-    slots = {name: max(1, int(np.max(table[name])) + 1) for name in ("stash_slot", "activation_slot", "gradient_slot")}
-    training = key is not None
+    used = sorted({int(code) for row in table["op"] for code in row})
+    slots = {name: int(np.max(table[name])) + 1 for name in ("stash_slot", "activation_slot", "gradient_slot")}
 
-    def replicated(tree: Any) -> Any:
-        return jax.tree.map(lambda _: PartitionSpec(), tree)
+    def along(dim: int | None) -> PartitionSpec:
+        return PartitionSpec() if dim is None else PartitionSpec(*(None,) * dim, axis)
 
-    def body(weights: list[Any], micro: Any, tables: Any, op_index: jax.Array, key: jax.Array) -> Any:
-        return _run_table(
+    in_specs = {name: along(own) for name, (own, _) in stage_dims.items()}
+    out_specs = {name: along(own if own is not None else split) for name, (own, split) in stage_dims.items()}
+
+    def body(local: dict[str, jax.Array], micro: dict[str, jax.Array], tables: Any, key: jax.Array) -> Any:
+        executor = _Executor(
             chunks,
-            weights,
+            shares,
+            local,
             micro,
             tables,
-            op_index,
-            key if training else None,
-            ops=ops,
-            slots=slots,
-            axis=axis,
-            stream=stream,
-            chunk_inputs=chunk_inputs,
-            boundary=boundary,
-            has_aux=has_aux,
+            key if key_given else None,
+            used,
+            slots,
+            axis,
+            stream,
+            chunk_inputs,
+            boundary,
+            has_aux,
+            M,
         )
+        loss, gacc = executor.run()
+        grads = {}
+        for name, g in gacc.items():
+            own, split = stage_dims[name]
+            if own is not None:
+                grads[name] = g
+            elif split is not None:
+                # Only the stages that use it hold a gradient; each keeps its piece of the sum.
+                grads[name] = lax.psum_scatter(g, axis, scatter_dimension=split, tiled=True)
+            else:
+                grads[name] = lax.psum(g, axis)
+        return lax.psum(loss, axis), grads
 
+    key_given = key is not None
     run = jax.shard_map(
         body,
         mesh=mesh,
-        in_specs=(replicated(list(weights)), replicated(micro), replicated(tables), PartitionSpec(), PartitionSpec()),
-        out_specs=(PartitionSpec(), replicated(list(weights))),
+        in_specs=(in_specs, PartitionSpec(), PartitionSpec(), PartitionSpec()),
+        out_specs=(PartitionSpec(), out_specs),
         axis_names={axis},
+        # Nothing differentiates through this map: every gradient is taken inside, by the
+        # explicit backward ticks, so replication needs no tracking here.
+        check_vma=False,
     )
-    return run(list(weights), micro, tables, op_index, key if key is not None else jax.random.key(0))  # type: ignore[no-any-return]
+    return run(params, micro, tables, key if key is not None else jax.random.key(0))  # type: ignore[no-any-return]
 
 
-def _run_table(
-    chunks: Sequence[Chunk],
-    weights: list[Any],
-    micro: dict[str, jax.Array],
-    tables: dict[str, jax.Array],
-    op_index: jax.Array,
-    key: jax.Array | None,
-    *,
-    ops: list[int],
-    slots: dict[str, int],
-    axis: str,
-    stream: str,
-    chunk_inputs: Sequence[tuple[int, ...]],
-    boundary: tuple[tuple[int, ...], Any],
-    has_aux: bool,
-) -> tuple[jax.Array, list[Any]]:
-    """The body on one stage: scan over the ticks of the table."""
-    C = len(chunks)
-    M = micro[stream].shape[0]
-    P = lax.axis_size(axis)
-    s = lax.axis_index(axis)
-    shape, dtype = boundary
+class _Executor:
+    """The loop on one stage: its buffers, the two switches of a tick, and the sends."""
 
-    def vary(tree: Any) -> Any:
-        """Mark values as differing between stages (the carry of the tick loop must be)."""
+    def __init__(
+        self,
+        chunks: Sequence[Chunk],
+        shares: Sequence[ChunkWeights],
+        local: dict[str, jax.Array],
+        micro: dict[str, jax.Array],
+        tables: dict[str, jax.Array],
+        key: jax.Array | None,
+        used: list[int],
+        slots: dict[str, int],
+        axis: str,
+        stream: str,
+        chunk_inputs: Sequence[tuple[int, ...]],
+        boundary: tuple[tuple[int, ...], Any],
+        has_aux: bool,
+        microbatches: int,
+    ) -> None:
+        self.chunks, self.shares, self.local, self.micro = chunks, shares, local, micro
+        self.tables, self.key, self.used, self.axis, self.stream = tables, key, used, axis, stream
+        self.chunk_inputs, self.has_aux, self.M = chunk_inputs, has_aux, microbatches
+        self.shape, self.dtype = boundary
+        self.C = len(chunks)
+        # Each buffer has one slot more than the table uses: the scratch slot that ticks with
+        # nothing to keep write to, so every write is unconditional.
+        self.slots = slots
+        self.scratch = dict(slots)
+        self.residual_layout = self._residual_layout()
+        # What F records for B while tracing: how to rebuild each chunk's backward.
+        self.rebuild: dict[int, tuple[Any, list[tuple[str, Any]], Any]] = {}
 
-        def one(x: jax.Array) -> jax.Array:
-            x = jnp.asarray(x)
-            return x if axis in jax.typeof(x).mat.varying else lax.pcast(x, (axis,), to="varying")
+    # ---- what a chunk computes --------------------------------------------------------------
 
-        return jax.tree.map(one, tree)
+    def weights(self, c: int) -> dict[str, jax.Array]:
+        return self.shares[c](self.local)
 
-    def fit(y: jax.Array) -> jax.Array:
-        """Pad a chunk's output into the shared boundary buffer."""
-        return jnp.pad(y.astype(dtype), [(0, full - have) for full, have in zip(shape, y.shape, strict=True)])
+    def call(self, c: int, w: Any, x: jax.Array, inputs: dict[str, jax.Array], key: jax.Array | None) -> Any:
+        out = self.chunks[c](w, x, inputs, key)
+        return out if self.has_aux else (out, jnp.zeros((), jnp.float32))
 
-    def take(buffer: jax.Array, c: int) -> jax.Array:
-        """Chunk c's own input out of the shared buffer."""
-        return buffer[tuple(slice(0, n) for n in chunk_inputs[c])]
+    def forward_vjp(self, c: int, inputs: dict[str, jax.Array], x: jax.Array, key: jax.Array | None) -> Any:
+        """The chunk's (output, aux) and its backward; the first chunk's input (token ids)
+        takes no gradient."""
+        w = self.weights(c)
+        if c == 0:
+            out, pull = jax.vjp(lambda w: self.call(c, w, inputs[self.stream], inputs, key), w)
+            return out, pull, (w,)
+        out, pull = jax.vjp(lambda w, x: self.call(c, w, x, inputs, key), w, x)
+        return out, pull, (w, x)
 
-    def scalar_like(t: jax.Array, value: float) -> jax.Array:
-        """`value` typed as `t` is, varying over the stages or not (a cotangent must be)."""
-        c = jnp.asarray(value, t.dtype)
-        return vary(c) if axis in jax.typeof(t).mat.varying else c
+    def _residual_layout(self) -> tuple[list[tuple[tuple[int, ...], Any]], list[list[int]]]:
+        """The stash every stage keeps per slot, and which buffer each chunk's residuals go to.
 
-    stash = vary(jnp.zeros((slots["stash_slot"], *shape), dtype))
-    # Chunk 0's inputs are the model's own input (token ids, say), kept apart from the buffer.
-    first_stash = vary(jnp.zeros((slots["stash_slot"], *micro[stream].shape[1:]), micro[stream].dtype))
-    acts = vary(jnp.zeros((slots["activation_slot"], *shape), dtype))
-    grads_in = vary(jnp.zeros((slots["gradient_slot"], *shape), dtype))
-    gacc = vary(jax.tree.map(jnp.zeros_like, weights))
-    loss = vary(jnp.zeros((), jnp.float32))
-    zero = vary(jnp.zeros(shape, dtype))
+        All stages run one program, so the stash holds buffers for every chunk's residuals.
+        Chunks share a buffer for residuals of one shape and dtype (uniform chunks share all
+        of them); residuals of other shapes get buffers of their own rather than padding, as
+        padding or slicing a dimension split over the mesh moves data between devices."""
+        buffers: list[tuple[tuple[int, ...], Any]] = []
+        placement: list[list[int]] = []
+        for c in range(self.C):
+            inputs = {k: v[0] for k, v in self.micro.items()}
+            x = jnp.zeros(self.chunk_inputs[c], self.dtype)
 
-    def tick(carry: tuple[Any, ...], t: jax.Array) -> tuple[tuple[Any, ...], None]:
-        stash, first_stash, acts, grads_in, gacc, loss = carry
-        m, c = tables["microbatch"][t, s], tables["chunk"][t, s]
-        slot, a_slot, g_slot = (
-            tables["stash_slot"][t, s],
-            tables["activation_slot"][t, s],
-            tables["gradient_slot"][t, s],
+            def saved(c: int = c, inputs: dict[str, jax.Array] = inputs, x: jax.Array = x) -> list[jax.Array]:
+                _, pull, primals = self.forward_vjp(c, inputs, x, self.key)
+                return _residuals(pull, primals)[1]
+
+            taken: set[int] = set()
+            mine = []
+            for a in jax.eval_shape(saved):
+                kind = (tuple(a.shape), a.dtype)
+                b = next((i for i, buffer in enumerate(buffers) if buffer == kind and i not in taken), len(buffers))
+                if b == len(buffers):
+                    buffers.append(kind)
+                taken.add(b)
+                mine.append(b)
+            placement.append(mine)
+        return buffers, placement
+
+    # ---- the loop ---------------------------------------------------------------------------
+
+    def run(self) -> tuple[jax.Array, dict[str, jax.Array]]:
+        buffers, _ = self.residual_layout
+        carry = (
+            tuple(jnp.zeros((self.slots["stash_slot"] + 1, *shape), dtype) for shape, dtype in buffers),
+            jnp.zeros((self.slots["stash_slot"] + 1, *self.shape), self.dtype),  # chunk inputs
+            jnp.zeros((self.slots["activation_slot"] + 1, *self.shape), self.dtype),
+            jnp.zeros((self.slots["gradient_slot"] + 1, *self.shape), self.dtype),
+            {name: jnp.zeros_like(value) for name, value in self.local.items()},
+            jnp.zeros((), jnp.float32),
         )
-        inputs = {k: v[m] for k, v in micro.items()}
-        mb_key = jax.random.fold_in(key, m) if key is not None else None
+        (_, _, _, _, gacc, loss), _ = lax.scan(self.tick, carry, jnp.arange(self.tables["op"].shape[0]))
+        return loss, gacc
 
-        def call(i: int, w: Any, x: jax.Array) -> tuple[jax.Array, jax.Array]:
-            """Chunk i's output (its loss, for the last) and its auxiliary loss."""
-            out = chunks[i](w, x, inputs, mb_key)
-            return out if has_aux else (out, jnp.zeros((), jnp.float32))
+    def tick(self, carry: Any, t: jax.Array) -> tuple[Any, None]:
+        stash, stash_x, acts, grads_in, gacc, loss = carry
+        s = lax.axis_index(self.axis)
+        P = lax.axis_size(self.axis)
+        entry = {name: table[t, s] for name, table in self.tables.items()}
+        op, c, m = entry["op"], entry["chunk"], entry["microbatch"]
+        inputs = {k: v[m] for k, v in self.micro.items()}
+        key = jax.random.fold_in(self.key, m) if self.key is not None else None
 
-        def per_chunk(make: Callable[[int], Callable[[], tuple[Any, ...]]]) -> tuple[Any, ...]:
-            return vary(lax.switch(c, [make(i) for i in range(C)]))
+        def slot(name: str, buffer: str | None = None) -> jax.Array:
+            """The table's slot for `name`, or the scratch slot of its buffer when it has none."""
+            return jnp.where(entry[name] >= 0, entry[name], self.scratch[buffer or name])
 
-        def own(i: int) -> Any:
-            # Varying over the stage axis before differentiating: the transpose of an
-            # implicit invariant-to-varying cast is a psum over stages, which inside a
-            # branch only some stages take would deadlock.
-            return vary(weights[i])
+        # Forward: branch 0 does nothing, branch 1 + c runs chunk c.
+        is_forward = op == FORWARD
+        x = acts[slot("activation_slot")]
+        y, rows, gained = lax.switch(
+            jnp.where(is_forward, c + 1, 0),
+            [self.no_forward, *(self.forward(i) for i in range(self.C))],
+            x,
+            inputs,
+            key,
+        )
+        keep = jnp.where(is_forward, slot("stash_slot"), self.scratch["stash_slot"])
+        stash = tuple(buffer.at[keep].set(row) for buffer, row in zip(stash, rows, strict=True))
+        stash_x = stash_x.at[keep].set(x)
+        loss = loss + gained
 
-        def add_grads(i: int, g: Any) -> list[Any]:
-            return [jax.tree.map(jnp.add, acc, g) if j == i else acc for j, acc in enumerate(gacc)]
+        # Backward: branch 0 passes the accumulator through; then one branch per (op, chunk).
+        backward_ops = [code for code in (BACKWARD, INPUT_GRAD, WEIGHT_GRAD) if code in self.used]
+        branches = [self.no_backward]
+        index = jnp.zeros((), jnp.int32)
+        for k, code in enumerate(backward_ops):
+            branches += [self.backward(i, code) for i in range(self.C)]
+            index = jnp.where(op == code, 1 + k * self.C + c, index)
+        read = jnp.where(index > 0, slot("stash_slot"), self.scratch["stash_slot"])
+        gacc, dx = lax.switch(
+            index,
+            branches,
+            gacc,
+            tuple(buffer[read] for buffer in stash),
+            stash_x[read],
+            grads_in[slot("gradient_slot")],
+            inputs,
+            key,
+        )
 
-        def idle() -> tuple[Any, ...]:
-            return vary((stash, first_stash, gacc, loss, zero, zero))
+        # Unconditional ring sends: every stage, every tick, outside the switches.
+        got_act = lax.ppermute(y, self.axis, [(i, (i + 1) % P) for i in range(P)])
+        got_grad = lax.ppermute(dx, self.axis, [(i, (i - 1) % P) for i in range(P)])
+        acts = acts.at[slot("receive_activation", "activation_slot")].set(got_act)
+        grads_in = grads_in.at[slot("receive_gradient", "gradient_slot")].set(got_grad)
+        return (stash, stash_x, acts, grads_in, gacc, loss), None
 
-        def forward() -> tuple[Any, ...]:
-            def make(i: int) -> Callable[[], tuple[Any, ...]]:
-                def go() -> tuple[Any, ...]:
-                    if i == 0:
-                        x = inputs[stream]
-                        new_first, new_stash = first_stash.at[slot].set(x), stash
-                    else:
-                        x = take(acts[a_slot], i)
-                        new_first, new_stash = first_stash, stash.at[slot].set(fit(x))
-                    # The last chunk's forward only keeps its input: its backward recomputes
-                    # it together with the loss.
-                    y = zero if i == C - 1 else fit(call(i, own(i), x)[0])
-                    return new_stash, new_first, y
+    # ---- the branches -----------------------------------------------------------------------
 
-                return go
+    def no_forward(self, x: jax.Array, inputs: Any, key: Any) -> tuple[Any, ...]:
+        buffers, _ = self.residual_layout
+        return jnp.zeros(self.shape, self.dtype), tuple(jnp.zeros(s, d) for s, d in buffers), jnp.zeros((), jnp.float32)
 
-            new_stash, new_first, y = per_chunk(make)
-            return vary((new_stash, new_first, gacc, loss, y, zero))
+    def forward(self, c: int) -> Callable[..., tuple[Any, ...]]:
+        def go(buffer: jax.Array, inputs: dict[str, jax.Array], key: jax.Array | None) -> tuple[Any, ...]:
+            (y, aux), pull, primals = self.forward_vjp(c, inputs, self._take(buffer, c), key)
+            plan, residuals = _residuals(pull, primals)
+            self.rebuild[c] = (jax.tree.structure(pull), plan, y.dtype)
+            rows = self._pack(c, residuals)
+            # The last chunk's output is its loss: it joins the total here, and is not sent.
+            gained = aux / self.M + (y.astype(jnp.float32) / self.M if c == self.C - 1 else 0.0)
+            sent = jnp.zeros(self.shape, self.dtype) if c == self.C - 1 else self._fit(y)
+            return sent, rows, gained
 
-        def backward(weight_grads: bool, input_grads: bool) -> Callable[[], tuple[Any, ...]]:
-            def run() -> tuple[Any, ...]:
-                def make(i: int) -> Callable[[], tuple[Any, ...]]:
-                    def go() -> tuple[Any, ...]:
-                        def f(w: Any, x: jax.Array) -> tuple[jax.Array, jax.Array]:
-                            return call(i, w, x)
+        return go
 
-                        # The loss's gradient is d(mean over microbatches)/d(loss_m), and so is
-                        # an auxiliary loss's; any other chunk's output gradient arrived shaped
-                        # as the next chunk's input.
-                        dy = jnp.asarray(1.0 / M, jnp.float32) if i == C - 1 else take(grads_in[g_slot], i + 1)
-                        if i == 0:  # token ids: no gradient flows further back
-                            (value, aux), pull = jax.vjp(lambda w: f(w, first_stash[slot]), own(i))
-                            (dw,), dx = pull((vary(dy.astype(value.dtype)), scalar_like(aux, 1.0 / M))), zero
-                        else:
-                            (value, aux), pull = jax.vjp(f, own(i), take(stash[slot], i))
-                            dw, dx = pull((vary(dy.astype(value.dtype)), scalar_like(aux, 1.0 / M)))
-                            dx = fit(dx)
-                        new_gacc = add_grads(i, dw) if weight_grads else gacc
-                        # Counted once per microbatch and chunk: by B, or by I when B is split.
-                        counted = aux + value if i == C - 1 else aux
-                        new_loss = loss + counted / M if input_grads else loss
-                        return new_gacc, new_loss, dx if input_grads else zero
+    def no_backward(self, gacc: Any, *rest: Any) -> tuple[Any, jax.Array]:
+        return gacc, jnp.zeros(self.shape, self.dtype)
 
-                    return go
+    def backward(self, c: int, code: int) -> Callable[..., tuple[Any, jax.Array]]:
+        weight_grads = code in (BACKWARD, WEIGHT_GRAD)
+        input_grads = code in (BACKWARD, INPUT_GRAD) and c > 0
 
-                new_gacc, new_loss, dx = per_chunk(make)
-                return vary((stash, first_stash, new_gacc, new_loss, zero, dx))
+        def go(
+            gacc: dict[str, jax.Array],
+            rows: tuple[jax.Array, ...],
+            x: jax.Array,
+            g: jax.Array,
+            inputs: dict[str, jax.Array],
+            key: jax.Array | None,
+        ) -> tuple[Any, jax.Array]:
+            treedef, plan, out_dtype = self.rebuild[c]
+            w = self.weights(c)
+            primals = (w,) if c == 0 else (w, self._take(x, c))
+            pull = _rebuilt(treedef, plan, primals, self._unpack(c, rows))
+            # The loss's gradient is d(mean over microbatches)/d(loss_m), and so is an
+            # auxiliary loss's; any other chunk's output gradient arrived shaped as the next
+            # chunk's input.
+            out_ct = jnp.asarray(1.0 / self.M, jnp.float32) if c == self.C - 1 else self._take(g, c + 1)
+            cts = pull((out_ct.astype(out_dtype), jnp.asarray(1.0 / self.M, jnp.float32)))
+            if weight_grads:
+                _, to_stored = jax.vjp(self.shares[c], self.local)
+                (stored,) = to_stored(cts[0])
+                gacc = {name: gacc[name] + stored[name] for name in gacc}
+            dx = self._fit(cts[1]) if input_grads else jnp.zeros(self.shape, self.dtype)
+            return gacc, dx
 
-            return run
+        return go
 
-        # Only the ops this table uses are compiled (GPipe and 1F1B never split B).
-        every = {
-            IDLE: idle,
-            FORWARD: forward,
-            BACKWARD: backward(True, True),
-            INPUT_GRAD: backward(False, True),
-            WEIGHT_GRAD: backward(True, False),
-        }
-        stash, first_stash, gacc, loss, send_act, send_grad = lax.switch(op_index[t, s], [every[code] for code in ops])
-        # Unconditional ring sends: every stage, every tick, outside the switch.
-        got_act = lax.ppermute(send_act, axis, [(i, (i + 1) % P) for i in range(P)])
-        got_grad = lax.ppermute(send_grad, axis, [(i, (i - 1) % P) for i in range(P)])
-        ra, rg = tables["receive_activation"][t, s], tables["receive_gradient"][t, s]
-        acts = jnp.where(ra >= 0, acts.at[jnp.maximum(ra, 0)].set(got_act), acts)
-        grads_in = jnp.where(rg >= 0, grads_in.at[jnp.maximum(rg, 0)].set(got_grad), grads_in)
-        return vary((stash, first_stash, acts, grads_in, gacc, loss)), None
+    # ---- buffers ----------------------------------------------------------------------------
 
-    carry = (stash, first_stash, acts, grads_in, gacc, loss)
-    (_, _, _, _, gacc, loss), _ = lax.scan(tick, carry, jnp.arange(tables["op"].shape[0]))
-    # Each stage holds the gradients of its own chunks (zeros elsewhere) and the loss of the
-    # microbatches that ended on it: the sums over stages are the whole.
-    return lax.psum(loss, axis), jax.tree.map(lambda g: lax.psum(g, axis), gacc)
+    def _fit(self, y: jax.Array) -> jax.Array:
+        """Pad a chunk's output into the shared boundary buffer."""
+        return jnp.pad(y.astype(self.dtype), [(0, full - have) for full, have in zip(self.shape, y.shape, strict=True)])
+
+    def _take(self, buffer: jax.Array, c: int) -> jax.Array:
+        """Chunk c's own input out of the shared buffer."""
+        return buffer[tuple(slice(0, n) for n in self.chunk_inputs[c])]
+
+    def _pack(self, c: int, residuals: list[jax.Array]) -> tuple[jax.Array, ...]:
+        """Chunk c's residuals in their buffers' rows (zeros in the buffers it does not use)."""
+        buffers, placement = self.residual_layout
+        rows = [jnp.zeros(shape, dtype) for shape, dtype in buffers]
+        for value, b in zip(residuals, placement[c], strict=True):
+            rows[b] = value
+        return tuple(rows)
+
+    def _unpack(self, c: int, rows: tuple[jax.Array, ...]) -> list[jax.Array]:
+        _, placement = self.residual_layout
+        return [rows[b] for b in placement[c]]
+
+
+def _residuals(pull: Any, primals: tuple[Any, ...]) -> tuple[list[tuple[str, Any]], list[jax.Array]]:
+    """Split a backward's leaves into the primal values it reads again (the weights, the
+    input: kept by position, never stashed), constants, and the residuals to stash (random
+    keys as their raw bits, which a buffer can hold)."""
+    position = {id(leaf): i for i, leaf in enumerate(jax.tree.leaves(primals))}
+    plan: list[tuple[str, Any]] = []
+    residuals: list[jax.Array] = []
+    for leaf in jax.tree.leaves(pull):
+        if id(leaf) in position:
+            plan.append(("primal", position[id(leaf)]))
+        elif not isinstance(leaf, jax.Array):
+            plan.append(("constant", leaf))
+        elif jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+            plan.append(("key", (len(residuals), jax.random.key_impl(leaf))))
+            residuals.append(jax.random.key_data(leaf))
+        else:
+            plan.append(("residual", len(residuals)))
+            residuals.append(leaf)
+    return plan, residuals
+
+
+def _rebuilt(treedef: Any, plan: list[tuple[str, Any]], primals: tuple[Any, ...], residuals: list[jax.Array]) -> Any:
+    """The backward again, from the primal values and the stashed residuals."""
+    values = jax.tree.leaves(primals)
+    leaves = []
+    for kind, ref in plan:
+        if kind == "primal":
+            leaves.append(values[ref])
+        elif kind == "residual":
+            leaves.append(residuals[ref])
+        elif kind == "key":
+            leaves.append(jax.random.wrap_key_data(residuals[ref[0]], impl=ref[1]))
+        else:
+            leaves.append(ref)
+    return jax.tree.unflatten(treedef, leaves)
+
+
+class Share(NamedTuple):
+    """A chunk's share of a stored array: `rows` picks them (ints, and (start, stop) ranges,
+    over the leading dimensions; empty: all of it) and `shape` is the weight's own where a
+    row is padded to a larger one."""
+
+    stored: str
+    rows: tuple[int | tuple[int, int], ...] = ()
+    shape: tuple[int, ...] | None = None
+
+
+def take_share(
+    arrays: dict[str, jax.Array], share: Share, stage_rows: int | None, local: bool, dtype: Any
+) -> jax.Array:
+    """A chunk's weight out of a stored array, in the compute dtype. `local`: `arrays` are
+    one stage's pieces (inside the executor), where the stage's own dimension holds only its
+    rows; otherwise they are the whole arrays."""
+    index: list[int | slice] = []
+    for dim, entry in enumerate(share.rows):
+        if local and dim == stage_rows:
+            index.append(0 if isinstance(entry, int) else slice(None))
+        else:
+            index.append(entry if isinstance(entry, int) else slice(*entry))
+    value = arrays[share.stored][tuple(index)]
+    if share.shape is not None:
+        value = value[tuple(slice(0, n) for n in share.shape)]
+    return value.astype(dtype)
 
 
 OPTIMIZER_DEFAULTS = {
@@ -6346,6 +982,11 @@ def accumulate_gradients(
 # ---- the model ---------------------------------------------------------------------------------
 
 
+def layers_of(params: dict[str, jax.Array], prefix: str) -> dict[str, jax.Array]:
+    """The weights under `prefix` (a block's, or a repeat's stacked ones), named relative to it."""
+    return {name[len(prefix) :]: value for name, value in params.items() if name.startswith(prefix)}
+
+
 class GptBlock(nnx.Module):
     """Block `gpt_block` of the spec. (gpt3_175b.par:31-39)"""
 
@@ -6353,30 +994,30 @@ class GptBlock(nnx.Module):
         self.path = path
         # gpt3_175b.par:32 ln1: layernorm(d)
         self.ln1 = nnx.Dict(
-            scale=nnx.Param(params[path + ".ln1.scale"]),
-            bias=nnx.Param(params[path + ".ln1.bias"]),
+            scale=nnx.Param(params["ln1.scale"]),
+            bias=nnx.Param(params["ln1.bias"]),
         )
         # gpt3_175b.par:33 attn: attention(d, heads, causal=true) shard q[_, model], k[_, model], v[_, mode...
         self.attn = nnx.Dict(
-            q=nnx.Param(params[path + ".attn.q"]),
-            k=nnx.Param(params[path + ".attn.k"]),
-            v=nnx.Param(params[path + ".attn.v"]),
-            o=nnx.Param(params[path + ".attn.o"]),
+            q=nnx.Param(params["attn.q"]),
+            k=nnx.Param(params["attn.k"]),
+            v=nnx.Param(params["attn.v"]),
+            o=nnx.Param(params["attn.o"]),
         )
         # gpt3_175b.par:36 ln2: layernorm(d)
         self.ln2 = nnx.Dict(
-            scale=nnx.Param(params[path + ".ln2.scale"]),
-            bias=nnx.Param(params[path + ".ln2.bias"]),
+            scale=nnx.Param(params["ln2.scale"]),
+            bias=nnx.Param(params["ln2.bias"]),
         )
         # gpt3_175b.par:37 up: linear(d, ffn) shard kernel[_, model], bias[model]
         self.up = nnx.Dict(
-            kernel=nnx.Param(params[path + ".up.kernel"]),
-            bias=nnx.Param(params[path + ".up.bias"]),
+            kernel=nnx.Param(params["up.kernel"]),
+            bias=nnx.Param(params["up.bias"]),
         )
         # gpt3_175b.par:39 down: linear(ffn, d) shard kernel[model, _]
         self.down = nnx.Dict(
-            kernel=nnx.Param(params[path + ".down.kernel"]),
-            bias=nnx.Param(params[path + ".down.bias"]),
+            kernel=nnx.Param(params["down.kernel"]),
+            bias=nnx.Param(params["down.bias"]),
         )
 
     def __call__(self, x: jax.Array, inputs: dict[str, jax.Array], key: jax.Array | None) -> jax.Array:
@@ -6389,8 +1030,8 @@ class GptBlock(nnx.Module):
         # gpt3_175b.par:32 ln1: layernorm(d)
         h = layernorm(
             h,
-            scale=weight(self.ln1["scale"], P(None)),
-            bias=weight(self.ln1["bias"], P(None)),
+            scale=weight(self.ln1["scale"]),
+            bias=weight(self.ln1["bias"]),
             eps=1e-05,
             dtype=COMPUTE_DTYPE,
         )
@@ -6398,10 +1039,10 @@ class GptBlock(nnx.Module):
         # gpt3_175b.par:33 attn: attention(d, heads, causal=true) shard q[_, model], k[_, model], v[_, mode...
         h = attention(
             h,
-            q=weight(self.attn["q"], P(None, "model")),
-            k=weight(self.attn["k"], P(None, "model")),
-            v=weight(self.attn["v"], P(None, "model")),
-            o=weight(self.attn["o"], P("model", None)),
+            q=weight(self.attn["q"]),
+            k=weight(self.attn["k"]),
+            v=weight(self.attn["v"]),
+            o=weight(self.attn["o"]),
             heads=96,
             kv_heads=96,
             causal=True,
@@ -6416,8 +1057,8 @@ class GptBlock(nnx.Module):
         # gpt3_175b.par:36 ln2: layernorm(d)
         h = layernorm(
             h,
-            scale=weight(self.ln2["scale"], P(None)),
-            bias=weight(self.ln2["bias"], P(None)),
+            scale=weight(self.ln2["scale"]),
+            bias=weight(self.ln2["bias"]),
             eps=1e-05,
             dtype=COMPUTE_DTYPE,
         )
@@ -6425,8 +1066,8 @@ class GptBlock(nnx.Module):
         # gpt3_175b.par:37 up: linear(d, ffn) shard kernel[_, model], bias[model]
         h = linear(
             h,
-            kernel=weight(self.up["kernel"], P(None, "model")),
-            bias=weight(self.up["bias"], P("model")),
+            kernel=weight(self.up["kernel"]),
+            bias=weight(self.up["bias"]),
             dtype=COMPUTE_DTYPE,
         )
         h = checkpoint_name(constrain(h, P("data", None, "model")), self.path + ".up")
@@ -6436,8 +1077,8 @@ class GptBlock(nnx.Module):
         # gpt3_175b.par:39 down: linear(ffn, d) shard kernel[model, _]
         h = linear(
             h,
-            kernel=weight(self.down["kernel"], P("model", None)),
-            bias=weight(self.down["bias"], P(None)),
+            kernel=weight(self.down["kernel"]),
+            bias=weight(self.down["bias"]),
             dtype=COMPUTE_DTYPE,
         )
         h = checkpoint_name(constrain(h, P("data", None, None)), self.path + ".down")
@@ -6454,335 +1095,31 @@ class Stage0(nnx.Module):
             table=nnx.Param(params["embed.table"]),
         )
         # gpt3_175b.par:46 blocks: repeat n_layers gpt_block(d, heads, ffn)
-        self.blocks = nnx.List(
-            [
-                GptBlock(params, "blocks.0"),
-                GptBlock(params, "blocks.1"),
-                GptBlock(params, "blocks.2"),
-                GptBlock(params, "blocks.3"),
-                GptBlock(params, "blocks.4"),
-                GptBlock(params, "blocks.5"),
-            ]
-        )
+        self.blocks = GptBlock(layers_of(params, "blocks.*."), "blocks")
 
     def __call__(self, x: jax.Array, inputs: dict[str, jax.Array], key: jax.Array | None) -> jax.Array:
         # gpt3_175b.par:44 embed: embed(vocab, d) shard table[model, _]
         x = embed(
             x,
-            table=weight(self.embed["table"], P("model", None)),
+            table=weight(self.embed["table"]),
             dtype=COMPUTE_DTYPE,
         )
         x = checkpoint_name(constrain(x, P("data", None, None)), "embed")
         # gpt3_175b.par:46 blocks: repeat n_layers gpt_block(d, heads, ffn)
-        x = scan_blocks(self.blocks, x, inputs, key)
+        x = scan_layers(self.blocks, 6, x, inputs, key)
         return x
 
 
 class Stage1(nnx.Module):
-    """Chunk 1 of the pipeline, run by stage 1. (gpt3_175b.par:46-46)"""
+    """Chunks 1-14 of the pipeline, each running its own share of the layers. (gpt3_175b.par:46-46)"""
 
     def __init__(self, params: dict[str, jax.Array]) -> None:
         # gpt3_175b.par:46 blocks: repeat n_layers gpt_block(d, heads, ffn)
-        self.blocks = nnx.List(
-            [
-                GptBlock(params, "blocks.6"),
-                GptBlock(params, "blocks.7"),
-                GptBlock(params, "blocks.8"),
-                GptBlock(params, "blocks.9"),
-                GptBlock(params, "blocks.10"),
-                GptBlock(params, "blocks.11"),
-            ]
-        )
+        self.blocks = GptBlock(layers_of(params, "blocks.*."), "blocks")
 
     def __call__(self, x: jax.Array, inputs: dict[str, jax.Array], key: jax.Array | None) -> jax.Array:
         # gpt3_175b.par:46 blocks: repeat n_layers gpt_block(d, heads, ffn)
-        x = scan_blocks(self.blocks, x, inputs, key)
-        return x
-
-
-class Stage2(nnx.Module):
-    """Chunk 2 of the pipeline, run by stage 2. (gpt3_175b.par:46-46)"""
-
-    def __init__(self, params: dict[str, jax.Array]) -> None:
-        # gpt3_175b.par:46 blocks: repeat n_layers gpt_block(d, heads, ffn)
-        self.blocks = nnx.List(
-            [
-                GptBlock(params, "blocks.12"),
-                GptBlock(params, "blocks.13"),
-                GptBlock(params, "blocks.14"),
-                GptBlock(params, "blocks.15"),
-                GptBlock(params, "blocks.16"),
-                GptBlock(params, "blocks.17"),
-            ]
-        )
-
-    def __call__(self, x: jax.Array, inputs: dict[str, jax.Array], key: jax.Array | None) -> jax.Array:
-        # gpt3_175b.par:46 blocks: repeat n_layers gpt_block(d, heads, ffn)
-        x = scan_blocks(self.blocks, x, inputs, key)
-        return x
-
-
-class Stage3(nnx.Module):
-    """Chunk 3 of the pipeline, run by stage 3. (gpt3_175b.par:46-46)"""
-
-    def __init__(self, params: dict[str, jax.Array]) -> None:
-        # gpt3_175b.par:46 blocks: repeat n_layers gpt_block(d, heads, ffn)
-        self.blocks = nnx.List(
-            [
-                GptBlock(params, "blocks.18"),
-                GptBlock(params, "blocks.19"),
-                GptBlock(params, "blocks.20"),
-                GptBlock(params, "blocks.21"),
-                GptBlock(params, "blocks.22"),
-                GptBlock(params, "blocks.23"),
-            ]
-        )
-
-    def __call__(self, x: jax.Array, inputs: dict[str, jax.Array], key: jax.Array | None) -> jax.Array:
-        # gpt3_175b.par:46 blocks: repeat n_layers gpt_block(d, heads, ffn)
-        x = scan_blocks(self.blocks, x, inputs, key)
-        return x
-
-
-class Stage4(nnx.Module):
-    """Chunk 4 of the pipeline, run by stage 4. (gpt3_175b.par:46-46)"""
-
-    def __init__(self, params: dict[str, jax.Array]) -> None:
-        # gpt3_175b.par:46 blocks: repeat n_layers gpt_block(d, heads, ffn)
-        self.blocks = nnx.List(
-            [
-                GptBlock(params, "blocks.24"),
-                GptBlock(params, "blocks.25"),
-                GptBlock(params, "blocks.26"),
-                GptBlock(params, "blocks.27"),
-                GptBlock(params, "blocks.28"),
-                GptBlock(params, "blocks.29"),
-            ]
-        )
-
-    def __call__(self, x: jax.Array, inputs: dict[str, jax.Array], key: jax.Array | None) -> jax.Array:
-        # gpt3_175b.par:46 blocks: repeat n_layers gpt_block(d, heads, ffn)
-        x = scan_blocks(self.blocks, x, inputs, key)
-        return x
-
-
-class Stage5(nnx.Module):
-    """Chunk 5 of the pipeline, run by stage 5. (gpt3_175b.par:46-46)"""
-
-    def __init__(self, params: dict[str, jax.Array]) -> None:
-        # gpt3_175b.par:46 blocks: repeat n_layers gpt_block(d, heads, ffn)
-        self.blocks = nnx.List(
-            [
-                GptBlock(params, "blocks.30"),
-                GptBlock(params, "blocks.31"),
-                GptBlock(params, "blocks.32"),
-                GptBlock(params, "blocks.33"),
-                GptBlock(params, "blocks.34"),
-                GptBlock(params, "blocks.35"),
-            ]
-        )
-
-    def __call__(self, x: jax.Array, inputs: dict[str, jax.Array], key: jax.Array | None) -> jax.Array:
-        # gpt3_175b.par:46 blocks: repeat n_layers gpt_block(d, heads, ffn)
-        x = scan_blocks(self.blocks, x, inputs, key)
-        return x
-
-
-class Stage6(nnx.Module):
-    """Chunk 6 of the pipeline, run by stage 6. (gpt3_175b.par:46-46)"""
-
-    def __init__(self, params: dict[str, jax.Array]) -> None:
-        # gpt3_175b.par:46 blocks: repeat n_layers gpt_block(d, heads, ffn)
-        self.blocks = nnx.List(
-            [
-                GptBlock(params, "blocks.36"),
-                GptBlock(params, "blocks.37"),
-                GptBlock(params, "blocks.38"),
-                GptBlock(params, "blocks.39"),
-                GptBlock(params, "blocks.40"),
-                GptBlock(params, "blocks.41"),
-            ]
-        )
-
-    def __call__(self, x: jax.Array, inputs: dict[str, jax.Array], key: jax.Array | None) -> jax.Array:
-        # gpt3_175b.par:46 blocks: repeat n_layers gpt_block(d, heads, ffn)
-        x = scan_blocks(self.blocks, x, inputs, key)
-        return x
-
-
-class Stage7(nnx.Module):
-    """Chunk 7 of the pipeline, run by stage 7. (gpt3_175b.par:46-46)"""
-
-    def __init__(self, params: dict[str, jax.Array]) -> None:
-        # gpt3_175b.par:46 blocks: repeat n_layers gpt_block(d, heads, ffn)
-        self.blocks = nnx.List(
-            [
-                GptBlock(params, "blocks.42"),
-                GptBlock(params, "blocks.43"),
-                GptBlock(params, "blocks.44"),
-                GptBlock(params, "blocks.45"),
-                GptBlock(params, "blocks.46"),
-                GptBlock(params, "blocks.47"),
-            ]
-        )
-
-    def __call__(self, x: jax.Array, inputs: dict[str, jax.Array], key: jax.Array | None) -> jax.Array:
-        # gpt3_175b.par:46 blocks: repeat n_layers gpt_block(d, heads, ffn)
-        x = scan_blocks(self.blocks, x, inputs, key)
-        return x
-
-
-class Stage8(nnx.Module):
-    """Chunk 8 of the pipeline, run by stage 8. (gpt3_175b.par:46-46)"""
-
-    def __init__(self, params: dict[str, jax.Array]) -> None:
-        # gpt3_175b.par:46 blocks: repeat n_layers gpt_block(d, heads, ffn)
-        self.blocks = nnx.List(
-            [
-                GptBlock(params, "blocks.48"),
-                GptBlock(params, "blocks.49"),
-                GptBlock(params, "blocks.50"),
-                GptBlock(params, "blocks.51"),
-                GptBlock(params, "blocks.52"),
-                GptBlock(params, "blocks.53"),
-            ]
-        )
-
-    def __call__(self, x: jax.Array, inputs: dict[str, jax.Array], key: jax.Array | None) -> jax.Array:
-        # gpt3_175b.par:46 blocks: repeat n_layers gpt_block(d, heads, ffn)
-        x = scan_blocks(self.blocks, x, inputs, key)
-        return x
-
-
-class Stage9(nnx.Module):
-    """Chunk 9 of the pipeline, run by stage 9. (gpt3_175b.par:46-46)"""
-
-    def __init__(self, params: dict[str, jax.Array]) -> None:
-        # gpt3_175b.par:46 blocks: repeat n_layers gpt_block(d, heads, ffn)
-        self.blocks = nnx.List(
-            [
-                GptBlock(params, "blocks.54"),
-                GptBlock(params, "blocks.55"),
-                GptBlock(params, "blocks.56"),
-                GptBlock(params, "blocks.57"),
-                GptBlock(params, "blocks.58"),
-                GptBlock(params, "blocks.59"),
-            ]
-        )
-
-    def __call__(self, x: jax.Array, inputs: dict[str, jax.Array], key: jax.Array | None) -> jax.Array:
-        # gpt3_175b.par:46 blocks: repeat n_layers gpt_block(d, heads, ffn)
-        x = scan_blocks(self.blocks, x, inputs, key)
-        return x
-
-
-class Stage10(nnx.Module):
-    """Chunk 10 of the pipeline, run by stage 10. (gpt3_175b.par:46-46)"""
-
-    def __init__(self, params: dict[str, jax.Array]) -> None:
-        # gpt3_175b.par:46 blocks: repeat n_layers gpt_block(d, heads, ffn)
-        self.blocks = nnx.List(
-            [
-                GptBlock(params, "blocks.60"),
-                GptBlock(params, "blocks.61"),
-                GptBlock(params, "blocks.62"),
-                GptBlock(params, "blocks.63"),
-                GptBlock(params, "blocks.64"),
-                GptBlock(params, "blocks.65"),
-            ]
-        )
-
-    def __call__(self, x: jax.Array, inputs: dict[str, jax.Array], key: jax.Array | None) -> jax.Array:
-        # gpt3_175b.par:46 blocks: repeat n_layers gpt_block(d, heads, ffn)
-        x = scan_blocks(self.blocks, x, inputs, key)
-        return x
-
-
-class Stage11(nnx.Module):
-    """Chunk 11 of the pipeline, run by stage 11. (gpt3_175b.par:46-46)"""
-
-    def __init__(self, params: dict[str, jax.Array]) -> None:
-        # gpt3_175b.par:46 blocks: repeat n_layers gpt_block(d, heads, ffn)
-        self.blocks = nnx.List(
-            [
-                GptBlock(params, "blocks.66"),
-                GptBlock(params, "blocks.67"),
-                GptBlock(params, "blocks.68"),
-                GptBlock(params, "blocks.69"),
-                GptBlock(params, "blocks.70"),
-                GptBlock(params, "blocks.71"),
-            ]
-        )
-
-    def __call__(self, x: jax.Array, inputs: dict[str, jax.Array], key: jax.Array | None) -> jax.Array:
-        # gpt3_175b.par:46 blocks: repeat n_layers gpt_block(d, heads, ffn)
-        x = scan_blocks(self.blocks, x, inputs, key)
-        return x
-
-
-class Stage12(nnx.Module):
-    """Chunk 12 of the pipeline, run by stage 12. (gpt3_175b.par:46-46)"""
-
-    def __init__(self, params: dict[str, jax.Array]) -> None:
-        # gpt3_175b.par:46 blocks: repeat n_layers gpt_block(d, heads, ffn)
-        self.blocks = nnx.List(
-            [
-                GptBlock(params, "blocks.72"),
-                GptBlock(params, "blocks.73"),
-                GptBlock(params, "blocks.74"),
-                GptBlock(params, "blocks.75"),
-                GptBlock(params, "blocks.76"),
-                GptBlock(params, "blocks.77"),
-            ]
-        )
-
-    def __call__(self, x: jax.Array, inputs: dict[str, jax.Array], key: jax.Array | None) -> jax.Array:
-        # gpt3_175b.par:46 blocks: repeat n_layers gpt_block(d, heads, ffn)
-        x = scan_blocks(self.blocks, x, inputs, key)
-        return x
-
-
-class Stage13(nnx.Module):
-    """Chunk 13 of the pipeline, run by stage 13. (gpt3_175b.par:46-46)"""
-
-    def __init__(self, params: dict[str, jax.Array]) -> None:
-        # gpt3_175b.par:46 blocks: repeat n_layers gpt_block(d, heads, ffn)
-        self.blocks = nnx.List(
-            [
-                GptBlock(params, "blocks.78"),
-                GptBlock(params, "blocks.79"),
-                GptBlock(params, "blocks.80"),
-                GptBlock(params, "blocks.81"),
-                GptBlock(params, "blocks.82"),
-                GptBlock(params, "blocks.83"),
-            ]
-        )
-
-    def __call__(self, x: jax.Array, inputs: dict[str, jax.Array], key: jax.Array | None) -> jax.Array:
-        # gpt3_175b.par:46 blocks: repeat n_layers gpt_block(d, heads, ffn)
-        x = scan_blocks(self.blocks, x, inputs, key)
-        return x
-
-
-class Stage14(nnx.Module):
-    """Chunk 14 of the pipeline, run by stage 14. (gpt3_175b.par:46-46)"""
-
-    def __init__(self, params: dict[str, jax.Array]) -> None:
-        # gpt3_175b.par:46 blocks: repeat n_layers gpt_block(d, heads, ffn)
-        self.blocks = nnx.List(
-            [
-                GptBlock(params, "blocks.84"),
-                GptBlock(params, "blocks.85"),
-                GptBlock(params, "blocks.86"),
-                GptBlock(params, "blocks.87"),
-                GptBlock(params, "blocks.88"),
-                GptBlock(params, "blocks.89"),
-            ]
-        )
-
-    def __call__(self, x: jax.Array, inputs: dict[str, jax.Array], key: jax.Array | None) -> jax.Array:
-        # gpt3_175b.par:46 blocks: repeat n_layers gpt_block(d, heads, ffn)
-        x = scan_blocks(self.blocks, x, inputs, key)
+        x = scan_layers(self.blocks, 6, x, inputs, key)
         return x
 
 
@@ -6791,16 +1128,7 @@ class Stage15(nnx.Module):
 
     def __init__(self, params: dict[str, jax.Array]) -> None:
         # gpt3_175b.par:46 blocks: repeat n_layers gpt_block(d, heads, ffn)
-        self.blocks = nnx.List(
-            [
-                GptBlock(params, "blocks.90"),
-                GptBlock(params, "blocks.91"),
-                GptBlock(params, "blocks.92"),
-                GptBlock(params, "blocks.93"),
-                GptBlock(params, "blocks.94"),
-                GptBlock(params, "blocks.95"),
-            ]
-        )
+        self.blocks = GptBlock(layers_of(params, "blocks.*."), "blocks")
         # gpt3_175b.par:48 ln_f: layernorm(d)
         self.ln_f = nnx.Dict(
             scale=nnx.Param(params["ln_f.scale"]),
@@ -6813,12 +1141,12 @@ class Stage15(nnx.Module):
 
     def __call__(self, x: jax.Array, inputs: dict[str, jax.Array], key: jax.Array | None) -> jax.Array:
         # gpt3_175b.par:46 blocks: repeat n_layers gpt_block(d, heads, ffn)
-        x = scan_blocks(self.blocks, x, inputs, key)
+        x = scan_layers(self.blocks, 6, x, inputs, key)
         # gpt3_175b.par:48 ln_f: layernorm(d)
         x = layernorm(
             x,
-            scale=weight(self.ln_f["scale"], P(None)),
-            bias=weight(self.ln_f["bias"], P(None)),
+            scale=weight(self.ln_f["scale"]),
+            bias=weight(self.ln_f["bias"]),
             eps=1e-05,
             dtype=COMPUTE_DTYPE,
         )
@@ -6826,53 +1154,296 @@ class Stage15(nnx.Module):
         # gpt3_175b.par:49 head: linear(d, vocab, bias=false) shard kernel[_, model]
         x = linear(
             x,
-            kernel=weight(self.head["kernel"], P(None, "model")),
+            kernel=weight(self.head["kernel"]),
             dtype=COMPUTE_DTYPE,
         )
         x = checkpoint_name(constrain(x, P("data", None, "model")), "head")
         return x
 
 
-# The pipeline's chunks, in order.
-STAGES = (
-    Stage0,
-    Stage1,
-    Stage2,
-    Stage3,
-    Stage4,
-    Stage5,
-    Stage6,
-    Stage7,
-    Stage8,
-    Stage9,
-    Stage10,
-    Stage11,
-    Stage12,
-    Stage13,
-    Stage14,
-    Stage15,
-)
-
-
-def scan_blocks(blocks: nnx.List, x: jax.Array, inputs: dict[str, jax.Array], key: jax.Array | None) -> jax.Array:
-    """Identical blocks as one `lax.scan` over their stacked weights: one loop body instead of
-    N copies keeps compile time flat in depth, and makes activation checkpointing save memory."""
-    graphdef, _ = nnx.split(blocks[0])
-    stacked = jax.tree.map(lambda *w: jnp.stack(w), *(nnx.state(block) for block in blocks))
+def scan_layers(
+    layers: nnx.Module, count: int, x: jax.Array, inputs: dict[str, jax.Array], key: jax.Array | None
+) -> jax.Array:
+    """A repeat's `count` layers as one `lax.scan`: `layers` holds every layer's weights stacked
+    (the layer index first), and each step runs one layer on its own slice of them. One loop
+    body instead of N copies keeps compile time flat in depth, and makes activation
+    checkpointing save memory."""
+    graphdef, stacked = nnx.split(layers)
 
     def body(h: jax.Array, step: tuple[jax.Array, Any]) -> tuple[jax.Array, None]:
         index, state = step
-        block_key = None if key is None else jax.random.fold_in(key, index)
-        return nnx.merge(graphdef, state)(h, inputs, block_key), None
+        layer_key = None if key is None else jax.random.fold_in(key, index)
+        return nnx.merge(graphdef, state)(h, inputs, layer_key), None
 
-    return lax.scan(body, x, (jnp.arange(len(blocks)), stacked))[0]
+    return lax.scan(body, x, (jnp.arange(count), stacked))[0]
+
+
+# The class of each chunk of the pipeline, in model order.
+STAGES = (
+    Stage0,
+    Stage1,
+    Stage1,
+    Stage1,
+    Stage1,
+    Stage1,
+    Stage1,
+    Stage1,
+    Stage1,
+    Stage1,
+    Stage1,
+    Stage1,
+    Stage1,
+    Stage1,
+    Stage1,
+    Stage15,
+)
+# Each chunk's weights: its share of the stored arrays, by the names its class reads.
+CHUNK_WEIGHTS = (
+    {
+        "embed.table": Share("embed.table"),
+        "blocks.*.ln1.scale": Share("blocks.*.ln1.scale", ((0, 6),)),
+        "blocks.*.ln1.bias": Share("blocks.*.ln1.bias", ((0, 6),)),
+        "blocks.*.attn.q": Share("blocks.*.attn.q", ((0, 6),)),
+        "blocks.*.attn.k": Share("blocks.*.attn.k", ((0, 6),)),
+        "blocks.*.attn.v": Share("blocks.*.attn.v", ((0, 6),)),
+        "blocks.*.attn.o": Share("blocks.*.attn.o", ((0, 6),)),
+        "blocks.*.ln2.scale": Share("blocks.*.ln2.scale", ((0, 6),)),
+        "blocks.*.ln2.bias": Share("blocks.*.ln2.bias", ((0, 6),)),
+        "blocks.*.up.kernel": Share("blocks.*.up.kernel", ((0, 6),)),
+        "blocks.*.up.bias": Share("blocks.*.up.bias", ((0, 6),)),
+        "blocks.*.down.kernel": Share("blocks.*.down.kernel", ((0, 6),)),
+        "blocks.*.down.bias": Share("blocks.*.down.bias", ((0, 6),)),
+    },
+    {
+        "blocks.*.ln1.scale": Share("blocks.*.ln1.scale", ((6, 12),)),
+        "blocks.*.ln1.bias": Share("blocks.*.ln1.bias", ((6, 12),)),
+        "blocks.*.attn.q": Share("blocks.*.attn.q", ((6, 12),)),
+        "blocks.*.attn.k": Share("blocks.*.attn.k", ((6, 12),)),
+        "blocks.*.attn.v": Share("blocks.*.attn.v", ((6, 12),)),
+        "blocks.*.attn.o": Share("blocks.*.attn.o", ((6, 12),)),
+        "blocks.*.ln2.scale": Share("blocks.*.ln2.scale", ((6, 12),)),
+        "blocks.*.ln2.bias": Share("blocks.*.ln2.bias", ((6, 12),)),
+        "blocks.*.up.kernel": Share("blocks.*.up.kernel", ((6, 12),)),
+        "blocks.*.up.bias": Share("blocks.*.up.bias", ((6, 12),)),
+        "blocks.*.down.kernel": Share("blocks.*.down.kernel", ((6, 12),)),
+        "blocks.*.down.bias": Share("blocks.*.down.bias", ((6, 12),)),
+    },
+    {
+        "blocks.*.ln1.scale": Share("blocks.*.ln1.scale", ((12, 18),)),
+        "blocks.*.ln1.bias": Share("blocks.*.ln1.bias", ((12, 18),)),
+        "blocks.*.attn.q": Share("blocks.*.attn.q", ((12, 18),)),
+        "blocks.*.attn.k": Share("blocks.*.attn.k", ((12, 18),)),
+        "blocks.*.attn.v": Share("blocks.*.attn.v", ((12, 18),)),
+        "blocks.*.attn.o": Share("blocks.*.attn.o", ((12, 18),)),
+        "blocks.*.ln2.scale": Share("blocks.*.ln2.scale", ((12, 18),)),
+        "blocks.*.ln2.bias": Share("blocks.*.ln2.bias", ((12, 18),)),
+        "blocks.*.up.kernel": Share("blocks.*.up.kernel", ((12, 18),)),
+        "blocks.*.up.bias": Share("blocks.*.up.bias", ((12, 18),)),
+        "blocks.*.down.kernel": Share("blocks.*.down.kernel", ((12, 18),)),
+        "blocks.*.down.bias": Share("blocks.*.down.bias", ((12, 18),)),
+    },
+    {
+        "blocks.*.ln1.scale": Share("blocks.*.ln1.scale", ((18, 24),)),
+        "blocks.*.ln1.bias": Share("blocks.*.ln1.bias", ((18, 24),)),
+        "blocks.*.attn.q": Share("blocks.*.attn.q", ((18, 24),)),
+        "blocks.*.attn.k": Share("blocks.*.attn.k", ((18, 24),)),
+        "blocks.*.attn.v": Share("blocks.*.attn.v", ((18, 24),)),
+        "blocks.*.attn.o": Share("blocks.*.attn.o", ((18, 24),)),
+        "blocks.*.ln2.scale": Share("blocks.*.ln2.scale", ((18, 24),)),
+        "blocks.*.ln2.bias": Share("blocks.*.ln2.bias", ((18, 24),)),
+        "blocks.*.up.kernel": Share("blocks.*.up.kernel", ((18, 24),)),
+        "blocks.*.up.bias": Share("blocks.*.up.bias", ((18, 24),)),
+        "blocks.*.down.kernel": Share("blocks.*.down.kernel", ((18, 24),)),
+        "blocks.*.down.bias": Share("blocks.*.down.bias", ((18, 24),)),
+    },
+    {
+        "blocks.*.ln1.scale": Share("blocks.*.ln1.scale", ((24, 30),)),
+        "blocks.*.ln1.bias": Share("blocks.*.ln1.bias", ((24, 30),)),
+        "blocks.*.attn.q": Share("blocks.*.attn.q", ((24, 30),)),
+        "blocks.*.attn.k": Share("blocks.*.attn.k", ((24, 30),)),
+        "blocks.*.attn.v": Share("blocks.*.attn.v", ((24, 30),)),
+        "blocks.*.attn.o": Share("blocks.*.attn.o", ((24, 30),)),
+        "blocks.*.ln2.scale": Share("blocks.*.ln2.scale", ((24, 30),)),
+        "blocks.*.ln2.bias": Share("blocks.*.ln2.bias", ((24, 30),)),
+        "blocks.*.up.kernel": Share("blocks.*.up.kernel", ((24, 30),)),
+        "blocks.*.up.bias": Share("blocks.*.up.bias", ((24, 30),)),
+        "blocks.*.down.kernel": Share("blocks.*.down.kernel", ((24, 30),)),
+        "blocks.*.down.bias": Share("blocks.*.down.bias", ((24, 30),)),
+    },
+    {
+        "blocks.*.ln1.scale": Share("blocks.*.ln1.scale", ((30, 36),)),
+        "blocks.*.ln1.bias": Share("blocks.*.ln1.bias", ((30, 36),)),
+        "blocks.*.attn.q": Share("blocks.*.attn.q", ((30, 36),)),
+        "blocks.*.attn.k": Share("blocks.*.attn.k", ((30, 36),)),
+        "blocks.*.attn.v": Share("blocks.*.attn.v", ((30, 36),)),
+        "blocks.*.attn.o": Share("blocks.*.attn.o", ((30, 36),)),
+        "blocks.*.ln2.scale": Share("blocks.*.ln2.scale", ((30, 36),)),
+        "blocks.*.ln2.bias": Share("blocks.*.ln2.bias", ((30, 36),)),
+        "blocks.*.up.kernel": Share("blocks.*.up.kernel", ((30, 36),)),
+        "blocks.*.up.bias": Share("blocks.*.up.bias", ((30, 36),)),
+        "blocks.*.down.kernel": Share("blocks.*.down.kernel", ((30, 36),)),
+        "blocks.*.down.bias": Share("blocks.*.down.bias", ((30, 36),)),
+    },
+    {
+        "blocks.*.ln1.scale": Share("blocks.*.ln1.scale", ((36, 42),)),
+        "blocks.*.ln1.bias": Share("blocks.*.ln1.bias", ((36, 42),)),
+        "blocks.*.attn.q": Share("blocks.*.attn.q", ((36, 42),)),
+        "blocks.*.attn.k": Share("blocks.*.attn.k", ((36, 42),)),
+        "blocks.*.attn.v": Share("blocks.*.attn.v", ((36, 42),)),
+        "blocks.*.attn.o": Share("blocks.*.attn.o", ((36, 42),)),
+        "blocks.*.ln2.scale": Share("blocks.*.ln2.scale", ((36, 42),)),
+        "blocks.*.ln2.bias": Share("blocks.*.ln2.bias", ((36, 42),)),
+        "blocks.*.up.kernel": Share("blocks.*.up.kernel", ((36, 42),)),
+        "blocks.*.up.bias": Share("blocks.*.up.bias", ((36, 42),)),
+        "blocks.*.down.kernel": Share("blocks.*.down.kernel", ((36, 42),)),
+        "blocks.*.down.bias": Share("blocks.*.down.bias", ((36, 42),)),
+    },
+    {
+        "blocks.*.ln1.scale": Share("blocks.*.ln1.scale", ((42, 48),)),
+        "blocks.*.ln1.bias": Share("blocks.*.ln1.bias", ((42, 48),)),
+        "blocks.*.attn.q": Share("blocks.*.attn.q", ((42, 48),)),
+        "blocks.*.attn.k": Share("blocks.*.attn.k", ((42, 48),)),
+        "blocks.*.attn.v": Share("blocks.*.attn.v", ((42, 48),)),
+        "blocks.*.attn.o": Share("blocks.*.attn.o", ((42, 48),)),
+        "blocks.*.ln2.scale": Share("blocks.*.ln2.scale", ((42, 48),)),
+        "blocks.*.ln2.bias": Share("blocks.*.ln2.bias", ((42, 48),)),
+        "blocks.*.up.kernel": Share("blocks.*.up.kernel", ((42, 48),)),
+        "blocks.*.up.bias": Share("blocks.*.up.bias", ((42, 48),)),
+        "blocks.*.down.kernel": Share("blocks.*.down.kernel", ((42, 48),)),
+        "blocks.*.down.bias": Share("blocks.*.down.bias", ((42, 48),)),
+    },
+    {
+        "blocks.*.ln1.scale": Share("blocks.*.ln1.scale", ((48, 54),)),
+        "blocks.*.ln1.bias": Share("blocks.*.ln1.bias", ((48, 54),)),
+        "blocks.*.attn.q": Share("blocks.*.attn.q", ((48, 54),)),
+        "blocks.*.attn.k": Share("blocks.*.attn.k", ((48, 54),)),
+        "blocks.*.attn.v": Share("blocks.*.attn.v", ((48, 54),)),
+        "blocks.*.attn.o": Share("blocks.*.attn.o", ((48, 54),)),
+        "blocks.*.ln2.scale": Share("blocks.*.ln2.scale", ((48, 54),)),
+        "blocks.*.ln2.bias": Share("blocks.*.ln2.bias", ((48, 54),)),
+        "blocks.*.up.kernel": Share("blocks.*.up.kernel", ((48, 54),)),
+        "blocks.*.up.bias": Share("blocks.*.up.bias", ((48, 54),)),
+        "blocks.*.down.kernel": Share("blocks.*.down.kernel", ((48, 54),)),
+        "blocks.*.down.bias": Share("blocks.*.down.bias", ((48, 54),)),
+    },
+    {
+        "blocks.*.ln1.scale": Share("blocks.*.ln1.scale", ((54, 60),)),
+        "blocks.*.ln1.bias": Share("blocks.*.ln1.bias", ((54, 60),)),
+        "blocks.*.attn.q": Share("blocks.*.attn.q", ((54, 60),)),
+        "blocks.*.attn.k": Share("blocks.*.attn.k", ((54, 60),)),
+        "blocks.*.attn.v": Share("blocks.*.attn.v", ((54, 60),)),
+        "blocks.*.attn.o": Share("blocks.*.attn.o", ((54, 60),)),
+        "blocks.*.ln2.scale": Share("blocks.*.ln2.scale", ((54, 60),)),
+        "blocks.*.ln2.bias": Share("blocks.*.ln2.bias", ((54, 60),)),
+        "blocks.*.up.kernel": Share("blocks.*.up.kernel", ((54, 60),)),
+        "blocks.*.up.bias": Share("blocks.*.up.bias", ((54, 60),)),
+        "blocks.*.down.kernel": Share("blocks.*.down.kernel", ((54, 60),)),
+        "blocks.*.down.bias": Share("blocks.*.down.bias", ((54, 60),)),
+    },
+    {
+        "blocks.*.ln1.scale": Share("blocks.*.ln1.scale", ((60, 66),)),
+        "blocks.*.ln1.bias": Share("blocks.*.ln1.bias", ((60, 66),)),
+        "blocks.*.attn.q": Share("blocks.*.attn.q", ((60, 66),)),
+        "blocks.*.attn.k": Share("blocks.*.attn.k", ((60, 66),)),
+        "blocks.*.attn.v": Share("blocks.*.attn.v", ((60, 66),)),
+        "blocks.*.attn.o": Share("blocks.*.attn.o", ((60, 66),)),
+        "blocks.*.ln2.scale": Share("blocks.*.ln2.scale", ((60, 66),)),
+        "blocks.*.ln2.bias": Share("blocks.*.ln2.bias", ((60, 66),)),
+        "blocks.*.up.kernel": Share("blocks.*.up.kernel", ((60, 66),)),
+        "blocks.*.up.bias": Share("blocks.*.up.bias", ((60, 66),)),
+        "blocks.*.down.kernel": Share("blocks.*.down.kernel", ((60, 66),)),
+        "blocks.*.down.bias": Share("blocks.*.down.bias", ((60, 66),)),
+    },
+    {
+        "blocks.*.ln1.scale": Share("blocks.*.ln1.scale", ((66, 72),)),
+        "blocks.*.ln1.bias": Share("blocks.*.ln1.bias", ((66, 72),)),
+        "blocks.*.attn.q": Share("blocks.*.attn.q", ((66, 72),)),
+        "blocks.*.attn.k": Share("blocks.*.attn.k", ((66, 72),)),
+        "blocks.*.attn.v": Share("blocks.*.attn.v", ((66, 72),)),
+        "blocks.*.attn.o": Share("blocks.*.attn.o", ((66, 72),)),
+        "blocks.*.ln2.scale": Share("blocks.*.ln2.scale", ((66, 72),)),
+        "blocks.*.ln2.bias": Share("blocks.*.ln2.bias", ((66, 72),)),
+        "blocks.*.up.kernel": Share("blocks.*.up.kernel", ((66, 72),)),
+        "blocks.*.up.bias": Share("blocks.*.up.bias", ((66, 72),)),
+        "blocks.*.down.kernel": Share("blocks.*.down.kernel", ((66, 72),)),
+        "blocks.*.down.bias": Share("blocks.*.down.bias", ((66, 72),)),
+    },
+    {
+        "blocks.*.ln1.scale": Share("blocks.*.ln1.scale", ((72, 78),)),
+        "blocks.*.ln1.bias": Share("blocks.*.ln1.bias", ((72, 78),)),
+        "blocks.*.attn.q": Share("blocks.*.attn.q", ((72, 78),)),
+        "blocks.*.attn.k": Share("blocks.*.attn.k", ((72, 78),)),
+        "blocks.*.attn.v": Share("blocks.*.attn.v", ((72, 78),)),
+        "blocks.*.attn.o": Share("blocks.*.attn.o", ((72, 78),)),
+        "blocks.*.ln2.scale": Share("blocks.*.ln2.scale", ((72, 78),)),
+        "blocks.*.ln2.bias": Share("blocks.*.ln2.bias", ((72, 78),)),
+        "blocks.*.up.kernel": Share("blocks.*.up.kernel", ((72, 78),)),
+        "blocks.*.up.bias": Share("blocks.*.up.bias", ((72, 78),)),
+        "blocks.*.down.kernel": Share("blocks.*.down.kernel", ((72, 78),)),
+        "blocks.*.down.bias": Share("blocks.*.down.bias", ((72, 78),)),
+    },
+    {
+        "blocks.*.ln1.scale": Share("blocks.*.ln1.scale", ((78, 84),)),
+        "blocks.*.ln1.bias": Share("blocks.*.ln1.bias", ((78, 84),)),
+        "blocks.*.attn.q": Share("blocks.*.attn.q", ((78, 84),)),
+        "blocks.*.attn.k": Share("blocks.*.attn.k", ((78, 84),)),
+        "blocks.*.attn.v": Share("blocks.*.attn.v", ((78, 84),)),
+        "blocks.*.attn.o": Share("blocks.*.attn.o", ((78, 84),)),
+        "blocks.*.ln2.scale": Share("blocks.*.ln2.scale", ((78, 84),)),
+        "blocks.*.ln2.bias": Share("blocks.*.ln2.bias", ((78, 84),)),
+        "blocks.*.up.kernel": Share("blocks.*.up.kernel", ((78, 84),)),
+        "blocks.*.up.bias": Share("blocks.*.up.bias", ((78, 84),)),
+        "blocks.*.down.kernel": Share("blocks.*.down.kernel", ((78, 84),)),
+        "blocks.*.down.bias": Share("blocks.*.down.bias", ((78, 84),)),
+    },
+    {
+        "blocks.*.ln1.scale": Share("blocks.*.ln1.scale", ((84, 90),)),
+        "blocks.*.ln1.bias": Share("blocks.*.ln1.bias", ((84, 90),)),
+        "blocks.*.attn.q": Share("blocks.*.attn.q", ((84, 90),)),
+        "blocks.*.attn.k": Share("blocks.*.attn.k", ((84, 90),)),
+        "blocks.*.attn.v": Share("blocks.*.attn.v", ((84, 90),)),
+        "blocks.*.attn.o": Share("blocks.*.attn.o", ((84, 90),)),
+        "blocks.*.ln2.scale": Share("blocks.*.ln2.scale", ((84, 90),)),
+        "blocks.*.ln2.bias": Share("blocks.*.ln2.bias", ((84, 90),)),
+        "blocks.*.up.kernel": Share("blocks.*.up.kernel", ((84, 90),)),
+        "blocks.*.up.bias": Share("blocks.*.up.bias", ((84, 90),)),
+        "blocks.*.down.kernel": Share("blocks.*.down.kernel", ((84, 90),)),
+        "blocks.*.down.bias": Share("blocks.*.down.bias", ((84, 90),)),
+    },
+    {
+        "blocks.*.ln1.scale": Share("blocks.*.ln1.scale", ((90, 96),)),
+        "blocks.*.ln1.bias": Share("blocks.*.ln1.bias", ((90, 96),)),
+        "blocks.*.attn.q": Share("blocks.*.attn.q", ((90, 96),)),
+        "blocks.*.attn.k": Share("blocks.*.attn.k", ((90, 96),)),
+        "blocks.*.attn.v": Share("blocks.*.attn.v", ((90, 96),)),
+        "blocks.*.attn.o": Share("blocks.*.attn.o", ((90, 96),)),
+        "blocks.*.ln2.scale": Share("blocks.*.ln2.scale", ((90, 96),)),
+        "blocks.*.ln2.bias": Share("blocks.*.ln2.bias", ((90, 96),)),
+        "blocks.*.up.kernel": Share("blocks.*.up.kernel", ((90, 96),)),
+        "blocks.*.up.bias": Share("blocks.*.up.bias", ((90, 96),)),
+        "blocks.*.down.kernel": Share("blocks.*.down.kernel", ((90, 96),)),
+        "blocks.*.down.bias": Share("blocks.*.down.bias", ((90, 96),)),
+        "ln_f.scale": Share("ln_f.scale"),
+        "ln_f.bias": Share("ln_f.bias"),
+        "head.kernel": Share("head.kernel"),
+    },
+)
+
+
+def chunk_weights(c: int, arrays: dict[str, jax.Array], local: bool = False) -> dict[str, jax.Array]:
+    """Chunk c's weights, in the compute dtype, out of the stored arrays (`local`: out of one
+    stage's pieces of them, inside the pipeline)."""
+    return {
+        name: take_share(arrays, share, PARAMETERS[share.stored].stage_rows, local, COMPUTE_DTYPE)
+        for name, share in CHUNK_WEIGHTS[c].items()
+    }
 
 
 def forward(params: dict[str, jax.Array], inputs: dict[str, jax.Array], key: jax.Array | None = None) -> jax.Array:
     """The model's output before its loss, every chunk in turn on the whole batch (no pipeline)."""
     x = inputs[STREAM]
-    for stage in STAGES:
-        x = stage(params)(x, inputs, key)
+    for c, stage in enumerate(STAGES):
+        x = stage(chunk_weights(c, params))(x, inputs, key)
     return x
 
 
@@ -10253,7 +4824,7 @@ def value_and_grad(
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The mean loss and its gradients, by running the schedule's table over the `stage` axis."""
 
-    def chunk(c: int) -> Callable[..., jax.Array]:
+    def chunk(c: int) -> Callable[..., Any]:
         last = c == len(STAGES) - 1
 
         def run(
@@ -10264,10 +4835,10 @@ def value_and_grad(
 
         return run
 
-    weights = [{name: params[name] for name, p in PARAMETERS.items() if p.chunk == c} for c in range(len(STAGES))]
-    value, grads = pipeline_value_and_grad(
+    return pipeline_value_and_grad(
         [chunk(c) for c in range(len(STAGES))],
-        weights,
+        [functools.partial(chunk_weights, c, local=True) for c in range(len(STAGES))],
+        params,
         batch,
         key,
         table=SCHEDULE,
@@ -10277,12 +4848,19 @@ def value_and_grad(
         microbatches=192,
         chunk_inputs=CHUNK_INPUTS,
         boundary=BOUNDARY,
+        stage_dims={name: (p.stage_rows, p.stage_split) for name, p in PARAMETERS.items()},
     )
-    return value, {name: g for chunk_grads in grads for name, g in chunk_grads.items()}
 
 
 ACCUMULATE = 1  # gradient accumulation steps per optimizer step
 OPTIMIZER = ("adamw", {"lr": 6e-05, "warmup": 375.0, "weight_decay": 0.1, "clip": 1.0})
+
+
+def gradients(
+    params: dict[str, jax.Array], batch: dict[str, jax.Array], key: jax.Array | None, mesh: jax.sharding.Mesh
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The mean loss and its gradients over the batch, in `ACCUMULATE` slices of it."""
+    return accumulate_gradients(functools.partial(value_and_grad, mesh=mesh), params, batch, key, ACCUMULATE)
 
 
 def optimizer_shardings(state: Any, mesh: jax.sharding.Mesh) -> Any:
@@ -10312,8 +4890,7 @@ def make_train_step(mesh: jax.sharding.Mesh, optimizer: optax.GradientTransforma
     def step(
         params: dict[str, jax.Array], opt_state: Any, batch: dict[str, jax.Array], key: jax.Array
     ) -> tuple[dict[str, jax.Array], Any, jax.Array]:
-        once = functools.partial(value_and_grad, mesh=mesh)
-        value, grads = accumulate_gradients(once, params, batch, key, ACCUMULATE)
+        value, grads = gradients(params, batch, key, mesh)
         grads = lax.with_sharding_constraint(grads, grad_shardings)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, value

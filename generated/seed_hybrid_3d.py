@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import math
 import zlib
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -54,10 +55,11 @@ def constrain(x: jax.Array, spec: P) -> jax.Array:
     return lax.with_sharding_constraint(x, spec)
 
 
-def weight(param: nnx.Param, spec: P) -> jax.Array:
-    """A parameter as its layer computes with it: in its compute sharding (parameters stored
-    split over the data axes, ZeRO-3, are gathered here) and in the compute dtype."""
-    return constrain(param[...], spec).astype(COMPUTE_DTYPE)
+def weight(param: nnx.Param, spec: P | None = None) -> jax.Array:
+    """A parameter as its layer computes with it, in the compute dtype; with `spec`, gathered
+    to that sharding first (parameters stored split over the data axes, ZeRO-3 and FSDP)."""
+    value = param[...] if spec is None else constrain(param[...], spec)
+    return value.astype(COMPUTE_DTYPE)
 
 
 def layer_key(key: jax.Array | None, path: str) -> jax.Array | None:
@@ -68,310 +70,211 @@ def layer_key(key: jax.Array | None, path: str) -> jax.Array | None:
 # ---- parameters and inputs ---------------------------------------------------------------------
 
 
+class Row(NamedTuple):
+    """What one stage's row of a per-stage array holds: a weight of its own shape (padded to
+    the row's), initialised its own way; `first` is the first layer of a repeat's share."""
+
+    name: str
+    shape: tuple[int, ...]
+    init: str
+    first: int = 0
+
+
 class Parameter(NamedTuple):
-    """A trainable array of the spec and where it lives."""
+    """A stored array of trainable state and where it lives."""
 
     shape: tuple[int, ...]
     dtype: str
-    init: str  # "zeros", "ones" or "normal:STD"
-    sharding: P  # between steps
-    # Where its gradient and its optimizer state live, when not like the parameter: ZeRO
+    init: str  # "zeros", "ones", "normal:STD", or "rows" (each row its own)
+    sharding: Any  # a PartitionSpec: where it lives between steps
+    # Where its gradient and its optimizer state live, when not like the array itself: ZeRO
     # stage 2 and up split the gradient over the data axes, stage 1 and up the state.
-    grad_sharding: P | None = None
-    optimizer_sharding: P | None = None
-    chunk: int = 0  # the pipeline chunk that computes with it
+    grad_sharding: Any = None
+    optimizer_sharding: Any = None
+    # A repeat's weight: how many leading dimensions each `*` of its name spans.
+    layers: tuple[int, ...] = ()
+    # One row per pipeline stage: what each stage's row holds.
+    rows: tuple[Row | None, ...] = ()
+    # Under a pipeline: the dimension whose pieces are each stage's own (a repeat's layers,
+    # or rows), or the dimension a weight used by one stage is split along over the stages
+    # between steps (the step gathers it for the stages).
+    stage_rows: int | None = None
+    stage_split: int | None = None
 
 
-# Every parameter, under its name in the spec.
+def expand_names(pattern: str, lengths: tuple[int, ...], first: int = 0) -> list[str]:
+    """The per-layer names a stacked name stands for: `blocks.*.attn.q` with lengths (2,) is
+    `blocks.0.attn.q`, `blocks.1.attn.q`; the first `*` counts from `first`."""
+    names = [""]
+    starts = iter((first, *(0,) * (len(lengths) - 1)))
+    counts = iter(lengths)
+    for part in pattern.split("."):
+        if part == "*":
+            start, count = next(starts), next(counts)
+            names = [f"{n}{start + i}." for n in names for i in range(count)]
+        else:
+            names = [f"{n}{part}." for n in names]
+    return [n[:-1] for n in names]
+
+
+def unravel(flat: int, dims: tuple[int, ...]) -> tuple[int, ...]:
+    """The row-major index of element `flat` of an array of shape `dims`."""
+    out = []
+    for n in reversed(dims):
+        out.append(flat % n)
+        flat //= n
+    return tuple(reversed(out))
+
+
+class Held(NamedTuple):
+    """One weight in a stored array: its per-layer name, where it is in the array (an index of
+    its leading dimensions; padding aside), its shape and how it is initialised."""
+
+    name: str
+    at: tuple[int, ...]
+    shape: tuple[int, ...]
+    init: str
+
+
+def weight_names(name: str, p: Parameter) -> list[Held]:
+    """Every weight a stored array holds, in the array's order."""
+    out: list[Held] = []
+    if p.rows:
+        for r, row in enumerate(p.rows):
+            if row is None:
+                continue
+            stars = row.name.count("*")
+            dims = row.shape[:stars]
+            for flat, layer in enumerate(expand_names(row.name, dims, row.first)):
+                out.append(Held(layer, (r, *unravel(flat, dims)), row.shape[stars:], row.init))
+        return out
+    dims = p.shape[: sum(p.layers)]
+    lengths, at = [], 0
+    for span in p.layers:
+        lengths.append(math.prod(dims[at : at + span]))
+        at += span
+    inner = p.shape[len(dims) :]
+    return [
+        Held(layer, unravel(flat, dims), inner, p.init) for flat, layer in enumerate(expand_names(name, tuple(lengths)))
+    ]
+
+
+def to_weights(parameters: dict[str, Parameter], arrays: dict[str, Any]) -> dict[str, Any]:
+    """Stored arrays -> every weight by its per-layer name (numpy copies, padding dropped)."""
+    import numpy as np  # here, not above: the compiler's front end reads this module without numpy
+
+    out = {}
+    for name, p in parameters.items():
+        value = np.asarray(arrays[name])
+        for held in weight_names(name, p):
+            out[held.name] = np.array(value[held.at][tuple(slice(0, n) for n in held.shape)], copy=True)
+    return out
+
+
+def from_weights(parameters: dict[str, Parameter], weights: dict[str, Any]) -> dict[str, Any]:
+    """Every weight by its per-layer name -> the stored arrays, as numpy (padding zero). The
+    caller checks names and shapes first."""
+    import numpy as np  # here, not above: the compiler's front end reads this module without numpy
+
+    out = {}
+    for name, p in parameters.items():
+        # In the weights' own dtype: the caller casts to the stored dtype as it places them.
+        held = weight_names(name, p)
+        value = np.zeros(p.shape, np.asarray(weights[held[0].name]).dtype)
+        for h in held:
+            value[h.at][tuple(slice(0, n) for n in h.shape)] = np.asarray(weights[h.name], dtype=value.dtype)
+        out[name] = value
+    return out
+
+
+def named_key(key: jax.Array, name: str) -> jax.Array:
+    """A key for one named thing (a parameter, a dropout layer), the same whatever else the
+    model contains, so a seed gives the same weights whatever the mesh."""
+    return jax.random.fold_in(key, zlib.crc32(name.encode()))
+
+
+def initial_value(init: str, shape: tuple[int, ...], dtype: str, key: jax.Array) -> jax.Array:
+    """A parameter's first value; `init` is "zeros", "ones" or "normal:STD"."""
+    if init == "zeros":
+        return jnp.zeros(shape, dtype)
+    if init == "ones":
+        return jnp.ones(shape, dtype)
+    kind, _, std = init.partition(":")
+    if kind != "normal":
+        raise ValueError(f"unknown initializer {init!r}")
+    return (float(std) * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+
+
+def initial_array(name: str, p: Parameter, key: jax.Array) -> jax.Array:
+    """A stored array's first value: each weight it holds drawn from the key of its own
+    per-layer name (`blocks.3.attn.q`), so how weights are stored changes no value."""
+    held = weight_names(name, p)
+    if not p.rows and len(held) == 1:
+        return initial_value(p.init, p.shape, p.dtype, named_key(key, name))
+    value = jnp.zeros(p.shape, p.dtype)
+    for h in held:
+        piece = initial_value(h.init, h.shape, p.dtype, named_key(key, h.name))
+        value = value.at[h.at + tuple(slice(0, n) for n in h.shape)].set(piece)
+    return value
+
+
+# Every array of trainable state, under its name in the spec: `*` stands for a repeat's layers,
+# stacked along a leading dimension (weights are exported one by one, as `blocks.3.attn.q`).
 PARAMETERS = {
-    "blocks.0.ln1.scale": Parameter((1024,), "float32", "ones", P(None)),
-    "blocks.0.ln1.bias": Parameter((1024,), "float32", "zeros", P(None)),
-    "blocks.0.attn.q": Parameter((1024, 1024), "float32", "normal:0.03125", P(None, "model")),
-    "blocks.0.attn.k": Parameter((1024, 1024), "float32", "normal:0.03125", P(None, "model")),
-    "blocks.0.attn.v": Parameter((1024, 1024), "float32", "normal:0.03125", P(None, "model")),
-    "blocks.0.attn.o": Parameter((1024, 1024), "float32", "normal:0.03125", P("model", None)),
-    "blocks.0.ln2.scale": Parameter((1024,), "float32", "ones", P(None)),
-    "blocks.0.ln2.bias": Parameter((1024,), "float32", "zeros", P(None)),
-    "blocks.0.up.kernel": Parameter((1024, 4096), "float32", "normal:0.03125", P(None, "model")),
-    "blocks.0.up.bias": Parameter((4096,), "float32", "zeros", P("model")),
-    "blocks.0.down.kernel": Parameter((4096, 1024), "float32", "normal:0.015625", P("model", None)),
-    "blocks.0.down.bias": Parameter((1024,), "float32", "zeros", P(None)),
-    "blocks.1.ln1.scale": Parameter((1024,), "float32", "ones", P(None)),
-    "blocks.1.ln1.bias": Parameter((1024,), "float32", "zeros", P(None)),
-    "blocks.1.attn.q": Parameter((1024, 1024), "float32", "normal:0.03125", P(None, "model")),
-    "blocks.1.attn.k": Parameter((1024, 1024), "float32", "normal:0.03125", P(None, "model")),
-    "blocks.1.attn.v": Parameter((1024, 1024), "float32", "normal:0.03125", P(None, "model")),
-    "blocks.1.attn.o": Parameter((1024, 1024), "float32", "normal:0.03125", P("model", None)),
-    "blocks.1.ln2.scale": Parameter((1024,), "float32", "ones", P(None)),
-    "blocks.1.ln2.bias": Parameter((1024,), "float32", "zeros", P(None)),
-    "blocks.1.up.kernel": Parameter((1024, 4096), "float32", "normal:0.03125", P(None, "model")),
-    "blocks.1.up.bias": Parameter((4096,), "float32", "zeros", P("model")),
-    "blocks.1.down.kernel": Parameter((4096, 1024), "float32", "normal:0.015625", P("model", None)),
-    "blocks.1.down.bias": Parameter((1024,), "float32", "zeros", P(None)),
-    "blocks.2.ln1.scale": Parameter((1024,), "float32", "ones", P(None)),
-    "blocks.2.ln1.bias": Parameter((1024,), "float32", "zeros", P(None)),
-    "blocks.2.attn.q": Parameter((1024, 1024), "float32", "normal:0.03125", P(None, "model")),
-    "blocks.2.attn.k": Parameter((1024, 1024), "float32", "normal:0.03125", P(None, "model")),
-    "blocks.2.attn.v": Parameter((1024, 1024), "float32", "normal:0.03125", P(None, "model")),
-    "blocks.2.attn.o": Parameter((1024, 1024), "float32", "normal:0.03125", P("model", None)),
-    "blocks.2.ln2.scale": Parameter((1024,), "float32", "ones", P(None)),
-    "blocks.2.ln2.bias": Parameter((1024,), "float32", "zeros", P(None)),
-    "blocks.2.up.kernel": Parameter((1024, 4096), "float32", "normal:0.03125", P(None, "model")),
-    "blocks.2.up.bias": Parameter((4096,), "float32", "zeros", P("model")),
-    "blocks.2.down.kernel": Parameter((4096, 1024), "float32", "normal:0.015625", P("model", None)),
-    "blocks.2.down.bias": Parameter((1024,), "float32", "zeros", P(None)),
-    "blocks.3.ln1.scale": Parameter((1024,), "float32", "ones", P(None)),
-    "blocks.3.ln1.bias": Parameter((1024,), "float32", "zeros", P(None)),
-    "blocks.3.attn.q": Parameter((1024, 1024), "float32", "normal:0.03125", P(None, "model")),
-    "blocks.3.attn.k": Parameter((1024, 1024), "float32", "normal:0.03125", P(None, "model")),
-    "blocks.3.attn.v": Parameter((1024, 1024), "float32", "normal:0.03125", P(None, "model")),
-    "blocks.3.attn.o": Parameter((1024, 1024), "float32", "normal:0.03125", P("model", None)),
-    "blocks.3.ln2.scale": Parameter((1024,), "float32", "ones", P(None)),
-    "blocks.3.ln2.bias": Parameter((1024,), "float32", "zeros", P(None)),
-    "blocks.3.up.kernel": Parameter((1024, 4096), "float32", "normal:0.03125", P(None, "model")),
-    "blocks.3.up.bias": Parameter((4096,), "float32", "zeros", P("model")),
-    "blocks.3.down.kernel": Parameter((4096, 1024), "float32", "normal:0.015625", P("model", None)),
-    "blocks.3.down.bias": Parameter((1024,), "float32", "zeros", P(None)),
-    "blocks.4.ln1.scale": Parameter((1024,), "float32", "ones", P(None)),
-    "blocks.4.ln1.bias": Parameter((1024,), "float32", "zeros", P(None)),
-    "blocks.4.attn.q": Parameter((1024, 1024), "float32", "normal:0.03125", P(None, "model")),
-    "blocks.4.attn.k": Parameter((1024, 1024), "float32", "normal:0.03125", P(None, "model")),
-    "blocks.4.attn.v": Parameter((1024, 1024), "float32", "normal:0.03125", P(None, "model")),
-    "blocks.4.attn.o": Parameter((1024, 1024), "float32", "normal:0.03125", P("model", None)),
-    "blocks.4.ln2.scale": Parameter((1024,), "float32", "ones", P(None)),
-    "blocks.4.ln2.bias": Parameter((1024,), "float32", "zeros", P(None)),
-    "blocks.4.up.kernel": Parameter((1024, 4096), "float32", "normal:0.03125", P(None, "model")),
-    "blocks.4.up.bias": Parameter((4096,), "float32", "zeros", P("model")),
-    "blocks.4.down.kernel": Parameter((4096, 1024), "float32", "normal:0.015625", P("model", None)),
-    "blocks.4.down.bias": Parameter((1024,), "float32", "zeros", P(None)),
-    "blocks.5.ln1.scale": Parameter((1024,), "float32", "ones", P(None)),
-    "blocks.5.ln1.bias": Parameter((1024,), "float32", "zeros", P(None)),
-    "blocks.5.attn.q": Parameter((1024, 1024), "float32", "normal:0.03125", P(None, "model")),
-    "blocks.5.attn.k": Parameter((1024, 1024), "float32", "normal:0.03125", P(None, "model")),
-    "blocks.5.attn.v": Parameter((1024, 1024), "float32", "normal:0.03125", P(None, "model")),
-    "blocks.5.attn.o": Parameter((1024, 1024), "float32", "normal:0.03125", P("model", None)),
-    "blocks.5.ln2.scale": Parameter((1024,), "float32", "ones", P(None)),
-    "blocks.5.ln2.bias": Parameter((1024,), "float32", "zeros", P(None)),
-    "blocks.5.up.kernel": Parameter((1024, 4096), "float32", "normal:0.03125", P(None, "model")),
-    "blocks.5.up.bias": Parameter((4096,), "float32", "zeros", P("model")),
-    "blocks.5.down.kernel": Parameter((4096, 1024), "float32", "normal:0.015625", P("model", None)),
-    "blocks.5.down.bias": Parameter((1024,), "float32", "zeros", P(None)),
-    "blocks.6.ln1.scale": Parameter((1024,), "float32", "ones", P(None)),
-    "blocks.6.ln1.bias": Parameter((1024,), "float32", "zeros", P(None)),
-    "blocks.6.attn.q": Parameter((1024, 1024), "float32", "normal:0.03125", P(None, "model")),
-    "blocks.6.attn.k": Parameter((1024, 1024), "float32", "normal:0.03125", P(None, "model")),
-    "blocks.6.attn.v": Parameter((1024, 1024), "float32", "normal:0.03125", P(None, "model")),
-    "blocks.6.attn.o": Parameter((1024, 1024), "float32", "normal:0.03125", P("model", None)),
-    "blocks.6.ln2.scale": Parameter((1024,), "float32", "ones", P(None)),
-    "blocks.6.ln2.bias": Parameter((1024,), "float32", "zeros", P(None)),
-    "blocks.6.up.kernel": Parameter((1024, 4096), "float32", "normal:0.03125", P(None, "model")),
-    "blocks.6.up.bias": Parameter((4096,), "float32", "zeros", P("model")),
-    "blocks.6.down.kernel": Parameter((4096, 1024), "float32", "normal:0.015625", P("model", None)),
-    "blocks.6.down.bias": Parameter((1024,), "float32", "zeros", P(None)),
-    "blocks.7.ln1.scale": Parameter((1024,), "float32", "ones", P(None)),
-    "blocks.7.ln1.bias": Parameter((1024,), "float32", "zeros", P(None)),
-    "blocks.7.attn.q": Parameter((1024, 1024), "float32", "normal:0.03125", P(None, "model")),
-    "blocks.7.attn.k": Parameter((1024, 1024), "float32", "normal:0.03125", P(None, "model")),
-    "blocks.7.attn.v": Parameter((1024, 1024), "float32", "normal:0.03125", P(None, "model")),
-    "blocks.7.attn.o": Parameter((1024, 1024), "float32", "normal:0.03125", P("model", None)),
-    "blocks.7.ln2.scale": Parameter((1024,), "float32", "ones", P(None)),
-    "blocks.7.ln2.bias": Parameter((1024,), "float32", "zeros", P(None)),
-    "blocks.7.up.kernel": Parameter((1024, 4096), "float32", "normal:0.03125", P(None, "model")),
-    "blocks.7.up.bias": Parameter((4096,), "float32", "zeros", P("model")),
-    "blocks.7.down.kernel": Parameter((4096, 1024), "float32", "normal:0.015625", P("model", None)),
-    "blocks.7.down.bias": Parameter((1024,), "float32", "zeros", P(None)),
-    "blocks.8.ln1.scale": Parameter((1024,), "float32", "ones", P(None)),
-    "blocks.8.ln1.bias": Parameter((1024,), "float32", "zeros", P(None)),
-    "blocks.8.attn.q": Parameter((1024, 1024), "float32", "normal:0.03125", P(None, "model")),
-    "blocks.8.attn.k": Parameter((1024, 1024), "float32", "normal:0.03125", P(None, "model")),
-    "blocks.8.attn.v": Parameter((1024, 1024), "float32", "normal:0.03125", P(None, "model")),
-    "blocks.8.attn.o": Parameter((1024, 1024), "float32", "normal:0.03125", P("model", None)),
-    "blocks.8.ln2.scale": Parameter((1024,), "float32", "ones", P(None)),
-    "blocks.8.ln2.bias": Parameter((1024,), "float32", "zeros", P(None)),
-    "blocks.8.up.kernel": Parameter((1024, 4096), "float32", "normal:0.03125", P(None, "model")),
-    "blocks.8.up.bias": Parameter((4096,), "float32", "zeros", P("model")),
-    "blocks.8.down.kernel": Parameter((4096, 1024), "float32", "normal:0.015625", P("model", None)),
-    "blocks.8.down.bias": Parameter((1024,), "float32", "zeros", P(None)),
-    "blocks.9.ln1.scale": Parameter((1024,), "float32", "ones", P(None)),
-    "blocks.9.ln1.bias": Parameter((1024,), "float32", "zeros", P(None)),
-    "blocks.9.attn.q": Parameter((1024, 1024), "float32", "normal:0.03125", P(None, "model")),
-    "blocks.9.attn.k": Parameter((1024, 1024), "float32", "normal:0.03125", P(None, "model")),
-    "blocks.9.attn.v": Parameter((1024, 1024), "float32", "normal:0.03125", P(None, "model")),
-    "blocks.9.attn.o": Parameter((1024, 1024), "float32", "normal:0.03125", P("model", None)),
-    "blocks.9.ln2.scale": Parameter((1024,), "float32", "ones", P(None)),
-    "blocks.9.ln2.bias": Parameter((1024,), "float32", "zeros", P(None)),
-    "blocks.9.up.kernel": Parameter((1024, 4096), "float32", "normal:0.03125", P(None, "model")),
-    "blocks.9.up.bias": Parameter((4096,), "float32", "zeros", P("model")),
-    "blocks.9.down.kernel": Parameter((4096, 1024), "float32", "normal:0.015625", P("model", None)),
-    "blocks.9.down.bias": Parameter((1024,), "float32", "zeros", P(None)),
-    "blocks.10.ln1.scale": Parameter((1024,), "float32", "ones", P(None)),
-    "blocks.10.ln1.bias": Parameter((1024,), "float32", "zeros", P(None)),
-    "blocks.10.attn.q": Parameter((1024, 1024), "float32", "normal:0.03125", P(None, "model")),
-    "blocks.10.attn.k": Parameter((1024, 1024), "float32", "normal:0.03125", P(None, "model")),
-    "blocks.10.attn.v": Parameter((1024, 1024), "float32", "normal:0.03125", P(None, "model")),
-    "blocks.10.attn.o": Parameter((1024, 1024), "float32", "normal:0.03125", P("model", None)),
-    "blocks.10.ln2.scale": Parameter((1024,), "float32", "ones", P(None)),
-    "blocks.10.ln2.bias": Parameter((1024,), "float32", "zeros", P(None)),
-    "blocks.10.up.kernel": Parameter((1024, 4096), "float32", "normal:0.03125", P(None, "model")),
-    "blocks.10.up.bias": Parameter((4096,), "float32", "zeros", P("model")),
-    "blocks.10.down.kernel": Parameter((4096, 1024), "float32", "normal:0.015625", P("model", None)),
-    "blocks.10.down.bias": Parameter((1024,), "float32", "zeros", P(None)),
-    "blocks.11.ln1.scale": Parameter((1024,), "float32", "ones", P(None)),
-    "blocks.11.ln1.bias": Parameter((1024,), "float32", "zeros", P(None)),
-    "blocks.11.attn.q": Parameter((1024, 1024), "float32", "normal:0.03125", P(None, "model")),
-    "blocks.11.attn.k": Parameter((1024, 1024), "float32", "normal:0.03125", P(None, "model")),
-    "blocks.11.attn.v": Parameter((1024, 1024), "float32", "normal:0.03125", P(None, "model")),
-    "blocks.11.attn.o": Parameter((1024, 1024), "float32", "normal:0.03125", P("model", None)),
-    "blocks.11.ln2.scale": Parameter((1024,), "float32", "ones", P(None)),
-    "blocks.11.ln2.bias": Parameter((1024,), "float32", "zeros", P(None)),
-    "blocks.11.up.kernel": Parameter((1024, 4096), "float32", "normal:0.03125", P(None, "model")),
-    "blocks.11.up.bias": Parameter((4096,), "float32", "zeros", P("model")),
-    "blocks.11.down.kernel": Parameter((4096, 1024), "float32", "normal:0.015625", P("model", None)),
-    "blocks.11.down.bias": Parameter((1024,), "float32", "zeros", P(None)),
-    "blocks.12.ln1.scale": Parameter((1024,), "float32", "ones", P(None), chunk=1),
-    "blocks.12.ln1.bias": Parameter((1024,), "float32", "zeros", P(None), chunk=1),
-    "blocks.12.attn.q": Parameter((1024, 1024), "float32", "normal:0.03125", P(None, "model"), chunk=1),
-    "blocks.12.attn.k": Parameter((1024, 1024), "float32", "normal:0.03125", P(None, "model"), chunk=1),
-    "blocks.12.attn.v": Parameter((1024, 1024), "float32", "normal:0.03125", P(None, "model"), chunk=1),
-    "blocks.12.attn.o": Parameter((1024, 1024), "float32", "normal:0.03125", P("model", None), chunk=1),
-    "blocks.12.ln2.scale": Parameter((1024,), "float32", "ones", P(None), chunk=1),
-    "blocks.12.ln2.bias": Parameter((1024,), "float32", "zeros", P(None), chunk=1),
-    "blocks.12.up.kernel": Parameter((1024, 4096), "float32", "normal:0.03125", P(None, "model"), chunk=1),
-    "blocks.12.up.bias": Parameter((4096,), "float32", "zeros", P("model"), chunk=1),
-    "blocks.12.down.kernel": Parameter((4096, 1024), "float32", "normal:0.015625", P("model", None), chunk=1),
-    "blocks.12.down.bias": Parameter((1024,), "float32", "zeros", P(None), chunk=1),
-    "blocks.13.ln1.scale": Parameter((1024,), "float32", "ones", P(None), chunk=1),
-    "blocks.13.ln1.bias": Parameter((1024,), "float32", "zeros", P(None), chunk=1),
-    "blocks.13.attn.q": Parameter((1024, 1024), "float32", "normal:0.03125", P(None, "model"), chunk=1),
-    "blocks.13.attn.k": Parameter((1024, 1024), "float32", "normal:0.03125", P(None, "model"), chunk=1),
-    "blocks.13.attn.v": Parameter((1024, 1024), "float32", "normal:0.03125", P(None, "model"), chunk=1),
-    "blocks.13.attn.o": Parameter((1024, 1024), "float32", "normal:0.03125", P("model", None), chunk=1),
-    "blocks.13.ln2.scale": Parameter((1024,), "float32", "ones", P(None), chunk=1),
-    "blocks.13.ln2.bias": Parameter((1024,), "float32", "zeros", P(None), chunk=1),
-    "blocks.13.up.kernel": Parameter((1024, 4096), "float32", "normal:0.03125", P(None, "model"), chunk=1),
-    "blocks.13.up.bias": Parameter((4096,), "float32", "zeros", P("model"), chunk=1),
-    "blocks.13.down.kernel": Parameter((4096, 1024), "float32", "normal:0.015625", P("model", None), chunk=1),
-    "blocks.13.down.bias": Parameter((1024,), "float32", "zeros", P(None), chunk=1),
-    "blocks.14.ln1.scale": Parameter((1024,), "float32", "ones", P(None), chunk=1),
-    "blocks.14.ln1.bias": Parameter((1024,), "float32", "zeros", P(None), chunk=1),
-    "blocks.14.attn.q": Parameter((1024, 1024), "float32", "normal:0.03125", P(None, "model"), chunk=1),
-    "blocks.14.attn.k": Parameter((1024, 1024), "float32", "normal:0.03125", P(None, "model"), chunk=1),
-    "blocks.14.attn.v": Parameter((1024, 1024), "float32", "normal:0.03125", P(None, "model"), chunk=1),
-    "blocks.14.attn.o": Parameter((1024, 1024), "float32", "normal:0.03125", P("model", None), chunk=1),
-    "blocks.14.ln2.scale": Parameter((1024,), "float32", "ones", P(None), chunk=1),
-    "blocks.14.ln2.bias": Parameter((1024,), "float32", "zeros", P(None), chunk=1),
-    "blocks.14.up.kernel": Parameter((1024, 4096), "float32", "normal:0.03125", P(None, "model"), chunk=1),
-    "blocks.14.up.bias": Parameter((4096,), "float32", "zeros", P("model"), chunk=1),
-    "blocks.14.down.kernel": Parameter((4096, 1024), "float32", "normal:0.015625", P("model", None), chunk=1),
-    "blocks.14.down.bias": Parameter((1024,), "float32", "zeros", P(None), chunk=1),
-    "blocks.15.ln1.scale": Parameter((1024,), "float32", "ones", P(None), chunk=1),
-    "blocks.15.ln1.bias": Parameter((1024,), "float32", "zeros", P(None), chunk=1),
-    "blocks.15.attn.q": Parameter((1024, 1024), "float32", "normal:0.03125", P(None, "model"), chunk=1),
-    "blocks.15.attn.k": Parameter((1024, 1024), "float32", "normal:0.03125", P(None, "model"), chunk=1),
-    "blocks.15.attn.v": Parameter((1024, 1024), "float32", "normal:0.03125", P(None, "model"), chunk=1),
-    "blocks.15.attn.o": Parameter((1024, 1024), "float32", "normal:0.03125", P("model", None), chunk=1),
-    "blocks.15.ln2.scale": Parameter((1024,), "float32", "ones", P(None), chunk=1),
-    "blocks.15.ln2.bias": Parameter((1024,), "float32", "zeros", P(None), chunk=1),
-    "blocks.15.up.kernel": Parameter((1024, 4096), "float32", "normal:0.03125", P(None, "model"), chunk=1),
-    "blocks.15.up.bias": Parameter((4096,), "float32", "zeros", P("model"), chunk=1),
-    "blocks.15.down.kernel": Parameter((4096, 1024), "float32", "normal:0.015625", P("model", None), chunk=1),
-    "blocks.15.down.bias": Parameter((1024,), "float32", "zeros", P(None), chunk=1),
-    "blocks.16.ln1.scale": Parameter((1024,), "float32", "ones", P(None), chunk=1),
-    "blocks.16.ln1.bias": Parameter((1024,), "float32", "zeros", P(None), chunk=1),
-    "blocks.16.attn.q": Parameter((1024, 1024), "float32", "normal:0.03125", P(None, "model"), chunk=1),
-    "blocks.16.attn.k": Parameter((1024, 1024), "float32", "normal:0.03125", P(None, "model"), chunk=1),
-    "blocks.16.attn.v": Parameter((1024, 1024), "float32", "normal:0.03125", P(None, "model"), chunk=1),
-    "blocks.16.attn.o": Parameter((1024, 1024), "float32", "normal:0.03125", P("model", None), chunk=1),
-    "blocks.16.ln2.scale": Parameter((1024,), "float32", "ones", P(None), chunk=1),
-    "blocks.16.ln2.bias": Parameter((1024,), "float32", "zeros", P(None), chunk=1),
-    "blocks.16.up.kernel": Parameter((1024, 4096), "float32", "normal:0.03125", P(None, "model"), chunk=1),
-    "blocks.16.up.bias": Parameter((4096,), "float32", "zeros", P("model"), chunk=1),
-    "blocks.16.down.kernel": Parameter((4096, 1024), "float32", "normal:0.015625", P("model", None), chunk=1),
-    "blocks.16.down.bias": Parameter((1024,), "float32", "zeros", P(None), chunk=1),
-    "blocks.17.ln1.scale": Parameter((1024,), "float32", "ones", P(None), chunk=1),
-    "blocks.17.ln1.bias": Parameter((1024,), "float32", "zeros", P(None), chunk=1),
-    "blocks.17.attn.q": Parameter((1024, 1024), "float32", "normal:0.03125", P(None, "model"), chunk=1),
-    "blocks.17.attn.k": Parameter((1024, 1024), "float32", "normal:0.03125", P(None, "model"), chunk=1),
-    "blocks.17.attn.v": Parameter((1024, 1024), "float32", "normal:0.03125", P(None, "model"), chunk=1),
-    "blocks.17.attn.o": Parameter((1024, 1024), "float32", "normal:0.03125", P("model", None), chunk=1),
-    "blocks.17.ln2.scale": Parameter((1024,), "float32", "ones", P(None), chunk=1),
-    "blocks.17.ln2.bias": Parameter((1024,), "float32", "zeros", P(None), chunk=1),
-    "blocks.17.up.kernel": Parameter((1024, 4096), "float32", "normal:0.03125", P(None, "model"), chunk=1),
-    "blocks.17.up.bias": Parameter((4096,), "float32", "zeros", P("model"), chunk=1),
-    "blocks.17.down.kernel": Parameter((4096, 1024), "float32", "normal:0.015625", P("model", None), chunk=1),
-    "blocks.17.down.bias": Parameter((1024,), "float32", "zeros", P(None), chunk=1),
-    "blocks.18.ln1.scale": Parameter((1024,), "float32", "ones", P(None), chunk=1),
-    "blocks.18.ln1.bias": Parameter((1024,), "float32", "zeros", P(None), chunk=1),
-    "blocks.18.attn.q": Parameter((1024, 1024), "float32", "normal:0.03125", P(None, "model"), chunk=1),
-    "blocks.18.attn.k": Parameter((1024, 1024), "float32", "normal:0.03125", P(None, "model"), chunk=1),
-    "blocks.18.attn.v": Parameter((1024, 1024), "float32", "normal:0.03125", P(None, "model"), chunk=1),
-    "blocks.18.attn.o": Parameter((1024, 1024), "float32", "normal:0.03125", P("model", None), chunk=1),
-    "blocks.18.ln2.scale": Parameter((1024,), "float32", "ones", P(None), chunk=1),
-    "blocks.18.ln2.bias": Parameter((1024,), "float32", "zeros", P(None), chunk=1),
-    "blocks.18.up.kernel": Parameter((1024, 4096), "float32", "normal:0.03125", P(None, "model"), chunk=1),
-    "blocks.18.up.bias": Parameter((4096,), "float32", "zeros", P("model"), chunk=1),
-    "blocks.18.down.kernel": Parameter((4096, 1024), "float32", "normal:0.015625", P("model", None), chunk=1),
-    "blocks.18.down.bias": Parameter((1024,), "float32", "zeros", P(None), chunk=1),
-    "blocks.19.ln1.scale": Parameter((1024,), "float32", "ones", P(None), chunk=1),
-    "blocks.19.ln1.bias": Parameter((1024,), "float32", "zeros", P(None), chunk=1),
-    "blocks.19.attn.q": Parameter((1024, 1024), "float32", "normal:0.03125", P(None, "model"), chunk=1),
-    "blocks.19.attn.k": Parameter((1024, 1024), "float32", "normal:0.03125", P(None, "model"), chunk=1),
-    "blocks.19.attn.v": Parameter((1024, 1024), "float32", "normal:0.03125", P(None, "model"), chunk=1),
-    "blocks.19.attn.o": Parameter((1024, 1024), "float32", "normal:0.03125", P("model", None), chunk=1),
-    "blocks.19.ln2.scale": Parameter((1024,), "float32", "ones", P(None), chunk=1),
-    "blocks.19.ln2.bias": Parameter((1024,), "float32", "zeros", P(None), chunk=1),
-    "blocks.19.up.kernel": Parameter((1024, 4096), "float32", "normal:0.03125", P(None, "model"), chunk=1),
-    "blocks.19.up.bias": Parameter((4096,), "float32", "zeros", P("model"), chunk=1),
-    "blocks.19.down.kernel": Parameter((4096, 1024), "float32", "normal:0.015625", P("model", None), chunk=1),
-    "blocks.19.down.bias": Parameter((1024,), "float32", "zeros", P(None), chunk=1),
-    "blocks.20.ln1.scale": Parameter((1024,), "float32", "ones", P(None), chunk=1),
-    "blocks.20.ln1.bias": Parameter((1024,), "float32", "zeros", P(None), chunk=1),
-    "blocks.20.attn.q": Parameter((1024, 1024), "float32", "normal:0.03125", P(None, "model"), chunk=1),
-    "blocks.20.attn.k": Parameter((1024, 1024), "float32", "normal:0.03125", P(None, "model"), chunk=1),
-    "blocks.20.attn.v": Parameter((1024, 1024), "float32", "normal:0.03125", P(None, "model"), chunk=1),
-    "blocks.20.attn.o": Parameter((1024, 1024), "float32", "normal:0.03125", P("model", None), chunk=1),
-    "blocks.20.ln2.scale": Parameter((1024,), "float32", "ones", P(None), chunk=1),
-    "blocks.20.ln2.bias": Parameter((1024,), "float32", "zeros", P(None), chunk=1),
-    "blocks.20.up.kernel": Parameter((1024, 4096), "float32", "normal:0.03125", P(None, "model"), chunk=1),
-    "blocks.20.up.bias": Parameter((4096,), "float32", "zeros", P("model"), chunk=1),
-    "blocks.20.down.kernel": Parameter((4096, 1024), "float32", "normal:0.015625", P("model", None), chunk=1),
-    "blocks.20.down.bias": Parameter((1024,), "float32", "zeros", P(None), chunk=1),
-    "blocks.21.ln1.scale": Parameter((1024,), "float32", "ones", P(None), chunk=1),
-    "blocks.21.ln1.bias": Parameter((1024,), "float32", "zeros", P(None), chunk=1),
-    "blocks.21.attn.q": Parameter((1024, 1024), "float32", "normal:0.03125", P(None, "model"), chunk=1),
-    "blocks.21.attn.k": Parameter((1024, 1024), "float32", "normal:0.03125", P(None, "model"), chunk=1),
-    "blocks.21.attn.v": Parameter((1024, 1024), "float32", "normal:0.03125", P(None, "model"), chunk=1),
-    "blocks.21.attn.o": Parameter((1024, 1024), "float32", "normal:0.03125", P("model", None), chunk=1),
-    "blocks.21.ln2.scale": Parameter((1024,), "float32", "ones", P(None), chunk=1),
-    "blocks.21.ln2.bias": Parameter((1024,), "float32", "zeros", P(None), chunk=1),
-    "blocks.21.up.kernel": Parameter((1024, 4096), "float32", "normal:0.03125", P(None, "model"), chunk=1),
-    "blocks.21.up.bias": Parameter((4096,), "float32", "zeros", P("model"), chunk=1),
-    "blocks.21.down.kernel": Parameter((4096, 1024), "float32", "normal:0.015625", P("model", None), chunk=1),
-    "blocks.21.down.bias": Parameter((1024,), "float32", "zeros", P(None), chunk=1),
-    "blocks.22.ln1.scale": Parameter((1024,), "float32", "ones", P(None), chunk=1),
-    "blocks.22.ln1.bias": Parameter((1024,), "float32", "zeros", P(None), chunk=1),
-    "blocks.22.attn.q": Parameter((1024, 1024), "float32", "normal:0.03125", P(None, "model"), chunk=1),
-    "blocks.22.attn.k": Parameter((1024, 1024), "float32", "normal:0.03125", P(None, "model"), chunk=1),
-    "blocks.22.attn.v": Parameter((1024, 1024), "float32", "normal:0.03125", P(None, "model"), chunk=1),
-    "blocks.22.attn.o": Parameter((1024, 1024), "float32", "normal:0.03125", P("model", None), chunk=1),
-    "blocks.22.ln2.scale": Parameter((1024,), "float32", "ones", P(None), chunk=1),
-    "blocks.22.ln2.bias": Parameter((1024,), "float32", "zeros", P(None), chunk=1),
-    "blocks.22.up.kernel": Parameter((1024, 4096), "float32", "normal:0.03125", P(None, "model"), chunk=1),
-    "blocks.22.up.bias": Parameter((4096,), "float32", "zeros", P("model"), chunk=1),
-    "blocks.22.down.kernel": Parameter((4096, 1024), "float32", "normal:0.015625", P("model", None), chunk=1),
-    "blocks.22.down.bias": Parameter((1024,), "float32", "zeros", P(None), chunk=1),
-    "blocks.23.ln1.scale": Parameter((1024,), "float32", "ones", P(None), chunk=1),
-    "blocks.23.ln1.bias": Parameter((1024,), "float32", "zeros", P(None), chunk=1),
-    "blocks.23.attn.q": Parameter((1024, 1024), "float32", "normal:0.03125", P(None, "model"), chunk=1),
-    "blocks.23.attn.k": Parameter((1024, 1024), "float32", "normal:0.03125", P(None, "model"), chunk=1),
-    "blocks.23.attn.v": Parameter((1024, 1024), "float32", "normal:0.03125", P(None, "model"), chunk=1),
-    "blocks.23.attn.o": Parameter((1024, 1024), "float32", "normal:0.03125", P("model", None), chunk=1),
-    "blocks.23.ln2.scale": Parameter((1024,), "float32", "ones", P(None), chunk=1),
-    "blocks.23.ln2.bias": Parameter((1024,), "float32", "zeros", P(None), chunk=1),
-    "blocks.23.up.kernel": Parameter((1024, 4096), "float32", "normal:0.03125", P(None, "model"), chunk=1),
-    "blocks.23.up.bias": Parameter((4096,), "float32", "zeros", P("model"), chunk=1),
-    "blocks.23.down.kernel": Parameter((4096, 1024), "float32", "normal:0.015625", P("model", None), chunk=1),
-    "blocks.23.down.bias": Parameter((1024,), "float32", "zeros", P(None), chunk=1),
+    "blocks.*.ln1.scale": Parameter((24, 1024), "float32", "ones", P("pipeline", None), layers=(1,), stage_rows=0),
+    "blocks.*.ln1.bias": Parameter((24, 1024), "float32", "zeros", P("pipeline", None), layers=(1,), stage_rows=0),
+    "blocks.*.attn.q": Parameter(
+        (24, 1024, 1024),
+        "float32",
+        "normal:0.03125",
+        P("pipeline", None, "model"),
+        layers=(1,),
+        stage_rows=0,
+    ),
+    "blocks.*.attn.k": Parameter(
+        (24, 1024, 1024),
+        "float32",
+        "normal:0.03125",
+        P("pipeline", None, "model"),
+        layers=(1,),
+        stage_rows=0,
+    ),
+    "blocks.*.attn.v": Parameter(
+        (24, 1024, 1024),
+        "float32",
+        "normal:0.03125",
+        P("pipeline", None, "model"),
+        layers=(1,),
+        stage_rows=0,
+    ),
+    "blocks.*.attn.o": Parameter(
+        (24, 1024, 1024),
+        "float32",
+        "normal:0.03125",
+        P("pipeline", "model", None),
+        layers=(1,),
+        stage_rows=0,
+    ),
+    "blocks.*.ln2.scale": Parameter((24, 1024), "float32", "ones", P("pipeline", None), layers=(1,), stage_rows=0),
+    "blocks.*.ln2.bias": Parameter((24, 1024), "float32", "zeros", P("pipeline", None), layers=(1,), stage_rows=0),
+    "blocks.*.up.kernel": Parameter(
+        (24, 1024, 4096),
+        "float32",
+        "normal:0.03125",
+        P("pipeline", None, "model"),
+        layers=(1,),
+        stage_rows=0,
+    ),
+    "blocks.*.up.bias": Parameter((24, 4096), "float32", "zeros", P("pipeline", "model"), layers=(1,), stage_rows=0),
+    "blocks.*.down.kernel": Parameter(
+        (24, 4096, 1024),
+        "float32",
+        "normal:0.015625",
+        P("pipeline", "model", None),
+        layers=(1,),
+        stage_rows=0,
+    ),
+    "blocks.*.down.bias": Parameter((24, 1024), "float32", "zeros", P("pipeline", None), layers=(1,), stage_rows=0),
 }
 
 
@@ -398,10 +301,25 @@ def init_params(seed: int, mesh: jax.sharding.Mesh) -> dict[str, jax.Array]:
 
     def create() -> dict[str, jax.Array]:
         key = jax.random.key(seed)
-        return {name: initial_value(p.init, p.shape, p.dtype, named_key(key, name)) for name, p in PARAMETERS.items()}
+        return {name: initial_array(name, p, key) for name, p in PARAMETERS.items()}
 
     shardings = {name: NamedSharding(mesh, p.sharding) for name, p in PARAMETERS.items()}
     return jax.jit(create, out_shardings=shardings)()
+
+
+def export_weights(params: dict[str, jax.Array]) -> dict[str, np.ndarray]:
+    """Every weight by its per-layer name, as numpy arrays."""
+    return to_weights(PARAMETERS, {name: jax.device_get(value) for name, value in params.items()})
+
+
+def import_weights(weights: dict[str, np.ndarray], mesh: jax.sharding.Mesh) -> dict[str, jax.Array]:
+    """The stored arrays for weights given by their per-layer names, placed on the mesh."""
+    return {
+        name: jax.device_put(
+            value.astype(jnp.dtype(PARAMETERS[name].dtype)), NamedSharding(mesh, PARAMETERS[name].sharding)
+        )
+        for name, value in from_weights(PARAMETERS, weights).items()
+    }
 
 
 def place(batch: dict[str, np.ndarray], mesh: jax.sharding.Mesh) -> dict[str, jax.Array]:
@@ -426,24 +344,6 @@ def random_batch(seed: int) -> dict[str, np.ndarray]:
 
 
 # ---- kernels: the arithmetic of each layer kind, the pipeline executor and the optimizer ----
-
-
-def named_key(key: jax.Array, name: str) -> jax.Array:
-    """A key for one named thing (a parameter, a dropout layer), the same whatever else the
-    model contains, so a seed gives the same weights whatever the mesh."""
-    return jax.random.fold_in(key, zlib.crc32(name.encode()))
-
-
-def initial_value(init: str, shape: tuple[int, ...], dtype: str, key: jax.Array) -> jax.Array:
-    """A parameter's first value; `init` is "zeros", "ones" or "normal:STD"."""
-    if init == "zeros":
-        return jnp.zeros(shape, dtype)
-    if init == "ones":
-        return jnp.ones(shape, dtype)
-    kind, _, std = init.partition(":")
-    if kind != "normal":
-        raise ValueError(f"unknown initializer {init!r}")
-    return (float(std) * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
 
 
 def linear(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *, dtype: str) -> jax.Array:
@@ -540,9 +440,14 @@ TABLE_ENTRIES = (
 Chunk = Callable[[Any, jax.Array, dict[str, jax.Array], jax.Array | None], Any]
 
 
+# weights(stage_arrays) -> a chunk's weights, as its code computes with them.
+ChunkWeights = Callable[[dict[str, jax.Array]], dict[str, jax.Array]]
+
+
 def pipeline_value_and_grad(
     chunks: Sequence[Chunk],
-    weights: Sequence[Any],
+    shares: Sequence[ChunkWeights],
+    params: dict[str, jax.Array],
     batch: dict[str, jax.Array],
     key: jax.Array | None,
     *,
@@ -553,210 +458,362 @@ def pipeline_value_and_grad(
     microbatches: int,
     chunk_inputs: Sequence[tuple[int, ...]],
     boundary: tuple[tuple[int, ...], Any],
+    stage_dims: dict[str, tuple[int | None, int | None]],
     has_aux: bool = False,
-) -> tuple[jax.Array, list[Any]]:
-    """Mean loss over the microbatches and the gradient of each chunk's weights.
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Mean loss over the microbatches and the gradient of every stored array.
 
-    `chunk_inputs[c]` is the shape of one microbatch of chunk c's input; `boundary` is the
-    (shape, dtype) of the buffer every inter-stage tensor is padded into: stages of one model
-    may hand over tensors of different widths, and they share a buffer padded to the widest.
+    `stage_dims[name]` is (own, split): `own` the dimension of the array whose pieces are each
+    stage's own (rows or layers), or `split` the dimension a whole array is split along over
+    the stage axis between steps (both None: every stage holds all of it). `chunk_inputs[c]`
+    is the shape of one microbatch of chunk c's input; `boundary` the (shape, dtype) of the
+    buffer every inter-stage tensor is padded into.
     """
     M = microbatches
     # Microbatch i takes rows i, i+M, i+2M, ...: each keeps rows from every data shard.
     micro = {k: v.reshape(v.shape[0] // M, M, *v.shape[1:]).swapaxes(0, 1) for k, v in batch.items()}
     tables = {name: jnp.asarray(np.asarray(table[name], np.int32)) for name in TABLE_ENTRIES}
-    ops = sorted({int(code) for row in table["op"] for code in row} | {IDLE})
-    op_index = jnp.asarray([[ops.index(int(code)) for code in row] for row in table["op"]], jnp.int32)
-    slots = {name: max(1, int(np.max(table[name])) + 1) for name in ("stash_slot", "activation_slot", "gradient_slot")}
-    training = key is not None
+    used = sorted({int(code) for row in table["op"] for code in row})
+    slots = {name: int(np.max(table[name])) + 1 for name in ("stash_slot", "activation_slot", "gradient_slot")}
 
-    def replicated(tree: Any) -> Any:
-        return jax.tree.map(lambda _: PartitionSpec(), tree)
+    def along(dim: int | None) -> PartitionSpec:
+        return PartitionSpec() if dim is None else PartitionSpec(*(None,) * dim, axis)
 
-    def body(weights: list[Any], micro: Any, tables: Any, op_index: jax.Array, key: jax.Array) -> Any:
-        return _run_table(
+    in_specs = {name: along(own) for name, (own, _) in stage_dims.items()}
+    out_specs = {name: along(own if own is not None else split) for name, (own, split) in stage_dims.items()}
+
+    def body(local: dict[str, jax.Array], micro: dict[str, jax.Array], tables: Any, key: jax.Array) -> Any:
+        executor = _Executor(
             chunks,
-            weights,
+            shares,
+            local,
             micro,
             tables,
-            op_index,
-            key if training else None,
-            ops=ops,
-            slots=slots,
-            axis=axis,
-            stream=stream,
-            chunk_inputs=chunk_inputs,
-            boundary=boundary,
-            has_aux=has_aux,
+            key if key_given else None,
+            used,
+            slots,
+            axis,
+            stream,
+            chunk_inputs,
+            boundary,
+            has_aux,
+            M,
         )
+        loss, gacc = executor.run()
+        grads = {}
+        for name, g in gacc.items():
+            own, split = stage_dims[name]
+            if own is not None:
+                grads[name] = g
+            elif split is not None:
+                # Only the stages that use it hold a gradient; each keeps its piece of the sum.
+                grads[name] = lax.psum_scatter(g, axis, scatter_dimension=split, tiled=True)
+            else:
+                grads[name] = lax.psum(g, axis)
+        return lax.psum(loss, axis), grads
 
+    key_given = key is not None
     run = jax.shard_map(
         body,
         mesh=mesh,
-        in_specs=(replicated(list(weights)), replicated(micro), replicated(tables), PartitionSpec(), PartitionSpec()),
-        out_specs=(PartitionSpec(), replicated(list(weights))),
+        in_specs=(in_specs, PartitionSpec(), PartitionSpec(), PartitionSpec()),
+        out_specs=(PartitionSpec(), out_specs),
         axis_names={axis},
+        # Nothing differentiates through this map: every gradient is taken inside, by the
+        # explicit backward ticks, so replication needs no tracking here.
+        check_vma=False,
     )
-    return run(list(weights), micro, tables, op_index, key if key is not None else jax.random.key(0))  # type: ignore[no-any-return]
+    return run(params, micro, tables, key if key is not None else jax.random.key(0))  # type: ignore[no-any-return]
 
 
-def _run_table(
-    chunks: Sequence[Chunk],
-    weights: list[Any],
-    micro: dict[str, jax.Array],
-    tables: dict[str, jax.Array],
-    op_index: jax.Array,
-    key: jax.Array | None,
-    *,
-    ops: list[int],
-    slots: dict[str, int],
-    axis: str,
-    stream: str,
-    chunk_inputs: Sequence[tuple[int, ...]],
-    boundary: tuple[tuple[int, ...], Any],
-    has_aux: bool,
-) -> tuple[jax.Array, list[Any]]:
-    """The body on one stage: scan over the ticks of the table."""
-    C = len(chunks)
-    M = micro[stream].shape[0]
-    P = lax.axis_size(axis)
-    s = lax.axis_index(axis)
-    shape, dtype = boundary
+class _Executor:
+    """The loop on one stage: its buffers, the two switches of a tick, and the sends."""
 
-    def vary(tree: Any) -> Any:
-        """Mark values as differing between stages (the carry of the tick loop must be)."""
+    def __init__(
+        self,
+        chunks: Sequence[Chunk],
+        shares: Sequence[ChunkWeights],
+        local: dict[str, jax.Array],
+        micro: dict[str, jax.Array],
+        tables: dict[str, jax.Array],
+        key: jax.Array | None,
+        used: list[int],
+        slots: dict[str, int],
+        axis: str,
+        stream: str,
+        chunk_inputs: Sequence[tuple[int, ...]],
+        boundary: tuple[tuple[int, ...], Any],
+        has_aux: bool,
+        microbatches: int,
+    ) -> None:
+        self.chunks, self.shares, self.local, self.micro = chunks, shares, local, micro
+        self.tables, self.key, self.used, self.axis, self.stream = tables, key, used, axis, stream
+        self.chunk_inputs, self.has_aux, self.M = chunk_inputs, has_aux, microbatches
+        self.shape, self.dtype = boundary
+        self.C = len(chunks)
+        # Each buffer has one slot more than the table uses: the scratch slot that ticks with
+        # nothing to keep write to, so every write is unconditional.
+        self.slots = slots
+        self.scratch = dict(slots)
+        self.residual_layout = self._residual_layout()
+        # What F records for B while tracing: how to rebuild each chunk's backward.
+        self.rebuild: dict[int, tuple[Any, list[tuple[str, Any]], Any]] = {}
 
-        def one(x: jax.Array) -> jax.Array:
-            x = jnp.asarray(x)
-            return x if axis in jax.typeof(x).mat.varying else lax.pcast(x, (axis,), to="varying")
+    # ---- what a chunk computes --------------------------------------------------------------
 
-        return jax.tree.map(one, tree)
+    def weights(self, c: int) -> dict[str, jax.Array]:
+        return self.shares[c](self.local)
 
-    def fit(y: jax.Array) -> jax.Array:
-        """Pad a chunk's output into the shared boundary buffer."""
-        return jnp.pad(y.astype(dtype), [(0, full - have) for full, have in zip(shape, y.shape, strict=True)])
+    def call(self, c: int, w: Any, x: jax.Array, inputs: dict[str, jax.Array], key: jax.Array | None) -> Any:
+        out = self.chunks[c](w, x, inputs, key)
+        return out if self.has_aux else (out, jnp.zeros((), jnp.float32))
 
-    def take(buffer: jax.Array, c: int) -> jax.Array:
-        """Chunk c's own input out of the shared buffer."""
-        return buffer[tuple(slice(0, n) for n in chunk_inputs[c])]
+    def forward_vjp(self, c: int, inputs: dict[str, jax.Array], x: jax.Array, key: jax.Array | None) -> Any:
+        """The chunk's (output, aux) and its backward; the first chunk's input (token ids)
+        takes no gradient."""
+        w = self.weights(c)
+        if c == 0:
+            out, pull = jax.vjp(lambda w: self.call(c, w, inputs[self.stream], inputs, key), w)
+            return out, pull, (w,)
+        out, pull = jax.vjp(lambda w, x: self.call(c, w, x, inputs, key), w, x)
+        return out, pull, (w, x)
 
-    def scalar_like(t: jax.Array, value: float) -> jax.Array:
-        """`value` typed as `t` is, varying over the stages or not (a cotangent must be)."""
-        c = jnp.asarray(value, t.dtype)
-        return vary(c) if axis in jax.typeof(t).mat.varying else c
+    def _residual_layout(self) -> tuple[list[tuple[tuple[int, ...], Any]], list[list[int]]]:
+        """The stash every stage keeps per slot, and which buffer each chunk's residuals go to.
 
-    stash = vary(jnp.zeros((slots["stash_slot"], *shape), dtype))
-    # Chunk 0's inputs are the model's own input (token ids, say), kept apart from the buffer.
-    first_stash = vary(jnp.zeros((slots["stash_slot"], *micro[stream].shape[1:]), micro[stream].dtype))
-    acts = vary(jnp.zeros((slots["activation_slot"], *shape), dtype))
-    grads_in = vary(jnp.zeros((slots["gradient_slot"], *shape), dtype))
-    gacc = vary(jax.tree.map(jnp.zeros_like, weights))
-    loss = vary(jnp.zeros((), jnp.float32))
-    zero = vary(jnp.zeros(shape, dtype))
+        All stages run one program, so the stash holds buffers for every chunk's residuals.
+        Chunks share a buffer for residuals of one shape and dtype (uniform chunks share all
+        of them); residuals of other shapes get buffers of their own rather than padding, as
+        padding or slicing a dimension split over the mesh moves data between devices."""
+        buffers: list[tuple[tuple[int, ...], Any]] = []
+        placement: list[list[int]] = []
+        for c in range(self.C):
+            inputs = {k: v[0] for k, v in self.micro.items()}
+            x = jnp.zeros(self.chunk_inputs[c], self.dtype)
 
-    def tick(carry: tuple[Any, ...], t: jax.Array) -> tuple[tuple[Any, ...], None]:
-        stash, first_stash, acts, grads_in, gacc, loss = carry
-        m, c = tables["microbatch"][t, s], tables["chunk"][t, s]
-        slot, a_slot, g_slot = (
-            tables["stash_slot"][t, s],
-            tables["activation_slot"][t, s],
-            tables["gradient_slot"][t, s],
+            def saved(c: int = c, inputs: dict[str, jax.Array] = inputs, x: jax.Array = x) -> list[jax.Array]:
+                _, pull, primals = self.forward_vjp(c, inputs, x, self.key)
+                return _residuals(pull, primals)[1]
+
+            taken: set[int] = set()
+            mine = []
+            for a in jax.eval_shape(saved):
+                kind = (tuple(a.shape), a.dtype)
+                b = next((i for i, buffer in enumerate(buffers) if buffer == kind and i not in taken), len(buffers))
+                if b == len(buffers):
+                    buffers.append(kind)
+                taken.add(b)
+                mine.append(b)
+            placement.append(mine)
+        return buffers, placement
+
+    # ---- the loop ---------------------------------------------------------------------------
+
+    def run(self) -> tuple[jax.Array, dict[str, jax.Array]]:
+        buffers, _ = self.residual_layout
+        carry = (
+            tuple(jnp.zeros((self.slots["stash_slot"] + 1, *shape), dtype) for shape, dtype in buffers),
+            jnp.zeros((self.slots["stash_slot"] + 1, *self.shape), self.dtype),  # chunk inputs
+            jnp.zeros((self.slots["activation_slot"] + 1, *self.shape), self.dtype),
+            jnp.zeros((self.slots["gradient_slot"] + 1, *self.shape), self.dtype),
+            {name: jnp.zeros_like(value) for name, value in self.local.items()},
+            jnp.zeros((), jnp.float32),
         )
-        inputs = {k: v[m] for k, v in micro.items()}
-        mb_key = jax.random.fold_in(key, m) if key is not None else None
+        (_, _, _, _, gacc, loss), _ = lax.scan(self.tick, carry, jnp.arange(self.tables["op"].shape[0]))
+        return loss, gacc
 
-        def call(i: int, w: Any, x: jax.Array) -> tuple[jax.Array, jax.Array]:
-            """Chunk i's output (its loss, for the last) and its auxiliary loss."""
-            out = chunks[i](w, x, inputs, mb_key)
-            return out if has_aux else (out, jnp.zeros((), jnp.float32))
+    def tick(self, carry: Any, t: jax.Array) -> tuple[Any, None]:
+        stash, stash_x, acts, grads_in, gacc, loss = carry
+        s = lax.axis_index(self.axis)
+        P = lax.axis_size(self.axis)
+        entry = {name: table[t, s] for name, table in self.tables.items()}
+        op, c, m = entry["op"], entry["chunk"], entry["microbatch"]
+        inputs = {k: v[m] for k, v in self.micro.items()}
+        key = jax.random.fold_in(self.key, m) if self.key is not None else None
 
-        def per_chunk(make: Callable[[int], Callable[[], tuple[Any, ...]]]) -> tuple[Any, ...]:
-            return vary(lax.switch(c, [make(i) for i in range(C)]))
+        def slot(name: str, buffer: str | None = None) -> jax.Array:
+            """The table's slot for `name`, or the scratch slot of its buffer when it has none."""
+            return jnp.where(entry[name] >= 0, entry[name], self.scratch[buffer or name])
 
-        def own(i: int) -> Any:
-            # Varying over the stage axis before differentiating: the transpose of an
-            # implicit invariant-to-varying cast is a psum over stages, which inside a
-            # branch only some stages take would deadlock.
-            return vary(weights[i])
+        # Forward: branch 0 does nothing, branch 1 + c runs chunk c.
+        is_forward = op == FORWARD
+        x = acts[slot("activation_slot")]
+        y, rows, gained = lax.switch(
+            jnp.where(is_forward, c + 1, 0),
+            [self.no_forward, *(self.forward(i) for i in range(self.C))],
+            x,
+            inputs,
+            key,
+        )
+        keep = jnp.where(is_forward, slot("stash_slot"), self.scratch["stash_slot"])
+        stash = tuple(buffer.at[keep].set(row) for buffer, row in zip(stash, rows, strict=True))
+        stash_x = stash_x.at[keep].set(x)
+        loss = loss + gained
 
-        def add_grads(i: int, g: Any) -> list[Any]:
-            return [jax.tree.map(jnp.add, acc, g) if j == i else acc for j, acc in enumerate(gacc)]
+        # Backward: branch 0 passes the accumulator through; then one branch per (op, chunk).
+        backward_ops = [code for code in (BACKWARD, INPUT_GRAD, WEIGHT_GRAD) if code in self.used]
+        branches = [self.no_backward]
+        index = jnp.zeros((), jnp.int32)
+        for k, code in enumerate(backward_ops):
+            branches += [self.backward(i, code) for i in range(self.C)]
+            index = jnp.where(op == code, 1 + k * self.C + c, index)
+        read = jnp.where(index > 0, slot("stash_slot"), self.scratch["stash_slot"])
+        gacc, dx = lax.switch(
+            index,
+            branches,
+            gacc,
+            tuple(buffer[read] for buffer in stash),
+            stash_x[read],
+            grads_in[slot("gradient_slot")],
+            inputs,
+            key,
+        )
 
-        def idle() -> tuple[Any, ...]:
-            return vary((stash, first_stash, gacc, loss, zero, zero))
+        # Unconditional ring sends: every stage, every tick, outside the switches.
+        got_act = lax.ppermute(y, self.axis, [(i, (i + 1) % P) for i in range(P)])
+        got_grad = lax.ppermute(dx, self.axis, [(i, (i - 1) % P) for i in range(P)])
+        acts = acts.at[slot("receive_activation", "activation_slot")].set(got_act)
+        grads_in = grads_in.at[slot("receive_gradient", "gradient_slot")].set(got_grad)
+        return (stash, stash_x, acts, grads_in, gacc, loss), None
 
-        def forward() -> tuple[Any, ...]:
-            def make(i: int) -> Callable[[], tuple[Any, ...]]:
-                def go() -> tuple[Any, ...]:
-                    if i == 0:
-                        x = inputs[stream]
-                        new_first, new_stash = first_stash.at[slot].set(x), stash
-                    else:
-                        x = take(acts[a_slot], i)
-                        new_first, new_stash = first_stash, stash.at[slot].set(fit(x))
-                    # The last chunk's forward only keeps its input: its backward recomputes
-                    # it together with the loss.
-                    y = zero if i == C - 1 else fit(call(i, own(i), x)[0])
-                    return new_stash, new_first, y
+    # ---- the branches -----------------------------------------------------------------------
 
-                return go
+    def no_forward(self, x: jax.Array, inputs: Any, key: Any) -> tuple[Any, ...]:
+        buffers, _ = self.residual_layout
+        return jnp.zeros(self.shape, self.dtype), tuple(jnp.zeros(s, d) for s, d in buffers), jnp.zeros((), jnp.float32)
 
-            new_stash, new_first, y = per_chunk(make)
-            return vary((new_stash, new_first, gacc, loss, y, zero))
+    def forward(self, c: int) -> Callable[..., tuple[Any, ...]]:
+        def go(buffer: jax.Array, inputs: dict[str, jax.Array], key: jax.Array | None) -> tuple[Any, ...]:
+            (y, aux), pull, primals = self.forward_vjp(c, inputs, self._take(buffer, c), key)
+            plan, residuals = _residuals(pull, primals)
+            self.rebuild[c] = (jax.tree.structure(pull), plan, y.dtype)
+            rows = self._pack(c, residuals)
+            # The last chunk's output is its loss: it joins the total here, and is not sent.
+            gained = aux / self.M + (y.astype(jnp.float32) / self.M if c == self.C - 1 else 0.0)
+            sent = jnp.zeros(self.shape, self.dtype) if c == self.C - 1 else self._fit(y)
+            return sent, rows, gained
 
-        def backward(weight_grads: bool, input_grads: bool) -> Callable[[], tuple[Any, ...]]:
-            def run() -> tuple[Any, ...]:
-                def make(i: int) -> Callable[[], tuple[Any, ...]]:
-                    def go() -> tuple[Any, ...]:
-                        def f(w: Any, x: jax.Array) -> tuple[jax.Array, jax.Array]:
-                            return call(i, w, x)
+        return go
 
-                        # The loss's gradient is d(mean over microbatches)/d(loss_m), and so is
-                        # an auxiliary loss's; any other chunk's output gradient arrived shaped
-                        # as the next chunk's input.
-                        dy = jnp.asarray(1.0 / M, jnp.float32) if i == C - 1 else take(grads_in[g_slot], i + 1)
-                        if i == 0:  # token ids: no gradient flows further back
-                            (value, aux), pull = jax.vjp(lambda w: f(w, first_stash[slot]), own(i))
-                            (dw,), dx = pull((vary(dy.astype(value.dtype)), scalar_like(aux, 1.0 / M))), zero
-                        else:
-                            (value, aux), pull = jax.vjp(f, own(i), take(stash[slot], i))
-                            dw, dx = pull((vary(dy.astype(value.dtype)), scalar_like(aux, 1.0 / M)))
-                            dx = fit(dx)
-                        new_gacc = add_grads(i, dw) if weight_grads else gacc
-                        # Counted once per microbatch and chunk: by B, or by I when B is split.
-                        counted = aux + value if i == C - 1 else aux
-                        new_loss = loss + counted / M if input_grads else loss
-                        return new_gacc, new_loss, dx if input_grads else zero
+    def no_backward(self, gacc: Any, *rest: Any) -> tuple[Any, jax.Array]:
+        return gacc, jnp.zeros(self.shape, self.dtype)
 
-                    return go
+    def backward(self, c: int, code: int) -> Callable[..., tuple[Any, jax.Array]]:
+        weight_grads = code in (BACKWARD, WEIGHT_GRAD)
+        input_grads = code in (BACKWARD, INPUT_GRAD) and c > 0
 
-                new_gacc, new_loss, dx = per_chunk(make)
-                return vary((stash, first_stash, new_gacc, new_loss, zero, dx))
+        def go(
+            gacc: dict[str, jax.Array],
+            rows: tuple[jax.Array, ...],
+            x: jax.Array,
+            g: jax.Array,
+            inputs: dict[str, jax.Array],
+            key: jax.Array | None,
+        ) -> tuple[Any, jax.Array]:
+            treedef, plan, out_dtype = self.rebuild[c]
+            w = self.weights(c)
+            primals = (w,) if c == 0 else (w, self._take(x, c))
+            pull = _rebuilt(treedef, plan, primals, self._unpack(c, rows))
+            # The loss's gradient is d(mean over microbatches)/d(loss_m), and so is an
+            # auxiliary loss's; any other chunk's output gradient arrived shaped as the next
+            # chunk's input.
+            out_ct = jnp.asarray(1.0 / self.M, jnp.float32) if c == self.C - 1 else self._take(g, c + 1)
+            cts = pull((out_ct.astype(out_dtype), jnp.asarray(1.0 / self.M, jnp.float32)))
+            if weight_grads:
+                _, to_stored = jax.vjp(self.shares[c], self.local)
+                (stored,) = to_stored(cts[0])
+                gacc = {name: gacc[name] + stored[name] for name in gacc}
+            dx = self._fit(cts[1]) if input_grads else jnp.zeros(self.shape, self.dtype)
+            return gacc, dx
 
-            return run
+        return go
 
-        # Only the ops this table uses are compiled (GPipe and 1F1B never split B).
-        every = {
-            IDLE: idle,
-            FORWARD: forward,
-            BACKWARD: backward(True, True),
-            INPUT_GRAD: backward(False, True),
-            WEIGHT_GRAD: backward(True, False),
-        }
-        stash, first_stash, gacc, loss, send_act, send_grad = lax.switch(op_index[t, s], [every[code] for code in ops])
-        # Unconditional ring sends: every stage, every tick, outside the switch.
-        got_act = lax.ppermute(send_act, axis, [(i, (i + 1) % P) for i in range(P)])
-        got_grad = lax.ppermute(send_grad, axis, [(i, (i - 1) % P) for i in range(P)])
-        ra, rg = tables["receive_activation"][t, s], tables["receive_gradient"][t, s]
-        acts = jnp.where(ra >= 0, acts.at[jnp.maximum(ra, 0)].set(got_act), acts)
-        grads_in = jnp.where(rg >= 0, grads_in.at[jnp.maximum(rg, 0)].set(got_grad), grads_in)
-        return vary((stash, first_stash, acts, grads_in, gacc, loss)), None
+    # ---- buffers ----------------------------------------------------------------------------
 
-    carry = (stash, first_stash, acts, grads_in, gacc, loss)
-    (_, _, _, _, gacc, loss), _ = lax.scan(tick, carry, jnp.arange(tables["op"].shape[0]))
-    # Each stage holds the gradients of its own chunks (zeros elsewhere) and the loss of the
-    # microbatches that ended on it: the sums over stages are the whole.
-    return lax.psum(loss, axis), jax.tree.map(lambda g: lax.psum(g, axis), gacc)
+    def _fit(self, y: jax.Array) -> jax.Array:
+        """Pad a chunk's output into the shared boundary buffer."""
+        return jnp.pad(y.astype(self.dtype), [(0, full - have) for full, have in zip(self.shape, y.shape, strict=True)])
+
+    def _take(self, buffer: jax.Array, c: int) -> jax.Array:
+        """Chunk c's own input out of the shared buffer."""
+        return buffer[tuple(slice(0, n) for n in self.chunk_inputs[c])]
+
+    def _pack(self, c: int, residuals: list[jax.Array]) -> tuple[jax.Array, ...]:
+        """Chunk c's residuals in their buffers' rows (zeros in the buffers it does not use)."""
+        buffers, placement = self.residual_layout
+        rows = [jnp.zeros(shape, dtype) for shape, dtype in buffers]
+        for value, b in zip(residuals, placement[c], strict=True):
+            rows[b] = value
+        return tuple(rows)
+
+    def _unpack(self, c: int, rows: tuple[jax.Array, ...]) -> list[jax.Array]:
+        _, placement = self.residual_layout
+        return [rows[b] for b in placement[c]]
+
+
+def _residuals(pull: Any, primals: tuple[Any, ...]) -> tuple[list[tuple[str, Any]], list[jax.Array]]:
+    """Split a backward's leaves into the primal values it reads again (the weights, the
+    input: kept by position, never stashed), constants, and the residuals to stash (random
+    keys as their raw bits, which a buffer can hold)."""
+    position = {id(leaf): i for i, leaf in enumerate(jax.tree.leaves(primals))}
+    plan: list[tuple[str, Any]] = []
+    residuals: list[jax.Array] = []
+    for leaf in jax.tree.leaves(pull):
+        if id(leaf) in position:
+            plan.append(("primal", position[id(leaf)]))
+        elif not isinstance(leaf, jax.Array):
+            plan.append(("constant", leaf))
+        elif jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+            plan.append(("key", (len(residuals), jax.random.key_impl(leaf))))
+            residuals.append(jax.random.key_data(leaf))
+        else:
+            plan.append(("residual", len(residuals)))
+            residuals.append(leaf)
+    return plan, residuals
+
+
+def _rebuilt(treedef: Any, plan: list[tuple[str, Any]], primals: tuple[Any, ...], residuals: list[jax.Array]) -> Any:
+    """The backward again, from the primal values and the stashed residuals."""
+    values = jax.tree.leaves(primals)
+    leaves = []
+    for kind, ref in plan:
+        if kind == "primal":
+            leaves.append(values[ref])
+        elif kind == "residual":
+            leaves.append(residuals[ref])
+        elif kind == "key":
+            leaves.append(jax.random.wrap_key_data(residuals[ref[0]], impl=ref[1]))
+        else:
+            leaves.append(ref)
+    return jax.tree.unflatten(treedef, leaves)
+
+
+class Share(NamedTuple):
+    """A chunk's share of a stored array: `rows` picks them (ints, and (start, stop) ranges,
+    over the leading dimensions; empty: all of it) and `shape` is the weight's own where a
+    row is padded to a larger one."""
+
+    stored: str
+    rows: tuple[int | tuple[int, int], ...] = ()
+    shape: tuple[int, ...] | None = None
+
+
+def take_share(
+    arrays: dict[str, jax.Array], share: Share, stage_rows: int | None, local: bool, dtype: Any
+) -> jax.Array:
+    """A chunk's weight out of a stored array, in the compute dtype. `local`: `arrays` are
+    one stage's pieces (inside the executor), where the stage's own dimension holds only its
+    rows; otherwise they are the whole arrays."""
+    index: list[int | slice] = []
+    for dim, entry in enumerate(share.rows):
+        if local and dim == stage_rows:
+            index.append(0 if isinstance(entry, int) else slice(None))
+        else:
+            index.append(entry if isinstance(entry, int) else slice(*entry))
+    value = arrays[share.stored][tuple(index)]
+    if share.shape is not None:
+        value = value[tuple(slice(0, n) for n in share.shape)]
+    return value.astype(dtype)
 
 
 OPTIMIZER_DEFAULTS = {
@@ -829,6 +886,11 @@ def accumulate_gradients(
 # ---- the model ---------------------------------------------------------------------------------
 
 
+def layers_of(params: dict[str, jax.Array], prefix: str) -> dict[str, jax.Array]:
+    """The weights under `prefix` (a block's, or a repeat's stacked ones), named relative to it."""
+    return {name[len(prefix) :]: value for name, value in params.items() if name.startswith(prefix)}
+
+
 class TransformerLayer(nnx.Module):
     """Block `transformer_layer` of the spec. (seed_hybrid_3d.par:20-28)"""
 
@@ -836,30 +898,30 @@ class TransformerLayer(nnx.Module):
         self.path = path
         # seed_hybrid_3d.par:21 ln1: layernorm(hidden)
         self.ln1 = nnx.Dict(
-            scale=nnx.Param(params[path + ".ln1.scale"]),
-            bias=nnx.Param(params[path + ".ln1.bias"]),
+            scale=nnx.Param(params["ln1.scale"]),
+            bias=nnx.Param(params["ln1.bias"]),
         )
         # seed_hybrid_3d.par:22 attn: attention(hidden, heads) shard q[_, model], k[_, model], v[_, model],...
         self.attn = nnx.Dict(
-            q=nnx.Param(params[path + ".attn.q"]),
-            k=nnx.Param(params[path + ".attn.k"]),
-            v=nnx.Param(params[path + ".attn.v"]),
-            o=nnx.Param(params[path + ".attn.o"]),
+            q=nnx.Param(params["attn.q"]),
+            k=nnx.Param(params["attn.k"]),
+            v=nnx.Param(params["attn.v"]),
+            o=nnx.Param(params["attn.o"]),
         )
         # seed_hybrid_3d.par:25 ln2: layernorm(hidden)
         self.ln2 = nnx.Dict(
-            scale=nnx.Param(params[path + ".ln2.scale"]),
-            bias=nnx.Param(params[path + ".ln2.bias"]),
+            scale=nnx.Param(params["ln2.scale"]),
+            bias=nnx.Param(params["ln2.bias"]),
         )
         # seed_hybrid_3d.par:26 up: linear(hidden, 4 * hidden) shard kernel[_, model], bias[model]
         self.up = nnx.Dict(
-            kernel=nnx.Param(params[path + ".up.kernel"]),
-            bias=nnx.Param(params[path + ".up.bias"]),
+            kernel=nnx.Param(params["up.kernel"]),
+            bias=nnx.Param(params["up.bias"]),
         )
         # seed_hybrid_3d.par:28 down: linear(4 * hidden, hidden) shard kernel[model, _]
         self.down = nnx.Dict(
-            kernel=nnx.Param(params[path + ".down.kernel"]),
-            bias=nnx.Param(params[path + ".down.bias"]),
+            kernel=nnx.Param(params["down.kernel"]),
+            bias=nnx.Param(params["down.bias"]),
         )
 
     def __call__(self, x: jax.Array, inputs: dict[str, jax.Array], key: jax.Array | None) -> jax.Array:
@@ -868,8 +930,8 @@ class TransformerLayer(nnx.Module):
         # seed_hybrid_3d.par:21 ln1: layernorm(hidden)
         h = layernorm(
             h,
-            scale=weight(self.ln1["scale"], P(None)),
-            bias=weight(self.ln1["bias"], P(None)),
+            scale=weight(self.ln1["scale"]),
+            bias=weight(self.ln1["bias"]),
             eps=1e-05,
             dtype=COMPUTE_DTYPE,
         )
@@ -877,10 +939,10 @@ class TransformerLayer(nnx.Module):
         # seed_hybrid_3d.par:22 attn: attention(hidden, heads) shard q[_, model], k[_, model], v[_, model],...
         h = attention(
             h,
-            q=weight(self.attn["q"], P(None, "model")),
-            k=weight(self.attn["k"], P(None, "model")),
-            v=weight(self.attn["v"], P(None, "model")),
-            o=weight(self.attn["o"], P("model", None)),
+            q=weight(self.attn["q"]),
+            k=weight(self.attn["k"]),
+            v=weight(self.attn["v"]),
+            o=weight(self.attn["o"]),
             heads=16,
             kv_heads=16,
             causal=True,
@@ -895,8 +957,8 @@ class TransformerLayer(nnx.Module):
         # seed_hybrid_3d.par:25 ln2: layernorm(hidden)
         h = layernorm(
             h,
-            scale=weight(self.ln2["scale"], P(None)),
-            bias=weight(self.ln2["bias"], P(None)),
+            scale=weight(self.ln2["scale"]),
+            bias=weight(self.ln2["bias"]),
             eps=1e-05,
             dtype=COMPUTE_DTYPE,
         )
@@ -904,8 +966,8 @@ class TransformerLayer(nnx.Module):
         # seed_hybrid_3d.par:26 up: linear(hidden, 4 * hidden) shard kernel[_, model], bias[model]
         h = linear(
             h,
-            kernel=weight(self.up["kernel"], P(None, "model")),
-            bias=weight(self.up["bias"], P("model")),
+            kernel=weight(self.up["kernel"]),
+            bias=weight(self.up["bias"]),
             dtype=COMPUTE_DTYPE,
         )
         h = checkpoint_name(constrain(h, P("data", None, "model")), self.path + ".up")
@@ -915,8 +977,8 @@ class TransformerLayer(nnx.Module):
         # seed_hybrid_3d.par:28 down: linear(4 * hidden, hidden) shard kernel[model, _]
         h = linear(
             h,
-            kernel=weight(self.down["kernel"], P("model", None)),
-            bias=weight(self.down["bias"], P(None)),
+            kernel=weight(self.down["kernel"]),
+            bias=weight(self.down["bias"]),
             dtype=COMPUTE_DTYPE,
         )
         h = checkpoint_name(constrain(h, P("data", None, None)), self.path + ".down")
@@ -925,87 +987,87 @@ class TransformerLayer(nnx.Module):
 
 
 class Stage0(nnx.Module):
-    """Chunk 0 of the pipeline, run by stage 0. (seed_hybrid_3d.par:34-34)"""
+    """Chunks 0-1 of the pipeline, each running its own share of the layers. (seed_hybrid_3d.par:34-34)"""
 
     def __init__(self, params: dict[str, jax.Array]) -> None:
         # seed_hybrid_3d.par:34 blocks: repeat layers transformer_layer(hidden, heads)
-        self.blocks = nnx.List(
-            [
-                TransformerLayer(params, "blocks.0"),
-                TransformerLayer(params, "blocks.1"),
-                TransformerLayer(params, "blocks.2"),
-                TransformerLayer(params, "blocks.3"),
-                TransformerLayer(params, "blocks.4"),
-                TransformerLayer(params, "blocks.5"),
-                TransformerLayer(params, "blocks.6"),
-                TransformerLayer(params, "blocks.7"),
-                TransformerLayer(params, "blocks.8"),
-                TransformerLayer(params, "blocks.9"),
-                TransformerLayer(params, "blocks.10"),
-                TransformerLayer(params, "blocks.11"),
-            ]
-        )
+        self.blocks = TransformerLayer(layers_of(params, "blocks.*."), "blocks")
 
     def __call__(self, x: jax.Array, inputs: dict[str, jax.Array], key: jax.Array | None) -> jax.Array:
         # seed_hybrid_3d.par:34 blocks: repeat layers transformer_layer(hidden, heads)
-        x = scan_blocks(self.blocks, x, inputs, key)
+        x = scan_layers(self.blocks, 12, x, inputs, key)
         return x
 
 
-class Stage1(nnx.Module):
-    """Chunk 1 of the pipeline, run by stage 1. (seed_hybrid_3d.par:34-34)"""
-
-    def __init__(self, params: dict[str, jax.Array]) -> None:
-        # seed_hybrid_3d.par:34 blocks: repeat layers transformer_layer(hidden, heads)
-        self.blocks = nnx.List(
-            [
-                TransformerLayer(params, "blocks.12"),
-                TransformerLayer(params, "blocks.13"),
-                TransformerLayer(params, "blocks.14"),
-                TransformerLayer(params, "blocks.15"),
-                TransformerLayer(params, "blocks.16"),
-                TransformerLayer(params, "blocks.17"),
-                TransformerLayer(params, "blocks.18"),
-                TransformerLayer(params, "blocks.19"),
-                TransformerLayer(params, "blocks.20"),
-                TransformerLayer(params, "blocks.21"),
-                TransformerLayer(params, "blocks.22"),
-                TransformerLayer(params, "blocks.23"),
-            ]
-        )
-
-    def __call__(self, x: jax.Array, inputs: dict[str, jax.Array], key: jax.Array | None) -> jax.Array:
-        # seed_hybrid_3d.par:34 blocks: repeat layers transformer_layer(hidden, heads)
-        x = scan_blocks(self.blocks, x, inputs, key)
-        return x
-
-
-# The pipeline's chunks, in order.
-STAGES = (
-    Stage0,
-    Stage1,
-)
-
-
-def scan_blocks(blocks: nnx.List, x: jax.Array, inputs: dict[str, jax.Array], key: jax.Array | None) -> jax.Array:
-    """Identical blocks as one `lax.scan` over their stacked weights: one loop body instead of
-    N copies keeps compile time flat in depth, and makes activation checkpointing save memory."""
-    graphdef, _ = nnx.split(blocks[0])
-    stacked = jax.tree.map(lambda *w: jnp.stack(w), *(nnx.state(block) for block in blocks))
+def scan_layers(
+    layers: nnx.Module, count: int, x: jax.Array, inputs: dict[str, jax.Array], key: jax.Array | None
+) -> jax.Array:
+    """A repeat's `count` layers as one `lax.scan`: `layers` holds every layer's weights stacked
+    (the layer index first), and each step runs one layer on its own slice of them. One loop
+    body instead of N copies keeps compile time flat in depth, and makes activation
+    checkpointing save memory."""
+    graphdef, stacked = nnx.split(layers)
 
     def body(h: jax.Array, step: tuple[jax.Array, Any]) -> tuple[jax.Array, None]:
         index, state = step
-        block_key = None if key is None else jax.random.fold_in(key, index)
-        return nnx.merge(graphdef, state)(h, inputs, block_key), None
+        layer_key = None if key is None else jax.random.fold_in(key, index)
+        return nnx.merge(graphdef, state)(h, inputs, layer_key), None
 
-    return lax.scan(body, x, (jnp.arange(len(blocks)), stacked))[0]
+    return lax.scan(body, x, (jnp.arange(count), stacked))[0]
+
+
+# The class of each chunk of the pipeline, in model order.
+STAGES = (
+    Stage0,
+    Stage0,
+)
+# Each chunk's weights: its share of the stored arrays, by the names its class reads.
+CHUNK_WEIGHTS = (
+    {
+        "blocks.*.ln1.scale": Share("blocks.*.ln1.scale", ((0, 12),)),
+        "blocks.*.ln1.bias": Share("blocks.*.ln1.bias", ((0, 12),)),
+        "blocks.*.attn.q": Share("blocks.*.attn.q", ((0, 12),)),
+        "blocks.*.attn.k": Share("blocks.*.attn.k", ((0, 12),)),
+        "blocks.*.attn.v": Share("blocks.*.attn.v", ((0, 12),)),
+        "blocks.*.attn.o": Share("blocks.*.attn.o", ((0, 12),)),
+        "blocks.*.ln2.scale": Share("blocks.*.ln2.scale", ((0, 12),)),
+        "blocks.*.ln2.bias": Share("blocks.*.ln2.bias", ((0, 12),)),
+        "blocks.*.up.kernel": Share("blocks.*.up.kernel", ((0, 12),)),
+        "blocks.*.up.bias": Share("blocks.*.up.bias", ((0, 12),)),
+        "blocks.*.down.kernel": Share("blocks.*.down.kernel", ((0, 12),)),
+        "blocks.*.down.bias": Share("blocks.*.down.bias", ((0, 12),)),
+    },
+    {
+        "blocks.*.ln1.scale": Share("blocks.*.ln1.scale", ((12, 24),)),
+        "blocks.*.ln1.bias": Share("blocks.*.ln1.bias", ((12, 24),)),
+        "blocks.*.attn.q": Share("blocks.*.attn.q", ((12, 24),)),
+        "blocks.*.attn.k": Share("blocks.*.attn.k", ((12, 24),)),
+        "blocks.*.attn.v": Share("blocks.*.attn.v", ((12, 24),)),
+        "blocks.*.attn.o": Share("blocks.*.attn.o", ((12, 24),)),
+        "blocks.*.ln2.scale": Share("blocks.*.ln2.scale", ((12, 24),)),
+        "blocks.*.ln2.bias": Share("blocks.*.ln2.bias", ((12, 24),)),
+        "blocks.*.up.kernel": Share("blocks.*.up.kernel", ((12, 24),)),
+        "blocks.*.up.bias": Share("blocks.*.up.bias", ((12, 24),)),
+        "blocks.*.down.kernel": Share("blocks.*.down.kernel", ((12, 24),)),
+        "blocks.*.down.bias": Share("blocks.*.down.bias", ((12, 24),)),
+    },
+)
+
+
+def chunk_weights(c: int, arrays: dict[str, jax.Array], local: bool = False) -> dict[str, jax.Array]:
+    """Chunk c's weights, in the compute dtype, out of the stored arrays (`local`: out of one
+    stage's pieces of them, inside the pipeline)."""
+    return {
+        name: take_share(arrays, share, PARAMETERS[share.stored].stage_rows, local, COMPUTE_DTYPE)
+        for name, share in CHUNK_WEIGHTS[c].items()
+    }
 
 
 def forward(params: dict[str, jax.Array], inputs: dict[str, jax.Array], key: jax.Array | None = None) -> jax.Array:
     """The model's output before its loss, every chunk in turn on the whole batch (no pipeline)."""
     x = inputs[STREAM]
-    for stage in STAGES:
-        x = stage(params)(x, inputs, key)
+    for c, stage in enumerate(STAGES):
+        x = stage(chunk_weights(c, params))(x, inputs, key)
     return x
 
 
@@ -1207,7 +1269,7 @@ def value_and_grad(
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The mean loss and its gradients, by running the schedule's table over the `pipeline` axis."""
 
-    def chunk(c: int) -> Callable[..., jax.Array]:
+    def chunk(c: int) -> Callable[..., Any]:
         last = c == len(STAGES) - 1
 
         def run(
@@ -1218,10 +1280,10 @@ def value_and_grad(
 
         return run
 
-    weights = [{name: params[name] for name, p in PARAMETERS.items() if p.chunk == c} for c in range(len(STAGES))]
-    value, grads = pipeline_value_and_grad(
+    return pipeline_value_and_grad(
         [chunk(c) for c in range(len(STAGES))],
-        weights,
+        [functools.partial(chunk_weights, c, local=True) for c in range(len(STAGES))],
+        params,
         batch,
         key,
         table=SCHEDULE,
@@ -1231,12 +1293,19 @@ def value_and_grad(
         microbatches=8,
         chunk_inputs=CHUNK_INPUTS,
         boundary=BOUNDARY,
+        stage_dims={name: (p.stage_rows, p.stage_split) for name, p in PARAMETERS.items()},
     )
-    return value, {name: g for chunk_grads in grads for name, g in chunk_grads.items()}
 
 
 ACCUMULATE = 1  # gradient accumulation steps per optimizer step
 OPTIMIZER = ("adamw", {})
+
+
+def gradients(
+    params: dict[str, jax.Array], batch: dict[str, jax.Array], key: jax.Array | None, mesh: jax.sharding.Mesh
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The mean loss and its gradients over the batch, in `ACCUMULATE` slices of it."""
+    return accumulate_gradients(functools.partial(value_and_grad, mesh=mesh), params, batch, key, ACCUMULATE)
 
 
 def optimizer_shardings(state: Any, mesh: jax.sharding.Mesh) -> Any:
@@ -1266,8 +1335,7 @@ def make_train_step(mesh: jax.sharding.Mesh, optimizer: optax.GradientTransforma
     def step(
         params: dict[str, jax.Array], opt_state: Any, batch: dict[str, jax.Array], key: jax.Array
     ) -> tuple[dict[str, jax.Array], Any, jax.Array]:
-        once = functools.partial(value_and_grad, mesh=mesh)
-        value, grads = accumulate_gradients(once, params, batch, key, ACCUMULATE)
+        value, grads = gradients(params, batch, key, mesh)
         grads = lax.with_sharding_constraint(grads, grad_shardings)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, value

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import math
 import zlib
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -54,10 +55,11 @@ def constrain(x: jax.Array, spec: P) -> jax.Array:
     return lax.with_sharding_constraint(x, spec)
 
 
-def weight(param: nnx.Param, spec: P) -> jax.Array:
-    """A parameter as its layer computes with it: in its compute sharding (parameters stored
-    split over the data axes, ZeRO-3, are gathered here) and in the compute dtype."""
-    return constrain(param[...], spec).astype(COMPUTE_DTYPE)
+def weight(param: nnx.Param, spec: P | None = None) -> jax.Array:
+    """A parameter as its layer computes with it, in the compute dtype; with `spec`, gathered
+    to that sharding first (parameters stored split over the data axes, ZeRO-3 and FSDP)."""
+    value = param[...] if spec is None else constrain(param[...], spec)
+    return value.astype(COMPUTE_DTYPE)
 
 
 def layer_key(key: jax.Array | None, path: str) -> jax.Array | None:
@@ -68,46 +70,170 @@ def layer_key(key: jax.Array | None, path: str) -> jax.Array | None:
 # ---- parameters and inputs ---------------------------------------------------------------------
 
 
+class Row(NamedTuple):
+    """What one stage's row of a per-stage array holds: a weight of its own shape (padded to
+    the row's), initialised its own way; `first` is the first layer of a repeat's share."""
+
+    name: str
+    shape: tuple[int, ...]
+    init: str
+    first: int = 0
+
+
 class Parameter(NamedTuple):
-    """A trainable array of the spec and where it lives."""
+    """A stored array of trainable state and where it lives."""
 
     shape: tuple[int, ...]
     dtype: str
-    init: str  # "zeros", "ones" or "normal:STD"
-    sharding: P  # between steps
-    # Where its gradient and its optimizer state live, when not like the parameter: ZeRO
+    init: str  # "zeros", "ones", "normal:STD", or "rows" (each row its own)
+    sharding: Any  # a PartitionSpec: where it lives between steps
+    # Where its gradient and its optimizer state live, when not like the array itself: ZeRO
     # stage 2 and up split the gradient over the data axes, stage 1 and up the state.
-    grad_sharding: P | None = None
-    optimizer_sharding: P | None = None
+    grad_sharding: Any = None
+    optimizer_sharding: Any = None
+    # A repeat's weight: how many leading dimensions each `*` of its name spans.
+    layers: tuple[int, ...] = ()
+    # One row per pipeline stage: what each stage's row holds.
+    rows: tuple[Row | None, ...] = ()
+    # Under a pipeline: the dimension whose pieces are each stage's own (a repeat's layers,
+    # or rows), or the dimension a weight used by one stage is split along over the stages
+    # between steps (the step gathers it for the stages).
+    stage_rows: int | None = None
+    stage_split: int | None = None
 
 
-# Every parameter, under its name in the spec.
+def expand_names(pattern: str, lengths: tuple[int, ...], first: int = 0) -> list[str]:
+    """The per-layer names a stacked name stands for: `blocks.*.attn.q` with lengths (2,) is
+    `blocks.0.attn.q`, `blocks.1.attn.q`; the first `*` counts from `first`."""
+    names = [""]
+    starts = iter((first, *(0,) * (len(lengths) - 1)))
+    counts = iter(lengths)
+    for part in pattern.split("."):
+        if part == "*":
+            start, count = next(starts), next(counts)
+            names = [f"{n}{start + i}." for n in names for i in range(count)]
+        else:
+            names = [f"{n}{part}." for n in names]
+    return [n[:-1] for n in names]
+
+
+def unravel(flat: int, dims: tuple[int, ...]) -> tuple[int, ...]:
+    """The row-major index of element `flat` of an array of shape `dims`."""
+    out = []
+    for n in reversed(dims):
+        out.append(flat % n)
+        flat //= n
+    return tuple(reversed(out))
+
+
+class Held(NamedTuple):
+    """One weight in a stored array: its per-layer name, where it is in the array (an index of
+    its leading dimensions; padding aside), its shape and how it is initialised."""
+
+    name: str
+    at: tuple[int, ...]
+    shape: tuple[int, ...]
+    init: str
+
+
+def weight_names(name: str, p: Parameter) -> list[Held]:
+    """Every weight a stored array holds, in the array's order."""
+    out: list[Held] = []
+    if p.rows:
+        for r, row in enumerate(p.rows):
+            if row is None:
+                continue
+            stars = row.name.count("*")
+            dims = row.shape[:stars]
+            for flat, layer in enumerate(expand_names(row.name, dims, row.first)):
+                out.append(Held(layer, (r, *unravel(flat, dims)), row.shape[stars:], row.init))
+        return out
+    dims = p.shape[: sum(p.layers)]
+    lengths, at = [], 0
+    for span in p.layers:
+        lengths.append(math.prod(dims[at : at + span]))
+        at += span
+    inner = p.shape[len(dims) :]
+    return [
+        Held(layer, unravel(flat, dims), inner, p.init) for flat, layer in enumerate(expand_names(name, tuple(lengths)))
+    ]
+
+
+def to_weights(parameters: dict[str, Parameter], arrays: dict[str, Any]) -> dict[str, Any]:
+    """Stored arrays -> every weight by its per-layer name (numpy copies, padding dropped)."""
+    import numpy as np  # here, not above: the compiler's front end reads this module without numpy
+
+    out = {}
+    for name, p in parameters.items():
+        value = np.asarray(arrays[name])
+        for held in weight_names(name, p):
+            out[held.name] = np.array(value[held.at][tuple(slice(0, n) for n in held.shape)], copy=True)
+    return out
+
+
+def from_weights(parameters: dict[str, Parameter], weights: dict[str, Any]) -> dict[str, Any]:
+    """Every weight by its per-layer name -> the stored arrays, as numpy (padding zero). The
+    caller checks names and shapes first."""
+    import numpy as np  # here, not above: the compiler's front end reads this module without numpy
+
+    out = {}
+    for name, p in parameters.items():
+        # In the weights' own dtype: the caller casts to the stored dtype as it places them.
+        held = weight_names(name, p)
+        value = np.zeros(p.shape, np.asarray(weights[held[0].name]).dtype)
+        for h in held:
+            value[h.at][tuple(slice(0, n) for n in h.shape)] = np.asarray(weights[h.name], dtype=value.dtype)
+        out[name] = value
+    return out
+
+
+def named_key(key: jax.Array, name: str) -> jax.Array:
+    """A key for one named thing (a parameter, a dropout layer), the same whatever else the
+    model contains, so a seed gives the same weights whatever the mesh."""
+    return jax.random.fold_in(key, zlib.crc32(name.encode()))
+
+
+def initial_value(init: str, shape: tuple[int, ...], dtype: str, key: jax.Array) -> jax.Array:
+    """A parameter's first value; `init` is "zeros", "ones" or "normal:STD"."""
+    if init == "zeros":
+        return jnp.zeros(shape, dtype)
+    if init == "ones":
+        return jnp.ones(shape, dtype)
+    kind, _, std = init.partition(":")
+    if kind != "normal":
+        raise ValueError(f"unknown initializer {init!r}")
+    return (float(std) * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+
+
+def initial_array(name: str, p: Parameter, key: jax.Array) -> jax.Array:
+    """A stored array's first value: each weight it holds drawn from the key of its own
+    per-layer name (`blocks.3.attn.q`), so how weights are stored changes no value."""
+    held = weight_names(name, p)
+    if not p.rows and len(held) == 1:
+        return initial_value(p.init, p.shape, p.dtype, named_key(key, name))
+    value = jnp.zeros(p.shape, p.dtype)
+    for h in held:
+        piece = initial_value(h.init, h.shape, p.dtype, named_key(key, h.name))
+        value = value.at[h.at + tuple(slice(0, n) for n in h.shape)].set(piece)
+    return value
+
+
+# Every array of trainable state, under its name in the spec: `*` stands for a repeat's layers,
+# stacked along a leading dimension (weights are exported one by one, as `blocks.3.attn.q`).
 PARAMETERS = {
     "embed.table": Parameter((256, 64), "float32", "normal:0.02", P("model", None)),
-    "layers.0.ln1.scale": Parameter((64,), "float32", "ones", P(None)),
-    "layers.0.ln1.bias": Parameter((64,), "float32", "zeros", P(None)),
-    "layers.0.attn.q": Parameter((64, 64), "float32", "normal:0.125", P(None, "model")),
-    "layers.0.attn.k": Parameter((64, 64), "float32", "normal:0.125", P(None, "model")),
-    "layers.0.attn.v": Parameter((64, 64), "float32", "normal:0.125", P(None, "model")),
-    "layers.0.attn.o": Parameter((64, 64), "float32", "normal:0.125", P("model", None)),
-    "layers.0.ln2.scale": Parameter((64,), "float32", "ones", P(None)),
-    "layers.0.ln2.bias": Parameter((64,), "float32", "zeros", P(None)),
-    "layers.0.up.kernel": Parameter((64, 256), "float32", "normal:0.125", P(None, "model")),
-    "layers.0.up.bias": Parameter((256,), "float32", "zeros", P("model")),
-    "layers.0.down.kernel": Parameter((256, 64), "float32", "normal:0.0625", P("model", None)),
-    "layers.0.down.bias": Parameter((64,), "float32", "zeros", P(None)),
-    "layers.1.ln1.scale": Parameter((64,), "float32", "ones", P(None)),
-    "layers.1.ln1.bias": Parameter((64,), "float32", "zeros", P(None)),
-    "layers.1.attn.q": Parameter((64, 64), "float32", "normal:0.125", P(None, "model")),
-    "layers.1.attn.k": Parameter((64, 64), "float32", "normal:0.125", P(None, "model")),
-    "layers.1.attn.v": Parameter((64, 64), "float32", "normal:0.125", P(None, "model")),
-    "layers.1.attn.o": Parameter((64, 64), "float32", "normal:0.125", P("model", None)),
-    "layers.1.ln2.scale": Parameter((64,), "float32", "ones", P(None)),
-    "layers.1.ln2.bias": Parameter((64,), "float32", "zeros", P(None)),
-    "layers.1.up.kernel": Parameter((64, 256), "float32", "normal:0.125", P(None, "model")),
-    "layers.1.up.bias": Parameter((256,), "float32", "zeros", P("model")),
-    "layers.1.down.kernel": Parameter((256, 64), "float32", "normal:0.0625", P("model", None)),
-    "layers.1.down.bias": Parameter((64,), "float32", "zeros", P(None)),
+    "layers.*.ln1.scale": Parameter((2, 64), "float32", "ones", P(None, None), layers=(1,)),
+    "layers.*.ln1.bias": Parameter((2, 64), "float32", "zeros", P(None, None), layers=(1,)),
+    "layers.*.attn.q": Parameter((2, 64, 64), "float32", "normal:0.125", P(None, None, "model"), layers=(1,)),
+    "layers.*.attn.k": Parameter((2, 64, 64), "float32", "normal:0.125", P(None, None, "model"), layers=(1,)),
+    "layers.*.attn.v": Parameter((2, 64, 64), "float32", "normal:0.125", P(None, None, "model"), layers=(1,)),
+    "layers.*.attn.o": Parameter((2, 64, 64), "float32", "normal:0.125", P(None, "model", None), layers=(1,)),
+    "layers.*.ln2.scale": Parameter((2, 64), "float32", "ones", P(None, None), layers=(1,)),
+    "layers.*.ln2.bias": Parameter((2, 64), "float32", "zeros", P(None, None), layers=(1,)),
+    "layers.*.up.kernel": Parameter((2, 64, 256), "float32", "normal:0.125", P(None, None, "model"), layers=(1,)),
+    "layers.*.up.bias": Parameter((2, 256), "float32", "zeros", P(None, "model"), layers=(1,)),
+    "layers.*.down.kernel": Parameter((2, 256, 64), "float32", "normal:0.0625", P(None, "model", None), layers=(1,)),
+    "layers.*.down.bias": Parameter((2, 64), "float32", "zeros", P(None, None), layers=(1,)),
     "ln_f.scale": Parameter((64,), "float32", "ones", P(None)),
     "ln_f.bias": Parameter((64,), "float32", "zeros", P(None)),
     "head.kernel": Parameter((64, 256), "float32", "normal:0.125", P(None, "model")),
@@ -137,10 +263,25 @@ def init_params(seed: int, mesh: jax.sharding.Mesh) -> dict[str, jax.Array]:
 
     def create() -> dict[str, jax.Array]:
         key = jax.random.key(seed)
-        return {name: initial_value(p.init, p.shape, p.dtype, named_key(key, name)) for name, p in PARAMETERS.items()}
+        return {name: initial_array(name, p, key) for name, p in PARAMETERS.items()}
 
     shardings = {name: NamedSharding(mesh, p.sharding) for name, p in PARAMETERS.items()}
     return jax.jit(create, out_shardings=shardings)()
+
+
+def export_weights(params: dict[str, jax.Array]) -> dict[str, np.ndarray]:
+    """Every weight by its per-layer name, as numpy arrays."""
+    return to_weights(PARAMETERS, {name: jax.device_get(value) for name, value in params.items()})
+
+
+def import_weights(weights: dict[str, np.ndarray], mesh: jax.sharding.Mesh) -> dict[str, jax.Array]:
+    """The stored arrays for weights given by their per-layer names, placed on the mesh."""
+    return {
+        name: jax.device_put(
+            value.astype(jnp.dtype(PARAMETERS[name].dtype)), NamedSharding(mesh, PARAMETERS[name].sharding)
+        )
+        for name, value in from_weights(PARAMETERS, weights).items()
+    }
 
 
 def place(batch: dict[str, np.ndarray], mesh: jax.sharding.Mesh) -> dict[str, jax.Array]:
@@ -165,24 +306,6 @@ def random_batch(seed: int) -> dict[str, np.ndarray]:
 
 
 # ---- kernels: the arithmetic of each layer kind and the optimizer ----
-
-
-def named_key(key: jax.Array, name: str) -> jax.Array:
-    """A key for one named thing (a parameter, a dropout layer), the same whatever else the
-    model contains, so a seed gives the same weights whatever the mesh."""
-    return jax.random.fold_in(key, zlib.crc32(name.encode()))
-
-
-def initial_value(init: str, shape: tuple[int, ...], dtype: str, key: jax.Array) -> jax.Array:
-    """A parameter's first value; `init` is "zeros", "ones" or "normal:STD"."""
-    if init == "zeros":
-        return jnp.zeros(shape, dtype)
-    if init == "ones":
-        return jnp.ones(shape, dtype)
-    kind, _, std = init.partition(":")
-    if kind != "normal":
-        raise ValueError(f"unknown initializer {init!r}")
-    return (float(std) * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
 
 
 def linear(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *, dtype: str) -> jax.Array:
@@ -338,6 +461,11 @@ def accumulate_gradients(
 # ---- the model ---------------------------------------------------------------------------------
 
 
+def layers_of(params: dict[str, jax.Array], prefix: str) -> dict[str, jax.Array]:
+    """The weights under `prefix` (a block's, or a repeat's stacked ones), named relative to it."""
+    return {name[len(prefix) :]: value for name, value in params.items() if name.startswith(prefix)}
+
+
 class Decoder(nnx.Module):
     """Block `decoder` of the spec. (tiny.par:20-28)"""
 
@@ -345,30 +473,30 @@ class Decoder(nnx.Module):
         self.path = path
         # tiny.par:21 ln1: layernorm(d)
         self.ln1 = nnx.Dict(
-            scale=nnx.Param(params[path + ".ln1.scale"]),
-            bias=nnx.Param(params[path + ".ln1.bias"]),
+            scale=nnx.Param(params["ln1.scale"]),
+            bias=nnx.Param(params["ln1.bias"]),
         )
         # tiny.par:22 attn: attention(d, heads) shard q[_, model], k[_, model], v[_, model], o[model, _]
         self.attn = nnx.Dict(
-            q=nnx.Param(params[path + ".attn.q"]),
-            k=nnx.Param(params[path + ".attn.k"]),
-            v=nnx.Param(params[path + ".attn.v"]),
-            o=nnx.Param(params[path + ".attn.o"]),
+            q=nnx.Param(params["attn.q"]),
+            k=nnx.Param(params["attn.k"]),
+            v=nnx.Param(params["attn.v"]),
+            o=nnx.Param(params["attn.o"]),
         )
         # tiny.par:25 ln2: layernorm(d)
         self.ln2 = nnx.Dict(
-            scale=nnx.Param(params[path + ".ln2.scale"]),
-            bias=nnx.Param(params[path + ".ln2.bias"]),
+            scale=nnx.Param(params["ln2.scale"]),
+            bias=nnx.Param(params["ln2.bias"]),
         )
         # tiny.par:26 up: linear(d, ffn) shard kernel[_, model], bias[model] # column parallel
         self.up = nnx.Dict(
-            kernel=nnx.Param(params[path + ".up.kernel"]),
-            bias=nnx.Param(params[path + ".up.bias"]),
+            kernel=nnx.Param(params["up.kernel"]),
+            bias=nnx.Param(params["up.bias"]),
         )
         # tiny.par:28 down: linear(ffn, d) shard kernel[model, _] # row parallel: one all-reduce
         self.down = nnx.Dict(
-            kernel=nnx.Param(params[path + ".down.kernel"]),
-            bias=nnx.Param(params[path + ".down.bias"]),
+            kernel=nnx.Param(params["down.kernel"]),
+            bias=nnx.Param(params["down.bias"]),
         )
 
     def __call__(self, x: jax.Array, inputs: dict[str, jax.Array], key: jax.Array | None) -> jax.Array:
@@ -377,8 +505,8 @@ class Decoder(nnx.Module):
         # tiny.par:21 ln1: layernorm(d)
         h = layernorm(
             h,
-            scale=weight(self.ln1["scale"], P(None)),
-            bias=weight(self.ln1["bias"], P(None)),
+            scale=weight(self.ln1["scale"]),
+            bias=weight(self.ln1["bias"]),
             eps=1e-05,
             dtype=COMPUTE_DTYPE,
         )
@@ -386,10 +514,10 @@ class Decoder(nnx.Module):
         # tiny.par:22 attn: attention(d, heads) shard q[_, model], k[_, model], v[_, model], o[model, _]
         h = attention(
             h,
-            q=weight(self.attn["q"], P(None, "model")),
-            k=weight(self.attn["k"], P(None, "model")),
-            v=weight(self.attn["v"], P(None, "model")),
-            o=weight(self.attn["o"], P("model", None)),
+            q=weight(self.attn["q"]),
+            k=weight(self.attn["k"]),
+            v=weight(self.attn["v"]),
+            o=weight(self.attn["o"]),
             heads=4,
             kv_heads=4,
             causal=True,
@@ -404,8 +532,8 @@ class Decoder(nnx.Module):
         # tiny.par:25 ln2: layernorm(d)
         h = layernorm(
             h,
-            scale=weight(self.ln2["scale"], P(None)),
-            bias=weight(self.ln2["bias"], P(None)),
+            scale=weight(self.ln2["scale"]),
+            bias=weight(self.ln2["bias"]),
             eps=1e-05,
             dtype=COMPUTE_DTYPE,
         )
@@ -413,8 +541,8 @@ class Decoder(nnx.Module):
         # tiny.par:26 up: linear(d, ffn) shard kernel[_, model], bias[model] # column parallel
         h = linear(
             h,
-            kernel=weight(self.up["kernel"], P(None, "model")),
-            bias=weight(self.up["bias"], P("model")),
+            kernel=weight(self.up["kernel"]),
+            bias=weight(self.up["bias"]),
             dtype=COMPUTE_DTYPE,
         )
         h = checkpoint_name(constrain(h, P("data", None, "model")), self.path + ".up")
@@ -424,8 +552,8 @@ class Decoder(nnx.Module):
         # tiny.par:28 down: linear(ffn, d) shard kernel[model, _] # row parallel: one all-reduce
         h = linear(
             h,
-            kernel=weight(self.down["kernel"], P("model", None)),
-            bias=weight(self.down["bias"], P(None)),
+            kernel=weight(self.down["kernel"]),
+            bias=weight(self.down["bias"]),
             dtype=COMPUTE_DTYPE,
         )
         h = checkpoint_name(constrain(h, P("data", None, None)), self.path + ".down")
@@ -442,12 +570,7 @@ class Tiny(nnx.Module):
             table=nnx.Param(params["embed.table"]),
         )
         # tiny.par:34 layers: repeat 2 decoder(d, heads, ffn)
-        self.layers = nnx.List(
-            [
-                Decoder(params, "layers.0"),
-                Decoder(params, "layers.1"),
-            ]
-        )
+        self.layers = Decoder(layers_of(params, "layers.*."), "layers")
         # tiny.par:35 ln_f: layernorm(d)
         self.ln_f = nnx.Dict(
             scale=nnx.Param(params["ln_f.scale"]),
@@ -462,17 +585,17 @@ class Tiny(nnx.Module):
         # tiny.par:33 embed: embed(vocab, d) shard table[model, _] # vocab parallel
         x = embed(
             x,
-            table=weight(self.embed["table"], P("model", None)),
+            table=weight(self.embed["table"]),
             dtype=COMPUTE_DTYPE,
         )
         x = checkpoint_name(constrain(x, P("data", None, None)), "embed")
         # tiny.par:34 layers: repeat 2 decoder(d, heads, ffn)
-        x = scan_blocks(self.layers, x, inputs, key)
+        x = scan_layers(self.layers, 2, x, inputs, key)
         # tiny.par:35 ln_f: layernorm(d)
         x = layernorm(
             x,
-            scale=weight(self.ln_f["scale"], P(None)),
-            bias=weight(self.ln_f["bias"], P(None)),
+            scale=weight(self.ln_f["scale"]),
+            bias=weight(self.ln_f["bias"]),
             eps=1e-05,
             dtype=COMPUTE_DTYPE,
         )
@@ -480,25 +603,28 @@ class Tiny(nnx.Module):
         # tiny.par:36 head: linear(d, vocab, bias=false) shard kernel[_, model]
         x = linear(
             x,
-            kernel=weight(self.head["kernel"], P(None, "model")),
+            kernel=weight(self.head["kernel"]),
             dtype=COMPUTE_DTYPE,
         )
         x = checkpoint_name(constrain(x, P("data", None, "model")), "head")
         return x
 
 
-def scan_blocks(blocks: nnx.List, x: jax.Array, inputs: dict[str, jax.Array], key: jax.Array | None) -> jax.Array:
-    """Identical blocks as one `lax.scan` over their stacked weights: one loop body instead of
-    N copies keeps compile time flat in depth, and makes activation checkpointing save memory."""
-    graphdef, _ = nnx.split(blocks[0])
-    stacked = jax.tree.map(lambda *w: jnp.stack(w), *(nnx.state(block) for block in blocks))
+def scan_layers(
+    layers: nnx.Module, count: int, x: jax.Array, inputs: dict[str, jax.Array], key: jax.Array | None
+) -> jax.Array:
+    """A repeat's `count` layers as one `lax.scan`: `layers` holds every layer's weights stacked
+    (the layer index first), and each step runs one layer on its own slice of them. One loop
+    body instead of N copies keeps compile time flat in depth, and makes activation
+    checkpointing save memory."""
+    graphdef, stacked = nnx.split(layers)
 
     def body(h: jax.Array, step: tuple[jax.Array, Any]) -> tuple[jax.Array, None]:
         index, state = step
-        block_key = None if key is None else jax.random.fold_in(key, index)
-        return nnx.merge(graphdef, state)(h, inputs, block_key), None
+        layer_key = None if key is None else jax.random.fold_in(key, index)
+        return nnx.merge(graphdef, state)(h, inputs, layer_key), None
 
-    return lax.scan(body, x, (jnp.arange(len(blocks)), stacked))[0]
+    return lax.scan(body, x, (jnp.arange(count), stacked))[0]
 
 
 def forward(params: dict[str, jax.Array], inputs: dict[str, jax.Array], key: jax.Array | None = None) -> jax.Array:
@@ -534,6 +660,13 @@ ACCUMULATE = 1  # gradient accumulation steps per optimizer step
 OPTIMIZER = ("adamw", {"lr": 0.003, "warmup": 20.0})
 
 
+def gradients(
+    params: dict[str, jax.Array], batch: dict[str, jax.Array], key: jax.Array | None, mesh: jax.sharding.Mesh
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The mean loss and its gradients over the batch, in `ACCUMULATE` slices of it."""
+    return accumulate_gradients(functools.partial(value_and_grad, mesh=mesh), params, batch, key, ACCUMULATE)
+
+
 def optimizer_shardings(state: Any, mesh: jax.sharding.Mesh) -> Any:
     """Optimizer-state leaves shaped like a parameter follow its optimizer sharding."""
 
@@ -561,8 +694,7 @@ def make_train_step(mesh: jax.sharding.Mesh, optimizer: optax.GradientTransforma
     def step(
         params: dict[str, jax.Array], opt_state: Any, batch: dict[str, jax.Array], key: jax.Array
     ) -> tuple[dict[str, jax.Array], Any, jax.Array]:
-        once = functools.partial(value_and_grad, mesh=mesh)
-        value, grads = accumulate_gradients(once, params, batch, key, ACCUMULATE)
+        value, grads = gradients(params, batch, key, mesh)
         grads = lax.with_sharding_constraint(grads, grad_shardings)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, value

@@ -2,12 +2,20 @@
 
 The simulated device count must be fixed before jax is imported anywhere in the test
 process, so it is set here, at collection time.
+
+`compiled(...)` is a session-wide cache of compiled programs and what they computed: the
+numerics, codegen, pipeline and lowering tests that look at one spec on one mesh share one
+compilation of it.
 """
 
 from __future__ import annotations
 
+import functools
 import os
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -15,6 +23,11 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=16")
 
 ROOT = Path(__file__).resolve().parent.parent
 SPECS = ROOT / "specs"
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from dslc.lower.program import DslcModel, Program
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -24,3 +37,55 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 @pytest.fixture
 def update_goldens(request: pytest.FixtureRequest) -> bool:
     return bool(request.config.getoption("--update-goldens"))
+
+
+@dataclass
+class Compiled:
+    """A spec compiled on a mesh, its weights from seed 0 and a batch from seed 0; what it
+    computes on them is evaluated once, when first asked for."""
+
+    program: Program
+    model: DslcModel
+    batch: dict[str, np.ndarray]
+
+    @functools.cached_property
+    def weights(self) -> dict[str, np.ndarray]:
+        return self.program.export_weights(self.model)
+
+    @functools.cached_property
+    def output(self) -> np.ndarray:
+        import numpy as np
+
+        return np.asarray(self.program.forward(self.model, self.batch))
+
+    @functools.cached_property
+    def loss_and_grads(self) -> tuple[float, dict[str, np.ndarray]]:
+        loss, grads = self.program.value_and_grad(self.model, self.batch)
+        return loss, self.program.module.export_weights(grads)
+
+    @property
+    def loss(self) -> float:
+        return self.loss_and_grads[0]
+
+    @property
+    def grads(self) -> dict[str, np.ndarray]:
+        return self.loss_and_grads[1]
+
+
+@functools.cache
+def _compile(source: str, mesh: str | None, overrides: tuple[tuple[str, Any], ...], schedule: str | None) -> Compiled:
+    import dslc
+
+    path = Path(source)
+    program = dslc.compile(path if path.suffix == ".par" and path.exists() else source, mesh, dict(overrides), schedule)
+    return Compiled(program, program.init(0), program.example_batch(0))
+
+
+def compiled(
+    source: str | Path,
+    mesh: str | None = None,
+    overrides: Mapping[str, Any] | None = None,
+    schedule: str | None = None,
+) -> Compiled:
+    """The spec (a path or its text) compiled on `mesh`, shared by every test that asks."""
+    return _compile(str(source), mesh, tuple(sorted((overrides or {}).items())), schedule)

@@ -125,29 +125,58 @@ def _split_loss(program: ir.Program) -> tuple[list[ir.Node], ir.Layer | None]:
     return nodes, None
 
 
-def _run(nodes: list[ir.Node] | tuple[ir.Node, ...], x: Array, params: Weights, ctx: _Context) -> tuple[Array, Aux]:
-    """The nodes' output, and the auxiliary values of the layers among them, summed."""
+def _same(path: str) -> str:
+    return path
+
+
+def _run(
+    nodes: list[ir.Node] | tuple[ir.Node, ...],
+    x: Array,
+    params: Weights,
+    ctx: _Context,
+    name: Callable[[str], str] = _same,
+) -> tuple[Array, Aux]:
+    """The nodes' output, and the auxiliary values of the layers among them, summed. `name`
+    turns a layer's path into the per-layer name of its weights (a repeat's copies are run
+    one by one here, each with its own: `blocks.attn` -> `blocks.3.attn`)."""
     aux: Aux = {}
     for node in nodes:
         more: Aux = {}
         match node:
             case ir.Layer():
-                w = {weight.name: params[f"{node.path}.{weight.name}"].astype(ctx.compute) for weight in node.weights}
+                w = {
+                    weight.name: params[f"{name(node.path)}.{weight.name}"].astype(ctx.compute)
+                    for weight in node.weights
+                }
                 if node.kind in WITH_AUX:
                     x, more = WITH_AUX[node.kind](node, w, x, ctx)
                 else:
                     x = LAYERS[node.kind](node, w, x, ctx)
                 x = x.astype(ctx.dtype(node.output))
             case ir.Residual():
-                y, more = _run(node.body, x, params, ctx)
+                y, more = _run(node.body, x, params, ctx, name)
                 x = (x + y).astype(ctx.dtype(node.output))
             case ir.Block():
                 # Checkpointing changes what is stored, never a number.
-                x, more = _run(node.body, x, params, ctx)
+                x, more = _run(node.body, x, params, ctx, name)
+            case ir.Repeat():
+                for i in range(node.first, node.first + node.count):
+                    copy = _indexed(node.path, i, name)
+                    x, one = _run((node.body,), x, params, ctx, copy)
+                    more = {k: more.get(k, 0.0) + one.get(k, 0.0) for k in {*more, *one}}
             case ir.Layout():
                 pass
         aux = {name: aux.get(name, 0.0) + more.get(name, 0.0) for name in {*aux, *more}}
     return x, aux
+
+
+def _indexed(prefix: str, i: int, outer: Callable[[str], str]) -> Callable[[str], str]:
+    """Paths under a repeat's `prefix`, in its copy i."""
+
+    def name(path: str) -> str:
+        return outer(f"{prefix}.{i}{path[len(prefix) :]}" if path == prefix or path.startswith(prefix + ".") else path)
+
+    return name
 
 
 # ---- arithmetic -------------------------------------------------------------------------------

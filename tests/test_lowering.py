@@ -18,7 +18,6 @@ import pytest
 
 import dslc
 from dslc.ir import nodes as ir
-from dslc.lower.model import group_repeats, split_loss
 from tests.conftest import SPECS
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
@@ -55,23 +54,20 @@ def hlo_collectives(text: str) -> dict[str, int]:
 def ir_forward_collectives(program: ir.Program) -> dict[str, int]:
     """What the IR predicts for the compiled forward pass.
 
-    A run of identical blocks compiles to one loop body, so its collectives appear once in
-    the HLO text. XLA on CPU has no reduce-scatter pass: a reduce-scatter is emitted as an
-    all-reduce followed by a slice (see the project's field notes), so it is counted as one.
+    A repeat compiles to one loop body, so its collectives appear once in the HLO text, as
+    they do once in the IR. XLA on CPU has no reduce-scatter pass: a reduce-scatter is emitted
+    as an all-reduce followed by a slice (see the project's field notes), so it is counted as
+    one.
     """
-    body, _ = split_loss(program)
     counts: collections.Counter[str] = collections.Counter()
-    for run in group_repeats(body):
-        for node in ir.walk((run[0],)):
-            for c in getattr(node, "collectives", ()):
-                counts["all-reduce" if c.kind == "reduce-scatter" else c.kind] += 1
+    for node in ir.walk(program.body):
+        for c in getattr(node, "collectives", ()):
+            counts["all-reduce" if c.kind == "reduce-scatter" else c.kind] += 1
     return dict(counts)
 
 
 def compiled_forward(program: dslc.Program) -> str:
-    model = program.init(0)
-    batch = program._place(program.example_batch(0))
-    return program._forward.lower(model.arrays(), batch).compile().as_text()
+    return program.lower("forward").compile().as_text()
 
 
 def test_megatron_layer_forward_has_exactly_two_all_reduces() -> None:
@@ -114,12 +110,12 @@ def zero_runs() -> dict[str, dict[str, object]]:
         model = program.init(0)
         state = program.init_optimizer(model)
         batch = program.example_batch(0)
-        name = "layers.0.up.kernel"  # (64, 256) split over `model` as (None, model)
+        name = "layers.*.up.kernel"  # 2 layers of (64, 256), split over `model` as (None, model)
         param = model.params[name][...]
         mu = next(
             leaf for path, leaf in jax.tree_util.tree_leaves_with_path(state) if name in jax.tree_util.keystr(path)
         )
-        grads = program._grads(model.arrays(), program._place(batch))[name]
+        grads = program.stored_grads(model, batch)[name]
         out[setting] = {
             "param": (param.sharding.spec, _local_shape(param)),
             "opt": (mu.sharding.spec, _local_shape(mu)),
@@ -138,7 +134,8 @@ def test_zero_stages_split_optimizer_state_then_gradients_then_parameters(
     zero_runs: dict[str, dict[str, object]],
 ) -> None:
     P = jax.sharding.PartitionSpec
-    whole, split = (P(None, "model"), (64, 128)), (P("data", "model"), (32, 128))
+    # The layers' own dimension is split last: each device keeps a slice of every layer.
+    whole, split = (P(None, None, "model"), (2, 64, 128)), (P(None, "data", "model"), (2, 32, 128))
     expected = {
         "zero 0": (whole, whole, whole),
         "zero 1": (whole, split, whole),
@@ -185,7 +182,7 @@ def test_mixed_precision_computes_in_bf16_and_keeps_f32_parameters() -> None:
     assert all(v.dtype == np.float32 for v in model.arrays().values())
     # The lowered program (before XLA's CPU passes, which widen bf16 matmuls to f32 because
     # this CPU has no bf16 units) does every matrix product in bf16.
-    lowered = program._forward.lower(model.arrays(), program._place(program.example_batch(0))).as_text()
+    lowered = program.lower("forward").as_text()
     dots = [line for line in lowered.splitlines() if "dot_general" in line]
     assert dots and all(re.search(r"-> tensor<[0-9x]*xbf16>", line) for line in dots), dots[:2]
     batch = program.example_batch(0)

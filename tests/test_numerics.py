@@ -58,10 +58,11 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 import dslc
 from dslc.ir import nodes as ir
-from dslc.ir.state import state_sharding
+from dslc.ir.placement import place
 from dslc.lower.program import Program, WeightsError
 from tests import reference
 from tests.conftest import SPECS as SPEC_DIR
+from tests.conftest import compiled
 
 SEED = 0
 
@@ -208,24 +209,21 @@ class Case:
 
 
 def compile_spec(spec: Spec, mesh: str | None = None) -> Program:
-    return dslc.compile(spec.source, mesh=mesh, overrides=spec.overrides)
+    return compiled(spec.source, mesh=mesh, overrides=spec.overrides).program
 
 
 def build_case(spec: Spec) -> Case:
-    program = compile_spec(spec)
-    model = program.init(SEED)
-    batch = program.example_batch(SEED)
-    weights = program.export_weights(model)
+    run = compiled(spec.source, overrides=spec.overrides)
     return Case(
         spec,
-        program,
-        model,
-        batch,
-        weights,
-        output=np.asarray(program.forward(model, batch)),
-        loss=float(program.loss(model, batch)),
-        grads=program.grads(model, batch),
-        reference=reference.evaluate(program.ir, weights, batch),
+        run.program,
+        run.model,
+        run.batch,
+        run.weights,
+        output=run.output,
+        loss=run.loss,
+        grads=run.grads,
+        reference=reference.evaluate(run.program.ir, run.weights, run.batch),
     )
 
 
@@ -303,23 +301,32 @@ def declared_spec(sharding: ir.Sharding) -> PartitionSpec:
     return PartitionSpec(*(None if not axes else axes[0] if len(axes) == 1 else axes for axes in sharding))
 
 
-# Spot checks against the spec text itself rather than the IR.
+# Spot checks against the spec text itself rather than the IR: a repeat's weights are one
+# stacked array (its layers first, split over the stage axis when a pipeline divides them);
+# stages written one by one share arrays with one row per stage; a weight outside the
+# stages (an embedding, a head) is split over the stage axis between steps.
 SPOT_CHECKS = {
-    "tiny": {"embed.table": PartitionSpec("model", None), "layers.1.down.kernel": PartitionSpec("model", None)},
-    "seed_mlp_pipeline": {"fc1.kernel": PartitionSpec(None, None), "fc6.bias": PartitionSpec(None)},
+    "tiny": {"embed.table": PartitionSpec("model", None), "layers.*.down.kernel": PartitionSpec(None, "model", None)},
+    "seed_mlp_pipeline": {
+        "fc1.kernel|fc3.kernel|fc5.kernel": PartitionSpec("stage", None, None),
+        "fc2.bias|fc4.bias|fc6.bias": PartitionSpec("stage", None),
+    },
     "seed_tp_layer": {"attn.v": PartitionSpec(None, "model"), "up.bias": PartitionSpec("model")},
-    "seed_hybrid_3d": {"blocks.3.attn.o": PartitionSpec("model", None), "blocks.0.ln1.scale": PartitionSpec(None)},
+    "seed_hybrid_3d": {
+        "blocks.*.attn.o": PartitionSpec("pipeline", "model", None),
+        "blocks.*.ln1.scale": PartitionSpec("pipeline", None),
+    },
     "gpt_small": {
-        "blocks.0.attn.q": PartitionSpec(None, "model"),
-        "blocks.3.attn.o": PartitionSpec("model", None),
-        "embed.table": PartitionSpec("model", None),
-        "blocks.2.up.bias": PartitionSpec("model"),
-        "ln_f.scale": PartitionSpec(None),
+        "blocks.*.attn.q": PartitionSpec("stage", None, "model"),
+        "blocks.*.attn.o": PartitionSpec("stage", "model", None),
+        "embed.table": PartitionSpec(("model", "stage"), None),
+        "blocks.*.up.bias": PartitionSpec("stage", "model"),
+        "ln_f.scale": PartitionSpec("stage"),
     },
     # ZeRO-1 splits the optimizer state only: the parameters stay as declared.
     "llama_small": {
-        "layers.1.attn.k": PartitionSpec(None, "model"),
-        "layers.1.down.kernel": PartitionSpec("model", None),
+        "layers.*.attn.k": PartitionSpec(None, None, "model"),
+        "layers.*.down.kernel": PartitionSpec(None, "model", None),
     },
     "vision": {
         "c1.kernel": PartitionSpec(None, None, None, "model"),
@@ -339,18 +346,18 @@ def test_param_shardings_are_declared_and_real(case: Case) -> None:
     program, mesh = case.program, case.program.mesh
     specs = program.param_shardings(case.model)
     arrays = case.model.arrays()
-    declared = ir.weights_by_path(program.ir)
-    assert set(specs) == set(declared) == set(arrays)
+    stored = {a.name: a for a in place(program.ir).arrays}
+    assert set(specs) == set(stored) == set(arrays)
     for name, want in SPOT_CHECKS[case.spec.name].items():
         assert specs[name] == want, name
-    for name, w in declared.items():
-        placed = state_sharding(w.type, program.ir).params
+    for name, a in stored.items():
+        placed = a.state(program.ir).params
         assert specs[name] == declared_spec(placed), name
         array = arrays[name]
         assert isinstance(array.sharding, NamedSharding), name
         assert array.sharding.mesh == mesh and array.sharding.spec == specs[name], name
         sizes = dict(zip(mesh.axis_names, mesh.devices.shape, strict=True))
-        local = tuple(n // math.prod(sizes[a] for a in axes) for n, axes in zip(w.type.shape, placed, strict=True))
+        local = tuple(n // math.prod(sizes[x] for x in axes) for n, axes in zip(a.type.shape, placed, strict=True))
         assert {shard.data.shape for shard in array.addressable_shards} == {local}, name
         assert {shard.device for shard in array.addressable_shards} == set(mesh.devices.flat), name
 

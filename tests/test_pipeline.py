@@ -2,8 +2,9 @@
 and holds the activations its schedule says it holds.
 
 The non-pipelined reference is the same program differentiated by plain autodiff on the same
-mesh (`Program._loss_fn` has no pipeline in it); test_numerics.py separately compares the
-default schedules against an independent single-device reference.
+mesh (the generated module's `loss` runs the chunks one after another, with no pipeline);
+test_numerics.py separately compares the default schedules against an independent
+single-device reference.
 """
 
 from __future__ import annotations
@@ -29,13 +30,12 @@ def relative_error(got: np.ndarray, want: np.ndarray) -> float:
 
 
 def assert_matches_autodiff(program: dslc.Program) -> None:
+    assert program.ir.pipelined
     model = program.init(0)
     batch = program.example_batch(0)
-    placed = program._place(batch)
+    got_loss, got = program.value_and_grad(model, batch)
     with jax.set_mesh(program.mesh):
-        want_loss, want = jax.jit(jax.value_and_grad(program._loss_fn))(model.arrays(), placed)
-        got_loss, got = jax.jit(lambda p, b: program._pipeline.value_and_grad(p, b, None))(model.arrays(), placed)
-    assert program._pipeline is not None
+        want_loss, want = jax.jit(jax.value_and_grad(program.module.loss))(model.arrays(), program.place(batch))
     assert float(got_loss) == pytest.approx(float(want_loss), rel=RTOL)
     assert set(got) == set(want)
     for name in want:
@@ -108,9 +108,10 @@ def test_1f1b_holds_fewer_activations_than_gpipe_and_does_not_grow_with_microbat
 
 def test_schedule_is_one_word_on_the_command_line() -> None:
     text = (SPECS / "seed_mlp_pipeline.par").read_text()
-    assert dslc.compile(text)._pipeline.schedule.kind == "gpipe"  # type: ignore[union-attr]
+    assert "# The gpipe schedule" in dslc.compile(text).source
     program = dslc.compile(text, schedule="zb-h1")
-    assert program._pipeline is not None and program._pipeline.schedule.kind == "zb-h1"
+    assert program.ir.pipeline is not None and program.ir.pipeline.schedule == "zb-h1"
+    assert "# The zb-h1 schedule" in program.source
     with pytest.raises(ValueError, match="did you mean 'zb-h1'"):
         dslc.compile(text, schedule="zb-h2")
     with pytest.raises(dslc.CompileError, match="E022"):

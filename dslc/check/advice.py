@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import math
+
 from dslc.diagnostics import Diagnostics, Label, Span
-from dslc.ir.nodes import Program, Weight, layers
+from dslc.ir.nodes import Program, StackedWeight, counted_layers, stacked_weights
 from dslc.schedules import KINDS, ScheduleError, build
 
 MIN_EFFICIENCY = 0.80
@@ -43,7 +45,7 @@ def check_balance(program: Program, diags: Diagnostics) -> None:
         return
     flops = [0] * stages
     for chunk in program.chunks:
-        flops[chunk.stage] += sum(layer.flops for layer in layers(chunk.nodes))
+        flops[chunk.stage] += sum(layer.flops * times for layer, times in counted_layers(chunk.nodes))
     heavy = max(range(stages), key=flops.__getitem__)
     light = min(range(stages), key=flops.__getitem__)
     if flops[heavy] <= (1 + MAX_IMBALANCE) * flops[light]:
@@ -75,32 +77,30 @@ def _imbalance(heavy: int, heavy_flops: int, light: int, light_flops: int) -> st
 
 def check_replication(program: Program, diags: Diagnostics) -> None:
     mesh = program.mesh
-    stages = mesh.size((program.pipeline.axis,)) if program.pipeline else 1
-    holders = mesh.devices // stages
+    holders = mesh.devices // program.stages
     if holders < 2 or program.train.zero >= 3:
         return
     # Grouped by where the weights were written: an unsharded layer's weights all carry its
     # call's span, and a block's line is shared by all its uses; one warning per place.
-    found: dict[Span, list[tuple[str, Weight]]] = {}
+    found: dict[Span, list[StackedWeight]] = {}
     uses: dict[Span, set[str]] = {}
-    for chunk in program.chunks:
-        for layer in layers(chunk.nodes):
-            for w in layer.weights:
-                if w.type.axes_used or w.type.nbytes < LARGE_TENSOR_BYTES:
-                    continue
-                uses.setdefault(w.span, set()).add(layer.path)
-                if len(uses[w.span]) == 1:
-                    found.setdefault(w.span, []).append((f"{layer.path}.{w.name}", w))
+    for sw in stacked_weights(program.nodes):
+        w = sw.weight
+        if w.type.axes_used or w.type.nbytes < LARGE_TENSOR_BYTES:
+            continue
+        uses.setdefault(w.span, set()).add(sw.layer.path)
+        if len(uses[w.span]) == 1 and all(other.name != sw.name for other in found.get(w.span, [])):
+            found.setdefault(w.span, []).append(sw)
     for span, weights in found.items():
         more = len(uses[span]) - 1
         also = f" (and {more} more uses of this line)" if more else ""
+        total = sum(w.weight.type.nbytes * math.prod(w.lengths) for w in weights)
         if len(weights) == 1:
-            path, w = weights[0]
-            t = w.type
-            what = f"`{path}` {t.describe()} ({t.nbytes / 2**20:.0f} MiB) is"
+            t = weights[0].weight.type
+            layers = f"{math.prod(weights[0].lengths)} x " if weights[0].repeats else ""
+            what = f"`{weights[0].name}` {layers}{t.describe()} ({total / 2**20:.0f} MiB) is"
         else:
-            total = sum(w.type.nbytes for _, w in weights)
-            what = f"{', '.join(f'`{path}`' for path, _ in weights)} ({total / 2**20:.0f} MiB in all) are"
+            what = f"{', '.join(f'`{w.name}`' for w in weights)} ({total / 2**20:.0f} MiB in all) are"
         diags.warning(
             "W003",
             f"{what} replicated on all {holders} devices that hold {'it' if len(weights) == 1 else 'them'}{also}",

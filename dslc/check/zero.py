@@ -1,10 +1,11 @@
-"""ZeRO / FSDP: every tensor it should split must be splittable, or the user hears of it."""
+"""ZeRO / FSDP: every array it should split must be splittable, or the user hears of it."""
 
 from __future__ import annotations
 
 from dslc.diagnostics import Diagnostics, Span
-from dslc.ir.nodes import Program, all_layers
-from dslc.ir.state import state_sharding, zero_axes
+from dslc.ir.nodes import Program
+from dslc.ir.placement import place
+from dslc.ir.state import zero_axes
 
 _WHAT = {1: "optimizer state", 2: "optimizer state and gradients", 3: "parameters, gradients and optimizer state"}
 
@@ -24,13 +25,11 @@ def check_zero(program: Program, diags: Diagnostics) -> None:
             )
         return
     # One warning per place the weights were written: an unsharded layer's weights share its
-    # call's span, and a block's line is shared by all its uses (the first use is named).
+    # call's span.
     stuck: dict[Span, list[str]] = {}
-    named_by: dict[Span, str] = {}
-    for layer in all_layers(program):
-        for w in layer.weights:
-            if not state_sharding(w.type, program).spread_ok and named_by.setdefault(w.span, layer.path) == layer.path:
-                stuck.setdefault(w.span, []).append(f"`{layer.path}.{w.name}` {w.type.describe()}")
+    for array in place(program).arrays:
+        if not array.state(program).spread_ok:
+            stuck.setdefault(array.span, []).append(f"`{array.name}` {array.type.describe()}")
     for span, names in stuck.items():
         diags.warning(
             "W004",

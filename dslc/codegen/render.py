@@ -14,13 +14,13 @@ import jinja2
 
 from dslc.codegen import source
 from dslc.codegen.names import class_name, global_namer, safe_identifier
-from dslc.codegen.view import JAX_DTYPE_NAMES, Builder, ModuleClass, Statement
+from dslc.codegen.view import Builder, ModuleClass, Statement
 from dslc.ir import nodes as ir
 from dslc.ir.boundaries import boundary_of, chunk_input
 from dslc.ir.inputs import integer_bounds
-from dslc.ir.state import state_sharding
-from dslc.kernels import SOURCES
-from dslc.layers import LOSS_KINDS, RULES
+from dslc.ir.placement import Placement, place
+from dslc.ir.signature import chunk_signature
+from dslc.layers import RULES
 from dslc.schedules import build
 from dslc.schedules.buffers import ExecutionPlan, plan
 from dslc.schedules.render import to_text
@@ -46,6 +46,8 @@ _MODULE_NAMES = {
     "COMPUTE_DTYPE",
     "SCHEDULE",
     "STAGES",
+    "CHUNK_WEIGHTS",
+    "STAGE_DIMS",
     "CHUNK_INPUTS",
     "BOUNDARY",
     "ACCUMULATE",
@@ -102,31 +104,33 @@ def generate(program: ir.Program, spec_text: str, spec_name: str, mesh_size: str
     file = _display_name(spec_name)
     taken = _MODULE_NAMES | set(source.PRELUDE_IMPORTS) | _kernel_names()
     builder = Builder(program, spec_text.split("\n"), file, global_namer(taken))
-    nodes = tuple(n for chunk in program.chunks for n in chunk.nodes)
-    loss: Statement | None = None
-    loss_layer = nodes[-1] if nodes and isinstance(nodes[-1], ir.Layer) and nodes[-1].kind in LOSS_KINDS else None
-    pipelined = (
-        program.pipeline is not None and program.mesh.size((program.pipeline.axis,)) * program.pipeline.virtual > 1
-    )
+    placement = place(program)
     top: list[ModuleClass] = []
-    if pipelined:
+    stages: list[str] = []
+    if program.pipelined:
         word = "Chunk" if program.pipeline is not None and program.pipeline.virtual > 1 else "Stage"
+        classes: dict[object, str] = {}
         for chunk in program.chunks:
-            body = chunk.nodes[:-1] if loss_layer is not None and chunk is program.chunks[-1] else chunk.nodes
-            name = builder.global_names.claim(f"{word}{chunk.index}")
-            doc = f"Chunk {chunk.index} of the pipeline, run by stage {chunk.stage}."
-            top.append(builder.module_class(name, doc, _lines(file, body), body, None))
+            body = program.chunk_body(chunk)
+            key = chunk_signature(body)
+            if key not in classes:
+                classes[key] = builder.global_names.claim(f"{word}{chunk.index}")
+                same = [c.index for c in program.chunks if chunk_signature(program.chunk_body(c)) == key]
+                doc = (
+                    f"Chunk {chunk.index} of the pipeline, run by stage {chunk.stage}."
+                    if len(same) == 1
+                    else f"Chunks {_ranges(same)} of the pipeline, each running its own share of the layers."
+                )
+                top.append(builder.module_class(classes[key], doc, _lines(file, body), body, None))
+            stages.append(classes[key])
     else:
-        body = nodes[:-1] if loss_layer is not None else nodes
-        name = builder.global_names.claim(_model_class(program.name))
-        top.append(
-            builder.module_class(name, f"The `{safe_identifier(program.name)}` model.", _lines(file, body), body, None)
-        )
-    if loss_layer is not None:
-        scratch = ModuleClass("", "", "")
-        loss = builder.layer(scratch, loss_layer, "x", None, global_namer(set()))
-    kernels = _kernels(program, pipelined)
-    imports = _imports(kernels)
+        name = builder.global_names.claim(class_name(program.name))
+        doc = f"The `{safe_identifier(program.name)}` model."
+        top.append(builder.module_class(name, doc, _lines(file, program.body), program.body, None))
+    loss: Statement | None = None
+    if program.loss is not None:
+        loss = builder.layer(ModuleClass("", "", ""), program.loss, "x", None, global_namer(set()))
+    kernels = _kernels(program)
     mesh_axes = program.mesh.names or ("replica",)
     mesh_shape = program.mesh.shape or (1,)
     context = {
@@ -136,23 +140,27 @@ def generate(program: ir.Program, spec_text: str, spec_name: str, mesh_size: str
         "mesh_text": _mesh_text(mesh_axes, mesh_shape),
         "mesh_size": mesh_size,
         "marker": MARKER,
-        "imports": imports,
+        "imports": _imports(kernels),
         "mesh_axes": mesh_axes,
         "mesh_shape": mesh_shape,
         "devices": math.prod(mesh_shape),
-        "compute_dtype": JAX_DTYPE_NAMES[program.train.compute_dtype],
-        "pipelined": pipelined,
+        "compute_dtype": ir.DTYPES[program.train.compute_dtype].jax,
+        "pipelined": program.pipelined,
         # Whether any layer returns auxiliary values (a mixture of experts' balancing loss):
         # only then does the code thread them through.
         "aux": any(RULES[layer.kind].has_aux for layer in ir.all_layers(program)),
-        "parameters": _parameters(program),
+        "parameters": _parameters(program, placement),
         "inputs": _inputs(program, builder),
         "stream": program.stream,
-        "kernels": kernels,
+        # How weights are stored and initialised print with the parameters; the arithmetic after.
+        "storage": [d for d in kernels if d.module in ("storage", "params")],
+        "kernels": [d for d in kernels if d.module not in ("storage", "params")],
         "classes": [*builder.blocks, *top],
         "top": [c.name for c in top],
+        "stages": stages,
+        "shares": _shares(placement) if program.pipelined else [],
         "loss": loss,
-        "schedule": _schedule(program) if pipelined else None,
+        "schedule": _schedule(program) if program.pipelined else None,
         "accumulate": program.train.accumulate,
         "optimizer": {"name": program.train.optimizer.name, "hyper": dict(program.train.optimizer.hyper)},
     }
@@ -168,10 +176,6 @@ def _display_name(spec_name: str) -> str:
     return "".join(c if c.isascii() and (c.isalnum() or c in "._-") else "_" for c in base)
 
 
-def _model_class(name: str) -> str:
-    return class_name(name)
-
-
 def _mesh_text(axes: tuple[str, ...], shape: tuple[int, ...]) -> str:
     sizes = ", ".join(f"{a}={s}" for a, s in zip(axes, shape, strict=True))
     return "x".join(str(s) for s in shape) + f" ({sizes})"
@@ -182,28 +186,49 @@ def _lines(file: str, nodes: tuple[ir.Node, ...]) -> str:
     return f"{file}:{min(lines)}-{max(lines)}" if lines else file
 
 
-def _parameters(program: ir.Program) -> list[dict[str, object]]:
-    chunk_of = {
-        f"{layer.path}.{w.name}": chunk.index
-        for chunk in program.chunks
-        for layer in ir.layers(chunk.nodes)
-        for w in layer.weights
-    }
-    out = []
-    for name, w in ir.weights_by_path(program).items():
-        state = state_sharding(w.type, program)
+def _ranges(indices: list[int]) -> str:
+    """`1-14` for consecutive indices, else a list."""
+    if indices == list(range(indices[0], indices[-1] + 1)):
+        return f"{indices[0]}-{indices[-1]}"
+    return ", ".join(map(str, indices))
+
+
+def _parameters(program: ir.Program, placement: Placement) -> list[dict[str, object]]:
+    out: list[dict[str, object]] = []
+    for array in placement.arrays:
+        state = array.state(program)
         out.append(
             {
-                "name": name,
-                "shape": w.type.shape,
-                "dtype": JAX_DTYPE_NAMES[w.type.dtype],
-                "init": w.init,
+                "name": array.name,
+                "shape": array.type.shape,
+                "dtype": ir.DTYPES[array.type.dtype].jax,
+                "init": array.init,
                 "sharding": state.params,
                 "grad": state.grads,
                 "optimizer": state.optimizer,
-                "chunk": chunk_of[name],
+                "layers": array.layers,
+                "rows": array.rows,
+                "stage_rows": array.stage_dim,
+                "stage_split": array.split_dim,
             }
         )
+    return out
+
+
+def _shares(placement: Placement) -> list[list[tuple[str, str]]]:
+    """Per chunk: each weight's name in the chunk and the `Share(...)` that says where it is."""
+    out = []
+    for chunk in placement.shares:
+        entries = []
+        for name, share in chunk.items():
+            args = [py(share.stored)]
+            if share.rows:
+                args.append(py(share.rows))
+            stored = placement.array(share.stored)
+            if stored.rows:
+                args.append("shape=" + py(share.shape))
+            entries.append((name, f"Share({', '.join(args)})"))
+        out.append(entries)
     return out
 
 
@@ -213,7 +238,7 @@ def _inputs(program: ir.Program, builder: Builder) -> list[dict[str, object]]:
         {
             "name": i.name,
             "shape": i.type.shape,
-            "dtype": JAX_DTYPE_NAMES[i.type.dtype],
+            "dtype": ir.DTYPES[i.type.dtype].jax,
             "sharding": i.type.sharding,
             "bound": bounds.get(i.name, 2),
             "source": builder.where(i.span),
@@ -225,7 +250,7 @@ def _inputs(program: ir.Program, builder: Builder) -> list[dict[str, object]]:
 def _schedule(program: ir.Program) -> dict[str, object]:
     p = program.pipeline
     assert p is not None
-    stages = program.mesh.size((p.axis,))
+    stages = program.stages
     entries = [f.name for f in fields(ExecutionPlan) if f.type == "Table"]
     shape, dtype = boundary_of(program, p.microbatches)
     schedule = build(p.schedule, stages, p.microbatches, p.virtual)
@@ -245,27 +270,23 @@ def _schedule(program: ir.Program) -> dict[str, object]:
         "table": [(name, [list(row) for row in getattr(table, name)]) for name in entries],
         "chunk_inputs": [chunk_input(chunk, p.microbatches) for chunk in program.chunks],
         "boundary_shape": shape,
-        "boundary_dtype": JAX_DTYPE_NAMES[dtype or program.train.compute_dtype],
+        "boundary_dtype": ir.DTYPES[dtype or program.train.compute_dtype].jax,
     }
 
 
-def _kernels(program: ir.Program, pipelined: bool) -> list[source.Definition]:
-    wanted = {"params": ["named_key", "initial_value"], "training": ["make_optimizer", "accumulate_gradients"]}
+def _kernels(program: ir.Program) -> list[source.Definition]:
     layers = ir.all_layers(program)
-    wanted["layers"] = sorted({RULES[layer.kind].kernel(dict(layer.attrs), layer.operand) for layer in layers})
+    wanted = ["named_key", "initial_array", "make_optimizer", "accumulate_gradients", "to_weights", "from_weights"]
+    wanted += sorted({RULES[layer.kind].kernel(dict(layer.attrs), layer.operand) for layer in layers})
     if any(RULES[layer.kind].has_aux for layer in layers):
-        wanted["layers"] += ["AUX_LOSS", "add_aux"]
-    if pipelined:
-        wanted["pipeline"] = ["pipeline_value_and_grad"]
-    out: list[source.Definition] = []
-    for name, module in SOURCES.items():
-        if name in wanted:
-            out.extend(source.closure(module, wanted[name]))
-    return out
+        wanted += ["AUX_LOSS", "add_aux"]
+    if program.pipelined:
+        wanted += ["pipeline_value_and_grad", "Share", "take_share"]
+    return source.closure(wanted)
 
 
 def _kernel_names() -> set[str]:
-    return {name for module in SOURCES.values() for name in source.definitions(module)}
+    return set(source.all_definitions())
 
 
 def _imports(kernels: list[source.Definition]) -> list[str]:

@@ -12,6 +12,8 @@ import functools
 from dataclasses import dataclass
 from pathlib import Path
 
+from dslc.kernels import SOURCES
+
 # The imports a kernel module may use: each is available in every generated module (a test
 # holds `dslc.kernels` to this list). Name bound -> the import statement that binds it.
 PRELUDE_IMPORTS = {
@@ -27,6 +29,7 @@ PRELUDE_IMPORTS = {
     "checkpoint_name": "from jax.ad_checkpoint import checkpoint_name",
     "PartitionSpec": "from jax.sharding import PartitionSpec",
     "Any": "from typing import Any",
+    "NamedTuple": "from typing import NamedTuple",
     "Callable": "from collections.abc import Callable",
     "Sequence": "from collections.abc import Sequence",
 }
@@ -37,6 +40,7 @@ class Definition:
     name: str
     source: str
     uses: frozenset[str]  # module-level names it refers to
+    module: str  # the kernel module it comes from (`layers`)
 
 
 @functools.cache
@@ -63,7 +67,7 @@ def definitions(module: Path) -> dict[str, Definition]:
         source = "\n".join(lines[start - 1 : node.end_lineno])
         uses = frozenset(n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load))
         for name in names:
-            found[name] = Definition(name, source, uses)
+            found[name] = Definition(name, source, uses, module.stem)
     return found
 
 
@@ -76,9 +80,18 @@ def imported_names(module: Path) -> set[str]:
     return names - {"annotations"}
 
 
-def closure(module: Path, wanted: list[str]) -> list[Definition]:
-    """The definitions `wanted` needs, dependencies included, in the module's own order."""
-    defs = definitions(module)
+def all_definitions() -> dict[str, Definition]:
+    """Every kernel module's definitions, module after module in `SOURCES` order (a kernel
+    module may use another's: the copies land in one generated module)."""
+    found: dict[str, Definition] = {}
+    for module in SOURCES.values():
+        found.update(definitions(module))
+    return found
+
+
+def closure(wanted: list[str]) -> list[Definition]:
+    """The definitions `wanted` needs, dependencies included, in the kernels' own order."""
+    defs = all_definitions()
     needed: set[str] = set()
     stack = list(wanted)
     while stack:

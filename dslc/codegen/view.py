@@ -1,10 +1,13 @@
-"""What the templates print: the checked IR arranged as a Python module's parts.
+"""What the templates print: the checked IR arranged as a Python module's classes.
 
 Plain data, decided here so the templates only print: which classes there are (one per
-distinct block, one per pipeline chunk or one for the whole model), their attributes, and
-each `__call__` as a flat list of statements. Every statement mirrors one step of the
-direct backend's interpreter (`dslc.lower.model`) in the same order, which is what makes
-the two backends compute the same numbers.
+distinct block, one per distinct pipeline chunk or one for the whole model), their
+attributes, and each `__call__` as a flat list of statements.
+
+A class is built from a dict of its weights: a top-level class (the model, or a pipeline
+chunk) by the stored names (`embed.table`, `blocks.*.attn.q`), a block by names relative to
+it (`attn.q`). A `repeat` is one instance of its block holding every layer's weights stacked,
+run by `scan_layers`.
 """
 
 from __future__ import annotations
@@ -14,8 +17,8 @@ from typing import Literal
 
 from dslc.codegen.names import Namer, attribute_namer, class_name, comment
 from dslc.ir import nodes as ir
-from dslc.ir.repeats import group_repeats, signature
-from dslc.layers import LOSS_KINDS, RULES
+from dslc.ir.signature import signature
+from dslc.layers import RULES
 
 # Comments carry the spec line they came from, cut to stay within the line length.
 COMMENT_WIDTH = 100
@@ -23,7 +26,7 @@ COMMENT_WIDTH = 100
 
 @dataclass(frozen=True, slots=True)
 class Path:
-    """A layer's dotted name, as code: relative to the enclosing block's `self.path`, or absolute."""
+    """A dotted name as code: relative to the enclosing block's `self.path`, or absolute."""
 
     text: str
     in_block: bool
@@ -34,15 +37,15 @@ class WeightArg:
     keyword: str
     attribute: str
     name: str
-    sharding: ir.Sharding
+    sharding: ir.Sharding | None  # the sharding it is gathered to, where it is stored split
 
 
 @dataclass(frozen=True, slots=True)
 class Statement:
-    kind: Literal["layer", "copy", "add", "layout", "block", "scan", "loss"]
+    kind: Literal["layer", "copy", "add", "layout", "block", "scan"]
     var: str
     source: str = ""  # where it was written: "gpt_small.par:24  attn: attention(...)"
-    # layer / loss
+    # layer
     kernel: str = ""
     operand: ir.Sharding | None = None  # constrain the input first (sequence-parallel gathers)
     weights: tuple[WeightArg, ...] = ()
@@ -56,20 +59,22 @@ class Statement:
     sharding: ir.Sharding = ()
     # block / scan
     attribute: str = ""
+    count: int = 0  # scan: the layers it runs
     # layer: its kernel returns (y, auxiliary values)
     has_aux: bool = False
 
 
 @dataclass(frozen=True, slots=True)
 class Attribute:
-    """`self.NAME = ...` in `__init__`."""
+    """`self.NAME = ...` in `__init__`: a layer's weights, a block, or a repeat's layers."""
 
-    kind: Literal["weights", "block", "blocks"]
+    kind: Literal["weights", "block", "layers"]
     name: str
-    weights: tuple[tuple[str, Path], ...] = ()  # weight name, its parameter's dotted name
+    source: str
+    weights: tuple[tuple[str, str], ...] = ()  # weight name, its key in the class's dict
     cls: str = ""
-    paths: tuple[Path, ...] = ()  # the block's (blocks') own path
-    source: str = ""
+    prefix: str = ""  # a block's or repeat's keys in the class's dict start with this
+    path: Path | None = None  # the block's own path (for a repeat: its layers')
 
 
 @dataclass
@@ -106,10 +111,10 @@ class Builder:
     def module_class(
         self, name: str, doc: str, source: str, nodes: tuple[ir.Node, ...], base: str | None
     ) -> ModuleClass:
-        """A class whose `__call__` runs `nodes`; `base` is the block's path (None at top level)."""
+        """A class whose `__call__` runs `nodes`; `base` is the block's path (None at top level,
+        where weights are keyed by their stored names)."""
         cls = ModuleClass(name, doc, source, is_block=base is not None)
-        attrs = attribute_namer()
-        self.statements(cls, nodes, "x", base, attrs, depth=0)
+        self.statements(cls, nodes, "x", base, attribute_namer(), depth=0)
         return cls
 
     def path(self, full: str, base: str | None) -> Path:
@@ -118,25 +123,15 @@ class Builder:
         assert full.startswith(base + "."), (full, base)
         return Path(full[len(base) :], True)
 
+    def key(self, full: str, base: str | None) -> str:
+        """The key of a weight (or a prefix of keys) in the class's dict: relative to the
+        block, with `*` after each repeat's name (`blocks.*.attn.q`)."""
+        return full[len(base) + 1 :] if base is not None else full
+
     def statements(
         self, cls: ModuleClass, nodes: tuple[ir.Node, ...], var: str, base: str | None, attrs: Namer, depth: int
     ) -> None:
-        for run in group_repeats(nodes):
-            node = run[0]
-            if len(run) > 1:
-                assert isinstance(node, ir.Block)
-                attr = attrs.claim(_label(_run_name(node.path), base))
-                cls.attributes.append(
-                    Attribute(
-                        "blocks",
-                        attr,
-                        cls=self.block_class(node),
-                        paths=tuple(self.path(b.path, base) for b in run),
-                        source=self.where(node.span),
-                    )
-                )
-                cls.statements.append(Statement("scan", var, self.where(node.span), attribute=attr))
-                continue
+        for node in nodes:
             match node:
                 case ir.Layer():
                     cls.statements.append(self.layer(cls, node, var, base, attrs))
@@ -151,12 +146,28 @@ class Builder:
                         Attribute(
                             "block",
                             attr,
+                            self.where(node.span),
                             cls=self.block_class(node),
-                            paths=(self.path(node.path, base),),
-                            source=self.where(node.span),
+                            prefix=self.key(node.path, base) + ".",
+                            path=self.path(node.path, base),
                         )
                     )
                     cls.statements.append(Statement("block", var, self.where(node.span), attribute=attr))
+                case ir.Repeat():
+                    attr = attrs.claim(_label(node.path, base))
+                    cls.attributes.append(
+                        Attribute(
+                            "layers",
+                            attr,
+                            self.where(node.span),
+                            cls=self.block_class(node.body),
+                            prefix=self.key(node.path, base) + ".*.",
+                            path=self.path(node.path, base),
+                        )
+                    )
+                    cls.statements.append(
+                        Statement("scan", var, self.where(node.span), attribute=attr, count=node.count)
+                    )
                 case ir.Layout():
                     cls.statements.append(
                         Statement("layout", var, self.where(node.span), sharding=node.output.sharding)
@@ -167,20 +178,24 @@ class Builder:
         weights: tuple[WeightArg, ...] = ()
         if layer.weights:
             attr = attrs.claim(_label(layer.path, base))
+            prefix = self.key(layer.path, base)
             cls.attributes.append(
                 Attribute(
                     "weights",
                     attr,
-                    weights=tuple((w.name, self.path(f"{layer.path}.{w.name}", base)) for w in layer.weights),
-                    source=self.where(layer.span),
+                    self.where(layer.span),
+                    weights=tuple((w.name, f"{prefix}.{w.name}") for w in layer.weights),
                 )
             )
-            weights = tuple(WeightArg(w.name, attr, w.name, w.type.sharding) for w in layer.weights)
+            # Only parameters stored split over the data axes are gathered where they are used:
+            # any other constraint would copy the weight, and autodiff would keep the copy.
+            gather = self.program.train.zero >= 3
+            weights = tuple(WeightArg(w.name, attr, w.name, w.type.sharding if gather else None) for w in layer.weights)
         a = dict(layer.attrs)
-        dtype = JAX_DTYPE_NAMES[self.program.train.compute_dtype]
+        dtype = ir.DTYPES[self.program.train.compute_dtype].jax
         static = rule.kernel_args(a, dtype, layer.operand, {w.name: w.type.sharding for w in layer.weights})
         return Statement(
-            "loss" if layer.kind in LOSS_KINDS else "layer",
+            "layer",
             var,
             self.where(layer.span),
             kernel=rule.kernel(a, layer.operand),
@@ -209,36 +224,12 @@ class Builder:
         doc = f"Block `{block.block}` of the spec."
         cls = self.module_class(name, doc, source, block.body, block.path)
         cls.remat = block.remat.policy
-        if block.remat.policy == "selective":
-            prefix = block.path + "."
-            cls.saved = tuple(
-                self.path(n.path, block.path)
-                for n in ir.walk(block.body)
-                if n.path[len(prefix) :] in block.remat.saved or n.path.rsplit(".", 1)[-1] in block.remat.saved
-            )
+        cls.saved = tuple(self.path(p, block.path) for p in block.remat.saved)
         self.blocks.append(cls)
         return name
-
-
-def _run_name(path: str) -> str:
-    """A repeat's name: `layers` for the run `layers.0`, `layers.1`, ..."""
-    head, _, index = path.rpartition(".")
-    return head if head and index.isdigit() else path
 
 
 def _label(path: str, base: str | None) -> str:
     """The name a node has in its class: its path relative to the enclosing block."""
     rel = path[len(base) + 1 :] if base is not None and path.startswith(base + ".") else path
     return rel.replace(".", "_")
-
-
-JAX_DTYPE_NAMES = {
-    "f32": "float32",
-    "bf16": "bfloat16",
-    "f16": "float16",
-    "f64": "float64",
-    "i32": "int32",
-    "i64": "int64",
-    "i8": "int8",
-    "bool": "bool",
-}

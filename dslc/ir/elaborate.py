@@ -75,6 +75,7 @@ def elaborate(
         chunks: tuple[ir.Chunk, ...] = (ir.Chunk(0, 0, 0, tuple(n for s in segments for n in s.nodes)),)
     else:
         chunks = _assign_chunks(segments, pipeline, header, diags, builder.misplaced_stages)
+    final = chunks[-1].nodes[-1] if chunks and chunks[-1].nodes else None
     return ir.Program(
         name=header.name,
         mesh=header.mesh,
@@ -84,6 +85,7 @@ def elaborate(
         chunks=chunks,
         pipeline=pipeline,
         train=header.train,
+        loss=final if isinstance(final, ir.Layer) and final.kind in LOSS_KINDS else None,
         span=module.span,
     )
 
@@ -534,28 +536,47 @@ class _Builder:
         return ir.Residual(path, tuple(body), x, out_type, stmt.span)
 
     def _repeat(self, stmt: ast.RepeatStmt, name: str, flow: _Flow, scope: Scope, prefix: str) -> list[ir.Node]:
+        """A run of one block, elaborated once: the block must hand the next copy what it
+        received (the same type), so every copy computes the same function of its own weights.
+        A block that changes its input's type cannot loop; its copies are elaborated one by
+        one instead (each names its layers `NAME.i.…`, as a loop's would be named)."""
         count = eval_expr(stmt.count, scope, self.diags)
         if count is None:
             return []
         if not 1 <= count <= MAX_REPEAT:
             self.diags.error("E024", f"repeat count must be between 1 and {MAX_REPEAT}, got {count}", stmt.count.span)
             return []
+        x = flow.type
+        start = _Flow(flow.type, flow.span, flow.after_loss)
+        body = self._repeat_body(stmt, f"{prefix}{name}", name, flow, scope, prefix)
+        if body is None:
+            return []
+        if count == 1 or x is UNKNOWN or body.output == x:
+            return [ir.Repeat(f"{prefix}{name}", body, count, span=stmt.span)]
+        flow.type, flow.span, flow.after_loss = start.type, start.span, start.after_loss
         out: list[ir.Node] = []
-        inner_names = self._names(stmt.body) if stmt.call is None else {}
         for i in range(count):
-            if self.too_big:
+            block = self._repeat_body(stmt, f"{prefix}{name}.{i}", f"{name}.{i}", flow, scope, prefix, quiet=i > 0)
+            if block is None:
                 break
-            here = f"{prefix}{name}.{i}"
-            if stmt.call is not None:
-                node = self._use(stmt.call, (), f"{name}.{i}", flow, scope, prefix, stmt.span, quiet=i > 0)
-                if node is None:
-                    break
-                out.append(node)
-            else:
-                x = flow.type
-                body = self._seq(stmt.body, flow, scope, here + ".", inner_names)
-                out.append(ir.Block(here, "repeat", ir.Remat(), tuple(body), x, flow.type, stmt.span))
+            out.append(block)
         return out
+
+    def _repeat_body(
+        self, stmt: ast.RepeatStmt, path: str, name: str, flow: _Flow, scope: Scope, prefix: str, quiet: bool = False
+    ) -> ir.Block | None:
+        """One copy of a repeat's block at `path`: the block it calls, or its written body; a
+        repeated built-in layer is wrapped in a block of its own."""
+        x = flow.type
+        if stmt.call is not None:
+            node = self._use(stmt.call, (), name, flow, scope, prefix, stmt.span, quiet=quiet)
+            if node is None:
+                return None
+            if isinstance(node, ir.Block):
+                return node
+            return ir.Block(path, stmt.call.callee.text, ir.Remat(), (node,), x, flow.type, stmt.span)
+        body = self._seq(stmt.body, flow, scope, path + ".", self._names(stmt.body))
+        return ir.Block(path, "repeat", ir.Remat(), tuple(body), x, flow.type, stmt.span)
 
     def _layout(self, stmt: ast.LayoutStmt, flow: _Flow, prefix: str) -> ir.Layout:
         x = flow.type
@@ -801,15 +822,16 @@ class _Builder:
                     help=f"use `checkpoint selective({', '.join(i.text for i in cp.saved)})`",
                 )
             return ir.Remat(policy)  # type: ignore[arg-type]
-        inside = {n.path[len(path) + 1 :]: n for n in ir.walk(tuple(body))}
+        inside = [n.path for n in ir.walk(tuple(body)) if isinstance(n, ir.Layer)]
         short = {p.rsplit(".", 1)[-1] for p in inside}
-        saved = []
+        saved: list[str] = []
         for ident in cp.saved:
-            if ident.text not in inside and ident.text not in short:
+            # A name is a layer's path below the block (`mlp.up`) or the last part of it (`up`).
+            matches = [p for p in inside if p[len(path) + 1 :] == ident.text or p.rsplit(".", 1)[-1] == ident.text]
+            if not matches:
                 message = f"block `{block.name.text}` has no layer `{ident.text}` to save"
                 self.diags.add(unknown_name("layer", ident.text, ident.span, short, message=message))
-            else:
-                saved.append(ident.text)
+            saved.extend(p for p in matches if p not in saved)
         if not cp.saved:
             self.diags.error(
                 "E026",
@@ -1026,21 +1048,21 @@ def _assign_chunks(
             )
             return ()
         region = marked[0]
-        units = region.nodes
-        if not units or len(units) % wanted:
-            counts = divisor_sizes(len(units)) if units else []
+        # A repeat is as many units as it has copies; the others are one each.
+        units = sum(n.count if isinstance(n, ir.Repeat) else 1 for n in region.nodes)
+        if not units or units % wanted:
+            counts = divisor_sizes(units) if units else []
             diags.error(
                 "E019",
-                f"{len(units)} layers cannot be split evenly into {wanted} pipeline chunks "
+                f"{units} layers cannot be split evenly into {wanted} pipeline chunks "
                 f"({stages} stages x {pipeline.virtual} virtual)",
                 region.span,
                 labels=[Label(pipeline.span, "pipeline declared here")],
-                notes=[f"{len(units)} layers split evenly into {', '.join(map(str, counts))} chunks"] if counts else [],
+                notes=[f"{units} layers split evenly into {', '.join(map(str, counts))} chunks"] if counts else [],
                 help="change the repeat count, the pipeline axis size in --mesh, or `virtual`",
             )
             return ()
-        per = len(units) // wanted
-        groups = [list(units[i * per : (i + 1) * per]) for i in range(wanted)]
+        groups = _split_evenly(region.nodes, units // wanted)
         before = [n for s in segments[: segments.index(region)] for n in s.nodes]
         after = [n for s in segments[segments.index(region) + 1 :] for n in s.nodes]
     elif kinds == {"stage"}:
@@ -1086,3 +1108,28 @@ def _assign_chunks(
     return tuple(
         ir.Chunk(i, i % stages, i // stages, tuple(g), g[0].span if g else NO_SPAN) for i, g in enumerate(groups)
     )
+
+
+def _split_evenly(nodes: list[ir.Node], per: int) -> list[list[ir.Node]]:
+    """Cut a run of nodes into groups of `per` units each, a repeat counting one unit per copy:
+    a repeat that straddles a cut is shared, each group running its own copies of it."""
+    groups: list[list[ir.Node]] = [[]]
+    room = per
+    for node in nodes:
+        if not isinstance(node, ir.Repeat):
+            if not room:
+                groups.append([])
+                room = per
+            groups[-1].append(node)
+            room -= 1
+            continue
+        done = 0
+        while done < node.count:
+            if not room:
+                groups.append([])
+                room = per
+            take = min(room, node.count - done)
+            groups[-1].append(replace(node, count=take, first=node.first + done, total=node.length))
+            done += take
+            room -= take
+    return groups

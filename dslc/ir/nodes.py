@@ -12,13 +12,35 @@ from dataclasses import dataclass, field
 from typing import Literal, TypeAlias
 
 from dslc.diagnostics import NO_SPAN, Span
+from dslc.kernels.storage import expand_names
 
 Axes: TypeAlias = tuple[str, ...]
 Sharding: TypeAlias = tuple[Axes, ...]
 
-DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "f64": 8, "i32": 4, "i64": 8, "i8": 1, "bool": 1}
-FLOAT_DTYPES = ("f32", "bf16", "f16", "f64")
-INT_DTYPES = ("i32", "i64", "i8")
+
+@dataclass(frozen=True, slots=True)
+class DType:
+    """An element type as a spec writes it (`bf16`): its size and its name in numpy/jax."""
+
+    bytes: int
+    jax: str
+    floating: bool
+
+
+# The one table of element types: every stage reads sizes and jax names from here.
+DTYPES = {
+    "f32": DType(4, "float32", True),
+    "bf16": DType(2, "bfloat16", True),
+    "f16": DType(2, "float16", True),
+    "f64": DType(8, "float64", True),
+    "i32": DType(4, "int32", False),
+    "i64": DType(8, "int64", False),
+    "i8": DType(1, "int8", False),
+    "bool": DType(1, "bool", False),
+}
+DTYPE_BYTES = {name: t.bytes for name, t in DTYPES.items()}
+FLOAT_DTYPES = tuple(name for name, t in DTYPES.items() if t.floating)
+INT_DTYPES = tuple(name for name, t in DTYPES.items() if not t.floating and name != "bool")
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,7 +179,8 @@ class Layer:
 
 @dataclass(frozen=True, slots=True)
 class Remat:
-    """Activation checkpointing of a block: none, full, or selective (saving named outputs)."""
+    """Activation checkpointing of a block: none, full, or selective. `saved` holds the full
+    paths of the layers whose outputs a selective block keeps (`blocks.attn`)."""
 
     policy: Literal["none", "full", "selective"] = "none"
     saved: tuple[str, ...] = ()
@@ -198,7 +221,39 @@ class Layout:
     span: Span = field(default=NO_SPAN, compare=False, repr=False)
 
 
-Node: TypeAlias = Layer | Residual | Block | Layout
+@dataclass(frozen=True, slots=True)
+class Repeat:
+    """`count` consecutive uses of one block (`blocks: repeat 24 gpt_block(...)`), elaborated
+    once: `body` is the block, its layers' paths under `path` with no index (`blocks.attn`).
+
+    Its weights are stored stacked, one array per weight of the block with the layer index
+    first; layer i's weights are named `{path}.{i}.…` (`blocks.3.attn.q`) only where they are
+    exported one by one. A pipeline stage may run a share of the run: layers `first` to
+    `first + count - 1` of the `total` the statement wrote.
+    """
+
+    path: str
+    body: Block
+    count: int
+    first: int = 0
+    total: int = 0  # the whole run's length; 0 means `count` (the node is the whole run)
+    span: Span = field(default=NO_SPAN, compare=False, repr=False)
+
+    @property
+    def input(self) -> TensorType:
+        return self.body.input
+
+    @property
+    def output(self) -> TensorType:
+        return self.body.output
+
+    @property
+    def length(self) -> int:
+        """Layers in the whole run (every stage's share together)."""
+        return self.total or self.count
+
+
+Node: TypeAlias = Layer | Residual | Block | Layout | Repeat
 
 
 @dataclass(frozen=True, slots=True)
@@ -257,10 +312,44 @@ class Program:
     chunks: tuple[Chunk, ...]
     pipeline: Pipeline | None
     train: Train
+    # The layer that ends the forward pass with the training objective (the last node of the
+    # last chunk), or None for a spec that only computes an output.
+    loss: Layer | None = None
     span: Span = field(default=NO_SPAN, compare=False, repr=False)
 
     def input(self, name: str) -> Input:
         return next(i for i in self.inputs if i.name == name)
+
+    @property
+    def nodes(self) -> tuple[Node, ...]:
+        """Every top-level node, chunk after chunk."""
+        return tuple(n for chunk in self.chunks for n in chunk.nodes)
+
+    @property
+    def body(self) -> tuple[Node, ...]:
+        """The model's nodes before its loss."""
+        nodes = self.nodes
+        return nodes[:-1] if self.loss is not None else nodes
+
+    def chunk_body(self, chunk: Chunk) -> tuple[Node, ...]:
+        """A chunk's nodes, less the loss where the chunk ends in it."""
+        last = self.loss is not None and chunk is self.chunks[-1]
+        return chunk.nodes[:-1] if last else chunk.nodes
+
+    @property
+    def stages(self) -> int:
+        """Devices along the pipeline axis (1 without a pipeline)."""
+        return self.mesh.size((self.pipeline.axis,)) if self.pipeline is not None else 1
+
+    @property
+    def pipelined(self) -> bool:
+        """Whether the step runs the pipeline executor: more than one chunk in its table."""
+        return self.pipeline is not None and self.stages * self.pipeline.virtual > 1
+
+    @property
+    def boundaries(self) -> tuple[TensorType, ...]:
+        """What each chunk but the last hands the next: its output."""
+        return tuple(chunk.nodes[-1].output for chunk in self.chunks[:-1] if chunk.nodes)
 
 
 # ---- walking ----------------------------------------------------------------------------------
@@ -270,6 +359,8 @@ def children(node: Node) -> tuple[Node, ...]:
     match node:
         case Residual(body=body) | Block(body=body):
             return body
+        case Repeat(body=block):
+            return (block,)
         case Layer() | Layout():
             return ()
 
@@ -286,13 +377,94 @@ def walk(nodes: tuple[Node, ...]) -> list[Node]:
 
 
 def layers(nodes: tuple[Node, ...]) -> list[Layer]:
+    """Every layer node once: a repeat's block counts once, however many times it runs."""
     return [n for n in walk(nodes) if isinstance(n, Layer)]
 
 
 def all_layers(program: Program) -> list[Layer]:
-    return [layer for chunk in program.chunks for layer in layers(chunk.nodes)]
+    return layers(program.nodes)
+
+
+def counted(nodes: tuple[Node, ...], times: int = 1) -> list[tuple[Node, int]]:
+    """Every node with how many times one pass over `nodes` runs it (a repeat's body runs
+    `count` times, a repeat inside it that many times more), parents before children."""
+    out: list[tuple[Node, int]] = []
+    for node in nodes:
+        out.append((node, times))
+        inner = times * node.count if isinstance(node, Repeat) else times
+        out.extend(counted(children(node), inner))
+    return out
+
+
+def counted_layers(nodes: tuple[Node, ...]) -> list[tuple[Layer, int]]:
+    """Every layer node with the number of times one pass over `nodes` runs it."""
+    return [(n, times) for n, times in counted(nodes) if isinstance(n, Layer)]
+
+
+@dataclass(frozen=True, slots=True)
+class StackedWeight:
+    """A weight of a layer as it is stored: one array for every layer of the repeats around
+    it, whose lengths lead its shape (`blocks.*.attn.q`, [24, d, d])."""
+
+    name: str  # the layer's path with `*` after each enclosing repeat's: `blocks.*.attn.q`
+    weight: Weight
+    layer: Layer
+    repeats: tuple[Repeat, ...]  # enclosing repeats, outermost first
+
+    @property
+    def lengths(self) -> tuple[int, ...]:
+        return tuple(r.length for r in self.repeats)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (*self.lengths, *self.weight.type.shape)
+
+    def names(self) -> list[str]:
+        """The per-layer dotted names of its rows, in row-major order (`blocks.0.attn.q`, ...)."""
+        return expand_names(self.name, self.lengths)
+
+
+def stacked_weights(nodes: tuple[Node, ...]) -> list[StackedWeight]:
+    """Every weight under `nodes` as stored, each once (a repeat's share in a pipeline chunk
+    names the whole run's array)."""
+    out: list[StackedWeight] = []
+
+    def visit(node: Node, repeats: tuple[Repeat, ...]) -> None:
+        match node:
+            case Layer():
+                for w in node.weights:
+                    out.append(StackedWeight(_starred(f"{node.path}.{w.name}", repeats), w, node, repeats))
+            case Repeat():
+                visit(node.body, (*repeats, node))
+            case Residual() | Block():
+                for child in node.body:
+                    visit(child, repeats)
+            case Layout():
+                pass
+
+    for node in nodes:
+        visit(node, ())
+    return out
+
+
+def _starred(path: str, repeats: tuple[Repeat, ...]) -> str:
+    """`blocks.sub.lin.w` under repeats `blocks` and `blocks.sub` -> `blocks.*.sub.*.lin.w`."""
+    parts = path.split(".")
+    # Insert from the innermost repeat out, so the earlier insertion points stay put.
+    for r in reversed(repeats):
+        depth = len(r.path.split("."))
+        parts.insert(depth, "*")
+    return ".".join(parts)
 
 
 def weights_by_path(program: Program) -> dict[str, Weight]:
-    """Every parameter under its stable dotted name, e.g. `layers.3.attn.q`."""
-    return {f"{layer.path}.{w.name}": w for layer in all_layers(program) for w in layer.weights}
+    """Every parameter under its stable dotted per-layer name, e.g. `layers.3.attn.q`."""
+    seen: set[str] = set()
+    out: dict[str, Weight] = {}
+    for sw in stacked_weights(program.nodes):
+        if sw.name in seen:
+            continue
+        seen.add(sw.name)
+        for name in sw.names():
+            out[name] = sw.weight
+    return out

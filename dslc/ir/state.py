@@ -20,13 +20,17 @@ def zero_axes(program: Program) -> Axes:
     return program.input(program.stream).type.sharding[0] if program.inputs else ()
 
 
-def spread(t: TensorType, axes: Axes, mesh: Mesh) -> Sharding | None:
+def spread(t: TensorType, axes: Axes, mesh: Mesh, lead: int = 0) -> Sharding | None:
     """`t`'s sharding with `axes` added to one dimension, or None when no dimension can take
-    them (the caller keeps the tensor as declared and says so)."""
+    them (the caller keeps the tensor as declared and says so). The first `lead` dimensions
+    (a stacked weight's layers, a per-stage array's rows) are tried last: a step computes
+    with one layer at a time, and splitting within it keeps every layer's pieces apart."""
     axes = tuple(a for a in axes if a not in t.axes_used)
     if not axes or mesh.size(axes) == 1:
         return t.sharding
-    for dim, (size, current) in enumerate(zip(t.shape, t.sharding, strict=True)):
+    order = [*range(lead, t.rank), *range(min(lead, t.rank))]
+    for dim in order:
+        size, current = t.shape[dim], t.sharding[dim]
         if size % mesh.size(current + axes) == 0:
             return tuple((*current, *axes) if i == dim else s for i, s in enumerate(t.sharding))
     return None
@@ -42,9 +46,11 @@ class StateSharding:
     spread_ok: bool
 
 
-def state_sharding(t: TensorType, program: Program) -> StateSharding:
+def state_sharding(t: TensorType, program: Program, lead: int = 0) -> StateSharding:
+    """Where a stored array's parameters, gradients and optimizer state live; `lead` as for
+    `spread`."""
     zero = program.train.zero
-    spread_to = spread(t, zero_axes(program), program.mesh) if zero else t.sharding
+    spread_to = spread(t, zero_axes(program), program.mesh, lead) if zero else t.sharding
     ok = spread_to is not None
     spread_to = spread_to if spread_to is not None else t.sharding
     return StateSharding(

@@ -1,4 +1,4 @@
-"""Fresh parameters and per-name random keys, the same in both backends for a given seed."""
+"""Fresh parameters and per-name random keys: a seed gives the same weights on any mesh."""
 
 from __future__ import annotations
 
@@ -6,6 +6,8 @@ import zlib
 
 import jax
 import jax.numpy as jnp
+
+from dslc.kernels.storage import Parameter, weight_names
 
 
 def named_key(key: jax.Array, name: str) -> jax.Array:
@@ -24,3 +26,16 @@ def initial_value(init: str, shape: tuple[int, ...], dtype: str, key: jax.Array)
     if kind != "normal":
         raise ValueError(f"unknown initializer {init!r}")
     return (float(std) * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+
+
+def initial_array(name: str, p: Parameter, key: jax.Array) -> jax.Array:
+    """A stored array's first value: each weight it holds drawn from the key of its own
+    per-layer name (`blocks.3.attn.q`), so how weights are stored changes no value."""
+    held = weight_names(name, p)
+    if not p.rows and len(held) == 1:
+        return initial_value(p.init, p.shape, p.dtype, named_key(key, name))
+    value = jnp.zeros(p.shape, p.dtype)
+    for h in held:
+        piece = initial_value(h.init, h.shape, p.dtype, named_key(key, h.name))
+        value = value.at[h.at + tuple(slice(0, n) for n in h.shape)].set(piece)
+    return value

@@ -1,38 +1,51 @@
 """One executor for every pipeline schedule: it runs the schedule's table, tick by tick.
 
 The stage axis is manual (`shard_map` over it alone); data and tensor axes stay automatic
-inside, so each stage is still split the way the spec says. Every tick, each stage looks up
-its action in the table and does it with one `lax.switch`: idle, forward (F), backward (B),
-or the backward's input-gradient (I) and weight-gradient (W) halves. A backward is an
-explicit `jax.vjp` of the chunk, recomputed from the chunk's stashed input, so work happens
-exactly where the table puts it and a stage holds only the activations the table keeps in
-flight. After the switch, every stage sends unconditionally — activations to the next stage,
-gradients to the previous one — so no collective over the stage axis ever sits inside a
-branch (a `ppermute` that only some stages reach pairs the wrong ticks).
+inside, so each stage is still split the way the spec says. Each stage holds only its own
+weights: the stored arrays come in split over the stage axis (`stage_dims`), and a chunk
+reads its share of the stage's piece (`shares`). A weight kept whole between steps but split
+over the stage axis (an embedding, a head) is gathered for every stage on the way in, and its
+gradient reduce-scattered back on the way out.
+
+Every tick, each stage looks up its action in the table:
+
+* F runs a chunk forward with `jax.vjp` and keeps what its backward needs — the residuals
+  autodiff saves, which the spec's checkpointing decides — in the stash slot the table names.
+  Weights are not stashed: the backward reads them again.
+* B (or its halves I and W) rebuilds the chunk's backward from the stash and the weights and
+  pulls the output gradient through it; W adds the weight gradients to the stage's
+  accumulator, B and I send the input gradient back.
+
+A tick runs two `lax.switch`es, forward then backward, each with a branch 0 that does
+nothing. The branches take and return one microbatch's values and the weight gradients of
+the chunk they ran; the stash, the received activations and gradients, and the gradient
+accumulator are read and written outside them — in slots the table gives (a scratch slot
+when there is nothing to keep), the accumulator by one add — so the loop's buffers are never
+copied through a conditional (XLA before jaxlib 0.11.1 copies every buffer a conditional
+returns unchanged from a branch other than its first). After the
+switches every stage sends unconditionally — activations to the next stage, gradients to the
+previous one — so no collective over the stage axis ever sits inside a branch.
 
 The table has one row per tick and one column per stage, with these entries:
   op                  what to do: IDLE, FORWARD, BACKWARD, INPUT_GRAD or WEIGHT_GRAD
   microbatch, chunk   what to do it on
-  stash_slot          F writes the chunk's input here; B / I / W read it back
+  stash_slot          F writes the chunk's input and residuals here; B / I / W read them
   activation_slot     F reads the activation it received here (every chunk but the first)
   gradient_slot       B / I / W read the output gradient they received here (all but the last)
   receive_activation  after the tick, store the activation arriving from the previous stage
                       here (-1: nothing arrives)
   receive_gradient    likewise for the gradient arriving from the next stage
 
-Parameters are passed whole to every stage (replicated over the stage axis); each stage
-only reads and differentiates its own chunks'.
-
 Chunks may return an auxiliary loss besides their output (`has_aux`: a mixture of experts'
 load-balancing loss). It is part of the objective: the chunk's backward differentiates
-(output, aux) with cotangents (output gradient, 1/M), and the aux of every (microbatch,
-chunk) is added, divided by M, to the loss where its backward runs.
+(output, aux) with cotangents (output gradient, 1/M), and its value, divided by M, joins the
+loss in the forward tick.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -57,11 +70,14 @@ TABLE_ENTRIES = (
 # With `has_aux`, every chunk returns (that, aux), aux an f32 scalar added to the loss.
 # `inputs` holds the microbatch of every model input; `key` is None when not training.
 Chunk = Callable[[Any, jax.Array, dict[str, jax.Array], jax.Array | None], Any]
+# weights(stage_arrays) -> a chunk's weights, as its code computes with them.
+ChunkWeights = Callable[[dict[str, jax.Array]], dict[str, jax.Array]]
 
 
 def pipeline_value_and_grad(
     chunks: Sequence[Chunk],
-    weights: Sequence[Any],
+    shares: Sequence[ChunkWeights],
+    params: dict[str, jax.Array],
     batch: dict[str, jax.Array],
     key: jax.Array | None,
     *,
@@ -72,207 +88,359 @@ def pipeline_value_and_grad(
     microbatches: int,
     chunk_inputs: Sequence[tuple[int, ...]],
     boundary: tuple[tuple[int, ...], Any],
+    stage_dims: dict[str, tuple[int | None, int | None]],
     has_aux: bool = False,
-) -> tuple[jax.Array, list[Any]]:
-    """Mean loss over the microbatches and the gradient of each chunk's weights.
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Mean loss over the microbatches and the gradient of every stored array.
 
-    `chunk_inputs[c]` is the shape of one microbatch of chunk c's input; `boundary` is the
-    (shape, dtype) of the buffer every inter-stage tensor is padded into: stages of one model
-    may hand over tensors of different widths, and they share a buffer padded to the widest.
+    `stage_dims[name]` is (own, split): `own` the dimension of the array whose pieces are each
+    stage's own (rows or layers), or `split` the dimension a whole array is split along over
+    the stage axis between steps (both None: every stage holds all of it). `chunk_inputs[c]`
+    is the shape of one microbatch of chunk c's input; `boundary` the (shape, dtype) of the
+    buffer every inter-stage tensor is padded into.
     """
     M = microbatches
     # Microbatch i takes rows i, i+M, i+2M, ...: each keeps rows from every data shard.
     micro = {k: v.reshape(v.shape[0] // M, M, *v.shape[1:]).swapaxes(0, 1) for k, v in batch.items()}
     tables = {name: jnp.asarray(np.asarray(table[name], np.int32)) for name in TABLE_ENTRIES}
-    ops = sorted({int(code) for row in table["op"] for code in row} | {IDLE})
-    op_index = jnp.asarray([[ops.index(int(code)) for code in row] for row in table["op"]], jnp.int32)
-    slots = {name: max(1, int(np.max(table[name])) + 1) for name in ("stash_slot", "activation_slot", "gradient_slot")}
-    training = key is not None
+    used = sorted({int(code) for row in table["op"] for code in row})
+    slots = {name: int(np.max(table[name])) + 1 for name in ("stash_slot", "activation_slot", "gradient_slot")}
 
-    def replicated(tree: Any) -> Any:
-        return jax.tree.map(lambda _: PartitionSpec(), tree)
+    def along(dim: int | None) -> PartitionSpec:
+        return PartitionSpec() if dim is None else PartitionSpec(*(None,) * dim, axis)
 
-    def body(weights: list[Any], micro: Any, tables: Any, op_index: jax.Array, key: jax.Array) -> Any:
-        return _run_table(
+    in_specs = {name: along(own) for name, (own, _) in stage_dims.items()}
+    out_specs = {name: along(own if own is not None else split) for name, (own, split) in stage_dims.items()}
+
+    def body(local: dict[str, jax.Array], micro: dict[str, jax.Array], tables: Any, key: jax.Array) -> Any:
+        executor = _Executor(
             chunks,
-            weights,
+            shares,
+            local,
             micro,
             tables,
-            op_index,
-            key if training else None,
-            ops=ops,
-            slots=slots,
-            axis=axis,
-            stream=stream,
-            chunk_inputs=chunk_inputs,
-            boundary=boundary,
-            has_aux=has_aux,
+            key if key_given else None,
+            used,
+            slots,
+            axis,
+            stream,
+            chunk_inputs,
+            boundary,
+            has_aux,
+            M,
         )
+        loss, gacc = executor.run()
+        grads = {}
+        for name, g in gacc.items():
+            own, split = stage_dims[name]
+            if own is not None:
+                grads[name] = g
+            elif split is not None:
+                # Only the stages that use it hold a gradient; each keeps its piece of the sum.
+                grads[name] = lax.psum_scatter(g, axis, scatter_dimension=split, tiled=True)
+            else:
+                grads[name] = lax.psum(g, axis)
+        return lax.psum(loss, axis), grads
 
+    key_given = key is not None
     run = jax.shard_map(
         body,
         mesh=mesh,
-        in_specs=(replicated(list(weights)), replicated(micro), replicated(tables), PartitionSpec(), PartitionSpec()),
-        out_specs=(PartitionSpec(), replicated(list(weights))),
+        in_specs=(in_specs, PartitionSpec(), PartitionSpec(), PartitionSpec()),
+        out_specs=(PartitionSpec(), out_specs),
         axis_names={axis},
+        # Nothing differentiates through this map: every gradient is taken inside, by the
+        # explicit backward ticks, so replication needs no tracking here.
+        check_vma=False,
     )
-    return run(list(weights), micro, tables, op_index, key if key is not None else jax.random.key(0))  # type: ignore[no-any-return]
+    return run(params, micro, tables, key if key is not None else jax.random.key(0))  # type: ignore[no-any-return]
 
 
-def _run_table(
-    chunks: Sequence[Chunk],
-    weights: list[Any],
-    micro: dict[str, jax.Array],
-    tables: dict[str, jax.Array],
-    op_index: jax.Array,
-    key: jax.Array | None,
-    *,
-    ops: list[int],
-    slots: dict[str, int],
-    axis: str,
-    stream: str,
-    chunk_inputs: Sequence[tuple[int, ...]],
-    boundary: tuple[tuple[int, ...], Any],
-    has_aux: bool,
-) -> tuple[jax.Array, list[Any]]:
-    """The body on one stage: scan over the ticks of the table."""
-    C = len(chunks)
-    M = micro[stream].shape[0]
-    P = lax.axis_size(axis)
-    s = lax.axis_index(axis)
-    shape, dtype = boundary
+class _Executor:
+    """The loop on one stage: its buffers, the two switches of a tick, and the sends."""
 
-    def vary(tree: Any) -> Any:
-        """Mark values as differing between stages (the carry of the tick loop must be)."""
+    def __init__(
+        self,
+        chunks: Sequence[Chunk],
+        shares: Sequence[ChunkWeights],
+        local: dict[str, jax.Array],
+        micro: dict[str, jax.Array],
+        tables: dict[str, jax.Array],
+        key: jax.Array | None,
+        used: list[int],
+        slots: dict[str, int],
+        axis: str,
+        stream: str,
+        chunk_inputs: Sequence[tuple[int, ...]],
+        boundary: tuple[tuple[int, ...], Any],
+        has_aux: bool,
+        microbatches: int,
+    ) -> None:
+        self.chunks, self.shares, self.local, self.micro = chunks, shares, local, micro
+        self.tables, self.key, self.used, self.axis, self.stream = tables, key, used, axis, stream
+        self.chunk_inputs, self.has_aux, self.M = chunk_inputs, has_aux, microbatches
+        self.shape, self.dtype = boundary
+        self.C = len(chunks)
+        # Each buffer has one slot more than the table uses: the scratch slot that ticks with
+        # nothing to keep write to, so every write is unconditional.
+        self.slots = slots
+        self.scratch = dict(slots)
+        self.residual_layout = self._residual_layout()
+        # What F records for B while tracing: how to rebuild each chunk's backward.
+        self.rebuild: dict[int, tuple[Any, list[tuple[str, Any]], Any]] = {}
 
-        def one(x: jax.Array) -> jax.Array:
-            x = jnp.asarray(x)
-            return x if axis in jax.typeof(x).mat.varying else lax.pcast(x, (axis,), to="varying")
+    # ---- what a chunk computes --------------------------------------------------------------
 
-        return jax.tree.map(one, tree)
+    def weights(self, c: int) -> dict[str, jax.Array]:
+        return self.shares[c](self.local)
 
-    def fit(y: jax.Array) -> jax.Array:
-        """Pad a chunk's output into the shared boundary buffer."""
-        return jnp.pad(y.astype(dtype), [(0, full - have) for full, have in zip(shape, y.shape, strict=True)])
+    def call(self, c: int, w: Any, x: jax.Array, inputs: dict[str, jax.Array], key: jax.Array | None) -> Any:
+        out = self.chunks[c](w, x, inputs, key)
+        return out if self.has_aux else (out, jnp.zeros((), jnp.float32))
 
-    def take(buffer: jax.Array, c: int) -> jax.Array:
-        """Chunk c's own input out of the shared buffer."""
-        return buffer[tuple(slice(0, n) for n in chunk_inputs[c])]
+    def forward_vjp(self, c: int, inputs: dict[str, jax.Array], x: jax.Array, key: jax.Array | None) -> Any:
+        """The chunk's (output, aux) and its backward; the first chunk's input (token ids)
+        takes no gradient."""
+        w = self.weights(c)
+        if c == 0:
+            out, pull = jax.vjp(lambda w: self.call(c, w, inputs[self.stream], inputs, key), w)
+            return out, pull, (w,)
+        out, pull = jax.vjp(lambda w, x: self.call(c, w, x, inputs, key), w, x)
+        return out, pull, (w, x)
 
-    def scalar_like(t: jax.Array, value: float) -> jax.Array:
-        """`value` typed as `t` is, varying over the stages or not (a cotangent must be)."""
-        c = jnp.asarray(value, t.dtype)
-        return vary(c) if axis in jax.typeof(t).mat.varying else c
+    def _residual_layout(self) -> tuple[list[tuple[tuple[int, ...], Any]], list[list[int]]]:
+        """The stash every stage keeps per slot, and which buffer each chunk's residuals go to.
 
-    stash = vary(jnp.zeros((slots["stash_slot"], *shape), dtype))
-    # Chunk 0's inputs are the model's own input (token ids, say), kept apart from the buffer.
-    first_stash = vary(jnp.zeros((slots["stash_slot"], *micro[stream].shape[1:]), micro[stream].dtype))
-    acts = vary(jnp.zeros((slots["activation_slot"], *shape), dtype))
-    grads_in = vary(jnp.zeros((slots["gradient_slot"], *shape), dtype))
-    gacc = vary(jax.tree.map(jnp.zeros_like, weights))
-    loss = vary(jnp.zeros((), jnp.float32))
-    zero = vary(jnp.zeros(shape, dtype))
+        All stages run one program, so the stash holds buffers for every chunk's residuals.
+        Chunks share a buffer for residuals of one shape and dtype (uniform chunks share all
+        of them); residuals of other shapes get buffers of their own rather than padding, as
+        padding or slicing a dimension split over the mesh moves data between devices."""
+        buffers: list[tuple[tuple[int, ...], Any]] = []
+        placement: list[list[int]] = []
+        for c in range(self.C):
+            inputs = {k: v[0] for k, v in self.micro.items()}
+            x = jnp.zeros(self.chunk_inputs[c], self.dtype)
 
-    def tick(carry: tuple[Any, ...], t: jax.Array) -> tuple[tuple[Any, ...], None]:
-        stash, first_stash, acts, grads_in, gacc, loss = carry
-        m, c = tables["microbatch"][t, s], tables["chunk"][t, s]
-        slot, a_slot, g_slot = (
-            tables["stash_slot"][t, s],
-            tables["activation_slot"][t, s],
-            tables["gradient_slot"][t, s],
+            def saved(c: int = c, inputs: dict[str, jax.Array] = inputs, x: jax.Array = x) -> list[jax.Array]:
+                _, pull, primals = self.forward_vjp(c, inputs, x, self.key)
+                return _residuals(pull, primals)[1]
+
+            taken: set[int] = set()
+            mine = []
+            for a in jax.eval_shape(saved):
+                kind = (tuple(a.shape), a.dtype)
+                b = next((i for i, buffer in enumerate(buffers) if buffer == kind and i not in taken), len(buffers))
+                if b == len(buffers):
+                    buffers.append(kind)
+                taken.add(b)
+                mine.append(b)
+            placement.append(mine)
+        return buffers, placement
+
+    # ---- the loop ---------------------------------------------------------------------------
+
+    def run(self) -> tuple[jax.Array, dict[str, jax.Array]]:
+        buffers, _ = self.residual_layout
+        carry = (
+            tuple(jnp.zeros((self.slots["stash_slot"] + 1, *shape), dtype) for shape, dtype in buffers),
+            jnp.zeros((self.slots["stash_slot"] + 1, *self.shape), self.dtype),  # chunk inputs
+            jnp.zeros((self.slots["activation_slot"] + 1, *self.shape), self.dtype),
+            jnp.zeros((self.slots["gradient_slot"] + 1, *self.shape), self.dtype),
+            {name: jnp.zeros_like(value) for name, value in self.local.items()},
+            jnp.zeros((), jnp.float32),
         )
-        inputs = {k: v[m] for k, v in micro.items()}
-        mb_key = jax.random.fold_in(key, m) if key is not None else None
+        (_, _, _, _, gacc, loss), _ = lax.scan(self.tick, carry, jnp.arange(self.tables["op"].shape[0]))
+        return loss, gacc
 
-        def call(i: int, w: Any, x: jax.Array) -> tuple[jax.Array, jax.Array]:
-            """Chunk i's output (its loss, for the last) and its auxiliary loss."""
-            out = chunks[i](w, x, inputs, mb_key)
-            return out if has_aux else (out, jnp.zeros((), jnp.float32))
+    def tick(self, carry: Any, t: jax.Array) -> tuple[Any, None]:
+        stash, stash_x, acts, grads_in, gacc, loss = carry
+        s = lax.axis_index(self.axis)
+        P = lax.axis_size(self.axis)
+        entry = {name: table[t, s] for name, table in self.tables.items()}
+        op, c, m = entry["op"], entry["chunk"], entry["microbatch"]
+        inputs = {k: v[m] for k, v in self.micro.items()}
+        key = jax.random.fold_in(self.key, m) if self.key is not None else None
 
-        def per_chunk(make: Callable[[int], Callable[[], tuple[Any, ...]]]) -> tuple[Any, ...]:
-            return vary(lax.switch(c, [make(i) for i in range(C)]))
+        def slot(name: str, buffer: str | None = None) -> jax.Array:
+            """The table's slot for `name`, or the scratch slot of its buffer when it has none."""
+            return jnp.where(entry[name] >= 0, entry[name], self.scratch[buffer or name])
 
-        def own(i: int) -> Any:
-            # Varying over the stage axis before differentiating: the transpose of an
-            # implicit invariant-to-varying cast is a psum over stages, which inside a
-            # branch only some stages take would deadlock.
-            return vary(weights[i])
+        # Forward: branch 0 does nothing, branch 1 + c runs chunk c.
+        is_forward = op == FORWARD
+        x = acts[slot("activation_slot")]
+        y, rows, gained = lax.switch(
+            jnp.where(is_forward, c + 1, 0),
+            [self.no_forward, *(self.forward(i) for i in range(self.C))],
+            x,
+            inputs,
+            key,
+        )
+        keep = jnp.where(is_forward, slot("stash_slot"), self.scratch["stash_slot"])
+        stash = tuple(buffer.at[keep].set(row) for buffer, row in zip(stash, rows, strict=True))
+        stash_x = stash_x.at[keep].set(x)
+        loss = loss + gained
 
-        def add_grads(i: int, g: Any) -> list[Any]:
-            return [jax.tree.map(jnp.add, acc, g) if j == i else acc for j, acc in enumerate(gacc)]
+        # Backward: branch 0 passes the accumulator through; then one branch per (op, chunk).
+        backward_ops = [code for code in (BACKWARD, INPUT_GRAD, WEIGHT_GRAD) if code in self.used]
+        branches = [self.no_backward]
+        index = jnp.zeros((), jnp.int32)
+        for k, code in enumerate(backward_ops):
+            branches += [self.backward(i, code) for i in range(self.C)]
+            index = jnp.where(op == code, 1 + k * self.C + c, index)
+        read = jnp.where(index > 0, slot("stash_slot"), self.scratch["stash_slot"])
+        added, dx = lax.switch(
+            index,
+            branches,
+            tuple(buffer[read] for buffer in stash),
+            stash_x[read],
+            grads_in[slot("gradient_slot")],
+            inputs,
+            key,
+        )
+        gacc = {name: gacc[name] + added[name] for name in gacc}
 
-        def idle() -> tuple[Any, ...]:
-            return vary((stash, first_stash, gacc, loss, zero, zero))
+        # Unconditional ring sends: every stage, every tick, outside the switches.
+        got_act = lax.ppermute(y, self.axis, [(i, (i + 1) % P) for i in range(P)])
+        got_grad = lax.ppermute(dx, self.axis, [(i, (i - 1) % P) for i in range(P)])
+        acts = acts.at[slot("receive_activation", "activation_slot")].set(got_act)
+        grads_in = grads_in.at[slot("receive_gradient", "gradient_slot")].set(got_grad)
+        return (stash, stash_x, acts, grads_in, gacc, loss), None
 
-        def forward() -> tuple[Any, ...]:
-            def make(i: int) -> Callable[[], tuple[Any, ...]]:
-                def go() -> tuple[Any, ...]:
-                    if i == 0:
-                        x = inputs[stream]
-                        new_first, new_stash = first_stash.at[slot].set(x), stash
-                    else:
-                        x = take(acts[a_slot], i)
-                        new_first, new_stash = first_stash, stash.at[slot].set(fit(x))
-                    # The last chunk's forward only keeps its input: its backward recomputes
-                    # it together with the loss.
-                    y = zero if i == C - 1 else fit(call(i, own(i), x)[0])
-                    return new_stash, new_first, y
+    # ---- the branches -----------------------------------------------------------------------
 
-                return go
+    def no_forward(self, x: jax.Array, inputs: Any, key: Any) -> tuple[Any, ...]:
+        buffers, _ = self.residual_layout
+        return jnp.zeros(self.shape, self.dtype), tuple(jnp.zeros(s, d) for s, d in buffers), jnp.zeros((), jnp.float32)
 
-            new_stash, new_first, y = per_chunk(make)
-            return vary((new_stash, new_first, gacc, loss, y, zero))
+    def forward(self, c: int) -> Callable[..., tuple[Any, ...]]:
+        def go(buffer: jax.Array, inputs: dict[str, jax.Array], key: jax.Array | None) -> tuple[Any, ...]:
+            (y, aux), pull, primals = self.forward_vjp(c, inputs, self._take(buffer, c), key)
+            plan, residuals = _residuals(pull, primals)
+            self.rebuild[c] = (jax.tree.structure(pull), plan, y.dtype)
+            rows = self._pack(c, residuals)
+            # The last chunk's output is its loss: it joins the total here, and is not sent.
+            gained = aux / self.M + (y.astype(jnp.float32) / self.M if c == self.C - 1 else 0.0)
+            sent = jnp.zeros(self.shape, self.dtype) if c == self.C - 1 else self._fit(y)
+            return sent, rows, gained
 
-        def backward(weight_grads: bool, input_grads: bool) -> Callable[[], tuple[Any, ...]]:
-            def run() -> tuple[Any, ...]:
-                def make(i: int) -> Callable[[], tuple[Any, ...]]:
-                    def go() -> tuple[Any, ...]:
-                        def f(w: Any, x: jax.Array) -> tuple[jax.Array, jax.Array]:
-                            return call(i, w, x)
+        return go
 
-                        # The loss's gradient is d(mean over microbatches)/d(loss_m), and so is
-                        # an auxiliary loss's; any other chunk's output gradient arrived shaped
-                        # as the next chunk's input.
-                        dy = jnp.asarray(1.0 / M, jnp.float32) if i == C - 1 else take(grads_in[g_slot], i + 1)
-                        if i == 0:  # token ids: no gradient flows further back
-                            (value, aux), pull = jax.vjp(lambda w: f(w, first_stash[slot]), own(i))
-                            (dw,), dx = pull((vary(dy.astype(value.dtype)), scalar_like(aux, 1.0 / M))), zero
-                        else:
-                            (value, aux), pull = jax.vjp(f, own(i), take(stash[slot], i))
-                            dw, dx = pull((vary(dy.astype(value.dtype)), scalar_like(aux, 1.0 / M)))
-                            dx = fit(dx)
-                        new_gacc = add_grads(i, dw) if weight_grads else gacc
-                        # Counted once per microbatch and chunk: by B, or by I when B is split.
-                        counted = aux + value if i == C - 1 else aux
-                        new_loss = loss + counted / M if input_grads else loss
-                        return new_gacc, new_loss, dx if input_grads else zero
+    def no_backward(self, *rest: Any) -> tuple[Any, jax.Array]:
+        return {name: jnp.zeros_like(value) for name, value in self.local.items()}, jnp.zeros(self.shape, self.dtype)
 
-                    return go
+    def backward(self, c: int, code: int) -> Callable[..., tuple[Any, jax.Array]]:
+        weight_grads = code in (BACKWARD, WEIGHT_GRAD)
+        input_grads = code in (BACKWARD, INPUT_GRAD) and c > 0
 
-                new_gacc, new_loss, dx = per_chunk(make)
-                return vary((stash, first_stash, new_gacc, new_loss, zero, dx))
+        def go(
+            rows: tuple[jax.Array, ...],
+            x: jax.Array,
+            g: jax.Array,
+            inputs: dict[str, jax.Array],
+            key: jax.Array | None,
+        ) -> tuple[Any, jax.Array]:
+            treedef, plan, out_dtype = self.rebuild[c]
+            w = self.weights(c)
+            primals = (w,) if c == 0 else (w, self._take(x, c))
+            pull = _rebuilt(treedef, plan, primals, self._unpack(c, rows))
+            # The loss's gradient is d(mean over microbatches)/d(loss_m), and so is an
+            # auxiliary loss's; any other chunk's output gradient arrived shaped as the next
+            # chunk's input.
+            out_ct = jnp.asarray(1.0 / self.M, jnp.float32) if c == self.C - 1 else self._take(g, c + 1)
+            cts = pull((out_ct.astype(out_dtype), jnp.asarray(1.0 / self.M, jnp.float32)))
+            if weight_grads:
+                _, to_stored = jax.vjp(self.shares[c], self.local)
+                (added,) = to_stored(cts[0])
+            else:
+                added = {name: jnp.zeros_like(value) for name, value in self.local.items()}
+            dx = self._fit(cts[1]) if input_grads else jnp.zeros(self.shape, self.dtype)
+            return added, dx
 
-            return run
+        return go
 
-        # Only the ops this table uses are compiled (GPipe and 1F1B never split B).
-        every = {
-            IDLE: idle,
-            FORWARD: forward,
-            BACKWARD: backward(True, True),
-            INPUT_GRAD: backward(False, True),
-            WEIGHT_GRAD: backward(True, False),
-        }
-        stash, first_stash, gacc, loss, send_act, send_grad = lax.switch(op_index[t, s], [every[code] for code in ops])
-        # Unconditional ring sends: every stage, every tick, outside the switch.
-        got_act = lax.ppermute(send_act, axis, [(i, (i + 1) % P) for i in range(P)])
-        got_grad = lax.ppermute(send_grad, axis, [(i, (i - 1) % P) for i in range(P)])
-        ra, rg = tables["receive_activation"][t, s], tables["receive_gradient"][t, s]
-        acts = jnp.where(ra >= 0, acts.at[jnp.maximum(ra, 0)].set(got_act), acts)
-        grads_in = jnp.where(rg >= 0, grads_in.at[jnp.maximum(rg, 0)].set(got_grad), grads_in)
-        return vary((stash, first_stash, acts, grads_in, gacc, loss)), None
+    # ---- buffers ----------------------------------------------------------------------------
 
-    carry = (stash, first_stash, acts, grads_in, gacc, loss)
-    (_, _, _, _, gacc, loss), _ = lax.scan(tick, carry, jnp.arange(tables["op"].shape[0]))
-    # Each stage holds the gradients of its own chunks (zeros elsewhere) and the loss of the
-    # microbatches that ended on it: the sums over stages are the whole.
-    return lax.psum(loss, axis), jax.tree.map(lambda g: lax.psum(g, axis), gacc)
+    def _fit(self, y: jax.Array) -> jax.Array:
+        """Pad a chunk's output into the shared boundary buffer."""
+        return jnp.pad(y.astype(self.dtype), [(0, full - have) for full, have in zip(self.shape, y.shape, strict=True)])
+
+    def _take(self, buffer: jax.Array, c: int) -> jax.Array:
+        """Chunk c's own input out of the shared buffer."""
+        return buffer[tuple(slice(0, n) for n in self.chunk_inputs[c])]
+
+    def _pack(self, c: int, residuals: list[jax.Array]) -> tuple[jax.Array, ...]:
+        """Chunk c's residuals in their buffers' rows (zeros in the buffers it does not use)."""
+        buffers, placement = self.residual_layout
+        rows = [jnp.zeros(shape, dtype) for shape, dtype in buffers]
+        for value, b in zip(residuals, placement[c], strict=True):
+            rows[b] = value
+        return tuple(rows)
+
+    def _unpack(self, c: int, rows: tuple[jax.Array, ...]) -> list[jax.Array]:
+        _, placement = self.residual_layout
+        return [rows[b] for b in placement[c]]
+
+
+def _residuals(pull: Any, primals: tuple[Any, ...]) -> tuple[list[tuple[str, Any]], list[jax.Array]]:
+    """Split a backward's leaves into the primal values it reads again (the weights, the
+    input: kept by position, never stashed), constants, and the residuals to stash (random
+    keys as their raw bits, which a buffer can hold)."""
+    position = {id(leaf): i for i, leaf in enumerate(jax.tree.leaves(primals))}
+    plan: list[tuple[str, Any]] = []
+    residuals: list[jax.Array] = []
+    for leaf in jax.tree.leaves(pull):
+        if id(leaf) in position:
+            plan.append(("primal", position[id(leaf)]))
+        elif not isinstance(leaf, jax.Array):
+            plan.append(("constant", leaf))
+        elif jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+            plan.append(("key", (len(residuals), jax.random.key_impl(leaf))))
+            residuals.append(jax.random.key_data(leaf))
+        else:
+            plan.append(("residual", len(residuals)))
+            residuals.append(leaf)
+    return plan, residuals
+
+
+def _rebuilt(treedef: Any, plan: list[tuple[str, Any]], primals: tuple[Any, ...], residuals: list[jax.Array]) -> Any:
+    """The backward again, from the primal values and the stashed residuals."""
+    values = jax.tree.leaves(primals)
+    leaves = []
+    for kind, ref in plan:
+        if kind == "primal":
+            leaves.append(values[ref])
+        elif kind == "residual":
+            leaves.append(residuals[ref])
+        elif kind == "key":
+            leaves.append(jax.random.wrap_key_data(residuals[ref[0]], impl=ref[1]))
+        else:
+            leaves.append(ref)
+    return jax.tree.unflatten(treedef, leaves)
+
+
+class Share(NamedTuple):
+    """A chunk's share of a stored array: `rows` picks them (ints, and (start, stop) ranges,
+    over the leading dimensions; empty: all of it) and `shape` is the weight's own where a
+    row is padded to a larger one."""
+
+    stored: str
+    rows: tuple[int | tuple[int, int], ...] = ()
+    shape: tuple[int, ...] | None = None
+
+
+def take_share(
+    arrays: dict[str, jax.Array], share: Share, stage_rows: int | None, local: bool, dtype: Any
+) -> jax.Array:
+    """A chunk's weight out of a stored array, in the compute dtype. `local`: `arrays` are
+    one stage's pieces (inside the executor), where the stage's own dimension holds only its
+    rows; otherwise they are the whole arrays."""
+    index: list[int | slice] = []
+    for dim, entry in enumerate(share.rows):
+        if local and dim == stage_rows:
+            index.append(0 if isinstance(entry, int) else slice(None))
+        else:
+            index.append(entry if isinstance(entry, int) else slice(*entry))
+    value = arrays[share.stored][tuple(index)]
+    if share.shape is not None:
+        value = value[tuple(slice(0, n) for n in share.shape)]
+    return value.astype(dtype)

@@ -1,4 +1,5 @@
-"""Lowering: a checked spec to jitted, sharded JAX on a device mesh."""
+"""Lowering: a checked spec to jitted, sharded JAX on a device mesh, by running the module the
+code generator writes for it."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
+from dslc.codegen import module_for
 from dslc.frontend import CompileError, MeshArg, analyze
 from dslc.lower.devices import request_host_devices
 
@@ -27,12 +29,13 @@ def compile(
         raise CompileError(analysis)
     program = analysis.program
     assert program is not None
+    text = module_for(analysis)
     # Before anything imports jax: a CPU-only machine simulates the mesh on host devices.
     request_host_devices(program.mesh.devices)
     from dslc.lower.devices import make_mesh
     from dslc.lower.program import Program
 
-    return Program(program, make_mesh(program.mesh))
+    return Program(program, make_mesh(program.mesh), text)
 
 
 __all__ = ["CompileError", "compile"]

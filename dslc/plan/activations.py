@@ -15,10 +15,9 @@ On top of what is kept, the backward pass needs a transient working set: the lar
 residual gradients (the rule's `workspace_bytes`), or a recomputed block's whole residuals.
 Total activation memory = kept + the largest transient.
 
-Under a pipeline the lowering differs (dslc/lower/pipeline.py): each stage stashes only chunk
-inputs, in as many slots as the schedule's buffer plan needs, and a backward tick recomputes
-its chunk's forward from the stash; the checkpoint policy then only shapes that one chunk's
-transient, for one microbatch.
+Under a pipeline the same model applies to one chunk and one microbatch: the executor
+(dslc/kernels/pipeline.py) stashes what a chunk's forward keeps, per microbatch in flight,
+and its backward tick needs that chunk's working set (dslc/plan/memory.py counts the slots).
 """
 
 from __future__ import annotations
@@ -26,8 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import assert_never
 
-from dslc.ir.nodes import DTYPE_BYTES, Block, Layer, Layout, Mesh, Node, Residual, TensorType, layers
-from dslc.ir.repeats import group_repeats
+from dslc.ir.nodes import DTYPE_BYTES, Block, Layer, Layout, Mesh, Node, Repeat, Residual, TensorType, layers
 from dslc.layers import RULES
 
 
@@ -54,26 +52,24 @@ def kept_by(nodes: tuple[Node, ...], mesh: Mesh, compute: str, slices: int) -> K
 
     The backward pass visits the nodes last to first, freeing each node's residuals once it
     is done, so while node i is differentiated the residuals of nodes before it are still
-    held: the peak is the largest (kept by nodes before i) + (node i's own peak). A run of
-    identical blocks is one node here, as it is one `lax.scan` in the lowering.
+    held: the peak is the largest (kept by nodes before i) + (node i's own peak). A repeat is
+    one node here, as it is one `lax.scan` in the lowering.
     """
     kept = peak = 0
-    for run in group_repeats(nodes):
-        scanned = len(run) > 1
-        one = _kept_by_scan(run, mesh, compute, slices) if scanned else _kept_by_node(run[0], mesh, compute, slices)
+    for node in nodes:
+        one = _kept_by_node(node, mesh, compute, slices)
         peak = max(peak, kept + one.peak)
         kept += one.kept
     return Kept(kept, max(peak, kept))
 
 
-def _kept_by_scan(run: tuple[Node, ...], mesh: Mesh, compute: str, slices: int) -> Kept:
-    """A `lax.scan` over a run of blocks stacks each step's residuals into one buffer per
+def _kept_by_scan(run: Repeat, mesh: Mesh, compute: str, slices: int) -> Kept:
+    """A `lax.scan` over a repeat's layers stacks each step's residuals into one buffer per
     residual, which its backward loop frees only when the loop is done: while the first
-    block is differentiated, every block's residuals are still held, the first block's own
+    layer is differentiated, every layer's residuals are still held, the first's own
     included."""
-    block = run[0]
-    one = _kept_by_node(block, mesh, compute, slices)
-    return Kept(len(run) * one.kept, len(run) * one.kept + _transient(block, mesh, compute, slices))
+    one = _kept_by_node(run.body, mesh, compute, slices)
+    return Kept(run.count * one.kept, run.count * one.kept + _transient(run.body, mesh, compute, slices))
 
 
 def _transient(node: Node, mesh: Mesh, compute: str, slices: int) -> int:
@@ -88,6 +84,8 @@ def _transient(node: Node, mesh: Mesh, compute: str, slices: int) -> int:
             return one.peak - one.kept
         case Block() | Residual():
             return max((_transient(c, mesh, compute, slices) for c in node.body), default=0)
+        case Repeat():
+            return _transient(node.body, mesh, compute, slices)
         case Layout():
             return 0
         case _:
@@ -104,6 +102,8 @@ def _kept_by_node(node: Node, mesh: Mesh, compute: str, slices: int) -> Kept:
             return Kept(kept, kept + rule.workspace_bytes(node, mesh, compute, slices))
         case Residual():
             return kept_by(node.body, mesh, compute, slices)
+        case Repeat():
+            return _kept_by_scan(node, mesh, compute, slices)
         case Layout():
             return Kept()
         case Block():
@@ -118,29 +118,10 @@ def _kept_by_node(node: Node, mesh: Mesh, compute: str, slices: int) -> Kept:
                     held = tensor_bytes(node.input, mesh, slices) + sum(
                         tensor_bytes(layer.output, mesh, slices)
                         for layer in layers(node.body)
-                        if _is_saved(node, layer)
+                        if layer.path in node.remat.saved
                     )
                     return Kept(held, held + inner.peak)
                 case other:
                     assert_never(other)
         case _:
             assert_never(node)
-
-
-def _is_saved(block: Block, layer: Layer) -> bool:
-    """The lowering's rule for `selective(names)`: a name matches a layer's path below the
-    block, or the last part of it."""
-    relative = layer.path[len(block.path) + 1 :] if layer.path.startswith(block.path + ".") else layer.path
-    return relative in block.remat.saved or layer.path.rsplit(".", 1)[-1] in block.remat.saved
-
-
-def scan_runs(nodes: tuple[Node, ...]) -> list[tuple[Block, ...]]:
-    """Runs of identical consecutive blocks (a `repeat`), which the lowering turns into one
-    `lax.scan` over stacked weights; found at any depth."""
-    runs: list[tuple[Block, ...]] = []
-    for run in group_repeats(nodes):
-        if len(run) > 1:
-            runs.append(tuple(b for b in run if isinstance(b, Block)))
-        if isinstance(run[0], Block | Residual):
-            runs.extend(scan_runs(run[0].body))
-    return runs

@@ -15,17 +15,21 @@ Rules:
   collective-permute. The loss's softmax statistics need none: its gradient is local once the
   forward statistics are known. Ring attention (context parallelism) also sends its key and
   value gradients around the ring (`attention.ring_backward_collectives`);
-* recompute: a checkpointed block's forward collectives happen again in its backward, and the
-  pipeline executor reruns every chunk's forward but the last's; inside the pipeline a mixture
-  of experts recomputes its forward exchange once more in its backward
+* recompute: a checkpointed block's forward collectives happen again in its backward; a
+  schedule that splits the backward (zb-h1) pulls each gradient through its chunk twice, so
+  the backward's collectives happen again; inside the pipeline a mixture of experts
+  recomputes its forward exchange once more in its backward
   (`moe.pipeline_recompute_collectives`);
-* gradients: data-parallel reduction over the batch axes of every gradient the device holds —
+* gradients: data-parallel reduction over the batch axes of every gradient the device holds
+  (under a pipeline, its own stage's) once per step —
   an all-reduce, or a reduce-scatter where ZeRO >= 2 splits that gradient; ZeRO 1 and 2 then
   all-gather the updated parameters, ZeRO 3 all-gathers them before the forward and again
   before the backward. Where attention rings over context axes, every layer saw only its
   share of the tokens, so each gradient is first all-reduced over those axes as well;
 * pipeline: the executor sends one activation and one gradient buffer (a microbatch at the
-  stage boundary) every tick, and sums the full-size gradient accumulator over the stages.
+  stage boundary) every tick; a weight kept split over the stage axis between steps (an
+  embedding, a head) is gathered once per step and its gradient reduce-scattered back. No
+  gradient is summed over the stage axis: each stage holds only its own weights.
 """
 
 from __future__ import annotations
@@ -43,18 +47,19 @@ from dslc.ir.nodes import (
     Mesh,
     Node,
     Program,
+    Repeat,
     Residual,
     TensorType,
     all_layers,
-    layers,
-    weights_by_path,
+    counted_layers,
 )
-from dslc.ir.state import state_sharding
+from dslc.ir.placement import place
 from dslc.layers import LOSS_KINDS
 from dslc.layers.attention import context_axes, ring_backward_collectives
 from dslc.layers.moe import pipeline_recompute_collectives
 from dslc.plan.activations import tensor_bytes
-from dslc.plan.timetable import microbatch_slices, pipelined, timetable
+from dslc.plan.timetable import microbatch_slices, timetable
+from dslc.schedules import SPLIT_BACKWARD
 
 Phase = Literal["forward", "backward", "recompute", "gradients", "pipeline"]
 Totals = dict[tuple[str, Axes, Phase], tuple[int, int]]
@@ -102,16 +107,18 @@ def _group_bytes(c: Collective, around: TensorType, mesh: Mesh) -> int:
     return c.elements * DTYPE_BYTES[c.dtype] // mesh.size(others)
 
 
-def _node_collectives(node: Node, checkpointed: bool) -> list[tuple[Collective, TensorType, bool, bool]]:
-    """(collective, the tensor it is on, whether it has a backward, whether it is recomputed)."""
+def _node_collectives(node: Node, checkpointed: bool) -> list[tuple[Collective, TensorType, bool, bool, int]]:
+    """(collective, the tensor it is on, whether it has a backward, whether it is recomputed,
+    how many times one pass runs it)."""
     match node:
         case Layer():
-            loss = node.kind in LOSS_KINDS
-            return [(c, node.input, not loss, checkpointed) for c in node.collectives]
+            return [(c, node.input, node.kind not in LOSS_KINDS, checkpointed, 1) for c in node.collectives]
         case Layout():
-            return [(c, node.input, True, checkpointed) for c in node.collectives]
+            return [(c, node.input, True, checkpointed, 1) for c in node.collectives]
         case Residual():
             return [x for n in node.body for x in _node_collectives(n, checkpointed)]
+        case Repeat():
+            return [(c, t, b, r, n * node.count) for c, t, b, r, n in _node_collectives(node.body, checkpointed)]
         case Block():
             inner = checkpointed or node.remat.policy != "none"
             return [x for n in node.body for x in _node_collectives(n, inner)]
@@ -124,28 +131,30 @@ def communication(program: Program) -> list[Transfer]:
     A layer's collectives run once per slice of the batch (microbatch, accumulation step), each
     on that slice: their bytes add up to the whole batch's, their count is per slice."""
     mesh = program.mesh
-    staged = pipelined(program)
-    last = len(program.chunks) - 1
+    staged = program.pipelined
+    split = staged and program.pipeline is not None and program.pipeline.schedule in SPLIT_BACKWARD
     slices = microbatch_slices(program)
     per_stage: dict[int, Totals] = {}
     for chunk in program.chunks:
         totals = per_stage.setdefault(chunk.stage, {})
         for node in chunk.nodes:
-            for c, around, backward, recomputed in _node_collectives(node, False):
+            for c, around, backward, recomputed, times in _node_collectives(node, False):
                 size = _group_bytes(c, around, mesh)
-                _add(totals, mesh, c.kind, c.axes, "forward", size, slices=slices)
+                _add(totals, mesh, c.kind, c.axes, "forward", size, times, slices=slices)
                 if backward:
-                    _add(totals, mesh, TRANSPOSE[c.kind], c.axes, "backward", size, slices=slices)
-                reruns = int(recomputed) + int(staged and chunk.index != last)
-                if reruns:
-                    _add(totals, mesh, c.kind, c.axes, "recompute", size, reruns, slices=slices)
-            for layer in layers((node,)):
+                    _add(totals, mesh, TRANSPOSE[c.kind], c.axes, "backward", size, times, slices=slices)
+                if recomputed:
+                    _add(totals, mesh, c.kind, c.axes, "recompute", size, times, slices=slices)
+                if backward and split:
+                    # The weight-gradient tick pulls the gradient through the chunk again.
+                    _add(totals, mesh, TRANSPOSE[c.kind], c.axes, "recompute", size, times, slices=slices)
+            for layer, times in counted_layers((node,)):
                 for c in ring_backward_collectives(layer, mesh):
                     size = _group_bytes(c, layer.input, mesh)
-                    _add(totals, mesh, c.kind, c.axes, "backward", size, slices=slices)
+                    _add(totals, mesh, c.kind, c.axes, "backward", size, times, slices=slices)
                 for c in pipeline_recompute_collectives(layer, staged):
                     size = _group_bytes(c, layer.input, mesh)
-                    _add(totals, mesh, c.kind, c.axes, "recompute", size, slices=slices)
+                    _add(totals, mesh, c.kind, c.axes, "recompute", size, times, slices=slices)
     totals = max(per_stage.values(), key=lambda t: sum(b for b, _ in t.values()), default={})
     _gradient_sync(program, totals)
     if staged:
@@ -171,18 +180,21 @@ def batch_axes(program: Program) -> Axes:
 
 
 def _gradient_sync(program: Program, totals: Totals) -> None:
+    """Once per step, for every array of the stage's: its gradient reduced over the batch axes
+    (and over the context axes where attention rings), as ZeRO says."""
     mesh, zero = program.mesh, program.train.zero
     data = batch_axes(program)
     context = tuple(dict.fromkeys(a for layer in all_layers(program) for a in context_axes(layer, mesh)))
-    for w in weights_by_path(program).values():
-        summed = tuple(a for a in context if a not in w.type.axes_used)
+    for array in place(program).arrays:
+        t = array.type
+        size = t.local_nbytes(mesh)
+        summed = tuple(a for a in context if a not in t.axes_used)
         if summed:
-            _add(totals, mesh, "all-reduce", summed, "gradients", w.type.local_nbytes(mesh))
-        axes = tuple(a for a in data if a not in w.type.axes_used)
+            _add(totals, mesh, "all-reduce", summed, "gradients", size)
+        axes = tuple(a for a in data if a not in t.axes_used)
         if not axes:
             continue
-        size = w.type.local_nbytes(mesh)
-        state = state_sharding(w.type, program)
+        state = array.state(program)
         split = state.spread_ok and zero >= 1
         _add(totals, mesh, "reduce-scatter" if split and zero >= 2 else "all-reduce", axes, "gradients", size)
         if split:
@@ -190,13 +202,23 @@ def _gradient_sync(program: Program, totals: Totals) -> None:
 
 
 def _pipeline_sends(program: Program, totals: Totals) -> None:
+    """The executor sends one activation and one gradient buffer (a microbatch at the widest
+    stage boundary) every tick, in both directions; the weights split over the stage axis
+    between steps are gathered for the step and their gradients reduce-scattered back."""
     p, table = program.pipeline, timetable(program)
     assert p is not None and table is not None
     mesh = program.mesh
     slices = microbatch_slices(program)
-    outs = [chunk.nodes[-1].output for chunk in program.chunks[:-1] if chunk.nodes]
-    boundary = max((tensor_bytes(t, mesh, slices) for t in outs), default=0)
-    # Both directions, every tick, on every stage (see dslc/lower/pipeline.py).
+    boundary = max((tensor_bytes(t, mesh, slices) for t in program.boundaries), default=0)
     _add(totals, mesh, "ppermute", (p.axis,), "pipeline", boundary, 2 * table[0].ticks * program.train.accumulate)
-    full_grads = sum(w.type.local_nbytes(mesh) for w in weights_by_path(program).values())
-    _add(totals, mesh, "all-reduce", (p.axis,), "pipeline", full_grads)
+    for array in place(program).arrays:
+        if array.split_dim is None:
+            continue
+        whole = TensorType(
+            array.type.dtype,
+            array.type.shape,
+            tuple(tuple(a for a in axes if a != p.axis) for axes in array.type.sharding),
+        )
+        size = whole.local_nbytes(mesh)
+        _add(totals, mesh, "all-gather", (p.axis,), "pipeline", size, program.train.accumulate)
+        _add(totals, mesh, "reduce-scatter", (p.axis,), "pipeline", size, program.train.accumulate)

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import assert_never
 
-from dslc.ir.nodes import Axes, Block, Layer, Layout, Node, Program, Residual, TensorType
+from dslc.ir.nodes import Axes, Block, Layer, Layout, Node, Program, Repeat, Residual, TensorType
 from dslc.ir.state import state_sharding
 from dslc.layers.moe import MoE, capacity_slots, exchange_collectives, expert_axes, group_tokens
 from dslc.plan.communication import TRANSPOSE, _group_bytes, ring_bytes
@@ -95,6 +95,8 @@ def _moe_layers(nodes: tuple[Node, ...], checkpointed: bool) -> list[tuple[Layer
                 found += _moe_layers(node.body, checkpointed)
             case Block():
                 found += _moe_layers(node.body, checkpointed or node.remat.policy != "none")
+            case Repeat():
+                found += _moe_layers((node.body,), checkpointed)
             case _:
                 assert_never(node)
     return found

@@ -1,12 +1,13 @@
 """Floating-point operations per training step, for the whole mesh.
 
-Forward FLOPs come from the layer rules (`Layer.flops`, a multiply-add counting two).
-The backward pass costs twice the forward (a gradient for the input and one for the
-weights). Checkpointing adds a recomputation: `full` reruns the block's forward,
-`selective` all of it but the saved layers. These three are the *model* FLOPs the papers
-count. The pipeline executor also reruns each chunk's forward in its backward tick (it
-stashes only chunk inputs), except the last chunk's, whose forward tick does no work:
-that is reported apart, as `pipeline_recompute`.
+Forward FLOPs come from the layer rules (`Layer.flops`, a multiply-add counting two), a
+repeat's layers counted once per copy. The backward pass costs twice the forward (a gradient
+for the input and one for the weights). Checkpointing adds a recomputation: `full` reruns
+the block's forward, `selective` all of it but the saved layers. These three are the *model*
+FLOPs the papers count. The pipeline executor keeps each chunk's residuals from its forward
+tick to its backward tick, so it reruns nothing — except under a schedule that splits the
+backward (zb-h1): its weight-gradient tick pulls the output gradient through the chunk again,
+about one forward's worth more, reported apart as `pipeline_recompute`.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import assert_never
 
-from dslc.ir.nodes import Block, Layer, Layout, Node, Program, Residual, layers
+from dslc.ir.nodes import Block, Layer, Layout, Node, Program, Repeat, Residual, counted_layers
+from dslc.schedules import SPLIT_BACKWARD
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,7 +37,7 @@ class Flops:
 
 
 def forward_flops(nodes: tuple[Node, ...]) -> int:
-    return sum(layer.flops for layer in layers(nodes))
+    return sum(layer.flops * times for layer, times in counted_layers(nodes))
 
 
 def _recomputed(node: Node) -> int:
@@ -44,6 +46,8 @@ def _recomputed(node: Node) -> int:
             return 0
         case Residual():
             return sum(_recomputed(n) for n in node.body)
+        case Repeat():
+            return node.count * _recomputed(node.body)
         case Block():
             match node.remat.policy:
                 case "none":
@@ -51,11 +55,10 @@ def _recomputed(node: Node) -> int:
                 case "full":
                     return forward_flops(node.body)
                 case "selective":
-                    saved = node.remat.saved
                     return sum(
-                        layer.flops
-                        for layer in layers(node.body)
-                        if layer.path.rsplit(".", 1)[-1] not in saved and layer.path[len(node.path) + 1 :] not in saved
+                        layer.flops * times
+                        for layer, times in counted_layers(node.body)
+                        if layer.path not in node.remat.saved
                     )
                 case other:
                     assert_never(other)
@@ -64,10 +67,8 @@ def _recomputed(node: Node) -> int:
 
 
 def flops(program: Program) -> Flops:
-    nodes = tuple(n for chunk in program.chunks for n in chunk.nodes)
+    nodes = program.nodes
     forward = forward_flops(nodes)
     recompute = sum(_recomputed(n) for n in nodes)
-    p = program.pipeline
-    pipelined = p is not None and program.mesh.size((p.axis,)) * p.virtual > 1
-    rerun = sum(forward_flops(c.nodes) for c in program.chunks[:-1]) if pipelined else 0
-    return Flops(forward, 2 * forward, recompute, rerun)
+    split = program.pipelined and program.pipeline is not None and program.pipeline.schedule in SPLIT_BACKWARD
+    return Flops(forward, 2 * forward, recompute, forward if split else 0)

@@ -1,26 +1,30 @@
 """Bytes per device, by what they hold: the training state and the activations.
 
-Training state follows `dslc.ir.state` (ZeRO / FSDP), which the backend also uses. It is
-counted the way the lowering keeps it today:
+Training state is counted array by array as the module stores it (`dslc.ir.placement`),
+split by ZeRO / FSDP as `dslc.ir.state` says — the backend reads both:
 
-* every device holds the weights of *every* pipeline stage (the executor replicates
-  parameters over the stage axis), and a pipelined step keeps a full-size gradient
-  accumulator per device besides the gradients it returns;
-* `accumulate N` adds one accumulator of the gradients' size;
-* a `repeat` runs as one `lax.scan` over stacked weights: the stacked copy of its weights and
-  of their gradients are temporaries of the step;
+* a repeat's weights are one stacked array each; under a pipeline each stage holds only its
+  own stage's layers (or rows), and a weight outside the stages' region (an embedding, a head)
+  is split over the stage axis between steps and gathered, whole, for the step;
+* the pipelined step keeps a gradient accumulator of the stage's own arrays (whole for a
+  gathered one) besides the gradients it returns; `accumulate N` adds one accumulator of the
+  gradients' size;
 * optimizer state is what optax keeps: adam and adamw two moments shaped like each
   parameter, sgd (with momentum) one, in the parameter dtype.
+
+Activations follow `dslc.plan.activations`: without a pipeline, what the whole forward keeps
+for its backward; under one, what each microbatch's chunk forward keeps (its residuals, which
+the spec's checkpointing decides), in as many stash slots as the schedule's buffer plan needs.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dslc.ir.nodes import Mesh, Node, Program, TensorType, Weight, weights_by_path
-from dslc.ir.state import state_sharding
-from dslc.plan.activations import Kept, kept_by, scan_runs, tensor_bytes
-from dslc.plan.timetable import microbatch_slices, pipelined, timetable
+from dslc.ir.nodes import Mesh, Program, TensorType
+from dslc.ir.placement import place
+from dslc.plan.activations import Kept, kept_by, tensor_bytes
+from dslc.plan.timetable import microbatch_slices, timetable
 
 MOMENTS = {"adamw": 2, "adam": 2, "sgd": 1}
 
@@ -48,93 +52,104 @@ class Memory:
         return self.grads_step + self.optimizer
 
 
+@dataclass(frozen=True, slots=True)
+class State:
+    """The training state on one device: what a step holds whatever the batch."""
+
+    params: int
+    grads: int
+    optimizer: int
+    accumulators: int
+    gathered: int  # whole copies of the weights split over the stage axis, for the step
+    details: tuple[tuple[str, int], ...]
+
+
 def _local(t: TensorType, sharding: tuple[tuple[str, ...], ...], mesh: Mesh) -> int:
     return TensorType(t.dtype, t.shape, sharding).local_nbytes(mesh)
 
 
+def training_state(program: Program) -> State:
+    """Parameters, gradients, optimizer state and accumulators per device, as stored."""
+    mesh, train = program.mesh, program.train
+    axis = program.pipeline.axis if program.pipelined and program.pipeline else None
+    params = grads = optimizer = held = gathered = 0
+    for array in place(program).arrays:
+        state = array.state(program)
+        params += _local(array.type, state.params, mesh)
+        grads += _local(array.type, state.grads, mesh)
+        optimizer += MOMENTS[train.optimizer.name] * _local(array.type, state.optimizer, mesh)
+        # What the step computes the gradient in: the stage's own piece, or a gathered whole.
+        whole = tuple(tuple(a for a in axes if a != axis) for axes in array.type.sharding)
+        here = _local(array.type, whole if array.split_dim is not None else array.type.sharding, mesh)
+        held += here
+        if array.split_dim is not None:
+            gathered += here
+    details = []
+    accumulators = 0
+    if train.accumulate > 1:
+        accumulators += held
+        details.append((f"gradient accumulator (accumulate {train.accumulate})", held))
+    if axis is not None:
+        accumulators += held
+        details.append(("pipeline gradient accumulator (this stage's arrays)", held))
+    if gathered:
+        details.append(("weights split over the stage axis, gathered for the step", gathered))
+    return State(params, grads, optimizer, accumulators, gathered, tuple(details))
+
+
 def memory(program: Program) -> Memory:
     mesh, train = program.mesh, program.train
-    weights = weights_by_path(program)
-    state = {path: state_sharding(w.type, program) for path, w in weights.items()}
-    params = sum(_local(w.type, state[p].params, mesh) for p, w in weights.items())
-    grads = sum(_local(w.type, state[p].grads, mesh) for p, w in weights.items())
-    optimizer = MOMENTS[train.optimizer.name] * sum(
-        _local(w.type, state[p].optimizer, mesh) for p, w in weights.items()
-    )
+    state = training_state(program)
     inputs = sum(inp.type.local_nbytes(mesh) for inp in program.inputs)
-    details: list[tuple[str, int]] = []
-
-    # Gradients as the model computes them, before ZeRO-2 splits them: the declared sharding.
-    full_grads = sum(w.type.local_nbytes(mesh) for w in weights.values())
-    accumulator = full_grads if train.accumulate > 1 else 0
-    if accumulator:
-        details.append((f"gradient accumulator (accumulate {train.accumulate})", accumulator))
-
-    staged = pipelined(program)
-    # Scans run one chunk at a time; under a pipeline only one chunk's are alive at once.
-    per_chunk = [_scan_temporaries(chunk.nodes, weights, mesh, train.compute_dtype) for chunk in program.chunks]
-    worst = max(per_chunk, key=lambda d: sum(b for _, b in d), default=[])
-    for chunk_details in [worst] if staged else per_chunk:
-        details.extend(chunk_details)
-    temporaries = sum(b for d in ([worst] if staged else per_chunk) for _, b in d)
-
-    if staged:
-        acts, pipe_details, pipe_temps = _pipeline_activations(program)
-        accumulator += full_grads
-        details.append(("pipeline gradient accumulator (full size, every stage)", full_grads))
+    details = list(state.details)
+    temporaries = state.gathered
+    if program.pipelined:
+        acts, pipe_details, pipe_temps = pipeline_activations(program)
         details.extend(pipe_details)
         temporaries += pipe_temps
     else:
-        slices = microbatch_slices(program)
-        kept = kept_by(tuple(n for chunk in program.chunks for n in chunk.nodes), mesh, train.compute_dtype, slices)
+        kept = kept_by(program.nodes, mesh, train.compute_dtype, microbatch_slices(program))
         acts = kept.peak
         details.append(("activations kept for the backward pass", kept.kept))
         details.append(
             ("backward working set at its peak (a layer's gradients, a recomputed block)", kept.peak - kept.kept)
         )
-    return Memory(params, grads, accumulator, optimizer, inputs, acts, temporaries, tuple(details))
+    return Memory(
+        state.params, state.grads, state.accumulators, state.optimizer, inputs, acts, temporaries, tuple(details)
+    )
 
 
-def _scan_temporaries(
-    nodes: tuple[Node, ...], weights: dict[str, Weight], mesh: Mesh, compute: str
-) -> list[tuple[str, int]]:
-    """A scan over a `repeat` stacks its weights (one copy) and their gradients (another);
-    without checkpointing it also keeps each step's weights for the backward pass."""
-    out = []
-    for run in scan_runs(nodes):
-        ws = [w for path, w in weights.items() if any(path.startswith(b.path + ".") for b in run)]
-        size = sum(w.type.local_nbytes(mesh) for w in ws)
-        name = f"`{run[0].path}` .. `{run[-1].path}`"
-        out.append((f"stacked weights and gradients of {name} (lax.scan)", 2 * size))
-    return out
-
-
-def _pipeline_activations(program: Program) -> tuple[int, list[tuple[str, int]], int]:
-    """Stash, receive buffers and one chunk's backward, as the pipeline executor lays them out."""
+def pipeline_activations(program: Program) -> tuple[int, list[tuple[str, int]], int]:
+    """The executor's buffers on a stage: per stash slot one chunk input and one microbatch's
+    residuals, receive slots for activations and gradients (each buffer with one scratch slot
+    besides the table's), and one chunk's backward working set."""
     pipeline = program.pipeline
     assert pipeline is not None
     mesh, train = program.mesh, program.train
-    M = pipeline.microbatches
     slices = microbatch_slices(program)
     table = timetable(program)
     assert table is not None
     schedule, slots = table
-    outs = [chunk.nodes[-1].output for chunk in program.chunks[:-1] if chunk.nodes]
-    boundary = max((tensor_bytes(t, mesh, slices) for t in outs), default=0)
-    stream = tensor_bytes(program.input(program.stream).type, mesh, slices)
-    stash = slots.stash_slots * (boundary + stream)
-    received = (slots.activation_slots + slots.gradient_slots) * boundary
-    chunk = max(
-        (kept_by(c.nodes, mesh, train.compute_dtype, slices) for c in program.chunks),
-        key=lambda k: k.peak,
-        default=Kept(),
-    )
+    boundary = max((tensor_bytes(t, mesh, slices) for t in program.boundaries), default=0)
+    # All stages run one program, so every stage's stash can hold any chunk's residuals.
+    chunks = [kept_by(c.nodes, mesh, train.compute_dtype, slices) for c in program.chunks]
+    residuals = max((k.kept for k in chunks), default=0)
+    working = max((k.peak - k.kept for k in chunks), default=0)
+    stash = (slots.stash_slots + 1) * (boundary + residuals)
+    received = (slots.activation_slots + slots.gradient_slots + 2) * boundary
     details = [
-        (f"stash: {slots.stash_slots} slots of chunk inputs ({schedule.kind}, {M} microbatches)", stash),
+        (
+            f"stash: {slots.stash_slots} slots of a chunk's input and residuals "
+            f"({schedule.kind}, {pipeline.microbatches} microbatches)",
+            stash,
+        ),
         (f"receive buffers: {slots.activation_slots} activation + {slots.gradient_slots} gradient slots", received),
-        ("one chunk's forward + backward for one microbatch (recomputed from the stash)", chunk.peak),
+        ("one chunk's backward working set for one microbatch", working),
     ]
     # The executor reshapes the batch into microbatches: one copy of the inputs.
     copy = sum(inp.type.local_nbytes(mesh) for inp in program.inputs)
     details.append(("the batch split into microbatches (a copy)", copy))
-    return stash + received + chunk.peak, details, copy
+    return stash + received + working, details, copy
+
+
+__all__ = ["Kept", "Memory", "State", "memory", "pipeline_activations", "training_state"]

@@ -26,6 +26,7 @@ from dslc.schedules.validate import validate
 
 __all__ = [
     "KINDS",
+    "SPLIT_BACKWARD",
     "Action",
     "Costs",
     "Kind",
@@ -44,6 +45,8 @@ __all__ = [
 
 Kind = Literal["gpipe", "1f1b", "interleaved-1f1b", "zb-h1"]
 KINDS: Final[tuple[Kind, ...]] = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
+# The kinds whose tables split each backward into I and W.
+SPLIT_BACKWARD: Final = frozenset({"zb-h1"})
 
 
 class ScheduleError(ValueError):

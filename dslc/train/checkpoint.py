@@ -24,7 +24,7 @@ import jax
 import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_managers
 
-from dslc.lower.model import DslcModel
+from dslc.lower.program import DslcModel
 
 # The last few, so a checkpoint that turns out bad (a diverged run) is not the only one.
 KEEP = 3

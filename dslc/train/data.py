@@ -13,13 +13,11 @@ from dslc.train.corpus import ByteCorpus, stdlib_corpus
 from dslc.train.dataset import DataError, Dataset
 from dslc.train.digits import CLASSES, NATIVE_SIDE, DigitImages, image_side, load_digits
 
-LOSS_KINDS = ("cross_entropy", "mse")
-
 
 def dataset_for(program: ir.Program) -> Dataset:
     """The embedded data set that fits the spec's inputs; DataError says why none does."""
     stream = program.input(program.stream)
-    loss = _loss_layer(program)
+    loss = program.loss
     if loss is None:
         raise DataError(
             f"spec `{program.name}` has no loss layer (cross_entropy or mse) at the end of `forward`: nothing to train"
@@ -33,12 +31,6 @@ def dataset_for(program: ir.Program) -> Dataset:
         if _is_image_classifier(stream, target, loss):
             return DigitImages(load_digits(), stream, target)
     raise DataError(_refusal(program))
-
-
-def _loss_layer(program: ir.Program) -> ir.Layer | None:
-    nodes = [n for chunk in program.chunks for n in chunk.nodes]
-    last = nodes[-1] if nodes else None
-    return last if isinstance(last, ir.Layer) and last.kind in LOSS_KINDS else None
 
 
 def _embedding(program: ir.Program) -> ir.Layer | None:

@@ -20,9 +20,7 @@ from typing import Any
 
 import jax
 
-from dslc.lower.model import DslcModel
-from dslc.lower.optim import learning_rate
-from dslc.lower.program import Program
+from dslc.lower.program import DslcModel, Program
 from dslc.train.checkpoint import Checkpoints, RunState, run_state
 from dslc.train.data import dataset_for
 from dslc.train.dataset import Dataset
@@ -145,7 +143,6 @@ def _train(
     log(f"training {program.ir.name} on mesh {here.mesh}: {dataset.description}, seed {seed}")
 
     metrics = Metrics.resume(options.out, dataset.unit, start, writes=leader)
-    schedule = learning_rate(program.ir.train.optimizer)
     losses: dict[int, float] = {}
     first_step_s = None
     newest = latest
@@ -159,7 +156,7 @@ def _train(
                 step, compiled = index + 1, index == start
                 first_step_s = seconds if compiled else first_step_s
                 losses[step] = loss
-                metrics.add(step, loss, seconds, dataset.per_batch, float(schedule(index)), compiled)
+                metrics.add(step, loss, seconds, dataset.per_batch, program.learning_rate(index), compiled)
                 progress.step(step, loss, seconds, dataset.per_batch / seconds, compiled)
                 every = options.checkpoint_every
                 if step == options.steps or (every is not None and step % every == 0):
