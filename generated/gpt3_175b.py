@@ -754,16 +754,16 @@ class _Executor:
             branches += [self.backward(i, code) for i in range(self.C)]
             index = jnp.where(op == code, 1 + k * self.C + c, index)
         read = jnp.where(index > 0, slot("stash_slot"), self.scratch["stash_slot"])
-        gacc, dx = lax.switch(
+        added, dx = lax.switch(
             index,
             branches,
-            gacc,
             tuple(buffer[read] for buffer in stash),
             stash_x[read],
             grads_in[slot("gradient_slot")],
             inputs,
             key,
         )
+        gacc = {name: gacc[name] + added[name] for name in gacc}
 
         # Unconditional ring sends: every stage, every tick, outside the switches.
         got_act = lax.ppermute(y, self.axis, [(i, (i + 1) % P) for i in range(P)])
@@ -791,15 +791,14 @@ class _Executor:
 
         return go
 
-    def no_backward(self, gacc: Any, *rest: Any) -> tuple[Any, jax.Array]:
-        return gacc, jnp.zeros(self.shape, self.dtype)
+    def no_backward(self, *rest: Any) -> tuple[Any, jax.Array]:
+        return {name: jnp.zeros_like(value) for name, value in self.local.items()}, jnp.zeros(self.shape, self.dtype)
 
     def backward(self, c: int, code: int) -> Callable[..., tuple[Any, jax.Array]]:
         weight_grads = code in (BACKWARD, WEIGHT_GRAD)
         input_grads = code in (BACKWARD, INPUT_GRAD) and c > 0
 
         def go(
-            gacc: dict[str, jax.Array],
             rows: tuple[jax.Array, ...],
             x: jax.Array,
             g: jax.Array,
@@ -817,10 +816,11 @@ class _Executor:
             cts = pull((out_ct.astype(out_dtype), jnp.asarray(1.0 / self.M, jnp.float32)))
             if weight_grads:
                 _, to_stored = jax.vjp(self.shares[c], self.local)
-                (stored,) = to_stored(cts[0])
-                gacc = {name: gacc[name] + stored[name] for name in gacc}
+                (added,) = to_stored(cts[0])
+            else:
+                added = {name: jnp.zeros_like(value) for name, value in self.local.items()}
             dx = self._fit(cts[1]) if input_grads else jnp.zeros(self.shape, self.dtype)
-            return gacc, dx
+            return added, dx
 
         return go
 
