@@ -28,7 +28,7 @@ from dslc.plan.communication import Transfer
 from dslc.plan.schedule_figures import figures
 from dslc.plan.step_time import Hardware, intra_node_axes, step_time
 from dslc.schedules import build
-from dslc.schedules.buffers import plan as buffer_plan
+from dslc.schedules.buffers import allocate_slots
 from tests.conftest import SPECS
 
 GIB = 1 << 30
@@ -252,7 +252,7 @@ def test_schedule_figures_match_the_tables(kind: str) -> None:
                 if kind == "interleaved-1f1b" and microbatches % stages:
                     continue
                 schedule = build(kind, stages, microbatches, virtual)
-                slots = buffer_plan(schedule)
+                slots = allocate_slots(schedule)
                 got = figures(kind, stages, microbatches, virtual)
                 assert (got.ticks, got.stash_slots, got.activation_slots, got.gradient_slots) == (
                     schedule.ticks,

@@ -22,7 +22,7 @@ from dslc.ir.state import state_sharding
 from dslc.kernels import SOURCES
 from dslc.layers import LOSS_KINDS, RULES
 from dslc.schedules import build
-from dslc.schedules.buffers import ExecutionPlan, plan
+from dslc.schedules.buffers import ExecutionPlan, allocate_slots
 from dslc.schedules.render import to_text
 
 # The first line after the docstring of every generated module: `dslc compile` overwrites
@@ -229,7 +229,7 @@ def _schedule(program: ir.Program) -> dict[str, object]:
     entries = [f.name for f in fields(ExecutionPlan) if f.type == "Table"]
     shape, dtype = boundary_of(program, p.microbatches)
     schedule = build(p.schedule, stages, p.microbatches, p.virtual)
-    table = plan(schedule)
+    table = allocate_slots(schedule)
     timeline = to_text(schedule).rstrip("\n").split("\n")
     command = f"dslc schedule --kind {p.schedule} --stages {stages} --microbatches {p.microbatches}"
     return {

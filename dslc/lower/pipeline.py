@@ -16,7 +16,7 @@ from dslc.layers import LOSS_KINDS, RULES
 from dslc.lower.model import Params, call_kernel, forward_nodes
 from dslc.lower.runtime import JNP_DTYPES, Runtime
 from dslc.schedules import build
-from dslc.schedules.buffers import ExecutionPlan, plan
+from dslc.schedules.buffers import ExecutionPlan, allocate_slots
 
 
 class PipelineExecutor:
@@ -31,7 +31,7 @@ class PipelineExecutor:
         self.microbatches = p.microbatches
         self.compute_dtype = compute_dtype
         self.schedule = build(p.schedule, program.mesh.size((p.axis,)), p.microbatches, p.virtual)
-        self.plan: ExecutionPlan = plan(self.schedule)
+        self.plan: ExecutionPlan = allocate_slots(self.schedule)
         self.chunks = program.chunks
         last = self.chunks[-1].nodes
         assert last and isinstance(last[-1], ir.Layer) and last[-1].kind in LOSS_KINDS, "the checker guarantees a loss"

@@ -16,7 +16,7 @@ closed forms, for P >= 2 stages, M microbatches and V chunks per stage:
   V·P chunk inputs when M = P and (V + 1)·P − 1 from M = 2P on (Megatron-LM's warm-up
   depth), receives 2 activations and P // 2 + 1 gradients.
 
-These are what `dslc.schedules.build` and `dslc.schedules.buffers.plan` give; tests hold them
+These are what `dslc.schedules.build` and `dslc.schedules.buffers.allocate_slots` give; tests hold them
 equal over a grid of sizes.
 """
 

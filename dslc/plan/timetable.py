@@ -11,13 +11,13 @@ import functools
 
 from dslc.ir.nodes import Program
 from dslc.schedules import Schedule, build
-from dslc.schedules.buffers import ExecutionPlan, plan
+from dslc.schedules.buffers import ExecutionPlan, allocate_slots
 
 
 @functools.lru_cache(maxsize=16)
 def _timetable(kind: str, stages: int, microbatches: int, virtual: int) -> tuple[Schedule, ExecutionPlan]:
     schedule = build(kind, stages, microbatches, virtual)
-    return schedule, plan(schedule)
+    return schedule, allocate_slots(schedule)
 
 
 def timetable(program: Program) -> tuple[Schedule, ExecutionPlan] | None:

@@ -32,9 +32,9 @@ def test_text_timeline_1f1b() -> None:
 def test_text_timeline_shows_chunks_when_stages_hold_several() -> None:
     assert to_text(build("interleaved-1f1b", 2, 2, 2)) == (
         "interleaved-1f1b: 2 stages, 2 microbatches, 2 chunks per stage\n"
-        "tick     0    1    2    3    4    5    6    7    8    9\n"
-        "stage 0  F0c0 F1c0 F0c2 F1c2 .    B0c2 .    B1c2 B0c0 B1c0\n"
-        "stage 1  .    F0c1 F1c1 F0c3 B0c3 F1c3 B1c3 B0c1 B1c1 .\n"
+        "tick             0    1    2    3    4    5    6    7    8    9\n"
+        "stage 0 (c0 c2)  F0c0 F1c0 F0c2 F1c2 .    B0c2 .    B1c2 B0c0 B1c0\n"
+        "stage 1 (c1 c3)  .    F0c1 F1c1 F0c3 B0c3 F1c3 B1c3 B0c1 B1c1 .\n"
         "10 ticks, bubble fraction 0.200, peak in flight [4, 3]\n"
     )
 
@@ -64,11 +64,12 @@ def test_json_carries_the_whole_table(request_: tuple[str, int, int, int]) -> No
     schedule = build(*request_)
     data = to_json(schedule)
     assert json.loads(json.dumps(data)) == data
-    assert {k: data[k] for k in ("kind", "stages", "microbatches", "virtual", "ticks")} == {
+    assert {k: data[k] for k in ("kind", "stages", "microbatches", "virtual", "placement", "ticks")} == {
         "kind": schedule.kind,
         "stages": schedule.stages,
         "microbatches": schedule.microbatches,
         "virtual": schedule.virtual,
+        "placement": list(schedule.placement),
         "ticks": schedule.ticks,
     }
     assert data["bubble_fraction"] == schedule.bubble_fraction
