@@ -22,7 +22,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import assert_never
+from typing import Final, assert_never
+
+# The largest table dslc builds or reads, in actions (stages x chunks per stage x microbatches
+# x 2 ops, or 3 with a split backward): making, checking and allocating one takes about 25 us
+# an action, so this is a few seconds. Bigger pipelines are planned from closed forms where
+# their kind has them.
+MAX_ACTIONS: Final = 1 << 18
 
 
 class Op(StrEnum):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from dslc.schedules import KINDS, ScheduleError, build
+from dslc.schedules import KINDS, V_KINDS, ScheduleError, build
 from dslc.schedules.buffers import BACKWARD, FORWARD, IDLE, INPUT_GRAD, ExecutionPlan, allocate_slots
 
 
@@ -98,10 +98,29 @@ def test_a_corrupted_plan_is_caught_by_the_replay() -> None:
         replay(bad, (0, 1))
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", [k for k in KINDS if k not in V_KINDS])
 def test_ring_placements_use_only_the_ring_tables(kind: str) -> None:
     """Activations to the next stage, gradients to the previous one: the tables an executor
     without V support reads say everything, on one stage, two, and more."""
     for stages in (1, 2, 3):
-        schedule = build(kind, stages, 2 * stages, 2 if kind == "interleaved-1f1b" else 1)
+        schedule = build(kind, stages, 2 * stages, 2 if kind == "interleaved-1f1b" else None)
         assert allocate_slots(schedule).ring_only
+
+
+@pytest.mark.parametrize("kind", V_KINDS)
+def test_a_v_turns_on_the_last_stage_and_climbs_back(kind: str) -> None:
+    """On P >= 3 stages: activations go down to the last stage, stay there for the turn, then
+    come back up from the next stage; gradients the other way round."""
+    plan = allocate_slots(build(kind, 3, 6))
+    others = plan.other_directions
+    assert not plan.ring_only
+
+    def stages_with(table: tuple[tuple[int, ...], ...]) -> set[int]:
+        return {s for row in table for s, slot in enumerate(row) if slot >= 0}
+
+    assert stages_with(plan.receive_activation) == {1, 2}  # chunks 1 and 2, from stages 0 and 1
+    assert stages_with(others.keep_activation) == {2}  # chunk 3, made by chunk 2 on stage 2
+    assert stages_with(others.activation_from_next) == {0, 1}  # chunks 4 and 5, coming back up
+    assert stages_with(plan.receive_gradient) == {0, 1}
+    assert stages_with(others.keep_gradient) == {2}
+    assert stages_with(others.gradient_from_previous) == {1, 2}

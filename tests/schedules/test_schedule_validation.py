@@ -7,7 +7,7 @@ import dataclasses
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dslc.schedules import KINDS, Action, Op, Schedule, build, validate
+from dslc.schedules import KINDS, V_KINDS, Action, Op, Schedule, build, validate
 
 # No example database: these tests must leave nothing behind in the checkout.
 fast = settings(max_examples=40, deadline=None, database=None)
@@ -20,7 +20,7 @@ def requests(draw: st.DrawFn) -> tuple[str, int, int, int]:
     stages = draw(st.integers(1, 8))
     if kind == "interleaved-1f1b":
         return kind, stages, stages * draw(st.integers(1, 3)), draw(st.integers(2, 3))
-    return kind, stages, draw(st.integers(1, 20)), 1
+    return kind, stages, draw(st.integers(1, 20)), 2 if kind in V_KINDS else 1
 
 
 schedules = requests().map(lambda request: build(*request))
@@ -121,7 +121,7 @@ def test_forwards_swapped_across_stages_are_caught(schedule: Schedule, data: st.
 
 
 @fast
-@given(schedules.filter(lambda s: s.kind == "zb-h1"), st.data())
+@given(schedules.filter(lambda s: s.kind in ("zb-h1", *V_KINDS)), st.data())
 def test_a_weight_gradient_before_its_input_gradient_is_caught(schedule: Schedule, data: st.DataObject) -> None:
     microbatch = data.draw(st.integers(0, schedule.microbatches - 1))
     chunk = data.draw(st.integers(0, schedule.chunks - 1))

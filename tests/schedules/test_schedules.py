@@ -13,6 +13,7 @@ import pytest
 import dslc.schedules
 from dslc.schedules import (
     KINDS,
+    V_KINDS,
     Costs,
     Op,
     Schedule,
@@ -34,6 +35,8 @@ def accepted(kind: str, stages: int, microbatches: int, virtual: int) -> bool:
     """The argument rules, restated independently of `build`."""
     if kind == "interleaved-1f1b":
         return virtual >= 2 and microbatches % stages == 0
+    if kind in V_KINDS:
+        return virtual == 2
     return virtual == 1
 
 
@@ -49,8 +52,8 @@ def ops_used(schedule: Schedule) -> set[Op]:
     return {action.op for row in schedule.actions_by_stage for action in row}
 
 
-def test_kinds_are_the_four_documented_names() -> None:
-    assert KINDS == ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
+def test_kinds_are_the_six_documented_names() -> None:
+    assert KINDS == ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v", "v-half")
 
 
 @pytest.mark.parametrize("stages", STAGES)
@@ -67,7 +70,7 @@ def test_every_accepted_request_gives_a_valid_table(kind: str, stages: int) -> N
             microbatches,
             virtual,
         )
-        split = kind == "zb-h1"
+        split = kind in ("zb-h1", *V_KINDS)
         backward_ops = {Op.INPUT_GRAD, Op.WEIGHT_GRAD} if split else {Op.BACKWARD}
         assert ops_used(schedule) == {Op.FORWARD, *backward_ops}
         # Re-timed with a whole backward costing two, the bubble stays the same.
@@ -191,7 +194,9 @@ def test_peak_in_flight(stages: int) -> None:
         ("zb-h2", 4, 8, 1, "unknown pipeline schedule 'zb-h2'.*did you mean 'zb-h1'"),
         ("1F1B", 4, 8, 1, "did you mean '1f1b'"),
         ("interleaved", 4, 8, 2, "did you mean 'interleaved-1f1b'"),
-        ("pipedream", 4, 8, 1, "expected one of gpipe, 1f1b, interleaved-1f1b, zb-h1$"),
+        ("pipedream", 4, 8, 1, "expected one of gpipe, 1f1b, interleaved-1f1b, zb-h1, zb-v, v-half$"),
+        ("zb-v", 4, 8, 1, "zb-v places two model chunks per stage in a V, got virtual=1"),
+        ("v-half", 4, 8, 3, "got virtual=3; leave virtual out, or give 2"),
         ("1f1b", 0, 8, 1, "stages must be at least 1, got 0"),
         ("1f1b", 4, 0, 1, "microbatches must be at least 1, got 0"),
         ("1f1b", 4, 8, 0, "virtual must be at least 1, got 0"),
