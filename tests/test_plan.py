@@ -284,3 +284,45 @@ def test_plan_xla_compiles_the_steps_and_shows_both_figures(capsys: pytest.Captu
     assert xla["xla"]["grads_step_ratio"] == xla["memory"]["grads_step"] / xla["xla"]["grads_step"]
     assert xla["xla"]["train_step_ratio"] == xla["memory"]["total"] / xla["xla"]["train_step"]
     assert plan_json(capsys, str(SPECS / "tiny.par"))["xla"] is None
+
+
+# ---- pipelines too large to tabulate ----------------------------------------------------------
+
+HUGE = """model huge
+mesh data=1, stage=64
+input x: f32[1048576 @ data, 16]
+input y: f32[1048576 @ data, 16]
+forward(x) {
+  stages {
+    repeat 128 linear(16, 16)
+  }
+  loss: mse(y)
+}
+pipeline stage {
+  schedule SCHEDULE
+  microbatches 1048576
+}
+"""
+
+
+@pytest.mark.parametrize("kind", ["1f1b", "zb-v"])
+def test_a_pipeline_too_large_to_tabulate_is_planned_in_closed_form(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """64 stages x 2^20 microbatches (the most the language takes) would be a table of 134
+    million actions or more: the checker and the planner never build it."""
+
+    def refuse(*args: object) -> None:
+        raise AssertionError(f"built a table: {args}")
+
+    monkeypatch.setattr("dslc.plan.schedule_figures.build", refuse)
+    monkeypatch.setattr("dslc.plan.timetable.build", refuse)
+    analysis = dslc.analyze(HUGE.replace("SCHEDULE", kind), running=False)
+    assert analysis.ok and analysis.program is not None
+    pipeline = plan(analysis.program).pipeline
+    assert pipeline is not None
+    P, M = 64, 1 << 20
+    work = M if kind == "1f1b" else 6 * M  # a stage's ops, 1f1b's counted in pairs (F, B)
+    assert pipeline.bubble_fraction == pipeline.theoretical_bubble == (P - 1) / (work + P - 1)
+    assert pipeline.peak_in_flight == (P if kind == "1f1b" else 2 * P)
+    # Running it would need the table: `dslc check` says so.
+    [refused] = dslc.analyze(HUGE.replace("SCHEDULE", kind)).diagnostics
+    assert refused.code == "E031" and "more than the 262,144 dslc builds" in refused.message

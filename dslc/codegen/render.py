@@ -21,7 +21,7 @@ from dslc.ir.inputs import integer_bounds
 from dslc.ir.state import state_sharding
 from dslc.kernels import SOURCES
 from dslc.layers import LOSS_KINDS, RULES
-from dslc.schedules import build
+from dslc.plan.timetable import schedule_table
 from dslc.schedules.buffers import ExecutionPlan, allocate_slots
 from dslc.schedules.render import to_text
 
@@ -228,7 +228,7 @@ def _schedule(program: ir.Program) -> dict[str, object]:
     stages = program.mesh.size((p.axis,))
     entries = [f.name for f in fields(ExecutionPlan) if f.type == "Table"]
     shape, dtype = boundary_of(program, p.microbatches)
-    schedule = build(p.schedule, stages, p.microbatches, p.virtual)
+    schedule = schedule_table(program)
     table = allocate_slots(schedule)
     timeline = to_text(schedule).rstrip("\n").split("\n")
     command = f"dslc schedule --kind {p.schedule} --stages {stages} --microbatches {p.microbatches}"

@@ -15,7 +15,7 @@ from dslc.kernels.pipeline import TABLE_ENTRIES, pipeline_value_and_grad
 from dslc.layers import LOSS_KINDS, RULES
 from dslc.lower.model import Params, call_kernel, forward_nodes
 from dslc.lower.runtime import JNP_DTYPES, Runtime
-from dslc.schedules import build
+from dslc.plan.timetable import schedule_table
 from dslc.schedules.buffers import ExecutionPlan, allocate_slots
 
 
@@ -30,7 +30,7 @@ class PipelineExecutor:
         self.axis = p.axis
         self.microbatches = p.microbatches
         self.compute_dtype = compute_dtype
-        self.schedule = build(p.schedule, program.mesh.size((p.axis,)), p.microbatches, p.virtual)
+        self.schedule = schedule_table(program)
         self.plan: ExecutionPlan = allocate_slots(self.schedule)
         self.chunks = program.chunks
         last = self.chunks[-1].nodes

@@ -54,7 +54,7 @@ from dslc.layers import LOSS_KINDS
 from dslc.layers.attention import context_axes, ring_backward_collectives
 from dslc.layers.moe import pipeline_recompute_collectives
 from dslc.plan.activations import tensor_bytes
-from dslc.plan.timetable import microbatch_slices, pipelined, timetable
+from dslc.plan.timetable import microbatch_slices, pipeline_figures, pipelined, stage_of
 
 Phase = Literal["forward", "backward", "recompute", "gradients", "pipeline"]
 Totals = dict[tuple[str, Axes, Phase], tuple[int, int]]
@@ -128,8 +128,9 @@ def communication(program: Program) -> list[Transfer]:
     last = len(program.chunks) - 1
     slices = microbatch_slices(program)
     per_stage: dict[int, Totals] = {}
+    stage = stage_of(program)
     for chunk in program.chunks:
-        totals = per_stage.setdefault(chunk.stage, {})
+        totals = per_stage.setdefault(stage[chunk.index], {})
         for node in chunk.nodes:
             for c, around, backward, recomputed in _node_collectives(node, False):
                 size = _group_bytes(c, around, mesh)
@@ -190,13 +191,13 @@ def _gradient_sync(program: Program, totals: Totals) -> None:
 
 
 def _pipeline_sends(program: Program, totals: Totals) -> None:
-    p, table = program.pipeline, timetable(program)
-    assert p is not None and table is not None
+    p, figures = program.pipeline, pipeline_figures(program)
+    assert p is not None and figures is not None
     mesh = program.mesh
     slices = microbatch_slices(program)
     outs = [chunk.nodes[-1].output for chunk in program.chunks[:-1] if chunk.nodes]
     boundary = max((tensor_bytes(t, mesh, slices) for t in outs), default=0)
     # Both directions, every tick, on every stage (see dslc/lower/pipeline.py).
-    _add(totals, mesh, "ppermute", (p.axis,), "pipeline", boundary, 2 * table[0].ticks * program.train.accumulate)
+    _add(totals, mesh, "ppermute", (p.axis,), "pipeline", boundary, 2 * figures.ticks * program.train.accumulate)
     full_grads = sum(w.type.local_nbytes(mesh) for w in weights_by_path(program).values())
     _add(totals, mesh, "all-reduce", (p.axis,), "pipeline", full_grads)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from dslc.ir.nodes import Mesh, Node, Program, TensorType, Weight, weights_by_path
 from dslc.ir.state import state_sharding
 from dslc.plan.activations import Kept, kept_by, scan_runs, tensor_bytes
-from dslc.plan.timetable import microbatch_slices, pipelined, timetable
+from dslc.plan.timetable import microbatch_slices, pipeline_figures, pipelined
 
 MOMENTS = {"adamw": 2, "adam": 2, "sgd": 1}
 
@@ -116,9 +116,8 @@ def _pipeline_activations(program: Program) -> tuple[int, list[tuple[str, int]],
     mesh, train = program.mesh, program.train
     M = pipeline.microbatches
     slices = microbatch_slices(program)
-    table = timetable(program)
-    assert table is not None
-    schedule, slots = table
+    slots = pipeline_figures(program)
+    assert slots is not None
     outs = [chunk.nodes[-1].output for chunk in program.chunks[:-1] if chunk.nodes]
     boundary = max((tensor_bytes(t, mesh, slices) for t in outs), default=0)
     stream = tensor_bytes(program.input(program.stream).type, mesh, slices)
@@ -130,7 +129,7 @@ def _pipeline_activations(program: Program) -> tuple[int, list[tuple[str, int]],
         default=Kept(),
     )
     details = [
-        (f"stash: {slots.stash_slots} slots of chunk inputs ({schedule.kind}, {M} microbatches)", stash),
+        (f"stash: {slots.stash_slots} slots of chunk inputs ({pipeline.schedule}, {M} microbatches)", stash),
         (f"receive buffers: {slots.activation_slots} activation + {slots.gradient_slots} gradient slots", received),
         ("one chunk's forward + backward for one microbatch (recomputed from the stash)", chunk.peak),
     ]
