@@ -147,12 +147,17 @@ def _parser() -> argparse.ArgumentParser:
 
     sched = sub.add_parser("schedule", help="print, draw or export a pipeline schedule table")
     sched.add_argument("--kind", required=True, help="gpipe, 1f1b, interleaved-1f1b, zb-h1, zb-v or v-half")
-    sched.add_argument("--stages", type=int, required=True)
-    sched.add_argument("--microbatches", type=int, required=True)
+    sched.add_argument("--stages", type=int, required=True, help="pipeline stages (devices along the pipeline axis)")
+    sched.add_argument("--microbatches", type=int, required=True, help="microbatches per step")
     sched.add_argument(
         "--virtual", type=int, help="chunks per stage: 2 or more for interleaved-1f1b (default: the kind's own)"
     )
-    sched.add_argument("--format", choices=("text", "json", "svg"), default="text")
+    sched.add_argument(
+        "--format",
+        choices=("text", "json", "svg"),
+        default="text",
+        help="a timeline, the table as JSON (which `--schedule FILE.json` and `schedule file` read back), or a picture",
+    )
     sched.set_defaults(run=_schedule)
     return parser
 

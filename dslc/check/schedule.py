@@ -65,7 +65,7 @@ def check_executor(program: Program, diags: Diagnostics) -> None:
     stages = program.mesh.size((p.axis,))
     try:
         actions = _actions(program)
-        placement = stage_of(program)
+        holders = stage_of(program)
     except ScheduleError:
         return  # check_schedule reported it
     if actions > MAX_ACTIONS:
@@ -78,14 +78,16 @@ def check_executor(program: Program, diags: Diagnostics) -> None:
             "(past 4 per stage the bubble hardly shrinks)",
         )
         return
-    if not runs_on_executor(placement, stages):
-        held = [" and ".join(str(c) for c, holder in enumerate(placement) if holder == s) for s in range(stages)]
+    if not runs_on_executor(holders, stages):
+        shown = min(stages, 4)
+        held = [" and ".join(str(c) for c, holder in enumerate(holders) if holder == s) for s in range(shown)]
+        more = ", ..." if stages > shown else ""
         diags.error(
             "E031",
             f"{p.schedule} can be planned and drawn but not run yet: the pipeline executor passes each chunk's "
             "output to the next stage, and this placement sends some to the previous stage or keeps them",
             p.span,
-            notes=["chunks held: " + ", ".join(f"stage {s}: {chunks}" for s, chunks in enumerate(held))],
+            notes=["chunks held: " + ", ".join(f"stage {s}: {chunks}" for s, chunks in enumerate(held)) + more],
             help="`dslc plan` and `dslc schedule` take it; to train now, use zb-h1 or interleaved-1f1b",
         )
 
