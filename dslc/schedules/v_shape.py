@@ -21,7 +21,7 @@ its W, and a stage may hold `limit` of them. Where the limit is tight, a stage t
 microbatch on its first chunk only with room both for it and for its return on the second
 (`hold_return`), so no stage can fill up with microbatches that cannot come back: v-half. With
 zb-v's 2P places that reservation costs ticks and is not needed — no table got stuck for any P
-up to 64 with M up to 4P, nor for M up to 300 on up to 16 stages — and a table that did would
+up to 48 with M up to 4P, nor for M up to 300 on up to 16 stages — and a table that did would
 stop with an internal error, never hang.
 
 With every op costing one tick, a stage does 6M ticks of work and the last stage cannot start
