@@ -146,11 +146,18 @@ def _parser() -> argparse.ArgumentParser:
     train.set_defaults(run=_train)
 
     sched = sub.add_parser("schedule", help="print, draw or export a pipeline schedule table")
-    sched.add_argument("--kind", required=True, help="gpipe, 1f1b, interleaved-1f1b or zb-h1")
-    sched.add_argument("--stages", type=int, required=True)
-    sched.add_argument("--microbatches", type=int, required=True)
-    sched.add_argument("--virtual", type=int, default=1)
-    sched.add_argument("--format", choices=("text", "json", "svg"), default="text")
+    sched.add_argument("--kind", required=True, help="gpipe, 1f1b, interleaved-1f1b, zb-h1, zb-v or v-half")
+    sched.add_argument("--stages", type=int, required=True, help="pipeline stages (devices along the pipeline axis)")
+    sched.add_argument("--microbatches", type=int, required=True, help="microbatches per step")
+    sched.add_argument(
+        "--virtual", type=int, help="chunks per stage: 2 or more for interleaved-1f1b (default: the kind's own)"
+    )
+    sched.add_argument(
+        "--format",
+        choices=("text", "json", "svg"),
+        default="text",
+        help="a timeline, the table as JSON (which `--schedule FILE.json` and `schedule file` read back), or a picture",
+    )
     sched.set_defaults(run=_schedule)
     return parser
 
@@ -164,7 +171,12 @@ def _spec_arg(p: argparse.ArgumentParser) -> None:
 
 
 def _set_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--schedule", help="replace the spec's pipeline schedule: gpipe, 1f1b, interleaved-1f1b, zb-h1")
+    p.add_argument(
+        "--schedule",
+        metavar="KIND|FILE.json",
+        help="replace the spec's pipeline schedule: gpipe, 1f1b, interleaved-1f1b, zb-h1, zb-v, v-half, or a table "
+        "in the JSON `dslc schedule --format json` prints",
+    )
     p.add_argument(
         "--set",
         action="append",
@@ -181,11 +193,11 @@ def _spec_path(args: argparse.Namespace) -> Path:
     return path
 
 
-def _analyze(args: argparse.Namespace) -> Analysis:
+def _analyze(args: argparse.Namespace, running: bool = True) -> Analysis:
     path = _spec_path(args)
     try:
-        return analyze(path, args.mesh, args.set, args.schedule)
-    except ValueError as exc:  # a malformed --mesh or --set
+        return analyze(path, args.mesh, args.set, args.schedule, running)
+    except ValueError as exc:  # a malformed --mesh, --set or --schedule
         raise UsageError(str(exc)) from None
 
 
@@ -389,7 +401,7 @@ def _plan(args: argparse.Namespace) -> int:
     given = [f"--{name.replace('_', '-')}" for name in (*AUTO_FLAGS, *LATENCY_FLAGS) if getattr(args, name) is not None]
     if given:
         raise UsageError(f"{', '.join(given)} only apply with --mesh auto")
-    result = _analyze(args)
+    result = _analyze(args, running=False)
     if not result.ok:
         sources = {result.source.name: result.source.text} if result.source else {}
         sys.stderr.write(render_text(result.diagnostics, sources))
@@ -423,6 +435,11 @@ def _plan_auto(args: argparse.Namespace) -> int:
 
     if args.devices is None or args.device_memory is None:
         raise UsageError("--mesh auto needs --devices N and --device-memory GiB (how many devices, how much each)")
+    if args.schedule is not None and args.schedule.lower().endswith(".json"):
+        raise UsageError(
+            f"--schedule {args.schedule}: a table fixes its stages and microbatches, and --mesh auto chooses them; "
+            "plan the table on its mesh with --mesh AxBxC"
+        )
     if args.devices < 1:
         raise UsageError(f"--devices must be at least 1, got {args.devices}")
     for name in AUTO_FLAGS[1:]:
@@ -445,7 +462,7 @@ def _plan_auto(args: argparse.Namespace) -> int:
     path = _spec_path(args)
     try:
         # The spec on its own mesh: its axes' roles, weights and FLOPs, whatever that mesh's errors.
-        result = analyze(path, None, args.set, args.schedule)
+        result = analyze(path, None, args.set, args.schedule, running=False)
         overrides = parse_overrides(args.set)
     except ValueError as exc:  # a malformed --set or --schedule
         raise UsageError(str(exc)) from None

@@ -9,9 +9,10 @@ import os
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 from dslc.check import check_program
-from dslc.diagnostics import Diagnostic, Diagnostics, Span, error, has_errors, render_text, sort_key
+from dslc.diagnostics import NO_SPAN, Diagnostic, Diagnostics, Span, error, has_errors, render_text, sort_key
 from dslc.ir.elaborate import elaborate
 from dslc.ir.names import closest
 from dslc.ir.nodes import Program
@@ -84,17 +85,15 @@ def analyze(
     mesh: MeshArg = None,
     overrides: Sequence[str] | Mapping[str, int] | None = None,
     schedule: str | None = None,
+    running: bool = True,
 ) -> Analysis:
     """Parse, elaborate and check a spec. `overrides` sets constants (`{"layers": 4}`);
-    `schedule` replaces the pipeline schedule the spec names."""
+    `schedule` replaces the pipeline schedule the spec names: a kind, or the path of a table
+    in JSON (`*.json`). With `running` false, what only stops the spec from running (a
+    schedule the executor cannot run yet) is not an error: the spec is being planned."""
     sizes = parse_mesh(mesh)
     values = parse_overrides(overrides)
-    if schedule is not None and schedule not in SCHEDULES:
-        guess = closest(schedule, SCHEDULES)
-        raise ValueError(
-            f"unknown schedule {schedule!r}"
-            + (f"; did you mean {guess!r}?" if guess else f" (known: {', '.join(SCHEDULES)})")
-        )
+    replacement = None if schedule is None else _schedule_setting(schedule)
     source, diags = resolve(source_or_path)
     if source is None:
         return Analysis(None, None, None, diags)
@@ -106,15 +105,13 @@ def analyze(
         if name not in declared:
             known = ", ".join(sorted(declared)) or "none"
             raise ValueError(f"cannot set `{name}`: the spec defines no constant `{name}` (it has: {known})")
+    if replacement is not None:
+        module = _with_schedule(module, replacement, schedule)
     collected = Diagnostics()
     try:
         program = elaborate(module, sizes, collected, values)
-        if schedule is not None and program is not None:
-            if program.pipeline is None:
-                raise ValueError(f"--schedule {schedule}: the spec declares no pipeline")
-            program = replace(program, pipeline=replace(program.pipeline, schedule=schedule))
         if program is not None and not collected.has_errors:
-            check_program(program, collected)
+            check_program(program, collected, running)
     except RecursionError:
         span = Span(source.name, 1, 1, 1, 1)
         collected.add(
@@ -122,6 +119,42 @@ def analyze(
         )
         program = None
     return Analysis(source, module, program, _dedupe(collected.items))
+
+
+def _schedule_setting(schedule: str) -> ast.ScheduleSetting | ast.ScheduleFile:
+    """`--schedule`'s value as the pipeline setting it stands for (spans filled in later)."""
+    if schedule.lower().endswith(".json"):
+        if not Path(schedule).is_file():
+            raise ValueError(f"--schedule {schedule}: no such file")
+        # Absolute: a spec's own `schedule file` paths are relative to the spec, this one is not.
+        return ast.ScheduleFile(str(Path(schedule).absolute()), NO_SPAN)
+    if schedule not in SCHEDULES:
+        guess = closest(schedule, SCHEDULES)
+        raise ValueError(
+            f"unknown schedule {schedule!r}"
+            + (f"; did you mean {guess!r}?" if guess else f" (known: {', '.join(SCHEDULES)}, or a table's .json file)")
+        )
+    return ast.ScheduleSetting(ast.Ident(schedule, NO_SPAN), NO_SPAN)
+
+
+def _with_schedule(
+    module: ast.Module, setting: ast.ScheduleSetting | ast.ScheduleFile, given: str | None
+) -> ast.Module:
+    """The module with its pipeline's schedule replaced before elaboration, so that what
+    follows from the schedule (a V's two chunks per stage) follows from the new one. The new
+    setting takes the place, and the span, of the old one."""
+    pipelines = [item for item in module.items if isinstance(item, ast.PipelineDef)]
+    if not pipelines:
+        raise ValueError(f"--schedule {given}: the spec declares no pipeline")
+    pipeline = pipelines[0]
+    old = next((s for s in pipeline.items if not isinstance(s, ast.Setting)), None)
+    span = old.span if old is not None else pipeline.span
+    if isinstance(setting, ast.ScheduleSetting):
+        setting = ast.ScheduleSetting(ast.Ident(setting.kind.text, span), span)
+    else:
+        setting = ast.ScheduleFile(setting.path, span)
+    items = (setting, *(s for s in pipeline.items if isinstance(s, ast.Setting)))
+    return replace(module, items=tuple(replace(pipeline, items=items) if i is pipeline else i for i in module.items))
 
 
 def _dedupe(items: list[Diagnostic]) -> list[Diagnostic]:

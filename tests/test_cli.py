@@ -133,3 +133,82 @@ def test_console_script_runs_in_a_fresh_process(tmp_path: Path) -> None:
     )
     assert proc.returncode == 1
     assert "error[E016]" in proc.stderr
+
+
+# ---- schedules from files ---------------------------------------------------------------------
+
+
+def saved_table(capsys: pytest.CaptureFixture[str], path: Path, kind: str, label: str | None = None) -> Path:
+    """`dslc schedule --format json` for gpt_small's pipeline (2 stages, 4 microbatches), saved
+    to `path`, its `kind` relabelled to `label` if given."""
+    code, out, _ = run(capsys, "schedule", "--kind", kind, "--stages", "2", "--microbatches", "4", "--format", "json")
+    assert code == 0
+    table = json.loads(out)
+    if label is not None:
+        table["kind"] = label
+    path.write_text(json.dumps(table, indent=2))
+    return path
+
+
+def planned_json(capsys: pytest.CaptureFixture[str], schedule: str | Path) -> dict[str, object]:
+    code, out, err = run(capsys, "plan", str(SPECS / "gpt_small.par"), "--schedule", str(schedule), "--format", "json")
+    assert code == 0, err
+    plan = json.loads(out)
+    assert isinstance(plan, dict)
+    return plan
+
+
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b", "zb-h1", "zb-v", "v-half"])
+def test_a_saved_table_given_back_plans_as_its_kind(
+    kind: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The same plan, every number of it; and relabelled as a user's own table, whose figures
+    come from the table rather than the kind's closed forms, the same numbers still."""
+    by_name = planned_json(capsys, kind)
+    assert planned_json(capsys, saved_table(capsys, tmp_path / "saved.json", kind)) == by_name
+    own = planned_json(capsys, saved_table(capsys, tmp_path / "own.json", kind, label="own"))
+    # Only the label differs, where the plan names the schedule, and there is no closed form.
+    expected = json.loads(json.dumps(by_name).replace(f"({kind}, ", "(own, "))
+    expected["pipeline"] |= {"schedule": "own", "theoretical_bubble": None}
+    assert own == expected
+
+
+def test_a_table_runs_where_its_kind_does(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    gpt_small = str(SPECS / "gpt_small.par")
+    assert run(capsys, "check", gpt_small, "--schedule", str(saved_table(capsys, tmp_path / "a.json", "zb-h1")))[0] == 0
+    code, _, err = run(capsys, "check", gpt_small, "--schedule", str(saved_table(capsys, tmp_path / "b.json", "zb-v")))
+    assert code == 1 and "error[E031]: zb-v can be planned and drawn but not run yet" in err
+
+
+def test_a_corrupted_table_is_a_diagnostic(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = saved_table(capsys, tmp_path / "t.json", "1f1b")
+    table = json.loads(path.read_text())
+    table["actions"][0].pop(0)  # stage 0's first forward: microbatch 0 never starts
+    path.write_text(json.dumps(table))
+    code, _, err = run(capsys, "plan", str(SPECS / "gpt_small.par"), "--schedule", str(path))
+    assert code == 1
+    assert "error[E030]" in err and "stage 1, tick 1: F of chunk 1, microbatch 0 needs the activation" in err
+    assert "Traceback" not in err
+
+
+AUTO = ("--mesh", "auto", "--devices", "4", "--device-memory", "1")
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["check", str(SPECS / "gpt_small.par"), "--schedule", "nowhere.json"],
+            "--schedule nowhere.json: no such file",
+        ),
+        (["check", str(SPECS / "tiny.par"), "--schedule", "zb-v"], "the spec declares no pipeline"),
+        (
+            ["plan", str(SPECS / "gpt_small.par"), *AUTO, "--schedule", "t.json"],
+            "a table fixes its stages and microbatches",
+        ),
+        (["schedule", "--kind", "zb-v", "--stages", "512", "--microbatches", "100000"], "more than the 262,144"),
+    ],
+)
+def test_schedule_usage_errors(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run(capsys, *argv)
+    assert code == 2 and message in err

@@ -503,6 +503,143 @@ def test_e022_virtual_stages_only_for_interleaved() -> None:
     assert "virtual=2" in d.message and "interleaved-1f1b" in d.message
 
 
+# ---- E030, E031: schedule tables from files, and pipelines dslc plans but does not run -----------
+
+
+def table_spec(tmp_path: Path, table: dict[str, object] | str, pipeline: str = "", stages: int = 2) -> Path:
+    """A pipelined spec in `tmp_path` whose schedule is `table.json` beside it (`table` as JSON
+    data, or the file's text); `pipeline` adds settings to its section."""
+    (tmp_path / "table.json").write_text(table if isinstance(table, str) else json.dumps(table))
+    text = spec(
+        "stages {",
+        f"  repeat {2 * stages} relu()",
+        "}",
+        header=PIPELINE_HEADER.replace("stage=2", f"stage={stages}"),
+        after=f'pipeline stage {{\n  schedule file "table.json"\n{pipeline}}}\n',
+    )
+    path = tmp_path / "spec.par"
+    path.write_text(text)
+    return path
+
+
+def saved(kind: str, stages: int, microbatches: int) -> dict[str, object]:
+    """What `dslc schedule --format json` prints for this table."""
+    from dslc.schedules import build, to_json
+
+    return json.loads(json.dumps(to_json(build(kind, stages, microbatches))))
+
+
+def test_e030_a_saved_table_given_back_is_clean(tmp_path: Path) -> None:
+    assert diagnose(table_spec(tmp_path, saved("zb-h1", 2, 8))) == []
+
+
+def test_e030_an_action_before_its_input_names_the_stage_tick_and_action(tmp_path: Path) -> None:
+    table = saved("1f1b", 2, 8)
+    stage_1 = table["actions"][1]  # type: ignore[index]
+    stage_1[0]["tick"] = 0  # its first forward, at the tick stage 0 makes its input
+    d = only(table_spec(tmp_path, table))
+    assert (d.code, d.severity, at(d)) == ("E030", ERROR, (11, 3, 11, 29))
+    assert d.message == (
+        f"the schedule table in `{tmp_path / 'table.json'}` cannot run: stage 1, tick 0: F of chunk 1, "
+        "microbatch 0 needs the activation of chunk 0, microbatch 0, produced at tick 0; it must be produced "
+        "before tick 0"
+    )
+
+
+def test_e030_a_microbatch_done_twice_or_never(tmp_path: Path) -> None:
+    table = saved("1f1b", 2, 4)
+    rows = table["actions"]  # type: ignore[index]
+    last_b = rows[0].pop()  # stage 0's last backward: microbatch 3 never finishes
+    rows[0].append({**last_b, "microbatch": 2})  # and microbatch 2 gets two
+    d = only(table_spec(tmp_path, table, "  microbatches 4\n"))
+    assert d.code == "E030"
+    problems = [d.message, *d.notes]
+    assert any("chunk 0, microbatch 2 has 2 B, 0 I and 0 W" in p for p in problems)
+    assert any("chunk 0, microbatch 3 has 0 B, 0 I and 0 W" in p for p in problems)
+
+
+def test_e030_a_stage_that_runs_a_chunk_it_does_not_hold(tmp_path: Path) -> None:
+    table = saved("zb-v", 2, 2)
+    table["placement"] = [0, 1, 0, 1]  # the V's actions, on an interleaved placement
+    d = only(table_spec(tmp_path, table))
+    assert d.code == "E030"
+    assert "stage 1, tick 2: F of chunk 2, microbatch 0 runs on the wrong stage: chunk 2 lives on stage 0" in (
+        " ".join([d.message, *d.notes])
+    )
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("{", "is not JSON (line 1, column 2)"),
+        ("[]", "must be a JSON object with `stages`, `microbatches` and `actions`"),
+        ('{"stages": 2, "microbatches": 8, "actions": [], "bubble": 0}', "has unknown keys 'bubble'"),
+        ('{"stages": 2, "actions": [[], []]}', "`microbatches` is missing"),
+        ('{"stages": 0, "microbatches": 8, "actions": []}', "`stages` must be a whole number of at least 1, got 0"),
+        (
+            '{"stages": 2, "microbatches": 8, "actions": [[{"tick": 0, "op": "X", "microbatch": 0, "chunk": 0}]]}',
+            "actions[0][0].op must be one of F, B, I, W, got 'X'",
+        ),
+    ],
+)
+def test_e030_a_file_that_is_not_a_table(tmp_path: Path, text: str, message: str) -> None:
+    d = only(table_spec(tmp_path, text))
+    assert d.code == "E030"
+    assert message in d.message
+
+
+def test_e030_a_missing_file() -> None:
+    d = only(spec(after='pipeline stage {\n  schedule file "nowhere/table.json"\n}\n', header=PIPELINE_HEADER))
+    assert (d.code, at(d)) == ("E030", (10, 3, 10, 37))
+    assert d.message == "cannot read the schedule file `nowhere/table.json`: No such file or directory"
+
+
+def test_e030_a_table_for_another_pipeline(tmp_path: Path) -> None:
+    d = only(table_spec(tmp_path, saved("1f1b", 4, 8)))
+    assert (d.code, at(d)) == ("E030", (11, 3, 11, 29))
+    assert d.message == "the schedule table is for 4 stages, but the pipeline axis `stage` has 2"
+    d = only(table_spec(tmp_path, saved("1f1b", 2, 8), "  microbatches 4\n"))
+    assert (d.code, at(d)) == ("E030", (12, 3, 12, 17))
+    assert d.message == "the schedule table has microbatches 8, but the pipeline sets microbatches 4"
+    assert labels(d) == [((11, 3, 11, 29), "the table is read here")]
+
+
+def staged(schedule: str, microbatches: int, batch: int = 8) -> str:
+    """Four layers on two stages (four chunks for a V), under `schedule`."""
+    return spec(
+        "stages {",
+        "  repeat 4 relu()",
+        "}",
+        header=PIPELINE_HEADER.replace("8 @ data", f"{batch} @ data"),
+        after=f"pipeline stage {{\n  schedule {schedule}\n  microbatches {microbatches}\n}}\n",
+    )
+
+
+def test_e031_a_v_is_planned_but_not_run() -> None:
+    text = staged("zb-v", 8)
+    d = only(text)
+    assert (d.code, d.severity, at(d)) == ("E031", ERROR, (10, 1, 13, 2))
+    assert d.message.startswith("zb-v can be planned and drawn but not run yet")
+    assert d.notes == ("chunks held: stage 0: 0 and 3, stage 1: 1 and 2",)
+    # Planning leaves it out: the plan is what the spec is for.
+    assert dslc.analyze(text, running=False).ok
+
+
+def test_e031_a_table_too_large_to_run_is_still_planned() -> None:
+    text = staged("1f1b", 1 << 20, batch=1 << 20)
+    d = only(text)
+    assert (d.code, at(d)) == ("E031", (10, 1, 13, 2))
+    assert "has 4,194,304 actions, more than the 262,144 dslc builds" in d.message
+    assert dslc.analyze(text, running=False).ok
+
+
+def test_e031_v_half_too_large_even_to_plan() -> None:
+    text = staged("v-half", 1 << 16, batch=1 << 16)
+    planned = dslc.analyze(text, running=False).diagnostics
+    assert [d.code for d in planned] == ["E031"]
+    assert "has no closed form to plan by" in planned[0].message
+
+
 # ---- E023: --mesh --------------------------------------------------------------------------
 
 

@@ -97,6 +97,7 @@ const h = 1_000 + 2
     "forward(x) { layout [(data, fsdp), _] }\n",
     "floats_and_bools": "model m\ntrain { optimizer adamw(lr=3e-4, b1=0.9, eps=1e-8, warmup=1_0) }\n"
     "forward(x) { a: attention(8, 2, causal=false, rope=true, rope_base=1.e4) }\n",
+    "schedule_file": 'model m\npipeline a {\n  schedule   file   "tables/my (v2).json"  # a table\n}\nforward(x) {}\n',
     "only_comments": "# nothing\n\n# here\n",
     "empty": "",
 }

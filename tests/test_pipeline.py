@@ -9,13 +9,16 @@ single-device reference.
 
 from __future__ import annotations
 
+import json
 import re
+from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
 
 import dslc
+from dslc.schedules import build, to_json
 from tests.conftest import SPECS
 
 # f32 on a CPU mesh: the pipeline sums the per-microbatch gradients in another order than one
@@ -127,3 +130,22 @@ def test_executor_speaks_the_planners_op_codes() -> None:
     names = ("IDLE", "FORWARD", "BACKWARD", "INPUT_GRAD", "WEIGHT_GRAD")
     assert [getattr(executor, n) for n in names] == [getattr(buffers, n) for n in names]
     assert set(executor.TABLE_ENTRIES) <= set(buffers.ExecutionPlan.__dataclass_fields__)
+
+
+def test_a_table_of_ones_own_runs_with_the_numbers_of_autodiff(tmp_path: Path) -> None:
+    """A user's table from a file, not a built-in one: zb-h1's order with every stage's weight
+    gradients moved after all its other actions. The executor runs what the file says."""
+    spec = SPECS / "seed_mlp_pipeline.par"  # 3 stages, 4 microbatches
+    table = json.loads(json.dumps(to_json(build("zb-h1", 3, 4))))
+    for row in table["actions"]:
+        last = max(a["tick"] for a in row if a["op"] != "W")
+        weight_grads = [a for a in row if a["op"] == "W"]
+        for i, action in enumerate(weight_grads, start=1):
+            action["tick"] = last + i
+        row[:] = [a for a in row if a["op"] != "W"] + weight_grads
+    table |= {"kind": "deferred", "ticks": 1 + max(a["tick"] for row in table["actions"] for a in row)}
+    path = tmp_path / "deferred.json"
+    path.write_text(json.dumps(table))
+    program = dslc.compile(spec, schedule=str(path))
+    assert program.ir.pipeline is not None and program.ir.pipeline.schedule == "deferred"
+    assert_matches_autodiff(program)

@@ -220,10 +220,13 @@ def test_plan_usage_errors_exit_2(argv: list[str], capsys: pytest.CaptureFixture
 
 
 def test_device_memory_too_small_warns(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = run(capsys, "plan", str(GPT3), "--device-memory", "80")
-    assert code == 0 and "warning: each device needs" in out and "80.00 GiB" in out
-    result = plan_json(capsys, str(GPT3), "--device-memory", "80")
-    assert result["fits"] is False and result["device_memory"] == 80 << 30 and result["warnings"]
+    # GPT-3 175B on its 8x8x16 mesh needs about 35 GiB a device (each stage holds its own six
+    # layers): 32 GiB is too little.
+    code, out, _ = run(capsys, "plan", str(GPT3), "--device-memory", "32")
+    assert code == 0 and "warning: each device needs" in out and "32.00 GiB" in out
+    result = plan_json(capsys, str(GPT3), "--device-memory", "32")
+    assert result["fits"] is False and result["device_memory"] == 32 << 30 and result["warnings"]
+    assert plan_json(capsys, str(GPT3), "--device-memory", "80")["fits"] is True
     assert plan_json(capsys, str(SPECS / "tiny.par"), "--device-memory", "1")["fits"] is True
 
 
@@ -284,3 +287,45 @@ def test_plan_xla_compiles_the_steps_and_shows_both_figures(capsys: pytest.Captu
     assert xla["xla"]["grads_step_ratio"] == xla["memory"]["grads_step"] / xla["xla"]["grads_step"]
     assert xla["xla"]["train_step_ratio"] == xla["memory"]["total"] / xla["xla"]["train_step"]
     assert plan_json(capsys, str(SPECS / "tiny.par"))["xla"] is None
+
+
+# ---- pipelines too large to tabulate ----------------------------------------------------------
+
+HUGE = """model huge
+mesh data=1, stage=64
+input x: f32[1048576 @ data, 16]
+input y: f32[1048576 @ data, 16]
+forward(x) {
+  stages {
+    repeat 128 linear(16, 16)
+  }
+  loss: mse(y)
+}
+pipeline stage {
+  schedule SCHEDULE
+  microbatches 1048576
+}
+"""
+
+
+@pytest.mark.parametrize("kind", ["1f1b", "zb-v"])
+def test_a_pipeline_too_large_to_tabulate_is_planned_in_closed_form(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """64 stages x 2^20 microbatches (the most the language takes) would be a table of 134
+    million actions or more: the checker and the planner never build it."""
+
+    def refuse(*args: object) -> None:
+        raise AssertionError(f"built a table: {args}")
+
+    monkeypatch.setattr("dslc.plan.schedule_figures.build", refuse)
+    monkeypatch.setattr("dslc.plan.timetable.build", refuse)
+    analysis = dslc.analyze(HUGE.replace("SCHEDULE", kind), running=False)
+    assert analysis.ok and analysis.program is not None
+    pipeline = plan(analysis.program).pipeline
+    assert pipeline is not None
+    P, M = 64, 1 << 20
+    work = M if kind == "1f1b" else 6 * M  # a stage's ops, 1f1b's counted in pairs (F, B)
+    assert pipeline.bubble_fraction == pipeline.theoretical_bubble == (P - 1) / (work + P - 1)
+    assert pipeline.peak_in_flight == (P if kind == "1f1b" else 2 * P)
+    # Running it would need the table: `dslc check` says so.
+    [refused] = dslc.analyze(HUGE.replace("SCHEDULE", kind)).diagnostics
+    assert refused.code == "E031" and "more than the 262,144 dslc builds" in refused.message

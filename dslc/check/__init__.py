@@ -1,7 +1,8 @@
 """Whole-program checks on the IR, run in order after elaboration.
 
 Each pass takes the program and a diagnostics collector and reports what it finds; none of
-them changes the program.
+them changes the program. `RUN_PASSES` find what stops a spec from running though it can be
+planned (`dslc plan` skips them).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from collections.abc import Callable
 
 from dslc.check.advice import check_balance, check_efficiency, check_replication
 from dslc.check.batch import check_batch
-from dslc.check.schedule import check_pipelined_kernels, check_schedule
+from dslc.check.schedule import check_executor, check_pipelined_kernels, check_schedule
 from dslc.check.zero import check_zero
 from dslc.diagnostics import Diagnostics
 from dslc.ir.nodes import Program
@@ -26,6 +27,10 @@ PASSES: tuple[Callable[[Program, Diagnostics], None], ...] = (
 )
 
 
-def check_program(program: Program, diags: Diagnostics) -> None:
-    for run in PASSES:
+RUN_PASSES: tuple[Callable[[Program, Diagnostics], None], ...] = (check_executor,)
+
+
+def check_program(program: Program, diags: Diagnostics, running: bool = True) -> None:
+    """Every pass; `running` false leaves out `RUN_PASSES`."""
+    for run in (*PASSES, *RUN_PASSES) if running else PASSES:
         run(program, diags)

@@ -6,7 +6,8 @@ import math
 
 from dslc.diagnostics import Diagnostics, Label, Span
 from dslc.ir.nodes import Program, StackedWeight, counted_layers, stacked_weights
-from dslc.schedules import KINDS, ScheduleError, build
+from dslc.plan.timetable import pipeline_figures, stage_of
+from dslc.schedules import ScheduleError
 
 MIN_EFFICIENCY = 0.80
 MAX_IMBALANCE = 0.10
@@ -17,13 +18,14 @@ LARGE_TENSOR_BYTES = 16 * 1024 * 1024
 def check_efficiency(program: Program, diags: Diagnostics) -> None:
     p = program.pipeline
     stages = program.mesh.size((p.axis,)) if p else 1
-    if p is None or stages < 2 or p.schedule not in KINDS:
+    if p is None or stages < 2:
         return
     try:
-        schedule = build(p.schedule, stages, p.microbatches, p.virtual)
+        figures = pipeline_figures(program)
     except ScheduleError:
-        return
-    efficiency = 1.0 - schedule.bubble_fraction
+        return  # check_schedule reported it
+    assert figures is not None
+    efficiency = 1.0 - figures.bubble_fraction
     if efficiency >= MIN_EFFICIENCY:
         return
     # For GPipe and 1F1B the bubble is (P-1)/(M+P-1); M >= 4(P-1) keeps it at or under 20%.
@@ -31,7 +33,7 @@ def check_efficiency(program: Program, diags: Diagnostics) -> None:
     diags.warning(
         "W001",
         f"pipeline efficiency is {efficiency:.0%}: with {stages} stages and {p.microbatches} microbatches, "
-        f"{schedule.bubble_fraction:.0%} of the {p.schedule} schedule is bubble",
+        f"{figures.bubble_fraction:.0%} of the {p.schedule} schedule is bubble",
         p.span,
         notes=[f"efficiency under {MIN_EFFICIENCY:.0%} wastes devices waiting on each other"],
         help=f"use at least {enough} microbatches (or an interleaved schedule)",
@@ -43,14 +45,18 @@ def check_balance(program: Program, diags: Diagnostics) -> None:
     stages = program.mesh.size((p.axis,)) if p else 1
     if p is None or stages < 2 or not program.chunks:
         return
+    try:
+        stage = stage_of(program)
+    except ScheduleError:
+        return  # check_schedule reported it
     flops = [0] * stages
     for chunk in program.chunks:
-        flops[chunk.stage] += sum(layer.flops * times for layer, times in counted_layers(chunk.nodes))
+        flops[stage[chunk.index]] += sum(layer.flops * times for layer, times in counted_layers(chunk.nodes))
     heavy = max(range(stages), key=flops.__getitem__)
     light = min(range(stages), key=flops.__getitem__)
     if flops[heavy] <= (1 + MAX_IMBALANCE) * flops[light]:
         return
-    heavy_chunk = next(c for c in program.chunks if c.stage == heavy)
+    heavy_chunk = next(c for c in program.chunks if stage[c.index] == heavy)
     diags.warning(
         "W002",
         f"pipeline stages are unbalanced: {_imbalance(heavy, flops[heavy], light, flops[light])}",

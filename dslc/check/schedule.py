@@ -1,20 +1,26 @@
-"""The schedule's own constraints, as the schedule generator states them."""
+"""The schedule's own constraints, as the schedule generator states them, and what the
+executor can run. A table read from a file was checked as it was read."""
 
 from __future__ import annotations
 
 from dslc.diagnostics import Diagnostics, Label
 from dslc.ir.nodes import Program, all_layers
 from dslc.layers import RULES
-from dslc.schedules import KINDS, ScheduleError, build
+from dslc.plan.schedule_figures import closed_form
+from dslc.plan.timetable import pipelined, stage_of
+from dslc.schedules import KINDS, MAX_ACTIONS, ScheduleError, check_arguments, placement, table_actions
+from dslc.schedules.table import Direction, Result, direction
 
 
 def check_schedule(program: Program, diags: Diagnostics) -> None:
+    """The kind's constraints on its arguments (E022), without building its table; and a
+    table too large to build where the planner has no closed form for it (E031)."""
     p = program.pipeline
-    if p is None or p.schedule not in KINDS:
+    if p is None or p.table is not None or p.schedule not in KINDS:
         return
     stages = program.mesh.size((p.axis,))
     try:
-        build(p.schedule, stages, p.microbatches, p.virtual)
+        kind, virtual = check_arguments(p.schedule, stages, p.microbatches, p.virtual)
     except ScheduleError as exc:
         diags.error(
             "E022",
@@ -22,6 +28,78 @@ def check_schedule(program: Program, diags: Diagnostics) -> None:
             p.span,
             notes=[f"{stages} stages (`{p.axis}`), {p.microbatches} microbatches, virtual {p.virtual}"],
         )
+        return
+    actions = table_actions(kind, stages, p.microbatches, virtual)
+    if pipelined(program) and not closed_form(kind, stages) and actions > MAX_ACTIONS:
+        diags.error(
+            "E031",
+            f"the {kind} table for {stages} stages, {p.microbatches} microbatches has {actions:,} actions, "
+            f"more than the {MAX_ACTIONS:,} dslc builds, and {kind} on {stages} stages has no closed form to plan by",
+            p.span,
+            help="use fewer microbatches (past 4 per stage the bubble hardly shrinks), or zb-v, planned in closed form",
+        )
+
+
+def runs_on_executor(placement: tuple[int, ...], stages: int) -> bool:
+    """Whether the pipeline executor runs tables with this placement: it passes activations to
+    the next stage and gradients to the previous one, so every chunk's output must go to the
+    next stage (a ring: one chunk per stage, or interleaved), never stay or go back (a V)."""
+    return all(
+        direction(Result.ACTIVATION, placement[c], placement[c + 1], stages) is Direction.NEXT
+        for c in range(len(placement) - 1)
+    )
+
+
+def kind_runs(kind: str) -> bool:
+    """Whether the executor runs `kind`'s tables. Their placement is alike on any number of
+    stages (three tell a ring from a V) and of chunks per stage (interleaving needs two)."""
+    return runs_on_executor(placement(kind, 3, 2 if kind == "interleaved-1f1b" else None), 3)
+
+
+def check_executor(program: Program, diags: Diagnostics) -> None:
+    """What dslc plans and draws but the executor cannot run yet (E031): a V's placement, or a
+    table too large to build (the executor runs the whole table)."""
+    p = program.pipeline
+    if p is None or not pipelined(program):
+        return
+    stages = program.mesh.size((p.axis,))
+    try:
+        actions = _actions(program)
+        holders = stage_of(program)
+    except ScheduleError:
+        return  # check_schedule reported it
+    if actions > MAX_ACTIONS:
+        diags.error(
+            "E031",
+            f"the executor runs the whole table, and {p.schedule} for {stages} stages, {p.microbatches} "
+            f"microbatches has {actions:,} actions, more than the {MAX_ACTIONS:,} dslc builds",
+            p.span,
+            help="`dslc plan` plans it in closed form; to run it, use fewer microbatches "
+            "(past 4 per stage the bubble hardly shrinks)",
+        )
+        return
+    if not runs_on_executor(holders, stages):
+        shown = min(stages, 4)
+        held = [" and ".join(str(c) for c, holder in enumerate(holders) if holder == s) for s in range(shown)]
+        more = ", ..." if stages > shown else ""
+        diags.error(
+            "E031",
+            f"{p.schedule} can be planned and drawn but not run yet: the pipeline executor passes each chunk's "
+            "output to the next stage, and this placement sends some to the previous stage or keeps them",
+            p.span,
+            notes=["chunks held: " + ", ".join(f"stage {s}: {chunks}" for s, chunks in enumerate(held)) + more],
+            help="`dslc plan` and `dslc schedule` take it; to train now, use zb-h1 or interleaved-1f1b",
+        )
+
+
+def _actions(program: Program) -> int:
+    p = program.pipeline
+    assert p is not None
+    if p.table is not None:
+        return sum(len(row) for row in p.table.actions_by_stage)
+    stages = program.mesh.size((p.axis,))
+    kind, virtual = check_arguments(p.schedule, stages, p.microbatches, p.virtual)
+    return table_actions(kind, stages, p.microbatches, virtual)
 
 
 def check_pipelined_kernels(program: Program, diags: Diagnostics) -> None:

@@ -21,8 +21,8 @@ from dslc.ir.inputs import integer_bounds
 from dslc.ir.placement import Placement, place
 from dslc.ir.signature import chunk_signature
 from dslc.layers import RULES
-from dslc.schedules import build
-from dslc.schedules.buffers import ExecutionPlan, plan
+from dslc.plan.timetable import schedule_table
+from dslc.schedules.buffers import ExecutionPlan, allocate_slots
 from dslc.schedules.render import to_text
 
 # The first line after the docstring of every generated module: `dslc compile` overwrites
@@ -253,8 +253,8 @@ def _schedule(program: ir.Program) -> dict[str, object]:
     stages = program.stages
     entries = [f.name for f in fields(ExecutionPlan) if f.type == "Table"]
     shape, dtype = boundary_of(program, p.microbatches)
-    schedule = build(p.schedule, stages, p.microbatches, p.virtual)
-    table = plan(schedule)
+    schedule = schedule_table(program)
+    table = allocate_slots(schedule)
     timeline = to_text(schedule).rstrip("\n").split("\n")
     command = f"dslc schedule --kind {p.schedule} --stages {stages} --microbatches {p.microbatches}"
     return {

@@ -13,6 +13,7 @@ from typing import Literal, TypeAlias
 
 from dslc.diagnostics import NO_SPAN, Span
 from dslc.kernels.storage import expand_names
+from dslc.schedules.table import Schedule
 
 Axes: TypeAlias = tuple[str, ...]
 Sharding: TypeAlias = tuple[Axes, ...]
@@ -269,11 +270,15 @@ class Chunk:
 
 @dataclass(frozen=True, slots=True)
 class Pipeline:
+    """The `pipeline` section. `schedule` names a built-in kind, or labels `table`, a table
+    read from a file (already validated, and of this pipeline's stages and microbatches)."""
+
     axis: str
     schedule: str
     microbatches: int
     virtual: int
     span: Span = field(default=NO_SPAN, compare=False, repr=False)
+    table: Schedule | None = field(default=None, repr=False)
 
 
 @dataclass(frozen=True, slots=True)

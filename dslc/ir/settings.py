@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 from dslc.diagnostics import Diagnostics, Label
 from dslc.ir import nodes as ir
 from dslc.ir.evaluate import eval_expr, eval_value
 from dslc.ir.names import closest, unknown_name
 from dslc.schedules import KINDS as SCHEDULES
+from dslc.schedules import Schedule, ScheduleError, build, default_virtual
+from dslc.schedules.from_json import TableError, read_table
 from dslc.syntax import ast
 
 PRECISIONS = ("f32", "bf16", "f16")
@@ -21,12 +24,10 @@ OPTIMIZERS: dict[str, tuple[str, ...]] = {
 }
 
 
-def _unique(
-    settings: tuple[ast.Setting | ast.ScheduleSetting, ...], diags: Diagnostics
-) -> dict[str, ast.Setting | ast.ScheduleSetting]:
-    seen: dict[str, ast.Setting | ast.ScheduleSetting] = {}
+def _unique(settings: tuple[ast.PipelineItem, ...], diags: Diagnostics) -> dict[str, ast.PipelineItem]:
+    seen: dict[str, ast.PipelineItem] = {}
     for s in settings:
-        key = "schedule" if isinstance(s, ast.ScheduleSetting) else s.key.text
+        key = s.key.text if isinstance(s, ast.Setting) else "schedule"
         if key in seen:
             diags.error("E011", f"`{key}` is set twice", s.span, labels=[Label(seen[key].span, "first set here")])
             continue
@@ -59,8 +60,9 @@ def read_pipeline(p: ast.PipelineDef, mesh: ir.Mesh, diags: Diagnostics) -> ir.P
         return None
     settings = _unique(p.items, diags)
     schedule = "1f1b"
+    table: Schedule | None = None
     microbatches: int | None = None
-    virtual = 1
+    virtual: int | None = None
     for key, s in settings.items():
         match s:
             case ast.ScheduleSetting(kind=kind):
@@ -74,12 +76,24 @@ def read_pipeline(p: ast.PipelineDef, mesh: ir.Mesh, diags: Diagnostics) -> ir.P
                         notes=["schedules: " + ", ".join(SCHEDULES)],
                         help=f"did you mean `{guess}`?" if guess else None,
                     )
+            case ast.ScheduleFile():
+                table = _schedule_file(s, diags)
+                if table is None:
+                    return None
+                schedule = table.kind
             case ast.Setting() if key == "microbatches":
                 microbatches = _one_int(s, diags, 1, 1 << 20)
             case ast.Setting() if key == "virtual":
                 virtual = _one_int(s, diags, 1, 64) or 1
             case ast.Setting():
                 _unknown_key(s, ("schedule", "microbatches", "virtual"), "pipeline", diags)
+    if table is not None:
+        written = {"microbatches": microbatches, "virtual": virtual}
+        if not _fits_the_pipeline(table, settings, written, mesh.size((axis,)), axis, diags):
+            return None
+        microbatches, virtual = table.microbatches, table.virtual
+        if _built_in(table):
+            table = None  # the saved table of a built-in kind is that kind: same plan, same numbers
     if microbatches is None:
         if "microbatches" not in settings:
             diags.error(
@@ -89,7 +103,69 @@ def read_pipeline(p: ast.PipelineDef, mesh: ir.Mesh, diags: Diagnostics) -> ir.P
                 help="at least 4 per stage keeps the bubble small",
             )
         return None
-    return ir.Pipeline(axis, schedule, microbatches, virtual, p.span)
+    if virtual is None:
+        virtual = default_virtual(schedule) if schedule in SCHEDULES else 1
+    return ir.Pipeline(axis, schedule, microbatches, virtual, p.span, table)
+
+
+def _schedule_file(s: ast.ScheduleFile, diags: Diagnostics) -> Schedule | None:
+    """The table `s` names, relative to the spec's folder; None when it cannot run (reported)."""
+    path = Path(s.span.file).parent / s.path
+    try:
+        return read_table(path)
+    except TableError as exc:
+        diags.error(
+            "E030",
+            exc.message,
+            s.span,
+            notes=list(exc.problems),
+            help="`dslc schedule --kind KIND --stages P --microbatches M --format json` prints a table to start from",
+        )
+        return None
+
+
+def _built_in(table: Schedule) -> bool:
+    """Whether `table` is what `build` makes for its kind (as `dslc schedule` saved it)."""
+    if table.kind not in SCHEDULES:
+        return False
+    try:
+        return build(table.kind, table.stages, table.microbatches, table.virtual) == table
+    except ScheduleError:
+        return False
+
+
+def _fits_the_pipeline(
+    table: Schedule,
+    settings: dict[str, ast.PipelineItem],
+    written: dict[str, int | None],
+    stages: int,
+    axis: str,
+    diags: Diagnostics,
+) -> bool:
+    """Whether the table is for this pipeline: its stages, and the microbatches and chunks per
+    stage the section writes, if it writes them (the table's own are the default)."""
+    read_here = settings["schedule"].span
+    fits = True
+    if table.stages != stages:
+        fits = False
+        diags.error(
+            "E030",
+            f"the schedule table is for {table.stages} stages, but the pipeline axis `{axis}` has {stages}",
+            read_here,
+            help=f"make a table for {stages} stages with `dslc schedule`, or give `{axis}` {table.stages} devices",
+        )
+    for key, value in written.items():
+        own = getattr(table, key)
+        if value is not None and value != own:
+            fits = False
+            diags.error(
+                "E030",
+                f"the schedule table has {key} {own}, but the pipeline sets {key} {value}",
+                settings[key].span,
+                labels=[Label(read_here, "the table is read here")],
+                help=f"leave `{key}` out (the table's is the default), or make a table with {key} {value}",
+            )
+    return fits
 
 
 def read_train(t: ast.TrainDef, mesh: ir.Mesh, diags: Diagnostics) -> ir.Train:

@@ -13,7 +13,7 @@ from dslc.plan.experts import ExpertLayer, experts
 from dslc.plan.flops import Flops, flops
 from dslc.plan.memory import Memory, memory
 from dslc.plan.report import Pipeline, Plan, format_bytes
-from dslc.plan.timetable import timetable
+from dslc.plan.timetable import pipeline_figures
 from dslc.schedules import theoretical_bubble
 
 __all__ = ["ExpertLayer", "Flops", "Memory", "Pipeline", "Plan", "Transfer", "plan"]
@@ -56,16 +56,17 @@ def _pipeline(program: Program) -> Pipeline | None:
     if p is None:
         return None
     stages = program.mesh.size((p.axis,))
-    table = timetable(program)
-    if table is None:  # one stage: nothing to schedule
+    figures = pipeline_figures(program)
+    if figures is None:  # one stage: nothing to schedule
         return None
-    schedule = table[0]
     return Pipeline(
         schedule=p.schedule,
         stages=stages,
         microbatches=p.microbatches,
         virtual=p.virtual,
-        bubble_fraction=schedule.bubble_fraction,
-        theoretical_bubble=theoretical_bubble(p.schedule, stages, p.microbatches, p.virtual),
-        peak_in_flight=max(schedule.peak_in_flight),
+        bubble_fraction=figures.bubble_fraction,
+        theoretical_bubble=None
+        if p.table is not None
+        else theoretical_bubble(p.schedule, stages, p.microbatches, p.virtual),
+        peak_in_flight=figures.peak_in_flight,
     )

@@ -41,6 +41,7 @@ from functools import cached_property
 from typing import cast
 
 from dslc.check import check_program
+from dslc.check.schedule import kind_runs
 from dslc.diagnostics import Diagnostic, Diagnostics, Span
 from dslc.ir.elaborate import elaborate
 from dslc.ir.nodes import Layer, Layout, Mesh, MeshAxis, Program, TensorType, walk, weights_by_path
@@ -52,8 +53,8 @@ from dslc.plan.flops import flops, forward_flops
 from dslc.plan.memory import MOMENTS, Memory, memory
 from dslc.plan.schedule_figures import Figures, figures
 from dslc.plan.step_time import PER_MICROBATCH, Hardware, StepTime, intra_node_axes, step_time
-from dslc.plan.timetable import pipelined
-from dslc.schedules import KINDS, Kind
+from dslc.plan.timetable import pipelined, stage_of
+from dslc.schedules import KINDS, V_KINDS, Kind
 from dslc.syntax import ast
 
 # The most chunks per stage tried: the bubble shrinks as 1/V while the stash slots, the sends
@@ -231,7 +232,9 @@ class AutoPlanner:
         self.device_memory = device_memory
         self.hardware = hardware or Hardware()
         self.overrides = dict(overrides or {})
-        self.kinds = tuple(k for k in KINDS if schedules is None or k in schedules)
+        # The kinds the executor runs, unless the user names others to plan (not run) them.
+        self.kinds = tuple(k for k in KINDS if (k in schedules if schedules is not None else kind_runs(k)))
+        self.running = all(kind_runs(k) for k in self.kinds)
         self.roles = read_roles(reference)
         self.batch = reference.input(reference.stream).type.shape[0] if reference.inputs else 1
         self.model_flops = flops(reference).model
@@ -340,8 +343,12 @@ class AutoPlanner:
             if self.batch % shards:
                 continue
             stages = self._stages(sizes)
-            interleaved = stages > 1 and INTERLEAVED in self.kinds
-            for virtual in range(1, MAX_VIRTUAL + 1 if interleaved else 2):
+            most = 1
+            if stages > 1 and INTERLEAVED in self.kinds:
+                most = MAX_VIRTUAL
+            elif stages > 1 and any(k in V_KINDS for k in self.kinds):
+                most = 2
+            for virtual in range(1, most + 1):
                 options = self._options(stages, virtual, self.batch // shards)
                 if options:
                     yield self._group(sizes, virtual, options)
@@ -353,10 +360,13 @@ class AutoPlanner:
         if stages == 1:
             # No pipeline runs on one stage: the schedule and microbatches change nothing, so
             # keep the spec's where the checker allows them.
-            kinds: list[str] = [k for k in (p.schedule, *self.kinds) if k in self.kinds and k != INTERLEAVED]
+            kinds: list[str] = [k for k in (p.schedule, *self.kinds) if k in ONE_CHUNK_KINDS and k in self.kinds]
             return ((kinds[0], p.microbatches if per_shard % p.microbatches == 0 else 1),) if kinds else ()
         # On equal step times the first kind wins: 1F1B, whose buffers are the fewest.
-        kinds = [INTERLEAVED] if virtual > 1 else [k for k in ONE_CHUNK_KINDS if k in self.kinds]
+        if virtual == 1:
+            kinds = [k for k in ONE_CHUNK_KINDS if k in self.kinds]
+        else:
+            kinds = [k for k in (INTERLEAVED, *(V_KINDS if virtual == 2 else ())) if k in self.kinds]
         counts = divisors(per_shard)
         return tuple((k, m) for k in kinds for m in counts if k != INTERLEAVED or m % stages == 0)
 
@@ -408,7 +418,7 @@ class AutoPlanner:
         diags = Diagnostics()
         program = elaborate(module, tuple(sizes), diags, self.overrides)
         if program is not None and not diags.has_errors:
-            check_program(program, diags)
+            check_program(program, diags, self.running)
         if program is None or diags.has_errors:
             raise _Rejected([d for d in diags.items if d.is_error])
         return program
@@ -479,7 +489,7 @@ class AutoPlanner:
         rejected = None
         if fits:
             diags = Diagnostics()
-            check_program(pending.program, diags)
+            check_program(pending.program, diags, self.running)
             rejected = next((f"{d.code}: {d.message}" for d in diags.items if d.is_error), None)
         return Candidate(
             group.sizes,
@@ -532,10 +542,11 @@ def _busiest_stage_flops(program: Program) -> float:
     staged = pipelined(program)
     last = len(program.chunks) - 1
     per_stage = [0] * stages
+    stage = stage_of(program)
     for chunk in program.chunks:
         alone = flops(replace(program, chunks=(chunk,), pipeline=None)).model
         rerun = forward_flops(chunk.nodes) if staged and chunk.index != last else 0
-        per_stage[chunk.stage] += alone + rerun
+        per_stage[stage[chunk.index]] += alone + rerun
     return max(per_stage) / (program.mesh.devices // stages)
 
 

@@ -58,8 +58,7 @@ from dslc.layers import LOSS_KINDS
 from dslc.layers.attention import context_axes, ring_backward_collectives
 from dslc.layers.moe import pipeline_recompute_collectives
 from dslc.plan.activations import tensor_bytes
-from dslc.plan.timetable import microbatch_slices, timetable
-from dslc.schedules import SPLIT_BACKWARD
+from dslc.plan.timetable import microbatch_slices, pipeline_figures, splits_backward, stage_of
 
 Phase = Literal["forward", "backward", "recompute", "gradients", "pipeline"]
 Totals = dict[tuple[str, Axes, Phase], tuple[int, int]]
@@ -132,11 +131,12 @@ def communication(program: Program) -> list[Transfer]:
     on that slice: their bytes add up to the whole batch's, their count is per slice."""
     mesh = program.mesh
     staged = program.pipelined
-    split = staged and program.pipeline is not None and program.pipeline.schedule in SPLIT_BACKWARD
+    split = splits_backward(program)
     slices = microbatch_slices(program)
     per_stage: dict[int, Totals] = {}
+    stage = stage_of(program)
     for chunk in program.chunks:
-        totals = per_stage.setdefault(chunk.stage, {})
+        totals = per_stage.setdefault(stage[chunk.index], {})
         for node in chunk.nodes:
             for c, around, backward, recomputed, times in _node_collectives(node, False):
                 size = _group_bytes(c, around, mesh)
@@ -205,12 +205,12 @@ def _pipeline_sends(program: Program, totals: Totals) -> None:
     """The executor sends one activation and one gradient buffer (a microbatch at the widest
     stage boundary) every tick, in both directions; the weights split over the stage axis
     between steps are gathered for the step and their gradients reduce-scattered back."""
-    p, table = program.pipeline, timetable(program)
-    assert p is not None and table is not None
+    p, figures = program.pipeline, pipeline_figures(program)
+    assert p is not None and figures is not None
     mesh = program.mesh
     slices = microbatch_slices(program)
     boundary = max((tensor_bytes(t, mesh, slices) for t in program.boundaries), default=0)
-    _add(totals, mesh, "ppermute", (p.axis,), "pipeline", boundary, 2 * table[0].ticks * program.train.accumulate)
+    _add(totals, mesh, "ppermute", (p.axis,), "pipeline", boundary, 2 * figures.ticks * program.train.accumulate)
     for array in place(program).arrays:
         if array.split_dim is None:
             continue

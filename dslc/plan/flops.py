@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import assert_never
 
 from dslc.ir.nodes import Block, Layer, Layout, Node, Program, Repeat, Residual, counted_layers
-from dslc.schedules import SPLIT_BACKWARD
+from dslc.plan.timetable import splits_backward
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,5 +70,4 @@ def flops(program: Program) -> Flops:
     nodes = program.nodes
     forward = forward_flops(nodes)
     recompute = sum(_recomputed(n) for n in nodes)
-    split = program.pipelined and program.pipeline is not None and program.pipeline.schedule in SPLIT_BACKWARD
-    return Flops(forward, 2 * forward, recompute, forward if split else 0)
+    return Flops(forward, 2 * forward, recompute, forward if splits_backward(program) else 0)

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from dslc.ir.nodes import Mesh, Program, TensorType
 from dslc.ir.placement import place
 from dslc.plan.activations import Kept, kept_by, tensor_bytes
-from dslc.plan.timetable import microbatch_slices, timetable
+from dslc.plan.timetable import microbatch_slices, pipeline_figures
 
 MOMENTS = {"adamw": 2, "adam": 2, "sgd": 1}
 
@@ -127,9 +127,8 @@ def pipeline_activations(program: Program) -> tuple[int, list[tuple[str, int]], 
     assert pipeline is not None
     mesh, train = program.mesh, program.train
     slices = microbatch_slices(program)
-    table = timetable(program)
-    assert table is not None
-    schedule, slots = table
+    slots = pipeline_figures(program)
+    assert slots is not None
     boundary = max((tensor_bytes(t, mesh, slices) for t in program.boundaries), default=0)
     # All stages run one program, so every stage's stash can hold any chunk's residuals.
     chunks = [kept_by(c.nodes, mesh, train.compute_dtype, slices) for c in program.chunks]
@@ -140,7 +139,7 @@ def pipeline_activations(program: Program) -> tuple[int, list[tuple[str, int]], 
     details = [
         (
             f"stash: {slots.stash_slots} slots of a chunk's input and residuals "
-            f"({schedule.kind}, {pipeline.microbatches} microbatches)",
+            f"({pipeline.schedule}, {pipeline.microbatches} microbatches)",
             stash,
         ),
         (f"receive buffers: {slots.activation_slots} activation + {slots.gradient_slots} gradient slots", received),

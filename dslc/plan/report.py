@@ -20,8 +20,8 @@ class Pipeline:
     microbatches: int
     virtual: int
     bubble_fraction: float
-    theoretical_bubble: float
-    peak_in_flight: int
+    theoretical_bubble: float | None  # None: the schedule has no closed form (v-half, a table from a file)
+    peak_in_flight: int  # chunk inputs, on the busiest stage
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,8 +193,10 @@ class Plan:
                 "",
                 f"pipeline {p.schedule}: {p.stages} stages, {p.microbatches} microbatches"
                 + (f", {p.virtual} chunks per stage" if p.virtual > 1 else "")
-                + f"; bubble {p.bubble_fraction:.1%} (closed form {p.theoretical_bubble:.1%}),"
-                f" at most {p.peak_in_flight} microbatches in flight per stage",
+                + f"; bubble {p.bubble_fraction:.1%}"
+                + (f" (closed form {p.theoretical_bubble:.1%})" if p.theoretical_bubble is not None else "")
+                + f", at most {p.peak_in_flight} {'microbatches' if p.virtual == 1 else 'chunk-microbatches'}"
+                " in flight per stage",
             ]
         lines += [f"warning: {w}" for w in self.warnings]
         return "\n".join(lines) + "\n"

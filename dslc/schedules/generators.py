@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from dslc.schedules.table import Action, Op, Schedule
+from dslc.schedules.table import Action, Op, Schedule, ring_placement
 from dslc.schedules.timing import Step, start_times
 
 
@@ -103,7 +103,8 @@ def _tabulate(
     virtual: int,
     programs: Sequence[Sequence[Step]],
 ) -> Schedule:
-    starts = start_times(programs, stages * virtual, duration=lambda _op: 1)
+    placement = ring_placement(stages, virtual)
+    starts = start_times(programs, len(placement), duration=lambda _op: 1)
     actions_by_stage = tuple(
         tuple(
             Action(tick, stage, step.op, step.microbatch, step.chunk)
@@ -112,4 +113,4 @@ def _tabulate(
         for stage, (program, stage_starts) in enumerate(zip(programs, starts, strict=True))
     )
     ticks = 1 + max(row[-1].tick for row in actions_by_stage)
-    return Schedule(kind, stages, microbatches, virtual, ticks, actions_by_stage)
+    return Schedule(kind, stages, microbatches, virtual, ticks, actions_by_stage, placement)

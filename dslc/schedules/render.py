@@ -16,13 +16,14 @@ _IDLE = "."
 def to_text(schedule: Schedule) -> str:
     """A timeline: one row per stage, one column per tick, then a summary line.
 
-    Cells read `F3` (op and microbatch), `F3c5` when there are several chunks per stage (chunk
-    5), and `.` when the stage is idle.
+    Cells read `F3` (op and microbatch), `F3c5` when a stage holds several chunks or not the
+    chunk of its own number (chunk 5), and `.` when the stage is idle. Then each row's name
+    says which chunks the stage holds: `stage 0 (c0 c7)`.
     """
     grid = schedule.grid()
     cells = [[_IDLE if a is None else _label(schedule, a) for a in row] for row in grid]
     width = max(len(str(schedule.ticks - 1)), *(len(cell) for row in cells for cell in row))
-    names = [f"stage {stage}" for stage in range(schedule.stages)]
+    names = [_stage_name(schedule, stage) for stage in range(schedule.stages)]
     margin = max(len(name) for name in [*names, "tick"])
     ticks = " ".join(str(tick).ljust(width) for tick in range(schedule.ticks))
     lines = [_title(schedule), f"{'tick'.ljust(margin)}  {ticks}"]
@@ -41,6 +42,7 @@ def to_json(schedule: Schedule) -> dict[str, object]:
         "stages": schedule.stages,
         "microbatches": schedule.microbatches,
         "virtual": schedule.virtual,
+        "placement": list(schedule.placement),
         "ticks": schedule.ticks,
         "bubble_fraction": schedule.bubble_fraction,
         "peak_in_flight": list(schedule.peak_in_flight),
@@ -75,7 +77,7 @@ def to_svg(schedule: Schedule) -> str:
     grid = schedule.grid()
     labels = [_cell_text(schedule, a) for row in grid for a in row if a is not None]
     cell_width = max(28, _CHAR_WIDTH * max(len(text) for text in labels) + 8)
-    margin = _CHAR_WIDTH * len(f"stage {schedule.stages - 1}") + 12
+    margin = _CHAR_WIDTH * max(len(_stage_name(schedule, stage)) for stage in range(schedule.stages)) + 12
     rows_top = _TITLE_HEIGHT + _TICKS_HEIGHT
     legend_top = rows_top + schedule.stages * _CELL_HEIGHT + 8
     heading = f"{_title(schedule)}; {_summary(schedule)}"
@@ -109,7 +111,7 @@ def to_svg(schedule: Schedule) -> str:
 
     for stage, row in enumerate(grid):
         y = rows_top + stage * _CELL_HEIGHT
-        _text(svg, 4, y + 16, f"stage {stage}")
+        _text(svg, 4, y + 16, _stage_name(schedule, stage))
         for tick, action in enumerate(row):
             x = margin + tick * cell_width
             fill = "#eeeeee" if action is None else _colour(action.op)
@@ -135,9 +137,20 @@ def _label(schedule: Schedule, action: Action) -> str:
 
 
 def _cell_text(schedule: Schedule, action: Action) -> str:
-    if schedule.virtual == 1:
+    if not _shows_chunks(schedule):
         return str(action.microbatch)
     return f"{action.microbatch}c{action.chunk}"
+
+
+def _shows_chunks(schedule: Schedule) -> bool:
+    """Whether the picture needs chunk numbers: not when stage s holds chunk s alone."""
+    return schedule.placement != tuple(range(schedule.stages))
+
+
+def _stage_name(schedule: Schedule, stage: int) -> str:
+    if not _shows_chunks(schedule):
+        return f"stage {stage}"
+    return f"stage {stage} ({' '.join(f'c{chunk}' for chunk in schedule.chunks_of(stage))})"
 
 
 def _title(schedule: Schedule) -> str:

@@ -1,24 +1,34 @@
 """A pipeline schedule as data: for every stage and every tick, at most one action.
 
 Vocabulary. There are `stages` devices in the pipeline and `stages * virtual` model chunks in
-model order; chunk `c` lives on stage `c % stages` (Megatron's interleaved placement: stage `s`
-holds chunks `s, s + stages, s + 2 * stages, ...`). Every chunk runs a forward and a backward
-for every microbatch. The backward is either one `B`, or split into `I` (the gradient with
-respect to the chunk's input, which the previous chunk waits for) and `W` (the gradient with
-respect to the chunk's weights, which nobody waits for and so can be deferred).
+model order. Which stage holds which chunk is part of the table, its `placement`: Megatron's
+interleaved placement puts chunk `c` on stage `c % stages` (`ring_placement`); a V puts chunks
+`d` and `2 * stages - 1 - d` on stage `d` (`v_placement`), so the model runs down the stages and
+back up. Consecutive chunks sit on the same stage or on neighbouring ones (the stage after or
+before, counting the last stage's neighbour as the first), because values only travel that far
+between ticks. Every chunk runs a forward and a backward for every microbatch. The backward is
+either one `B`, or split into `I` (the gradient with respect to the chunk's input, which the
+previous chunk waits for) and `W` (the gradient with respect to the chunk's weights, which
+nobody waits for and so can be deferred).
 
 Time is counted in ticks. In the table every action takes exactly one tick, whatever its op:
 the unit-time model, which is also how the generated program runs (in lockstep, one
-`lax.switch` per tick). Results cross to the neighbouring stage between ticks, so an action at
-tick `t` can consume anything produced at tick `t - 1` or earlier. `dslc.schedules.cost` re-times the same
-per-stage order under other op costs.
+`lax.switch` per tick). Results cross to the neighbouring stage (or stay on their own) between
+ticks, so an action at tick `t` can consume anything produced at tick `t - 1` or earlier.
+`dslc.schedules.cost` re-times the same per-stage order under other op costs.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import assert_never
+from typing import Final, assert_never
+
+# The largest table dslc builds or reads, in actions (stages x chunks per stage x microbatches
+# x 2 ops, or 3 with a split backward): making, checking and allocating one takes about 25 us
+# an action, so this is a few seconds. Bigger pipelines are planned from closed forms where
+# their kind has them.
+MAX_ACTIONS: Final = 1 << 18
 
 
 class Op(StrEnum):
@@ -28,6 +38,15 @@ class Op(StrEnum):
     BACKWARD = "B"  # input and weight gradients together
     INPUT_GRAD = "I"  # the half of the backward the previous chunk waits for
     WEIGHT_GRAD = "W"  # the half nobody waits for
+
+
+class Direction(StrEnum):
+    """Where a value goes from the stage that made it: the stages form a ring, so the last
+    stage's next is the first and the first stage's previous is the last."""
+
+    NEXT = "next"  # to stage s + 1
+    PREVIOUS = "previous"  # to stage s - 1
+    SAME = "same"  # stays on stage s (a V's turn)
 
 
 class Result(StrEnum):
@@ -87,6 +106,35 @@ def output(op: Op, chunk: int, microbatch: int) -> Value | None:
             assert_never(op)
 
 
+def ring_placement(stages: int, virtual: int) -> tuple[int, ...]:
+    """Chunk `c` on stage `c % stages`: one chunk per stage, or Megatron's interleaving."""
+    return tuple(chunk % stages for chunk in range(stages * virtual))
+
+
+def v_placement(stages: int) -> tuple[int, ...]:
+    """Two chunks per stage in a V: stage `d` holds chunks `d` and `2 * stages - 1 - d`."""
+    return tuple(chunk if chunk < stages else 2 * stages - 1 - chunk for chunk in range(2 * stages))
+
+
+def direction(result: Result, source: int, target: int, stages: int) -> Direction | None:
+    """How `result` travels from stage `source` to stage `target`; None when they are not
+    neighbours.
+
+    On two stages the next stage is also the previous one, and on one stage the stage itself:
+    an activation then goes to the next stage and a gradient to the previous one, the way they
+    travel in a ring placement.
+    """
+    reaches = {
+        Direction.NEXT: (source + 1) % stages,
+        Direction.PREVIOUS: (source - 1) % stages,
+        Direction.SAME: source,
+    }
+    order = (
+        (Direction.NEXT, Direction.PREVIOUS) if result is Result.ACTIVATION else (Direction.PREVIOUS, Direction.NEXT)
+    )
+    return next((way for way in (*order, Direction.SAME) if reaches[way] == target), None)
+
+
 @dataclass(frozen=True, slots=True)
 class Action:
     """Stage `stage` runs `op` for `microbatch` on model chunk `chunk` during tick `tick`."""
@@ -100,7 +148,8 @@ class Action:
 
 @dataclass(frozen=True, slots=True)
 class Schedule:
-    """The whole table: `actions_by_stage[s]` lists stage `s`'s actions in tick order.
+    """The whole table: `actions_by_stage[s]` lists stage `s`'s actions in tick order, and
+    `placement[c]` is the stage that holds chunk `c`.
 
     Ticks with no action on a stage are idle there. `ticks` is the makespan in unit ticks.
     Nothing here checks the table; `dslc.schedules.validate.validate` does.
@@ -112,11 +161,16 @@ class Schedule:
     virtual: int
     ticks: int
     actions_by_stage: tuple[tuple[Action, ...], ...]
+    placement: tuple[int, ...]
 
     @property
     def chunks(self) -> int:
         """Model chunks in the whole pipeline: `virtual` per stage."""
         return self.stages * self.virtual
+
+    def chunks_of(self, stage: int) -> tuple[int, ...]:
+        """The chunks `stage` holds, in model order."""
+        return tuple(chunk for chunk, holder in enumerate(self.placement) if holder == stage)
 
     @property
     def idle_slots(self) -> int:

@@ -1,17 +1,18 @@
 """Check a schedule table against the rules every pipeline schedule must obey.
 
-The rules: each action sits on the stage that holds its chunk, at most one action per stage per
-tick, every (chunk, microbatch) runs exactly one forward and exactly one backward (one B, or one
-I and one W), and every action comes strictly after the actions whose results it consumes
-(`table.inputs`). A table that passes can run on the lockstep executor without deadlock or
-stale data.
+The rules: the placement gives every stage `virtual` chunks and puts consecutive chunks on the
+same or neighbouring stages, each action sits on the stage that holds its chunk, at most one
+action per stage per tick, every (chunk, microbatch) runs exactly one forward and exactly one
+backward (one B, or one I and one W), and every action comes strictly after the actions whose
+results it consumes (`table.inputs`). A table that passes can run on the lockstep executor
+without deadlock or stale data.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 
-from dslc.schedules.table import Action, Op, Schedule, Value, inputs, output
+from dslc.schedules.table import Action, Op, Result, Schedule, Value, direction, inputs, output
 
 
 def validate(schedule: Schedule) -> list[str]:
@@ -40,6 +41,40 @@ def _check_shape(schedule: Schedule) -> list[str]:
         problems.append(
             f"the table needs one row per stage ({schedule.stages}), it has {len(schedule.actions_by_stage)}"
         )
+    if not problems:
+        problems += _check_holders(schedule)
+    return problems
+
+
+def _check_holders(schedule: Schedule) -> list[str]:
+    """The placement: one stage per chunk, `virtual` chunks per stage, neighbours in turn."""
+    placement, stages = schedule.placement, schedule.stages
+    if len(placement) != schedule.chunks:
+        return [
+            f"the placement names the stage of {len(placement)} chunks; {schedule.stages} stages x "
+            f"{schedule.virtual} virtual make {schedule.chunks}"
+        ]
+    problems = [
+        f"chunk {chunk} is placed on stage {stage}, outside 0..{stages - 1}"
+        for chunk, stage in enumerate(placement)
+        if not 0 <= stage < stages
+    ]
+    if problems:
+        return problems
+    for stage in range(stages):
+        held = schedule.chunks_of(stage)
+        if len(held) != schedule.virtual:
+            problems.append(
+                f"stage {stage} holds {len(held)} chunks ({', '.join(map(str, held)) or 'none'}); "
+                f"every stage holds virtual={schedule.virtual}"
+            )
+    for chunk in range(schedule.chunks - 1):
+        source, target = placement[chunk], placement[chunk + 1]
+        if direction(Result.ACTIVATION, source, target, stages) is None:
+            problems.append(
+                f"chunk {chunk} on stage {source} hands its output to chunk {chunk + 1} on stage {target}, "
+                "which is not a neighbour: values travel to the next stage, the previous one, or stay"
+            )
     return problems
 
 
@@ -69,10 +104,10 @@ def _check_placement(schedule: Schedule, problems: list[str]) -> list[Action]:
                 problems.append(f"{where} names a microbatch outside 0..{schedule.microbatches - 1}")
             else:
                 placed.append(action)
-                if action.chunk % schedule.stages != stage:
+                if schedule.placement[action.chunk] != stage:
                     problems.append(
                         f"{where} runs on the wrong stage: chunk {action.chunk} lives on "
-                        f"stage {action.chunk % schedule.stages}"
+                        f"stage {schedule.placement[action.chunk]}"
                     )
     if last_tick + 1 != schedule.ticks:
         # Idle columns after the last action would inflate the bubble fraction.

@@ -247,9 +247,20 @@ class ScheduleSetting:
 
 
 @dataclass(frozen=True, slots=True)
+class ScheduleFile:
+    """`schedule file "PATH"`: a table in the JSON `dslc schedule --format json` prints."""
+
+    path: str  # as written, without the quotes; relative to the spec's folder
+    span: Span = field(compare=False, repr=False)
+
+
+PipelineItem = Setting | ScheduleSetting | ScheduleFile
+
+
+@dataclass(frozen=True, slots=True)
 class PipelineDef:
     axis: Ident
-    items: tuple[Setting | ScheduleSetting, ...]
+    items: tuple[PipelineItem, ...]
     span: Span = field(compare=False, repr=False)
 
 

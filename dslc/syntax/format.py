@@ -101,10 +101,12 @@ class _Printer:
                         self.setting(s)
                     self.close(item.span.end_line)
 
-    def setting(self, s: ast.Setting | ast.ScheduleSetting) -> None:
+    def setting(self, s: ast.PipelineItem) -> None:
         match s:
             case ast.ScheduleSetting(kind=kind):
                 self.emit(f"schedule {kind.text}", s.span.line)
+            case ast.ScheduleFile(path=path):
+                self.emit(f'schedule file "{path}"', s.span.line)
             case ast.Setting(key=key, values=values):
                 self.emit(f"{key.text} " + ", ".join(_setting_value(v) for v in values), s.span.line)
 

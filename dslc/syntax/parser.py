@@ -59,8 +59,9 @@ def parse(source: Source) -> tuple[ast.Module | None, list[Diagnostic]]:
 
 
 def _comments(text: str) -> list[Token]:
-    """Every `#` comment with its position. The language has no string literals, so the
-    first `#` on a line always starts a comment; a line scan finds them exactly."""
+    """Every `#` comment with its position. The language's only quoted text, a schedule
+    file's path, cannot hold a `#`, so the first `#` on a line always starts a comment; a line
+    scan finds them exactly."""
     out: list[Token] = []
     for number, raw in enumerate(text.split("\n"), start=1):
         pos = raw.find("#")
@@ -94,6 +95,7 @@ _TOKEN_WORDS = {
     "INT": "an integer",
     "FLOAT": "a number",
     "SCHEDULE_NAME": "a schedule name",
+    "STRING": "a quoted file path",
     "LPAR": "`(`",
     "RPAR": "`)`",
     "LSQB": "`[`",
@@ -303,6 +305,9 @@ class _ToAst(Transformer[Token, Any]):
 
     def schedule_setting(self, meta: Any, c: list[Token]) -> ast.ScheduleSetting:
         return ast.ScheduleSetting(self._ident(c[0]), self._span(meta))
+
+    def schedule_file(self, meta: Any, c: list[Token]) -> ast.ScheduleFile:
+        return ast.ScheduleFile(str(c[0])[1:-1], self._span(meta))
 
     def train_def(self, meta: Any, c: list[ast.Setting]) -> ast.TrainDef:
         return ast.TrainDef(tuple(c), self._span(meta))

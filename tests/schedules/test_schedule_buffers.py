@@ -5,51 +5,60 @@ from __future__ import annotations
 
 import pytest
 
-from dslc.schedules import KINDS, ScheduleError, build
-from dslc.schedules.buffers import BACKWARD, FORWARD, IDLE, INPUT_GRAD, WEIGHT_GRAD, ExecutionPlan, plan
+from dslc.schedules import KINDS, V_KINDS, ScheduleError, build
+from dslc.schedules.buffers import BACKWARD, FORWARD, IDLE, INPUT_GRAD, ExecutionPlan, allocate_slots
 
 
-def replay(p: ExecutionPlan, chunks: int) -> None:
-    """Run the plan on labels instead of tensors and check every read finds the right one."""
-    stages = p.stages
+def replay(p: ExecutionPlan, placement: tuple[int, ...]) -> None:
+    """Run the plan on labels instead of tensors and check every read finds the right one.
+
+    Each stage's value goes both ways round the ring and stays home too, as an executor may
+    send it; the receive tables must keep exactly the one copy addressed to them."""
+    stages, chunks = p.stages, len(placement)
     stash = [dict[int, tuple[int, int]]() for _ in range(stages)]
     acts = [dict[int, tuple[int, int]]() for _ in range(stages)]
     grads = [dict[int, tuple[int, int]]() for _ in range(stages)]
-    done_w: set[tuple[int, int]] = set()
     for t in range(p.ticks):
-        sent_act: list[tuple[int, int] | None] = [None] * stages
-        sent_grad: list[tuple[int, int] | None] = [None] * stages
+        # What each stage made this tick: ("activation" or "gradient", (chunk it is for, m)).
+        made: list[tuple[str, tuple[int, int]] | None] = [None] * stages
         for s in range(stages):
             op, m, c = p.op[t][s], p.microbatch[t][s], p.chunk[t][s]
             if op == IDLE:
                 continue
-            assert c % stages == s
+            assert placement[c] == s
             if op == FORWARD:
                 if c > 0:
                     assert acts[s].get(p.activation_slot[t][s]) == (c, m), (t, s, c, m)
                 stash[s][p.stash_slot[t][s]] = (c, m)
-                sent_act[s] = (c + 1, m) if c < chunks - 1 else None
+                made[s] = ("activation", (c + 1, m)) if c < chunks - 1 else None
             else:
                 assert stash[s].get(p.stash_slot[t][s]) == (c, m), (t, s, op, c, m)
                 if c < chunks - 1:
                     assert grads[s].get(p.gradient_slot[t][s]) == (c, m), (t, s, op, c, m)
                 if op in (BACKWARD, INPUT_GRAD):
-                    sent_grad[s] = (c - 1, m) if c > 0 else None
-                if op == WEIGHT_GRAD:
-                    done_w.add((c, m))
+                    made[s] = ("gradient", (c - 1, m)) if c > 0 else None
+        delivered = [0] * stages
+        others = p.other_directions
         for s in range(stages):
-            got = sent_act[(s - 1) % stages]
-            if p.receive_activation[t][s] >= 0:
-                assert got is not None and got[0] % stages == s
-                acts[s][p.receive_activation[t][s]] = got
-            else:
-                assert got is None
-            got = sent_grad[(s + 1) % stages]
-            if p.receive_gradient[t][s] >= 0:
-                assert got is not None and got[0] % stages == s
-                grads[s][p.receive_gradient[t][s]] = got
-            else:
-                assert got is None
+            arrivals = (
+                ((s - 1) % stages, "activation", p.receive_activation, acts),
+                ((s + 1) % stages, "gradient", p.receive_gradient, grads),
+                ((s + 1) % stages, "activation", others.activation_from_next, acts),
+                ((s - 1) % stages, "gradient", others.gradient_from_previous, grads),
+                (s, "activation", others.keep_activation, acts),
+                (s, "gradient", others.keep_gradient, grads),
+            )
+            for sender, kind, table, buffers in arrivals:
+                slot = table[t][s]
+                if slot < 0:
+                    continue
+                value = made[sender]
+                assert value is not None and value[0] == kind, (t, s, kind, value)
+                assert placement[value[1][0]] == s
+                buffers[s][slot] = value[1]
+                delivered[sender] += 1
+        # Every value made reaches exactly one stage.
+        assert delivered == [int(value is not None) for value in made], (t, delivered, made)
 
 
 CASES = [(k, P, M, V) for k in KINDS for P in (1, 2, 3, 4) for M in (1, 2, 4, 8) for V in (1, 2)]
@@ -63,21 +72,21 @@ def test_replaying_the_plan_finds_every_value_in_its_slot(
         schedule = build(kind, stages, microbatches, virtual)
     except ScheduleError:
         return
-    replay(plan(schedule), schedule.chunks)
+    replay(allocate_slots(schedule), schedule.placement)
 
 
 def test_stash_is_sized_by_the_schedule_not_by_the_microbatches() -> None:
     for m in (4, 8, 16):
-        assert plan(build("gpipe", 2, m)).stash_slots == m
-        assert plan(build("1f1b", 2, m)).stash_slots == 2
-        assert plan(build("zb-h1", 2, m)).stash_slots == 2
-    assert plan(build("1f1b", 4, 8)).stash_slots == max(build("1f1b", 4, 8).peak_in_flight) == 4
+        assert allocate_slots(build("gpipe", 2, m)).stash_slots == m
+        assert allocate_slots(build("1f1b", 2, m)).stash_slots == 2
+        assert allocate_slots(build("zb-h1", 2, m)).stash_slots == 2
+    assert allocate_slots(build("1f1b", 4, 8)).stash_slots == max(build("1f1b", 4, 8).peak_in_flight) == 4
     interleaved = build("interleaved-1f1b", 4, 8, 2)
-    assert plan(interleaved).stash_slots == max(interleaved.peak_in_flight)
+    assert allocate_slots(interleaved).stash_slots == max(interleaved.peak_in_flight)
 
 
 def test_a_corrupted_plan_is_caught_by_the_replay() -> None:
-    good = plan(build("1f1b", 2, 4))
+    good = allocate_slots(build("1f1b", 2, 4))
     # Point the second stage's first forward at the wrong received-activation slot.
     t = next(t for t in range(good.ticks) if good.op[t][1] == FORWARD)
     wrong = tuple(
@@ -86,4 +95,42 @@ def test_a_corrupted_plan_is_caught_by_the_replay() -> None:
     )
     bad = ExecutionPlan(**{**{f: getattr(good, f) for f in good.__slots__}, "activation_slot": wrong})  # type: ignore[arg-type]
     with pytest.raises(AssertionError):
-        replay(bad, 2)
+        replay(bad, (0, 1))
+
+
+@pytest.mark.parametrize("kind", [k for k in KINDS if k not in V_KINDS])
+def test_ring_placements_use_only_the_ring_tables(kind: str) -> None:
+    """Activations to the next stage, gradients to the previous one: the tables an executor
+    without V support reads say everything, on one stage, two, and more."""
+    for stages in (1, 2, 3):
+        schedule = build(kind, stages, 2 * stages, 2 if kind == "interleaved-1f1b" else None)
+        assert allocate_slots(schedule).ring_only
+
+
+@pytest.mark.parametrize("kind", V_KINDS)
+def test_a_v_turns_on_the_last_stage_and_climbs_back(kind: str) -> None:
+    """On P >= 3 stages: activations go down to the last stage, stay there for the turn, then
+    come back up from the next stage; gradients the other way round."""
+    plan = allocate_slots(build(kind, 3, 6))
+    others = plan.other_directions
+    assert not plan.ring_only
+
+    def stages_with(table: tuple[tuple[int, ...], ...]) -> set[int]:
+        return {s for row in table for s, slot in enumerate(row) if slot >= 0}
+
+    assert stages_with(plan.receive_activation) == {1, 2}  # chunks 1 and 2, from stages 0 and 1
+    assert stages_with(others.keep_activation) == {2}  # chunk 3, made by chunk 2 on stage 2
+    assert stages_with(others.activation_from_next) == {0, 1}  # chunks 4 and 5, coming back up
+    assert stages_with(plan.receive_gradient) == {0, 1}
+    assert stages_with(others.keep_gradient) == {2}
+    assert stages_with(others.gradient_from_previous) == {1, 2}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_checker_and_the_tables_agree_on_what_the_ring_executor_runs(kind: str) -> None:
+    """`dslc check` decides from the placement alone; the tables say it by what they fill."""
+    from dslc.check.schedule import runs_on_executor
+
+    for stages in (1, 2, 3, 4):
+        schedule = build(kind, stages, 2 * stages, 2 if kind == "interleaved-1f1b" else None)
+        assert runs_on_executor(schedule.placement, stages) == allocate_slots(schedule).ring_only

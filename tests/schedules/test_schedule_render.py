@@ -15,8 +15,8 @@ SVG = "{http://www.w3.org/2000/svg}"
 GOLDENS = Path(__file__).parent / "goldens"
 
 
-def examples() -> list[tuple[str, int, int, int]]:
-    return [(kind, 3, 6, 2 if kind == "interleaved-1f1b" else 1) for kind in KINDS]
+def examples() -> list[tuple[str, int, int, int | None]]:
+    return [(kind, 3, 6, 2 if kind == "interleaved-1f1b" else None) for kind in KINDS]
 
 
 def test_text_timeline_1f1b() -> None:
@@ -32,9 +32,9 @@ def test_text_timeline_1f1b() -> None:
 def test_text_timeline_shows_chunks_when_stages_hold_several() -> None:
     assert to_text(build("interleaved-1f1b", 2, 2, 2)) == (
         "interleaved-1f1b: 2 stages, 2 microbatches, 2 chunks per stage\n"
-        "tick     0    1    2    3    4    5    6    7    8    9\n"
-        "stage 0  F0c0 F1c0 F0c2 F1c2 .    B0c2 .    B1c2 B0c0 B1c0\n"
-        "stage 1  .    F0c1 F1c1 F0c3 B0c3 F1c3 B1c3 B0c1 B1c1 .\n"
+        "tick             0    1    2    3    4    5    6    7    8    9\n"
+        "stage 0 (c0 c2)  F0c0 F1c0 F0c2 F1c2 .    B0c2 .    B1c2 B0c0 B1c0\n"
+        "stage 1 (c1 c3)  .    F0c1 F1c1 F0c3 B0c3 F1c3 B1c3 B0c1 B1c1 .\n"
         "10 ticks, bubble fraction 0.200, peak in flight [4, 3]\n"
     )
 
@@ -42,16 +42,24 @@ def test_text_timeline_shows_chunks_when_stages_hold_several() -> None:
 @pytest.mark.parametrize("kind", KINDS)
 def test_timelines_at_four_stages_eight_microbatches_match_goldens(kind: str, update_goldens: bool) -> None:
     """The tables themselves, pinned: a change to any generator shows up as a diff here."""
-    virtual = 2 if kind == "interleaved-1f1b" else 1
-    schedule = build(kind, 4, 8, virtual)
-    outputs = {f"{kind}-p4-m8-v{virtual}.txt": to_text(schedule)}
-    if kind == "zb-h1":
-        outputs[f"{kind}-p4-m8-v{virtual}.svg"] = to_svg(schedule)
+    schedule = build(kind, 4, 8, 2 if kind == "interleaved-1f1b" else None)
+    name = f"{kind}-p4-m8-v{schedule.virtual}"
+    outputs = {f"{name}.txt": to_text(schedule)}
+    if kind in ("zb-h1", "zb-v"):
+        outputs[f"{name}.svg"] = to_svg(schedule)
     for name, output in outputs.items():
         path = GOLDENS / name
         if update_goldens:
             path.write_text(output)
         assert output == path.read_text(), f"{name} changed; review, then rerun with --update-goldens"
+
+
+def test_a_v_shows_each_stage_holding_two_chunks() -> None:
+    text = to_text(build("zb-v", 3, 3))
+    names = [line.split(")")[0] + ")" for line in text.splitlines()[2:5]]
+    assert names == ["stage 0 (c0 c5)", "stage 1 (c1 c4)", "stage 2 (c2 c3)"]
+    svg = ET.fromstring(to_svg(build("zb-v", 3, 3)))
+    assert "stage 2 (c2 c3)" in [element.text for element in svg.iter(f"{SVG}text")]
 
 
 def test_text_timeline_zb_h1_uses_split_backwards() -> None:
@@ -60,15 +68,16 @@ def test_text_timeline_zb_h1_uses_split_backwards() -> None:
 
 
 @pytest.mark.parametrize("request_", examples())
-def test_json_carries_the_whole_table(request_: tuple[str, int, int, int]) -> None:
+def test_json_carries_the_whole_table(request_: tuple[str, int, int, int | None]) -> None:
     schedule = build(*request_)
     data = to_json(schedule)
     assert json.loads(json.dumps(data)) == data
-    assert {k: data[k] for k in ("kind", "stages", "microbatches", "virtual", "ticks")} == {
+    assert {k: data[k] for k in ("kind", "stages", "microbatches", "virtual", "placement", "ticks")} == {
         "kind": schedule.kind,
         "stages": schedule.stages,
         "microbatches": schedule.microbatches,
         "virtual": schedule.virtual,
+        "placement": list(schedule.placement),
         "ticks": schedule.ticks,
     }
     assert data["bubble_fraction"] == schedule.bubble_fraction
@@ -81,7 +90,7 @@ def test_json_carries_the_whole_table(request_: tuple[str, int, int, int]) -> No
 
 
 @pytest.mark.parametrize("request_", examples())
-def test_svg_is_well_formed_with_a_cell_per_slot(request_: tuple[str, int, int, int]) -> None:
+def test_svg_is_well_formed_with_a_cell_per_slot(request_: tuple[str, int, int, int | None]) -> None:
     schedule = build(*request_)
     svg = to_svg(schedule)
     assert svg == to_svg(build(*request_))

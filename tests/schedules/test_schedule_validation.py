@@ -7,7 +7,7 @@ import dataclasses
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dslc.schedules import KINDS, Action, Op, Schedule, build, validate
+from dslc.schedules import KINDS, V_KINDS, Action, Op, Schedule, build, validate
 
 # No example database: these tests must leave nothing behind in the checkout.
 fast = settings(max_examples=40, deadline=None, database=None)
@@ -20,7 +20,7 @@ def requests(draw: st.DrawFn) -> tuple[str, int, int, int]:
     stages = draw(st.integers(1, 8))
     if kind == "interleaved-1f1b":
         return kind, stages, stages * draw(st.integers(1, 3)), draw(st.integers(2, 3))
-    return kind, stages, draw(st.integers(1, 20)), 1
+    return kind, stages, draw(st.integers(1, 20)), 2 if kind in V_KINDS else 1
 
 
 schedules = requests().map(lambda request: build(*request))
@@ -121,7 +121,7 @@ def test_forwards_swapped_across_stages_are_caught(schedule: Schedule, data: st.
 
 
 @fast
-@given(schedules.filter(lambda s: s.kind == "zb-h1"), st.data())
+@given(schedules.filter(lambda s: s.kind in ("zb-h1", *V_KINDS)), st.data())
 def test_a_weight_gradient_before_its_input_gradient_is_caught(schedule: Schedule, data: st.DataObject) -> None:
     microbatch = data.draw(st.integers(0, schedule.microbatches - 1))
     chunk = data.draw(st.integers(0, schedule.chunks - 1))
@@ -214,3 +214,30 @@ def test_a_missing_row_and_bad_dimensions_are_caught() -> None:
         "microbatches must be at least 1, got 0",
         "virtual must be at least 1, got 0",
     ]
+
+
+def test_the_placement_decides_where_a_chunk_runs() -> None:
+    """The same actions are right under one placement and wrong under another."""
+    schedule = build("interleaved-1f1b", 2, 2, 2)
+    assert schedule.placement == (0, 1, 0, 1)
+    problems = validate(dataclasses.replace(schedule, placement=(0, 1, 1, 0)))
+    assert mentions(problems, "F of chunk 2, microbatch 0 runs on the wrong stage: chunk 2 lives on stage 1")
+
+
+def test_a_bad_placement_is_caught_before_the_actions() -> None:
+    schedule = build("interleaved-1f1b", 4, 4, 2)
+    cases = {
+        (0, 1, 2, 3): ["the placement names the stage of 4 chunks; 4 stages x 2 virtual make 8"],
+        (0, 1, 2, 3, 0, 1, 2, 9): ["chunk 7 is placed on stage 9, outside 0..3"],
+        (0, 1, 2, 3, 3, 2, 1, 1): [
+            "stage 0 holds 1 chunks (0); every stage holds virtual=2",
+            "stage 1 holds 3 chunks (1, 6, 7); every stage holds virtual=2",
+        ],
+        # Chunk 5 on stage 0 to chunk 6 on stage 3 is fine: the stages form a ring.
+        (0, 1, 2, 3, 1, 0, 3, 2): [
+            "chunk 3 on stage 3 hands its output to chunk 4 on stage 1, which is not a neighbour: "
+            "values travel to the next stage, the previous one, or stay"
+        ],
+    }
+    for placement, expected in cases.items():
+        assert validate(dataclasses.replace(schedule, placement=placement)) == expected, placement
