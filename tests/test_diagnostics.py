@@ -501,6 +501,31 @@ def test_e022_virtual_stages_only_for_interleaved() -> None:
     d = only(text)
     assert (d.code, at(d)) == ("E022", (10, 1, 14, 2))
     assert "virtual=2" in d.message and "interleaved-1f1b" in d.message
+    assert d.help is not None and "`virtual 1`" in d.help and "--set v=1" in d.help
+
+
+def test_pipeline_and_train_settings_read_constants_that_set_changes() -> None:
+    # language.md: settings take integer expressions over the spec's constants, so `--set`
+    # changes them; `--set v=1` turns an interleaved plan into one chunk per stage.
+    text = spec(
+        "stages {",
+        "  repeat 4 relu()",
+        "}",
+        "loss: mse(y)",
+        header=PIPELINE_HEADER.replace("8 @ data", "16 @ data") + "const mb = 4\nconst acc = 2\nconst v = 2\n",
+        after="pipeline stage {\n  schedule interleaved-1f1b\n  microbatches mb\n  virtual v\n}\n"
+        "train {\n  accumulate acc\n  optimizer adamw(warmup=acc * 10)\n}\n",
+    )
+    program = dslc.analyze(text).program
+    assert program is not None and program.pipeline is not None
+    assert (program.pipeline.microbatches, program.pipeline.virtual, program.train.accumulate) == (4, 2, 2)
+    assert dict(program.train.optimizer.hyper) == {"warmup": 20.0}
+    assert len(program.chunks) == 4
+    changed = dslc.analyze(text, overrides=["mb=2", "acc=4", "v=1"], schedule="1f1b")
+    assert changed.ok, changed.diagnostics
+    assert changed.program is not None and changed.program.pipeline is not None
+    assert (changed.program.pipeline.microbatches, changed.program.pipeline.virtual) == (2, 1)
+    assert changed.program.train.accumulate == 4 and len(changed.program.chunks) == 2
 
 
 # ---- E023: --mesh --------------------------------------------------------------------------

@@ -16,11 +16,18 @@ def check_schedule(program: Program, diags: Diagnostics) -> None:
     try:
         build(p.schedule, stages, p.microbatches, p.virtual)
     except ScheduleError as exc:
+        # A schedule of one chunk per stage (`--schedule 1f1b` on an interleaved spec, say)
+        # runs with `virtual 1`; the message itself points the other way, to interleaving.
+        one_chunk = p.virtual != 1 and p.schedule != "interleaved-1f1b"
         diags.error(
             "E022",
             str(exc),
             p.span,
             notes=[f"{stages} stages (`{p.axis}`), {p.microbatches} microbatches, virtual {p.virtual}"],
+            help=f"for {p.schedule}, set `virtual 1` in the pipeline section; written as a constant (`virtual v`), "
+            "it can be changed from the command line with `--set v=1`"
+            if one_chunk
+            else None,
         )
 
 

@@ -68,7 +68,7 @@ def elaborate(
     if chunks_source is None:
         return None
     stream, segments = chunks_source
-    pipeline = read_pipeline(header.pipeline, header.mesh, diags) if header.pipeline else None
+    pipeline = read_pipeline(header.pipeline, header.mesh, header.constants, diags) if header.pipeline else None
     if header.pipeline is not None and pipeline is None:
         # The pipeline was declared but could not be read (already reported): the stages
         # cannot be counted against it, and "no pipeline is declared" would be untrue.
@@ -154,7 +154,7 @@ class _Header:
             train=ir.Train(),
         )
         train = singles.get(ast.TrainDef)
-        header.train = read_train(train, mesh, diags) if isinstance(train, ast.TrainDef) else ir.Train()
+        header.train = read_train(train, mesh, constants, diags) if isinstance(train, ast.TrainDef) else ir.Train()
         header.inputs = _read_inputs(module, header, diags)
         header.blocks = _read_blocks(module, diags)
         return header
