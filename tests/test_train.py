@@ -314,6 +314,24 @@ def test_resume_without_a_checkpoint_is_refused(capsys: pytest.CaptureFixture[st
     assert code == 2 and "no checkpoint" in err and "without --resume" in err
 
 
+def test_refused_resume_prints_one_line_and_creates_nothing(tmp_path: Path) -> None:
+    # In a fresh process, so that what runs at interpreter shutdown is seen: orbax's
+    # clean-up thread used to end such a run with a traceback. Nothing to resume: no run
+    # folder at all, and a `checkpoints/` holding only an unfinished save (killed while
+    # writing the first one), which the refused run still cleans up.
+    unfinished = tmp_path / "killed" / "checkpoints" / "1.orbax-checkpoint-tmp-1700000000000000"
+    unfinished.mkdir(parents=True)
+    for run in (tmp_path / "never", tmp_path / "killed"):
+        command = [sys.executable, "-m", "dslc.cli", "train", TINY, "--steps", "2", "--resume", "--out", str(run)]
+        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 2
+        assert done.stderr.splitlines() == [
+            f"dslc: error: no checkpoint in {run / 'checkpoints'} to resume from; train without --resume first"
+        ]
+    assert not (tmp_path / "never").exists()
+    assert not unfinished.exists()
+
+
 def test_checkpoints_of_another_spec_or_an_existing_run_are_refused(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:

@@ -84,6 +84,8 @@ def train(program: Program, options: TrainOptions, log: Callable[[str], None] | 
     leader = jax.process_index() == 0
     log = (log or _to_stderr) if leader else _nowhere
     dataset = dataset_for(program.ir)
+    if options.resume and not _has_entries(options.out / CHECKPOINTS_DIR):
+        raise _nothing_to_resume(options.out / CHECKPOINTS_DIR)  # before anything is created
     checkpoints = _open_run(options.out)
     try:
         return _train(program, dataset, checkpoints, options, log, leader)
@@ -99,6 +101,17 @@ def _open_run(out: Path) -> Checkpoints:
     return Checkpoints(out / CHECKPOINTS_DIR)
 
 
+def _has_entries(directory: Path) -> bool:
+    try:
+        return any(directory.iterdir())
+    except OSError:  # missing, or not a folder: _open_run says which
+        return False
+
+
+def _nothing_to_resume(directory: Path) -> TrainError:
+    return TrainError(f"no checkpoint in {directory} to resume from; train without --resume first")
+
+
 def _train(
     program: Program,
     dataset: Dataset,
@@ -109,7 +122,7 @@ def _train(
 ) -> TrainResult:
     latest = checkpoints.latest_step()
     if options.resume and latest is None:
-        raise TrainError(f"no checkpoint in {checkpoints.directory} to resume from; train without --resume first")
+        raise _nothing_to_resume(checkpoints.directory)
     if not options.resume and latest is not None:
         raise TrainError(
             f"{options.out} already holds a checkpoint at step {latest}: add --resume to continue from it, "
