@@ -86,7 +86,7 @@ def _parser() -> argparse.ArgumentParser:
     init = sub.add_parser("init", help="initialise a spec's weights on a mesh and save them (.npz)")
     init.add_argument("spec", help="path of the .par file")
     init.add_argument("--mesh", help="mesh sizes in the spec's axis order, e.g. 2x4x2")
-    init.add_argument("--seed", type=int, default=0)
+    init.add_argument("--seed", type=_count, default=0, help="the weights' random seed, a whole number (default 0)")
     init.add_argument("-o", "--output", required=True, help="where to write the weights (.npz)")
     _set_arg(init)
     init.set_defaults(run=_init)
@@ -175,8 +175,15 @@ def _set_arg(p: argparse.ArgumentParser) -> None:
 
 
 def _spec_path(args: argparse.Namespace) -> Path:
-    path = Path(args.spec) if args.spec else resources.default_spec_path()
-    if not path.is_file():
+    return _existing_file(args.spec) if args.spec else resources.default_spec_path()
+
+
+def _existing_file(text: str) -> Path:
+    """A path the user named as a file to read; a usage error when it is missing or a folder."""
+    path = Path(text)
+    if path.is_dir():
+        raise UsageError(f"{path} is a folder, not a file")
+    if not path.exists():
         raise UsageError(f"no such file: {path}")
     return path
 
@@ -231,9 +238,7 @@ def _fmt(args: argparse.Namespace) -> int:
     from dslc.syntax.parser import parse
     from dslc.syntax.source import read_path
 
-    path = Path(args.spec)
-    if not path.is_file():
-        raise UsageError(f"no such file: {path}")
+    path = _existing_file(args.spec)
     source, diags = read_path(path)
     module = None
     if source is not None:
@@ -319,17 +324,12 @@ class _Exit(Exception):
         self.code = code
 
 
-def _load_npz(path_text: str, what: str) -> dict[str, Any]:
-    import numpy as np
-
-    path = Path(path_text)
-    if not path.is_file():
-        raise UsageError(f"no such file: {path}")
+def _load_npz(path_text: str) -> dict[str, Any]:
+    path = _existing_file(path_text)
     try:
-        with np.load(path, allow_pickle=False) as data:
-            return {name: data[name] for name in data.files}
-    except (OSError, ValueError) as exc:
-        print(f"dslc: error: cannot read {what} from {path}: {exc}", file=sys.stderr)
+        return files.read_npz(path)
+    except files.UnreadableArrays as exc:
+        print(f"dslc: error: {exc}", file=sys.stderr)
         raise _Exit(EXIT_ERRORS) from None
 
 
@@ -354,18 +354,20 @@ def _init(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     program = _compile(args)  # first: it decides how many host devices jax starts with
+    from dslc.ir.inputs import check_inputs, read_inputs
     from dslc.lower.program import WeightsError
 
-    weights = _load_npz(args.weights, "weights")
-    inputs = _load_npz(args.inputs, "inputs")
-    model = program.init(0)
+    weights = _load_npz(args.weights)
+    inputs = _load_npz(args.inputs)
     try:
+        check_inputs(program.ir, inputs, read_inputs(program.ir, loss=args.grads))  # before any compilation
+        model = program.init(0)
         program.import_weights(model, weights)
         results = {"output": program.forward(model, inputs)}
         if args.grads:
             results["loss"] = program.loss(model, inputs)
             results.update({f"grad/{name}": g for name, g in program.grads(model, inputs).items()})
-    except (WeightsError, ValueError) as exc:
+    except (WeightsError, ValueError) as exc:  # InputError is one too
         print(f"dslc: error: {exc}", file=sys.stderr)
         return EXIT_ERRORS
     import numpy as np

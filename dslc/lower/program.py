@@ -13,7 +13,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from dslc.ir import nodes as ir
-from dslc.ir.inputs import integer_bounds
+from dslc.ir.inputs import check_inputs, integer_bounds, read_inputs
 from dslc.ir.state import state_sharding
 from dslc.kernels.training import accumulate_gradients
 from dslc.lower.model import DslcModel, Params, init_params, run_forward, run_loss, split_loss
@@ -124,7 +124,7 @@ class Program:
     def loss(self, model: DslcModel, batch: Mapping[str, Any]) -> jax.Array:
         """The training objective: the loss layer's value plus the layers' auxiliary losses."""
         with jax.set_mesh(self.mesh):
-            return self._loss(model.arrays(), self._place(batch))
+            return self._loss(model.arrays(), self._place(batch, loss=True))
 
     def aux(self, model: DslcModel, inputs: Mapping[str, Any]) -> dict[str, float]:
         """The auxiliary values the layers return on `inputs`, summed over the layers (dropout
@@ -137,7 +137,7 @@ class Program:
 
     def grads(self, model: DslcModel, batch: Mapping[str, Any]) -> dict[str, np.ndarray]:
         with jax.set_mesh(self.mesh):
-            grads = self._grads(model.arrays(), self._place(batch))
+            grads = self._grads(model.arrays(), self._place(batch, loss=True))
         return {name: np.asarray(jax.device_get(g)) for name, g in grads.items()}
 
     def example_batch(self, seed: int) -> dict[str, np.ndarray]:
@@ -168,7 +168,7 @@ class Program:
         place and returns the new optimizer state and the loss before the step."""
         key = jax.random.key(step)
         with jax.set_mesh(self.mesh):
-            params, opt_state, loss = self._step(model.arrays(), opt_state, self._place(batch), key)
+            params, opt_state, loss = self._step(model.arrays(), opt_state, self._place(batch, loss=True), key)
         for name, value in params.items():
             model.params[name].set_value(value)
         return opt_state, float(loss)
@@ -243,23 +243,19 @@ class Program:
     def _runtime(self, batch: Mapping[str, jax.Array], key: jax.Array | None = None) -> Runtime:
         return Runtime(self.mesh, self._compute, dict(batch), training=key is not None, dropout_key=key)
 
-    def _place(self, batch: Mapping[str, Any]) -> dict[str, jax.Array]:
-        """Put each input on the mesh with its declared sharding (checking its shape)."""
+    def _place(self, batch: Mapping[str, Any], loss: bool = False) -> dict[str, jax.Array]:
+        """Put each input on the mesh with its declared sharding, after checking the batch
+        (`InputError`): what the forward pass reads, and with `loss` the targets too."""
+        check_inputs(self.ir, batch, read_inputs(self.ir, loss))
         placed: dict[str, jax.Array] = {}
         for inp in self.ir.inputs:
             if inp.name not in batch:
                 continue
-            value = np.asarray(batch[inp.name])
-            if value.shape != inp.type.shape:
-                raise ValueError(f"input `{inp.name}` has shape {value.shape}, the spec says {inp.type.shape}")
-            value = value.astype(np.dtype(JNP_DTYPES[inp.type.dtype]))
+            value = np.asarray(batch[inp.name]).astype(np.dtype(JNP_DTYPES[inp.type.dtype]))
             # Every process holds the whole batch and builds only its own devices' shards;
             # device_put onto a mesh spanning processes would all-gather it to compare first.
             sharding = NamedSharding(self.mesh, partition_spec(inp.type.sharding))
             placed[inp.name] = jax.make_array_from_callback(value.shape, sharding, value.__getitem__)
-        missing = [i.name for i in self.ir.inputs if i.name not in placed and (i.name == self.ir.stream)]
-        if missing:
-            raise ValueError(f"missing input `{missing[0]}`")
         return placed
 
     @functools.cached_property
