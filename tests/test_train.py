@@ -24,13 +24,14 @@ from dslc.frontend import analyze
 from dslc.ir import nodes as ir
 from dslc.train.checkpoint import PAUSE_ENV
 from dslc.train.corpus import ByteCorpus
-from dslc.train.data import dataset_for
+from dslc.train.data import data_warnings, dataset_for
 from dslc.train.dataset import DataError
 from dslc.train.digits import load_digits, resample
 from dslc.train.plot import HEIGHT, WIDTH, loss_curve_png
 from tests.conftest import ROOT, SPECS
 
 TINY = str(SPECS / "tiny.par")
+TINY_TEXT = (SPECS / "tiny.par").read_text()
 
 
 def checked(source: str | Path) -> ir.Program:
@@ -97,6 +98,16 @@ def test_corpus_maps_bytes_beyond_a_small_vocabulary_to_its_last_id() -> None:
 def test_language_model_with_too_few_ids_is_refused() -> None:
     with pytest.raises(DataError, match="at least 128"):
         dataset_for(checked(_lm_spec(vocab=64)))
+
+
+def test_bidirectional_attention_on_next_token_targets_is_warned_about() -> None:
+    # Seen: such a model (rope, causal=false) trained to a loss of 0.145 by reading the answer.
+    assert data_warnings(checked(TINY)) == []
+    bidirectional = TINY_TEXT.replace("attention(d, heads)", "attention(d, heads, causal=false, rope=true)")
+    (warning,) = data_warnings(checked(bidirectional))
+    assert warning.startswith("warning: `layers.0.attn` (and 1 more) attends both ways (causal=false)")
+    assert "causal=true" in warning
+    assert data_warnings(checked(SPECS / "seed_mlp_pipeline.par")) == []
 
 
 def test_digits_feed_the_mlp_spec_as_28x28_images_without_repeats_in_an_epoch() -> None:

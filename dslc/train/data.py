@@ -35,6 +35,32 @@ def dataset_for(program: ir.Program) -> Dataset:
     raise DataError(_refusal(program))
 
 
+def data_warnings(program: ir.Program) -> list[str]:
+    """What a person should know before training the spec on the data `dataset_for` gives it.
+
+    Every language-model data set `dslc train` reads is next-token prediction: a target is
+    the token after its position. Attention that also looks forward (`causal=false`) then
+    reads the very token it is asked to predict, and the loss falls towards zero with nothing
+    learnt that would generate text."""
+    stream = program.input(program.stream)
+    loss = _loss_layer(program)
+    if loss is None or loss.kind != "cross_entropy":
+        return []
+    target = program.input(str(loss.attr("targets")))
+    if not _is_language_model(program, stream, target, loss):
+        return []
+    layers = ir.all_layers(program)
+    both_ways = [layer.path for layer in layers if layer.kind == "attention" and not layer.attr("causal")]
+    if not both_ways:
+        return []
+    more = f" (and {len(both_ways) - 1} more)" if len(both_ways) > 1 else ""
+    return [
+        f"warning: `{both_ways[0]}`{more} attends both ways (causal=false), but every target is the next token: "
+        "each position can read the token it is asked to predict, so the loss will fall without the model "
+        "learning to predict; use causal=true for next-token training"
+    ]
+
+
 def _loss_layer(program: ir.Program) -> ir.Layer | None:
     nodes = [n for chunk in program.chunks for n in chunk.nodes]
     last = nodes[-1] if nodes else None

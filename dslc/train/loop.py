@@ -24,7 +24,7 @@ from dslc.lower.model import DslcModel
 from dslc.lower.optim import learning_rate
 from dslc.lower.program import Program
 from dslc.train.checkpoint import Checkpoints, RunState, run_state
-from dslc.train.data import dataset_for
+from dslc.train.data import data_warnings, dataset_for
 from dslc.train.dataset import Dataset
 from dslc.train.metrics import Metrics, Throughput
 from dslc.train.progress import TrainingProgress
@@ -156,6 +156,8 @@ def _train(
                 "the loss will not follow the uninterrupted run's"
             )
     log(f"training {program.ir.name} on mesh {here.mesh}: {dataset.description}, seed {seed}")
+    for warning in data_warnings(program.ir):
+        log(warning)
 
     metrics = Metrics.resume(options.out, dataset.unit, start, writes=leader)
     schedule = learning_rate(program.ir.train.optimizer)
