@@ -1,0 +1,61 @@
+"""The mesh's devices: simulated CPU devices when jax has not started, a clear error otherwise.
+
+The first two tests run in fresh interpreters without XLA_FLAGS (this test process fixed its
+device count at collection time).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+
+from dslc.ir.nodes import Mesh, MeshAxis
+from dslc.lower.devices import _shortfall
+from tests.conftest import ROOT, SPECS
+
+
+def fresh_python(script: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    return subprocess.run(
+        [sys.executable, "-c", script, str(SPECS / "tiny.par")],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=120,
+    )
+
+
+def test_compile_after_importing_jax_still_gets_its_simulated_devices() -> None:
+    # Importing jax does not start its backends, so the device count can still be set.
+    done = fresh_python("import sys, jax, dslc\nprogram = dslc.compile(sys.argv[1])\nprint(len(jax.devices()))")
+    assert done.returncode == 0, done.stderr
+    assert int(done.stdout) == 4  # tiny's 2x2 mesh
+
+
+def test_compile_after_jax_started_says_why_it_cannot_have_more_devices() -> None:
+    script = (
+        "import sys, jax, dslc\nfrom dslc.lower.devices import DeviceError\njax.devices()\n"
+        "try:\n    dslc.compile(sys.argv[1])\nexcept DeviceError as exc:\n    print(exc)"
+    )
+    done = fresh_python(script)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith(
+        "the mesh 2x2 (data, model) needs 4 devices, but jax had already started with 1 CPU device"
+    )
+    assert "XLA_FLAGS=--xla_force_host_platform_device_count=4 before starting Python" in done.stdout
+
+
+@dataclass
+class FakeDevice:
+    platform: str
+
+
+def test_too_few_accelerators_is_an_error_about_them_not_cpu_flags() -> None:
+    mesh = Mesh((MeshAxis("data", 2), MeshAxis("model", 4)))
+    message = _shortfall(mesh, [FakeDevice("gpu"), FakeDevice("gpu")])  # type: ignore[list-item]
+    assert message.startswith("the mesh 2x4 (data, model) needs 8 devices, but this process sees 2 GPU devices")
+    assert "a --mesh of at most 2 devices" in message and "JAX_PLATFORMS=cpu" in message
+    assert "XLA_FLAGS" not in message
