@@ -60,12 +60,15 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="dslc", description="Compiler for model-parallel training plans (.par files)."
     )
+    parser.add_argument("--version", action="version", version=f"dslc {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     check = sub.add_parser("check", help="check a spec and report every problem with it")
     _spec_arg(check)
     check.add_argument("--mesh", help="mesh sizes in the spec's axis order, e.g. 2x4x2")
-    check.add_argument("--format", choices=("text", "json"), default="text")
+    check.add_argument(
+        "--format", choices=("text", "json"), default="text", help="diagnostics as text (stderr) or JSON (stdout)"
+    )
     _set_arg(check)
     check.set_defaults(run=_check)
 
@@ -108,7 +111,7 @@ def _parser() -> argparse.ArgumentParser:
         help="mesh sizes in the spec's axis order, e.g. 2x4x2; `auto` chooses them, with the pipeline "
         "schedule and microbatches (needs --devices and --device-memory)",
     )
-    plan.add_argument("--format", choices=("text", "json"), default="text")
+    plan.add_argument("--format", choices=("text", "json"), default="text", help="a report (text) or one JSON object")
     plan.add_argument(
         "--device-memory", type=float, metavar="GiB", help="warn when a device needs more than this (auto: the limit)"
     )
@@ -146,13 +149,33 @@ def _parser() -> argparse.ArgumentParser:
     train.set_defaults(run=_train)
 
     sched = sub.add_parser("schedule", help="print, draw or export a pipeline schedule table")
-    sched.add_argument("--kind", required=True, help="gpipe, 1f1b, interleaved-1f1b or zb-h1")
-    sched.add_argument("--stages", type=int, required=True)
-    sched.add_argument("--microbatches", type=int, required=True)
-    sched.add_argument("--virtual", type=int, default=1)
-    sched.add_argument("--format", choices=("text", "json", "svg"), default="text")
+    sched.add_argument("--kind", required=True, help="the schedule: gpipe, 1f1b, interleaved-1f1b or zb-h1")
+    sched.add_argument(
+        "--stages", type=int, required=True, metavar="P", help="pipeline stages (devices along the axis)"
+    )
+    sched.add_argument(
+        "--microbatches", type=int, required=True, metavar="M", help="microbatches each step's batch is cut into"
+    )
+    sched.add_argument(
+        "--virtual", type=int, default=1, metavar="V", help="model chunks per stage (above 1: interleaved-1f1b)"
+    )
+    sched.add_argument(
+        "--format",
+        choices=("text", "json", "svg"),
+        default="text",
+        help="a timeline (text), the table (json) or a picture (svg)",
+    )
     sched.set_defaults(run=_schedule)
     return parser
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("dslc")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "(not installed)"
 
 
 def _spec_arg(p: argparse.ArgumentParser) -> None:
@@ -221,15 +244,22 @@ def _check(args: argparse.Namespace) -> int:
 
 
 def _summary(result: Analysis) -> str:
-    from dslc.ir.nodes import all_layers, weights_by_path
+    from collections import Counter
+
+    from dslc.ir.nodes import Block, all_layers, walk, weights_by_path
 
     program = result.program
     if program is None:
         return ""
     params = sum(w.type.numel for w in weights_by_path(program).values())
+    layers = len(all_layers(program))
+    # The layers are every call in the model, activations included; the blocks say how
+    # they group, which is how a model is usually counted ("a two-layer transformer").
+    blocks = Counter(n.block for chunk in program.chunks for n in walk(chunk.nodes) if isinstance(n, Block))
+    grouped = ", ".join(f"{count} `{name}` block{'s' * (count != 1)}" for name, count in blocks.items())
     return (
-        f" — model {program.name}, {len(all_layers(program))} layers, {params:,} parameters, "
-        f"mesh {program.mesh.describe()}"
+        f" — model {program.name}, {layers} layer{'s' * (layers != 1)}{f' ({grouped})' if grouped else ''}, "
+        f"{params:,} parameters, mesh {program.mesh.describe()}"
     )
 
 

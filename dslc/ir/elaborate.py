@@ -187,8 +187,8 @@ def _read_mesh(
         names = ", ".join(a.name.text for a in decl.axes)
         diags.error(
             "E023",
-            f"--mesh {'x'.join(map(str, sizes))} gives {len(sizes)} sizes, but the spec's mesh has "
-            f"{len(decl.axes)} axes ({names})",
+            f"--mesh {'x'.join(map(str, sizes))} gives {_count(len(sizes), 'size')}, but the spec's mesh has "
+            f"{_count(len(decl.axes), 'axis', 'axes')} ({names})",
             decl.span,
             help=f"pass one size per axis, in order: --mesh {'x'.join('N' for _ in decl.axes)}",
         )
@@ -223,6 +223,10 @@ def _read_mesh(
     return ir.Mesh(tuple(axes))
 
 
+def _count(n: int, one: str, many: str | None = None) -> str:
+    return f"{n} {one if n == 1 else many or one + 's'}"
+
+
 def _read_constants(module: ast.Module, overrides: Mapping[str, int], diags: Diagnostics) -> dict[str, int]:
     decls = [item for item in module.items if isinstance(item, ast.ConstDecl)]
     values: dict[str, int] = {}
@@ -241,7 +245,18 @@ def _read_constants(module: ast.Module, overrides: Mapping[str, int], diags: Dia
         spans[name] = decl.name.span
         later = {n: s for n, s in declared_at.items() if n not in values and n != name}
         local = Diagnostics()
-        value = overrides[name] if name in overrides else eval_expr(decl.value, values, local)
+        if name in overrides:
+            value: int | None = overrides[name]
+        elif isinstance(decl.value, ast.FloatLit):
+            value = None
+            diags.error(
+                "E025",
+                f"constants are integers, but `{name}` is given `{decl.value.text}`",
+                decl.value.span,
+                help="write the number where it is used, for example `dropout(0.1)` or `adamw(lr=3e-4)`",
+            )
+        else:
+            value = eval_expr(decl.value, values, local)
         for d in local.items:
             diags.add(_explain_later(d, later))
         if value is not None:
