@@ -11,6 +11,8 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
+import pytest
+
 from dslc.ir.nodes import Mesh, MeshAxis
 from dslc.lower.devices import _shortfall
 from tests.conftest import ROOT, SPECS
@@ -35,16 +37,22 @@ def test_compile_after_importing_jax_still_gets_its_simulated_devices() -> None:
     assert int(done.stdout) == 4  # tiny's 2x2 mesh
 
 
-def test_compile_after_jax_started_says_why_it_cannot_have_more_devices() -> None:
+@pytest.mark.parametrize(
+    ("before", "have"),
+    [
+        ("jax.devices()", "1 CPU device"),
+        # A count set in jax is someone's choice (a multi-process run sets each process's share).
+        ("jax.config.update('jax_num_cpu_devices', 2)", "2 CPU devices"),
+    ],
+)
+def test_compile_after_jax_started_or_was_set_says_why_it_cannot_have_more_devices(before: str, have: str) -> None:
     script = (
-        "import sys, jax, dslc\nfrom dslc.lower.devices import DeviceError\njax.devices()\n"
+        f"import sys, jax, dslc\nfrom dslc.lower.devices import DeviceError\n{before}\n"
         "try:\n    dslc.compile(sys.argv[1])\nexcept DeviceError as exc:\n    print(exc)"
     )
     done = fresh_python(script)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.startswith(
-        "the mesh 2x2 (data, model) needs 4 devices, but jax had already started with 1 CPU device"
-    )
+    assert done.stdout.startswith(f"the mesh 2x2 (data, model) needs 4 devices, but jax has {have}: it had started")
     assert "XLA_FLAGS=--xla_force_host_platform_device_count=4 before starting Python" in done.stdout
 
 

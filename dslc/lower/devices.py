@@ -34,21 +34,20 @@ def request_host_devices(n: int) -> None:
     if "jax" in sys.modules:
         import jax
 
-        if _forced_count() < n:
+        # A count already set in jax is someone's choice (a multi-process run sets each
+        # process's share of the mesh): left alone.
+        if jax.config.jax_num_cpu_devices < 0 and _flag_count() < n:  # type: ignore[attr-defined]
             with contextlib.suppress(RuntimeError):  # the backends have started: too late to change
                 jax.config.update("jax_num_cpu_devices", n)
         return
-    if _forced_count() >= n:
+    if _flag_count() >= n:
         return
     flags = re.sub(rf"\s*{_FLAG}=\d+", "", os.environ.get("XLA_FLAGS", ""))
     os.environ["XLA_FLAGS"] = f"{flags} {_FLAG}={n}".strip()
 
 
-def _forced_count() -> int:
-    """How many CPU devices jax will start with: its setting, else the XLA flag, else 1."""
-    jax = sys.modules.get("jax")
-    if jax is not None and jax.config.jax_num_cpu_devices >= 0:
-        return int(jax.config.jax_num_cpu_devices)
+def _flag_count() -> int:
+    """How many CPU devices the XLA flag asks for (1 without it)."""
     found = re.search(rf"{_FLAG}=(\d+)", os.environ.get("XLA_FLAGS", ""))
     return int(found.group(1)) if found else 1
 
@@ -78,9 +77,9 @@ def _shortfall(mesh: Mesh, devices: list[jax.Device]) -> str:
     need = f"the mesh {mesh.describe()} needs {mesh.devices} devices"
     if devices[0].platform == "cpu":
         return (
-            f"{need}, but jax had already started with {have} before dslc could ask for more; compile the "
-            f"spec before anything in this process uses jax (importing it is fine), or set "
-            f"XLA_FLAGS={_FLAG}={mesh.devices} before starting Python"
+            f"{need}, but jax has {have}: it had started, or its jax_num_cpu_devices was set, before dslc "
+            f"could ask for more; compile the spec before anything in this process uses jax (importing it is "
+            f"fine), or set XLA_FLAGS={_FLAG}={mesh.devices} before starting Python"
         )
     return (
         f"{need}, but this process sees {have}: run on more (a multi-process run adds each process's), "
