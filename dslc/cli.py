@@ -20,6 +20,7 @@ from dslc.diagnostics import Severity, render_json, render_text
 from dslc.frontend import Analysis, analyze
 
 EXIT_OK, EXIT_ERRORS, EXIT_USAGE, EXIT_INTERNAL = 0, 1, 2, 3
+EXIT_INTERRUPTED = 130  # as a shell reports a process stopped by Ctrl-C
 
 
 class UsageError(Exception):
@@ -41,7 +42,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except _Exit as exc:
         return exc.code
     except KeyboardInterrupt:
-        return 130
+        return EXIT_INTERRUPTED
     except Exception as exc:
         print(
             f"dslc: internal error: {type(exc).__name__}: {exc}\n"
@@ -142,6 +143,15 @@ def _parser() -> argparse.ArgumentParser:
         "--checkpoint-every", type=_count, metavar="K", help="also checkpoint every K steps (always at the end)"
     )
     train.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in the run folder")
+    train.add_argument(
+        "--data",
+        metavar="PATH",
+        help="a language model's own data: a token file (.bin uint16, or .npy), a folder with train.bin and "
+        "val.bin, or text files or a folder of them (byte-level); default: the embedded data",
+    )
+    train.add_argument(
+        "--eval-every", type=_count, metavar="K", help="log the loss on held-out data every K steps and at the end"
+    )
     train.add_argument("--coordinator", metavar="HOST:PORT", help="multi-process run: the address of process 0")
     train.add_argument("--num-processes", type=_count, metavar="N", help="multi-process run: how many processes")
     train.add_argument("--process-id", type=_count, metavar="I", help="multi-process run: this one's, 0 to N-1")
@@ -530,8 +540,8 @@ def _count(text: str) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    if args.steps == 0 or args.checkpoint_every == 0:
-        raise UsageError("--steps and --checkpoint-every must be at least 1")
+    if args.steps == 0 or args.checkpoint_every == 0 or args.eval_every == 0:
+        raise UsageError("--steps, --checkpoint-every and --eval-every must be at least 1")
     from dslc.train.distributed import DistributedError, cluster_from_flags, detect_cluster, joined
 
     try:
@@ -553,17 +563,44 @@ def _train(args: argparse.Namespace) -> int:
 def _train_here(args: argparse.Namespace) -> int:
     program = _compile(args)  # first: it decides how many host devices jax starts with
     from dslc.train.dataset import DataError
-    from dslc.train.loop import TrainError, TrainOptions, train
+    from dslc.train.loop import TrainError, TrainInterrupted, TrainOptions, train
 
     out = Path(args.out) if args.out else _run_folder(program.ir.name, args)
-    options = TrainOptions(args.steps, out, args.seed, args.checkpoint_every, args.resume)
+    data = Path(args.data) if args.data is not None else None
+    options = TrainOptions(args.steps, out, args.seed, args.checkpoint_every, args.resume, data, args.eval_every)
     try:
         result = train(program, options)
     except (DataError, TrainError) as exc:
         raise UsageError(str(exc)) from None
+    except TrainInterrupted as stopped:
+        print(f"stopped at step {stopped.step}, checkpoint saved; to continue:\n  {_resume_command(args, out)}")
+        return EXIT_INTERRUPTED
     if result.leader:
         print(result.summary())
     return EXIT_OK
+
+
+def _resume_command(args: argparse.Namespace, out: Path) -> str:
+    """The `dslc train` command line that continues a run in `out`."""
+    import shlex
+
+    words = ["dslc", "train"] + ([args.spec] if args.spec else [])
+    for flag, value in (
+        ("--mesh", args.mesh),
+        ("--schedule", args.schedule),
+        ("--data", args.data),
+        ("--eval-every", args.eval_every),
+        ("--checkpoint-every", args.checkpoint_every),
+        ("--coordinator", args.coordinator),
+        ("--num-processes", args.num_processes),
+        ("--process-id", args.process_id),
+    ):
+        if value is not None:
+            words += [flag, str(value)]
+    for pair in args.set:
+        words += ["--set", pair]
+    words += ["--steps", str(args.steps), "--out", str(out), "--resume"]
+    return shlex.join(words)
 
 
 def _run_folder(model: str, args: argparse.Namespace) -> Path:

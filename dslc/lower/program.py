@@ -15,6 +15,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from dslc.ir import nodes as ir
 from dslc.ir.inputs import check_inputs, integer_bounds, read_inputs
 from dslc.ir.state import state_sharding
+from dslc.kernels.metrics import step_metrics
 from dslc.kernels.training import accumulate_gradients
 from dslc.lower.model import DslcModel, Params, init_params, run_forward, run_loss, split_loss
 from dslc.lower.optim import make_optimizer
@@ -166,12 +167,20 @@ class Program:
     def train_step(self, model: DslcModel, opt_state: Any, batch: Mapping[str, Any], step: int) -> tuple[Any, float]:
         """One optimizer step on `batch` (dropout on, keyed by `step`); updates `model` in
         place and returns the new optimizer state and the loss before the step."""
+        opt_state, metrics = self.train_step_with_metrics(model, opt_state, batch, step)
+        return opt_state, metrics["loss"]
+
+    def train_step_with_metrics(
+        self, model: DslcModel, opt_state: Any, batch: Mapping[str, Any], step: int
+    ) -> tuple[Any, dict[str, float]]:
+        """`train_step`, returning the step's figures as well: `loss` and those of
+        `dslc.kernels.metrics.step_metrics` (`grad_norm`)."""
         key = jax.random.key(step)
         with jax.set_mesh(self.mesh):
-            params, opt_state, loss = self._step(model.arrays(), opt_state, self._place(batch, loss=True), key)
+            params, opt_state, loss, metrics = self._step(model.arrays(), opt_state, self._place(batch, loss=True), key)
         for name, value in params.items():
             model.params[name].set_value(value)
-        return opt_state, float(loss)
+        return opt_state, {"loss": float(loss)} | {name: float(value) for name, value in metrics.items()}
 
     def _state_shardings(self, tree: Any) -> Any:
         """Optimizer-state leaves shaped like a parameter follow its optimizer sharding."""
@@ -191,15 +200,17 @@ class Program:
     def _step(self) -> Any:
         def step(
             params: Params, opt_state: Any, batch: dict[str, jax.Array], key: jax.Array
-        ) -> tuple[Params, Any, jax.Array]:
+        ) -> tuple[Params, Any, jax.Array, dict[str, jax.Array]]:
             loss, grads = self._value_and_grad(params, batch, key)
             grads = jax.lax.with_sharding_constraint(grads, self._grad_shardings)
             updates, opt_state = self.optimizer.update(grads, opt_state, params)
-            return optax.apply_updates(params, updates), opt_state, loss
+            return optax.apply_updates(params, updates), opt_state, loss, step_metrics(grads)
 
         replicated = NamedSharding(self.mesh, PartitionSpec())
         return jax.jit(
-            step, out_shardings=(self._shardings, self._opt_state_shardings, replicated), donate_argnums=(0, 1)
+            step,
+            out_shardings=(self._shardings, self._opt_state_shardings, replicated, replicated),
+            donate_argnums=(0, 1),
         )
 
     def compiled_memory(self, step: Literal["grads", "train"] = "train") -> CompiledMemory:
