@@ -133,6 +133,16 @@ def _parser() -> argparse.ArgumentParser:
     _set_arg(plan)
     plan.set_defaults(run=_plan)
 
+    show = sub.add_parser(
+        "show",
+        help="every weight and activation with its sharding, per-device shape and bytes, and each layer's collectives",
+    )
+    _spec_arg(show)
+    show.add_argument("--mesh", help="mesh sizes in the spec's axis order, e.g. 2x4x2")
+    show.add_argument("--format", choices=("text", "json"), default="text", help="a table (text) or one JSON object")
+    _set_arg(show)
+    show.set_defaults(run=_show)
+
     train = sub.add_parser("train", help="train a spec on embedded data, with metrics and checkpoints")
     _spec_arg(train)
     train.add_argument("--mesh", help="mesh sizes in the spec's axis order, e.g. 2x4x2")
@@ -448,6 +458,24 @@ def _plan(args: argparse.Namespace) -> int:
         print(json.dumps(report.to_json(), indent=2))
     else:
         sys.stdout.write(report.to_text())
+    return EXIT_OK
+
+
+def _show(args: argparse.Namespace) -> int:
+    import json
+
+    from dslc.plan.tensors import tensors
+
+    result = _analyze(args)
+    if not result.ok or result.program is None:
+        sources = {result.source.name: result.source.text} if result.source else {}
+        sys.stderr.write(render_text(result.diagnostics, sources))
+        return EXIT_ERRORS
+    shown = tensors(result.program)
+    if args.format == "json":
+        print(json.dumps(shown.to_json(), indent=2))
+    else:
+        sys.stdout.write(shown.to_text())
     return EXIT_OK
 
 
