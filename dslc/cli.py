@@ -122,8 +122,10 @@ def _parser() -> argparse.ArgumentParser:
         help="also compile the gradient and training steps for the mesh on this machine and show XLA's "
         "memory analysis next to the plan (imports jax; on a CPU-only machine the devices are simulated)",
     )
-    auto = plan.add_argument_group("--mesh auto (the cost model's defaults are in docs/plan.md)")
-    auto.add_argument("--devices", type=int, metavar="N", help="how many devices to plan for")
+    auto = plan.add_argument_group(
+        "the step-time estimate, and --mesh auto (the cost model's defaults are in docs/plan.md)"
+    )
+    auto.add_argument("--devices", type=int, metavar="N", help="--mesh auto: how many devices to plan for")
     auto.add_argument("--device-flops", type=float, metavar="TFLOPS", help="effective TFLOP/s per device (300)")
     auto.add_argument("--intra-bandwidth", type=float, metavar="GBps", help="GB/s between devices of a node (300)")
     auto.add_argument("--inter-bandwidth", type=float, metavar="GBps", help="GB/s between nodes (25)")
@@ -438,9 +440,9 @@ def _plan(args: argparse.Namespace) -> int:
         if args.xla:
             raise UsageError("--xla compares the plan of one mesh; give --mesh AxBxC, not auto")
         return _plan_auto(args)
-    given = [f"--{name.replace('_', '-')}" for name in (*AUTO_FLAGS, *LATENCY_FLAGS) if getattr(args, name) is not None]
-    if given:
-        raise UsageError(f"{', '.join(given)} only apply with --mesh auto")
+    if args.devices is not None:
+        raise UsageError("--devices only applies with --mesh auto; a fixed --mesh says how many devices")
+    hardware = _hardware(args)
     result = _analyze(args)
     if not result.ok:
         sources = {result.source.name: result.source.text} if result.source else {}
@@ -448,7 +450,7 @@ def _plan(args: argparse.Namespace) -> int:
         return EXIT_ERRORS
     assert result.program is not None
     limit = None if args.device_memory is None else int(args.device_memory * (1 << 30))
-    report = plan(result.program, limit)
+    report = plan(result.program, limit, hardware)
     if args.xla:
         from dslc.plan.report import Measured
 
@@ -479,7 +481,7 @@ def _show(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-AUTO_FLAGS = ("devices", "device_flops", "intra_bandwidth", "inter_bandwidth", "node_size")
+HARDWARE_FLAGS = ("device_flops", "intra_bandwidth", "inter_bandwidth", "node_size")
 LATENCY_FLAGS = ("intra_latency", "inter_latency")
 
 
@@ -489,29 +491,12 @@ def _plan_auto(args: argparse.Namespace) -> int:
     from dslc.frontend import parse_overrides
     from dslc.plan.auto import AutoPlanner
     from dslc.plan.report import format_bytes
-    from dslc.plan.step_time import Hardware
 
     if args.devices is None or args.device_memory is None:
         raise UsageError("--mesh auto needs --devices N and --device-memory GiB (how many devices, how much each)")
     if args.devices < 1:
         raise UsageError(f"--devices must be at least 1, got {args.devices}")
-    for name in AUTO_FLAGS[1:]:
-        value = getattr(args, name)
-        if value is not None and not value > 0:
-            raise UsageError(f"--{name.replace('_', '-')} must be positive, got {value}")
-    for name in LATENCY_FLAGS:
-        value = getattr(args, name)
-        if value is not None and not value >= 0:
-            raise UsageError(f"--{name.replace('_', '-')} must be zero or more, got {value}")
-    default = Hardware()
-    hardware = Hardware(
-        default.device_flops if args.device_flops is None else args.device_flops * 1e12,
-        default.intra_bandwidth if args.intra_bandwidth is None else args.intra_bandwidth * 1e9,
-        default.inter_bandwidth if args.inter_bandwidth is None else args.inter_bandwidth * 1e9,
-        default.node_size if args.node_size is None else args.node_size,
-        default.intra_latency if args.intra_latency is None else args.intra_latency * 1e-6,
-        default.inter_latency if args.inter_latency is None else args.inter_latency * 1e-6,
-    )
+    hardware = _hardware(args)
     path = _spec_path(args)
     try:
         # The spec on its own mesh: its axes' roles, weights and FLOPs, whatever that mesh's errors.
@@ -557,6 +542,29 @@ def _plan_auto(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     return EXIT_ERRORS
+
+
+def _hardware(args: argparse.Namespace) -> Any:
+    """The machine a plan's step time is estimated on: the cost model's defaults, or the flags'."""
+    from dslc.plan.step_time import Hardware
+
+    for name in HARDWARE_FLAGS:
+        value = getattr(args, name)
+        if value is not None and not value > 0:
+            raise UsageError(f"--{name.replace('_', '-')} must be positive, got {value}")
+    for name in LATENCY_FLAGS:
+        value = getattr(args, name)
+        if value is not None and not value >= 0:
+            raise UsageError(f"--{name.replace('_', '-')} must be zero or more, got {value}")
+    default = Hardware()
+    return Hardware(
+        default.device_flops if args.device_flops is None else args.device_flops * 1e12,
+        default.intra_bandwidth if args.intra_bandwidth is None else args.intra_bandwidth * 1e9,
+        default.inter_bandwidth if args.inter_bandwidth is None else args.inter_bandwidth * 1e9,
+        default.node_size if args.node_size is None else args.node_size,
+        default.intra_latency if args.intra_latency is None else args.intra_latency * 1e-6,
+        default.inter_latency if args.inter_latency is None else args.inter_latency * 1e-6,
+    )
 
 
 def _count(text: str) -> int:
@@ -650,7 +658,7 @@ def _schedule(args: argparse.Namespace) -> int:
     import json
 
     from dslc.schedules import ScheduleError, build
-    from dslc.schedules.render import to_json, to_svg, to_text
+    from dslc.schedules.render import tick_legend, to_json, to_svg, to_text
 
     try:
         schedule = build(args.kind, args.stages, args.microbatches, args.virtual)
@@ -662,7 +670,7 @@ def _schedule(args: argparse.Namespace) -> int:
         case "svg":
             sys.stdout.write(to_svg(schedule))
         case _:
-            sys.stdout.write(to_text(schedule))
+            sys.stdout.write(to_text(schedule) + tick_legend(schedule) + "\n")
     return EXIT_OK
 
 

@@ -437,7 +437,7 @@ class AutoPlanner:
         intra = intra_node_axes(self.roles.innermost_first(group.sizes), self.hardware.node_size)
         once = [t for t in transfers if t.phase not in PER_MICROBATCH]
         self.sync[group.sizes] = step_time(0, once, 0.0, intra, self.hardware).communication
-        return _Costed(group, program, _busiest_stage_flops(program), transfers, intra)
+        return _Costed(group, program, busiest_stage_flops(program), transfers, intra)
 
     def _candidates(self, costed: _Costed) -> list[_Pending]:
         """Each (schedule, microbatches) option of the group, with its step time."""
@@ -525,7 +525,7 @@ class _Rejected(Exception):
         super().__init__(f"{first.code}: {first.message}")
 
 
-def _busiest_stage_flops(program: Program) -> float:
+def busiest_stage_flops(program: Program) -> float:
     """FLOPs per device on the busiest pipeline stage: each stage's share of the step's FLOPs
     (the planner's, the executor's reruns included) spread over the devices that run it."""
     stages = program.mesh.size((program.pipeline.axis,)) if program.pipeline else 1
