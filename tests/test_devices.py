@@ -67,3 +67,9 @@ def test_too_few_accelerators_is_an_error_about_them_not_cpu_flags() -> None:
     assert message.startswith("the mesh 2x4 (data, model) needs 8 devices, but this process sees 2 GPU devices")
     assert "a --mesh of at most 2 devices" in message and "JAX_PLATFORMS=cpu" in message
     assert "XLA_FLAGS" not in message
+
+
+def test_the_readme_quotes_the_shortfall_error_as_it_is() -> None:
+    mesh = Mesh((MeshAxis("data", 2), MeshAxis("model", 4)))
+    message = _shortfall(mesh, [FakeDevice("gpu"), FakeDevice("gpu")])  # type: ignore[list-item]
+    assert f"dslc: error: {message}\n" in (ROOT / "README.md").read_text()
