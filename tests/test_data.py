@@ -249,3 +249,13 @@ def test_ctrl_c_saves_a_checkpoint_and_prints_how_to_resume(tmp_path: Path) -> N
     )
     assert (run / "checkpoints" / str(step)).is_dir() and len(rows_of(run)) == step
     assert "stopping after this step" in log.read_text() and "Traceback" not in log.read_text()
+
+
+def test_a_token_file_for_a_larger_vocabulary_stops_with_its_position(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    np.full(5000, 300, np.uint16).tofile(tmp_path / "gpt2.bin")  # ids of a larger tokenizer
+    code = main(["train", TINY, "--data", str(tmp_path / "gpt2.bin"), "--steps", "2", "--out", str(tmp_path / "r")])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    assert err.splitlines()[-1].startswith("dslc: error: token file ") and "token id 300 at position" in err
