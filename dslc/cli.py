@@ -20,6 +20,7 @@ from dslc.diagnostics import Severity, render_json, render_text
 from dslc.frontend import Analysis, analyze
 
 EXIT_OK, EXIT_ERRORS, EXIT_USAGE, EXIT_INTERNAL = 0, 1, 2, 3
+EXIT_INTERRUPTED = 130  # as a shell reports a process stopped by Ctrl-C
 
 
 class UsageError(Exception):
@@ -41,7 +42,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except _Exit as exc:
         return exc.code
     except KeyboardInterrupt:
-        return 130
+        return EXIT_INTERRUPTED
     except Exception as exc:
         print(
             f"dslc: internal error: {type(exc).__name__}: {exc}\n"
@@ -60,12 +61,15 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="dslc", description="Compiler for model-parallel training plans (.par files)."
     )
+    parser.add_argument("--version", action="version", version=f"dslc {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     check = sub.add_parser("check", help="check a spec and report every problem with it")
     _spec_arg(check)
     check.add_argument("--mesh", help="mesh sizes in the spec's axis order, e.g. 2x4x2")
-    check.add_argument("--format", choices=("text", "json"), default="text")
+    check.add_argument(
+        "--format", choices=("text", "json"), default="text", help="diagnostics as text (stderr) or JSON (stdout)"
+    )
     _set_arg(check)
     check.set_defaults(run=_check)
 
@@ -86,7 +90,7 @@ def _parser() -> argparse.ArgumentParser:
     init = sub.add_parser("init", help="initialise a spec's weights on a mesh and save them (.npz)")
     init.add_argument("spec", help="path of the .par file")
     init.add_argument("--mesh", help="mesh sizes in the spec's axis order, e.g. 2x4x2")
-    init.add_argument("--seed", type=int, default=0)
+    init.add_argument("--seed", type=_count, default=0, help="the weights' random seed, a whole number (default 0)")
     init.add_argument("-o", "--output", required=True, help="where to write the weights (.npz)")
     _set_arg(init)
     init.set_defaults(run=_init)
@@ -108,7 +112,7 @@ def _parser() -> argparse.ArgumentParser:
         help="mesh sizes in the spec's axis order, e.g. 2x4x2; `auto` chooses them, with the pipeline "
         "schedule and microbatches (needs --devices and --device-memory)",
     )
-    plan.add_argument("--format", choices=("text", "json"), default="text")
+    plan.add_argument("--format", choices=("text", "json"), default="text", help="a report (text) or one JSON object")
     plan.add_argument(
         "--device-memory", type=float, metavar="GiB", help="warn when a device needs more than this (auto: the limit)"
     )
@@ -118,8 +122,10 @@ def _parser() -> argparse.ArgumentParser:
         help="also compile the gradient and training steps for the mesh on this machine and show XLA's "
         "memory analysis next to the plan (imports jax; on a CPU-only machine the devices are simulated)",
     )
-    auto = plan.add_argument_group("--mesh auto (the cost model's defaults are in docs/plan.md)")
-    auto.add_argument("--devices", type=int, metavar="N", help="how many devices to plan for")
+    auto = plan.add_argument_group(
+        "the step-time estimate, and --mesh auto (the cost model's defaults are in docs/plan.md)"
+    )
+    auto.add_argument("--devices", type=int, metavar="N", help="--mesh auto: how many devices to plan for")
     auto.add_argument("--device-flops", type=float, metavar="TFLOPS", help="effective TFLOP/s per device (300)")
     auto.add_argument("--intra-bandwidth", type=float, metavar="GBps", help="GB/s between devices of a node (300)")
     auto.add_argument("--inter-bandwidth", type=float, metavar="GBps", help="GB/s between nodes (25)")
@@ -128,6 +134,16 @@ def _parser() -> argparse.ArgumentParser:
     auto.add_argument("--inter-latency", type=float, metavar="US", help="µs per collective call between nodes (20)")
     _set_arg(plan)
     plan.set_defaults(run=_plan)
+
+    show = sub.add_parser(
+        "show",
+        help="every weight and activation with its sharding, per-device shape and bytes, and each layer's collectives",
+    )
+    _spec_arg(show)
+    show.add_argument("--mesh", help="mesh sizes in the spec's axis order, e.g. 2x4x2")
+    show.add_argument("--format", choices=("text", "json"), default="text", help="a table (text) or one JSON object")
+    _set_arg(show)
+    show.set_defaults(run=_show)
 
     train = sub.add_parser("train", help="train a spec on embedded data, with metrics and checkpoints")
     _spec_arg(train)
@@ -139,6 +155,15 @@ def _parser() -> argparse.ArgumentParser:
         "--checkpoint-every", type=_count, metavar="K", help="also checkpoint every K steps (always at the end)"
     )
     train.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in the run folder")
+    train.add_argument(
+        "--data",
+        metavar="PATH",
+        help="a language model's own data: a token file (.bin uint16, or .npy), a folder with train.bin and "
+        "val.bin, or text files or a folder of them (byte-level); default: the embedded data",
+    )
+    train.add_argument(
+        "--eval-every", type=_count, metavar="K", help="log the loss on held-out data every K steps and at the end"
+    )
     train.add_argument("--coordinator", metavar="HOST:PORT", help="multi-process run: the address of process 0")
     train.add_argument("--num-processes", type=_count, metavar="N", help="multi-process run: how many processes")
     train.add_argument("--process-id", type=_count, metavar="I", help="multi-process run: this one's, 0 to N-1")
@@ -146,11 +171,20 @@ def _parser() -> argparse.ArgumentParser:
     train.set_defaults(run=_train)
 
     sched = sub.add_parser("schedule", help="print, draw or export a pipeline schedule table")
-    sched.add_argument("--kind", required=True, help="gpipe, 1f1b, interleaved-1f1b, zb-h1, zb-v or v-half")
-    sched.add_argument("--stages", type=int, required=True, help="pipeline stages (devices along the pipeline axis)")
-    sched.add_argument("--microbatches", type=int, required=True, help="microbatches per step")
     sched.add_argument(
-        "--virtual", type=int, help="chunks per stage: 2 or more for interleaved-1f1b (default: the kind's own)"
+        "--kind", required=True, help="the schedule: gpipe, 1f1b, interleaved-1f1b, zb-h1, zb-v or v-half"
+    )
+    sched.add_argument(
+        "--stages", type=int, required=True, metavar="P", help="pipeline stages (devices along the axis)"
+    )
+    sched.add_argument(
+        "--microbatches", type=int, required=True, metavar="M", help="microbatches each step's batch is cut into"
+    )
+    sched.add_argument(
+        "--virtual",
+        type=int,
+        metavar="V",
+        help="model chunks per stage: 2 or more for interleaved-1f1b (default: the kind's own)",
     )
     sched.add_argument(
         "--format",
@@ -160,6 +194,15 @@ def _parser() -> argparse.ArgumentParser:
     )
     sched.set_defaults(run=_schedule)
     return parser
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("dslc")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "(not installed)"
 
 
 def _spec_arg(p: argparse.ArgumentParser) -> None:
@@ -187,8 +230,15 @@ def _set_arg(p: argparse.ArgumentParser) -> None:
 
 
 def _spec_path(args: argparse.Namespace) -> Path:
-    path = Path(args.spec) if args.spec else resources.default_spec_path()
-    if not path.is_file():
+    return _existing_file(args.spec) if args.spec else resources.default_spec_path()
+
+
+def _existing_file(text: str) -> Path:
+    """A path the user named as a file to read; a usage error when it is missing or a folder."""
+    path = Path(text)
+    if path.is_dir():
+        raise UsageError(f"{path} is a folder, not a file")
+    if not path.exists():
         raise UsageError(f"no such file: {path}")
     return path
 
@@ -226,15 +276,26 @@ def _check(args: argparse.Namespace) -> int:
 
 
 def _summary(result: Analysis) -> str:
-    from dslc.ir.nodes import all_layers, weights_by_path
+    from collections import Counter
+
+    from dslc.ir.nodes import Block, counted, counted_layers, weights_by_path
 
     program = result.program
     if program is None:
         return ""
     params = sum(w.type.numel for w in weights_by_path(program).values())
+    layers = sum(times for _, times in counted_layers(program.nodes))
+    # The layers are every call in the model, activations included (a repeat's once per
+    # copy); the blocks say how they group, which is how a model is usually counted ("a
+    # two-layer transformer").
+    blocks: Counter[str] = Counter()
+    for node, times in counted(program.nodes):
+        if isinstance(node, Block):
+            blocks[node.block] += times
+    grouped = ", ".join(f"{count} `{name}` block{'s' * (count != 1)}" for name, count in blocks.items())
     return (
-        f" — model {program.name}, {len(all_layers(program))} layers, {params:,} parameters, "
-        f"mesh {program.mesh.describe()}"
+        f" — model {program.name}, {layers} layer{'s' * (layers != 1)}{f' ({grouped})' if grouped else ''}, "
+        f"{params:,} parameters, mesh {program.mesh.describe()}"
     )
 
 
@@ -243,9 +304,7 @@ def _fmt(args: argparse.Namespace) -> int:
     from dslc.syntax.parser import parse
     from dslc.syntax.source import read_path
 
-    path = Path(args.spec)
-    if not path.is_file():
-        raise UsageError(f"no such file: {path}")
+    path = _existing_file(args.spec)
     source, diags = read_path(path)
     module = None
     if source is not None:
@@ -331,17 +390,12 @@ class _Exit(Exception):
         self.code = code
 
 
-def _load_npz(path_text: str, what: str) -> dict[str, Any]:
-    import numpy as np
-
-    path = Path(path_text)
-    if not path.is_file():
-        raise UsageError(f"no such file: {path}")
+def _load_npz(path_text: str) -> dict[str, Any]:
+    path = _existing_file(path_text)
     try:
-        with np.load(path, allow_pickle=False) as data:
-            return {name: data[name] for name in data.files}
-    except (OSError, ValueError) as exc:
-        print(f"dslc: error: cannot read {what} from {path}: {exc}", file=sys.stderr)
+        return files.read_npz(path)
+    except files.UnreadableArrays as exc:
+        print(f"dslc: error: {exc}", file=sys.stderr)
         raise _Exit(EXIT_ERRORS) from None
 
 
@@ -366,18 +420,20 @@ def _init(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     program = _compile(args)  # first: it decides how many host devices jax starts with
+    from dslc.ir.inputs import check_inputs, read_inputs
     from dslc.lower.program import WeightsError
 
-    weights = _load_npz(args.weights, "weights")
-    inputs = _load_npz(args.inputs, "inputs")
-    model = program.init(0)
+    weights = _load_npz(args.weights)
+    inputs = _load_npz(args.inputs)
     try:
+        check_inputs(program.ir, inputs, read_inputs(program.ir, loss=args.grads))  # before any compilation
+        model = program.init(0)
         program.import_weights(model, weights)
         results = {"output": program.forward(model, inputs)}
         if args.grads:
             results["loss"] = program.loss(model, inputs)
             results.update({f"grad/{name}": g for name, g in program.grads(model, inputs).items()})
-    except (WeightsError, ValueError) as exc:
+    except (WeightsError, ValueError) as exc:  # InputError is one too
         print(f"dslc: error: {exc}", file=sys.stderr)
         return EXIT_ERRORS
     import numpy as np
@@ -398,9 +454,9 @@ def _plan(args: argparse.Namespace) -> int:
         if args.xla:
             raise UsageError("--xla compares the plan of one mesh; give --mesh AxBxC, not auto")
         return _plan_auto(args)
-    given = [f"--{name.replace('_', '-')}" for name in (*AUTO_FLAGS, *LATENCY_FLAGS) if getattr(args, name) is not None]
-    if given:
-        raise UsageError(f"{', '.join(given)} only apply with --mesh auto")
+    if args.devices is not None:
+        raise UsageError("--devices only applies with --mesh auto; a fixed --mesh says how many devices")
+    hardware = _hardware(args)
     result = _analyze(args, running=False)
     if not result.ok:
         sources = {result.source.name: result.source.text} if result.source else {}
@@ -408,7 +464,7 @@ def _plan(args: argparse.Namespace) -> int:
         return EXIT_ERRORS
     assert result.program is not None
     limit = None if args.device_memory is None else int(args.device_memory * (1 << 30))
-    report = plan(result.program, limit)
+    report = plan(result.program, limit, hardware)
     if args.xla:
         from dslc.plan.report import Measured
 
@@ -421,7 +477,25 @@ def _plan(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-AUTO_FLAGS = ("devices", "device_flops", "intra_bandwidth", "inter_bandwidth", "node_size")
+def _show(args: argparse.Namespace) -> int:
+    import json
+
+    from dslc.plan.tensors import tensors
+
+    result = _analyze(args)
+    if not result.ok or result.program is None:
+        sources = {result.source.name: result.source.text} if result.source else {}
+        sys.stderr.write(render_text(result.diagnostics, sources))
+        return EXIT_ERRORS
+    shown = tensors(result.program)
+    if args.format == "json":
+        print(json.dumps(shown.to_json(), indent=2))
+    else:
+        sys.stdout.write(shown.to_text())
+    return EXIT_OK
+
+
+HARDWARE_FLAGS = ("device_flops", "intra_bandwidth", "inter_bandwidth", "node_size")
 LATENCY_FLAGS = ("intra_latency", "inter_latency")
 
 
@@ -431,7 +505,6 @@ def _plan_auto(args: argparse.Namespace) -> int:
     from dslc.frontend import parse_overrides
     from dslc.plan.auto import AutoPlanner
     from dslc.plan.report import format_bytes
-    from dslc.plan.step_time import Hardware
 
     if args.devices is None or args.device_memory is None:
         raise UsageError("--mesh auto needs --devices N and --device-memory GiB (how many devices, how much each)")
@@ -442,23 +515,7 @@ def _plan_auto(args: argparse.Namespace) -> int:
         )
     if args.devices < 1:
         raise UsageError(f"--devices must be at least 1, got {args.devices}")
-    for name in AUTO_FLAGS[1:]:
-        value = getattr(args, name)
-        if value is not None and not value > 0:
-            raise UsageError(f"--{name.replace('_', '-')} must be positive, got {value}")
-    for name in LATENCY_FLAGS:
-        value = getattr(args, name)
-        if value is not None and not value >= 0:
-            raise UsageError(f"--{name.replace('_', '-')} must be zero or more, got {value}")
-    default = Hardware()
-    hardware = Hardware(
-        default.device_flops if args.device_flops is None else args.device_flops * 1e12,
-        default.intra_bandwidth if args.intra_bandwidth is None else args.intra_bandwidth * 1e9,
-        default.inter_bandwidth if args.inter_bandwidth is None else args.inter_bandwidth * 1e9,
-        default.node_size if args.node_size is None else args.node_size,
-        default.intra_latency if args.intra_latency is None else args.intra_latency * 1e-6,
-        default.inter_latency if args.inter_latency is None else args.inter_latency * 1e-6,
-    )
+    hardware = _hardware(args)
     path = _spec_path(args)
     try:
         # The spec on its own mesh: its axes' roles, weights and FLOPs, whatever that mesh's errors.
@@ -506,6 +563,29 @@ def _plan_auto(args: argparse.Namespace) -> int:
     return EXIT_ERRORS
 
 
+def _hardware(args: argparse.Namespace) -> Any:
+    """The machine a plan's step time is estimated on: the cost model's defaults, or the flags'."""
+    from dslc.plan.step_time import Hardware
+
+    for name in HARDWARE_FLAGS:
+        value = getattr(args, name)
+        if value is not None and not value > 0:
+            raise UsageError(f"--{name.replace('_', '-')} must be positive, got {value}")
+    for name in LATENCY_FLAGS:
+        value = getattr(args, name)
+        if value is not None and not value >= 0:
+            raise UsageError(f"--{name.replace('_', '-')} must be zero or more, got {value}")
+    default = Hardware()
+    return Hardware(
+        default.device_flops if args.device_flops is None else args.device_flops * 1e12,
+        default.intra_bandwidth if args.intra_bandwidth is None else args.intra_bandwidth * 1e9,
+        default.inter_bandwidth if args.inter_bandwidth is None else args.inter_bandwidth * 1e9,
+        default.node_size if args.node_size is None else args.node_size,
+        default.intra_latency if args.intra_latency is None else args.intra_latency * 1e-6,
+        default.inter_latency if args.inter_latency is None else args.inter_latency * 1e-6,
+    )
+
+
 def _count(text: str) -> int:
     """A whole number for --steps, --seed, --checkpoint-every, --num-processes and
     --process-id (0 only for --seed and --process-id)."""
@@ -515,8 +595,8 @@ def _count(text: str) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    if args.steps == 0 or args.checkpoint_every == 0:
-        raise UsageError("--steps and --checkpoint-every must be at least 1")
+    if args.steps == 0 or args.checkpoint_every == 0 or args.eval_every == 0:
+        raise UsageError("--steps, --checkpoint-every and --eval-every must be at least 1")
     from dslc.train.distributed import DistributedError, cluster_from_flags, detect_cluster, joined
 
     try:
@@ -538,17 +618,44 @@ def _train(args: argparse.Namespace) -> int:
 def _train_here(args: argparse.Namespace) -> int:
     program = _compile(args)  # first: it decides how many host devices jax starts with
     from dslc.train.dataset import DataError
-    from dslc.train.loop import TrainError, TrainOptions, train
+    from dslc.train.loop import TrainError, TrainInterrupted, TrainOptions, train
 
     out = Path(args.out) if args.out else _run_folder(program.ir.name, args)
-    options = TrainOptions(args.steps, out, args.seed, args.checkpoint_every, args.resume)
+    data = Path(args.data) if args.data is not None else None
+    options = TrainOptions(args.steps, out, args.seed, args.checkpoint_every, args.resume, data, args.eval_every)
     try:
         result = train(program, options)
     except (DataError, TrainError) as exc:
         raise UsageError(str(exc)) from None
+    except TrainInterrupted as stopped:
+        print(f"stopped at step {stopped.step}, checkpoint saved; to continue:\n  {_resume_command(args, out)}")
+        return EXIT_INTERRUPTED
     if result.leader:
         print(result.summary())
     return EXIT_OK
+
+
+def _resume_command(args: argparse.Namespace, out: Path) -> str:
+    """The `dslc train` command line that continues a run in `out`."""
+    import shlex
+
+    words = ["dslc", "train"] + ([args.spec] if args.spec else [])
+    for flag, value in (
+        ("--mesh", args.mesh),
+        ("--schedule", args.schedule),
+        ("--data", args.data),
+        ("--eval-every", args.eval_every),
+        ("--checkpoint-every", args.checkpoint_every),
+        ("--coordinator", args.coordinator),
+        ("--num-processes", args.num_processes),
+        ("--process-id", args.process_id),
+    ):
+        if value is not None:
+            words += [flag, str(value)]
+    for pair in args.set:
+        words += ["--set", pair]
+    words += ["--steps", str(args.steps), "--out", str(out), "--resume"]
+    return shlex.join(words)
 
 
 def _run_folder(model: str, args: argparse.Namespace) -> Path:
@@ -570,7 +677,7 @@ def _schedule(args: argparse.Namespace) -> int:
     import json
 
     from dslc.schedules import ScheduleError, build
-    from dslc.schedules.render import to_json, to_svg, to_text
+    from dslc.schedules.render import tick_legend, to_json, to_svg, to_text
 
     try:
         schedule = build(args.kind, args.stages, args.microbatches, args.virtual)
@@ -582,7 +689,7 @@ def _schedule(args: argparse.Namespace) -> int:
         case "svg":
             sys.stdout.write(to_svg(schedule))
         case _:
-            sys.stdout.write(to_text(schedule))
+            sys.stdout.write(to_text(schedule) + tick_legend(schedule) + "\n")
     return EXIT_OK
 
 

@@ -1,14 +1,49 @@
-"""Writing the user's files: whole or not at all."""
+"""The user's files: written whole or not at all, and arrays read without unpickling."""
 
 from __future__ import annotations
 
 import os
 import tempfile
+import zipfile
+import zlib
 from pathlib import Path
+from typing import Any
+
+# How every zip archive (and so every .npz) starts: a local file header, or for an archive
+# with no members the end-of-directory record.
+_ZIP_MAGIC = (b"PK\x03\x04", b"PK\x05\x06")
 
 
 class FolderMissing(FileNotFoundError):
     """The folder a file was to be written into does not exist."""
+
+
+class UnreadableArrays(ValueError):
+    """A file that is not an .npz archive of plain numeric arrays."""
+
+
+def read_npz(path: Path) -> dict[str, Any]:
+    """Every array of an .npz archive (as `numpy.savez` writes it), read whole.
+
+    Never unpickles: an archive holding Python objects is refused, as is anything that is
+    not a zip of `.npy` arrays (numpy would try to unpickle it, or suggest doing so).
+    """
+    import numpy as np
+
+    try:
+        with path.open("rb") as f:  # opened here, so that it is closed whatever np.load raises
+            if f.read(4) in _ZIP_MAGIC:
+                f.seek(0)
+                with np.load(f, allow_pickle=False) as archive:
+                    return {name: archive[name] for name in archive.files}
+    except ValueError as exc:
+        if "allow_pickle" in str(exc):
+            raise UnreadableArrays(f"{path} holds arrays of Python objects, which are never unpickled") from None
+        raise UnreadableArrays(f"cannot read {path}: {exc}") from None
+    except (OSError, EOFError, zipfile.BadZipFile, zlib.error) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc) or type(exc).__name__
+        raise UnreadableArrays(f"cannot read {path}: {reason} (a damaged or truncated archive?)") from None
+    raise UnreadableArrays(f"{path} is not an .npz archive (a zip of .npy arrays, as numpy.savez writes)")
 
 
 def write_atomic(path: Path, content: str | bytes) -> None:

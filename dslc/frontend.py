@@ -23,7 +23,9 @@ from dslc.syntax.source import Source, resolve
 
 MeshArg = str | Sequence[int] | None
 
-_MESH = re.compile(r"[1-9][0-9]{0,5}(x[1-9][0-9]{0,5})*")
+_MESH = re.compile(r"[0-9]+(x[0-9]+)*")
+# More devices on one axis than any machine has; beyond it a size is a typo.
+MAX_AXIS_SIZE = 1 << 20
 
 
 def parse_mesh(mesh: MeshArg) -> tuple[int, ...] | None:
@@ -34,11 +36,23 @@ def parse_mesh(mesh: MeshArg) -> tuple[int, ...] | None:
         text = mesh.strip().lower()
         if not _MESH.fullmatch(text):
             raise ValueError(f"--mesh must look like 2x4x2 (positive sizes joined by x), got {mesh!r}")
-        return tuple(int(p) for p in text.split("x"))
-    sizes = tuple(mesh)
-    if not sizes or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 1 for s in sizes):
-        raise ValueError(f"mesh sizes must be positive integers, got {mesh!r}")
+        sizes = tuple(int(p) for p in text.split("x"))
+    else:
+        sizes = tuple(mesh)
+        if not sizes or not all(isinstance(s, int) and not isinstance(s, bool) for s in sizes):
+            raise ValueError(f"mesh sizes must be positive integers, got {mesh!r}")
+    if any(s < 1 for s in sizes):
+        raise ValueError(f"mesh sizes must be positive, got {_mesh_text(mesh)}")
+    if any(s > MAX_AXIS_SIZE for s in sizes):
+        raise ValueError(
+            f"mesh size {max(sizes):,} in {_mesh_text(mesh)} is more than any machine has "
+            f"(at most {MAX_AXIS_SIZE:,} devices on an axis)"
+        )
     return sizes
+
+
+def _mesh_text(mesh: str | Sequence[int]) -> str:
+    return repr(mesh) if isinstance(mesh, str) else "x".join(map(str, mesh))
 
 
 @dataclass

@@ -456,6 +456,10 @@ TABLE_ENTRIES = (
 )
 
 
+# A table whose placement is not a ring also has these.
+OTHER_DIRECTIONS = ("activation_from_next", "gradient_from_previous", "keep_activation", "keep_gradient")
+
+
 # chunk(weights, x, inputs, key) -> the chunk's output; the last chunk returns its f32 loss.
 # With `has_aux`, every chunk returns (that, aux), aux an f32 scalar added to the loss.
 # `inputs` holds the microbatch of every model input; `key` is None when not training.
@@ -494,7 +498,11 @@ def pipeline_value_and_grad(
     M = microbatches
     # Microbatch i takes rows i, i+M, i+2M, ...: each keeps rows from every data shard.
     micro = {k: v.reshape(v.shape[0] // M, M, *v.shape[1:]).swapaxes(0, 1) for k, v in batch.items()}
-    tables = {name: jnp.asarray(np.asarray(table[name], np.int32)) for name in TABLE_ENTRIES}
+    tables = {
+        name: jnp.asarray(np.asarray(table[name], np.int32))
+        for name in (*TABLE_ENTRIES, *OTHER_DIRECTIONS)
+        if name in table
+    }
     used = sorted({int(code) for row in table["op"] for code in row})
     slots = {name: int(np.max(table[name])) + 1 for name in ("stash_slot", "activation_slot", "gradient_slot")}
 
@@ -692,10 +700,16 @@ class _Executor:
         gacc = {name: gacc[name] + added[name] for name in gacc}
 
         # Unconditional ring sends: every stage, every tick, outside the switches.
-        got_act = lax.ppermute(y, self.axis, [(i, (i + 1) % P) for i in range(P)])
-        got_grad = lax.ppermute(dx, self.axis, [(i, (i - 1) % P) for i in range(P)])
-        acts = acts.at[slot("receive_activation", "activation_slot")].set(got_act)
-        grads_in = grads_in.at[slot("receive_gradient", "gradient_slot")].set(got_grad)
+        up = [(i, (i + 1) % P) for i in range(P)]
+        down = [(i, (i - 1) % P) for i in range(P)]
+        acts = acts.at[slot("receive_activation", "activation_slot")].set(lax.ppermute(y, self.axis, up))
+        grads_in = grads_in.at[slot("receive_gradient", "gradient_slot")].set(lax.ppermute(dx, self.axis, down))
+        if "activation_from_next" in self.tables:
+            # A V: values also go the other way round, or stay where they were made.
+            acts = acts.at[slot("activation_from_next", "activation_slot")].set(lax.ppermute(y, self.axis, down))
+            acts = acts.at[slot("keep_activation", "activation_slot")].set(y)
+            grads_in = grads_in.at[slot("gradient_from_previous", "gradient_slot")].set(lax.ppermute(dx, self.axis, up))
+            grads_in = grads_in.at[slot("keep_gradient", "gradient_slot")].set(dx)
         return (stash, stash_x, acts, grads_in, gacc, loss), None
 
     # ---- the branches -----------------------------------------------------------------------
@@ -903,6 +917,12 @@ def accumulate_gradients(
     zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
     (value, total), _ = jax.lax.scan(one, zeros, jnp.arange(steps))
     return value / steps, jax.tree.map(lambda g: g / steps, total)
+
+
+def step_metrics(grads: Any) -> dict[str, jax.Array]:
+    """The figures of one optimizer step worth logging: the global L2 norm of its gradients
+    (before any clipping), which spikes before a loss diverges."""
+    return {"grad_norm": optax.tree.norm(grads)}
 
 
 # ---- the model ---------------------------------------------------------------------------------
@@ -1355,7 +1375,8 @@ def optimizer_shardings(state: Any, mesh: jax.sharding.Mesh) -> Any:
 
 
 def make_train_step(mesh: jax.sharding.Mesh, optimizer: optax.GradientTransformation) -> Callable[..., Any]:
-    """One jitted optimizer step: (params, optimizer state, batch, key) -> the new two and the loss."""
+    """One jitted optimizer step: (params, optimizer state, batch, key) -> the new two, the loss
+    and the step's figures (`step_metrics`)."""
     grad_shardings = {
         name: NamedSharding(mesh, p.sharding if p.grad_sharding is None else p.grad_sharding)
         for name, p in PARAMETERS.items()
@@ -1366,14 +1387,16 @@ def make_train_step(mesh: jax.sharding.Mesh, optimizer: optax.GradientTransforma
 
     def step(
         params: dict[str, jax.Array], opt_state: Any, batch: dict[str, jax.Array], key: jax.Array
-    ) -> tuple[dict[str, jax.Array], Any, jax.Array]:
+    ) -> tuple[dict[str, jax.Array], Any, jax.Array, dict[str, jax.Array]]:
         value, grads = gradients(params, batch, key, mesh)
         grads = lax.with_sharding_constraint(grads, grad_shardings)
         updates, opt_state = optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, value
+        return optax.apply_updates(params, updates), opt_state, value, step_metrics(grads)
 
     replicated = NamedSharding(mesh, P())
-    return jax.jit(step, out_shardings=(param_shardings, state_shardings, replicated), donate_argnums=(0, 1))
+    return jax.jit(
+        step, out_shardings=(param_shardings, state_shardings, replicated, replicated), donate_argnums=(0, 1)
+    )
 
 
 def init_optimizer(
@@ -1403,7 +1426,7 @@ def main() -> None:
         step = make_train_step(mesh, optimizer)
         for i in range(args.steps):
             batch = place(random_batch(args.seed + i), mesh)
-            params, opt_state, value = step(params, opt_state, batch, jax.random.key(i))
+            params, opt_state, value, _ = step(params, opt_state, batch, jax.random.key(i))
             print(f"step {i + 1}: loss {float(value):.6f}")
 
 

@@ -458,6 +458,12 @@ def accumulate_gradients(
     return value / steps, jax.tree.map(lambda g: g / steps, total)
 
 
+def step_metrics(grads: Any) -> dict[str, jax.Array]:
+    """The figures of one optimizer step worth logging: the global L2 norm of its gradients
+    (before any clipping), which spikes before a loss diverges."""
+    return {"grad_norm": optax.tree.norm(grads)}
+
+
 # ---- the model ---------------------------------------------------------------------------------
 
 
@@ -682,7 +688,8 @@ def optimizer_shardings(state: Any, mesh: jax.sharding.Mesh) -> Any:
 
 
 def make_train_step(mesh: jax.sharding.Mesh, optimizer: optax.GradientTransformation) -> Callable[..., Any]:
-    """One jitted optimizer step: (params, optimizer state, batch, key) -> the new two and the loss."""
+    """One jitted optimizer step: (params, optimizer state, batch, key) -> the new two, the loss
+    and the step's figures (`step_metrics`)."""
     grad_shardings = {
         name: NamedSharding(mesh, p.sharding if p.grad_sharding is None else p.grad_sharding)
         for name, p in PARAMETERS.items()
@@ -693,14 +700,16 @@ def make_train_step(mesh: jax.sharding.Mesh, optimizer: optax.GradientTransforma
 
     def step(
         params: dict[str, jax.Array], opt_state: Any, batch: dict[str, jax.Array], key: jax.Array
-    ) -> tuple[dict[str, jax.Array], Any, jax.Array]:
+    ) -> tuple[dict[str, jax.Array], Any, jax.Array, dict[str, jax.Array]]:
         value, grads = gradients(params, batch, key, mesh)
         grads = lax.with_sharding_constraint(grads, grad_shardings)
         updates, opt_state = optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, value
+        return optax.apply_updates(params, updates), opt_state, value, step_metrics(grads)
 
     replicated = NamedSharding(mesh, P())
-    return jax.jit(step, out_shardings=(param_shardings, state_shardings, replicated), donate_argnums=(0, 1))
+    return jax.jit(
+        step, out_shardings=(param_shardings, state_shardings, replicated, replicated), donate_argnums=(0, 1)
+    )
 
 
 def init_optimizer(
@@ -730,7 +739,7 @@ def main() -> None:
         step = make_train_step(mesh, optimizer)
         for i in range(args.steps):
             batch = place(random_batch(args.seed + i), mesh)
-            params, opt_state, value = step(params, opt_state, batch, jax.random.key(i))
+            params, opt_state, value, _ = step(params, opt_state, batch, jax.random.key(i))
             print(f"step {i + 1}: loss {float(value):.6f}")
 
 

@@ -22,9 +22,10 @@ import dslc
 from dslc import cli
 from dslc.frontend import Analysis
 from dslc.plan import plan
-from dslc.plan.auto import AutoPlanner, Roles, factorizations, read_roles
+from dslc.plan.auto import AutoPlanner, factorizations
 from dslc.plan.auto_report import AutoPlan, Candidate
 from dslc.plan.communication import Transfer
+from dslc.plan.roles import Roles, read_roles
 from dslc.plan.schedule_figures import figures
 from dslc.plan.step_time import Hardware, intra_node_axes, step_time
 from dslc.schedules import build
@@ -499,8 +500,8 @@ def test_no_mesh_the_checker_accepts_exits_1(capsys: pytest.CaptureFixture[str])
         (["--mesh", "auto", "--devices", "8", "--device-memory", "0"], "--device-memory must be a positive number"),
         (["--mesh", "auto", "--devices", "8", "--device-memory", "8", "--node-size", "0"], "--node-size must be"),
         (["--mesh", "auto", "--devices", "8", "--device-memory", "8", "--device-flops", "-1"], "--device-flops must"),
-        (["--devices", "16"], "--devices only apply with --mesh auto"),
-        (["--mesh", "2x2", "--inter-bandwidth", "50"], "--inter-bandwidth only apply with --mesh auto"),
+        (["--devices", "16"], "--devices only applies with --mesh auto"),
+        (["--mesh", "2x2", "--inter-bandwidth", "-50"], "--inter-bandwidth must be positive, got -50"),
         (["--mesh", "auto", "--devices", "4", "--device-memory", "8", "--schedule", "1f1b"], "declares no pipeline"),
         (["--mesh", "auto", "--devices", "4", "--device-memory", "8", "--set", "nope=1"], "cannot set `nope`"),
     ],
@@ -543,13 +544,31 @@ def test_hardware_flags_change_the_cost_model(capsys: pytest.CaptureFixture[str]
     assert slow["chosen"]["step_time"]["compute"] == pytest.approx(10 * fast["chosen"]["step_time"]["compute"])
 
 
-def test_a_v_is_searched_only_when_named_until_the_executor_runs_one() -> None:
-    """By default the search tries what the executor runs; `--schedule zb-v` plans a V, on
-    two chunks per stage, without the checker's refusal to run it."""
+def test_a_v_is_searched_on_two_chunks_per_stage() -> None:
+    """`--schedule zb-v` plans a V, on two chunks per stage."""
     analysis = dslc.analyze(SPECS / "gpt_small.par")
     assert analysis.module is not None and analysis.program is not None
-    default = AutoPlanner(analysis.module, analysis.program, 16, 4 * GIB).search()
-    assert not {c.schedule for c in default.ranked} & {"zb-v", "v-half"}
     named = AutoPlanner(analysis.module, analysis.program, 16, 4 * GIB, schedules=["zb-v"]).search()
     assert (chosen(named).schedule, chosen(named).virtual) == ("zb-v", 2)
     assert {(c.schedule, c.virtual) for c in named.ranked if c.mesh[2] > 1} == {("zb-v", 2)}
+
+
+def test_a_fixed_mesh_plan_estimates_the_step_time_auto_ranks_it_by(capsys: pytest.CaptureFixture[str]) -> None:
+    """`dslc plan --mesh 2x4x2` gives the step time `--mesh auto` gives the same plan
+    (mesh, schedule, microbatches), so schedules compare in seconds on any mesh."""
+    _, auto = planner(SPECS / "gpt_small.par", 16, 4)
+    found = auto.search(meshes={(2, 4, 2)})
+    same = [c for c in found.ranked if (c.schedule, c.microbatches, c.virtual) == ("1f1b", 2, 1)]
+    assert len(same) == 1 and same[0].time is not None
+    two = dslc.analyze((SPECS / "gpt_small.par").read_text().replace("microbatches 4", "microbatches 2"))
+    assert two.program is not None
+    estimate = plan(two.program).step_time
+    assert estimate is not None and estimate.total == pytest.approx(same[0].time.total, rel=1e-12)
+    assert estimate.communication > 0 and estimate.bubble > 0
+    # On text and JSON, with the hardware flags that --mesh auto takes.
+    code, out, _ = run(capsys, "plan", str(SPECS / "gpt_small.par"), "--format", "json", "--device-flops", "30")
+    slow = json.loads(out)["step_time"]
+    assert code == 0 and slow["hardware"]["device_flops"] == 30e12
+    assert slow["compute_s"] == pytest.approx(10 * estimate.compute) and slow["total_s"] > estimate.total
+    code, out, _ = run(capsys, "plan", str(SPECS / "gpt_small.par"))
+    assert "estimated step time 1.41 ms: compute 217 ns, communication 1.22 ms, bubble 192 µs" in out

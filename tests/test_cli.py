@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -32,6 +33,42 @@ def test_check_clean_spec_exits_0_and_summarises(capsys: pytest.CaptureFixture[s
     assert code == 0
     assert "ok" in out and "model tiny" in out and "mesh 2x2 (data, model)" in out
     assert err == ""
+
+
+def test_check_counts_layers_and_the_blocks_they_form(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "check", str(SPECS / "tiny.par"))
+    assert code == 0 and "model tiny, 16 layers (2 `decoder` blocks), 132,352 parameters" in out
+
+
+def test_version_and_help_for_every_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    from importlib.metadata import version
+
+    code, out, _ = run(capsys, "--version")
+    assert code == 0 and out == f"dslc {version('dslc')}\n"
+    for name, command in cli._parser()._subparsers._group_actions[0].choices.items():  # type: ignore[union-attr]
+        undocumented = [a.dest for a in command._actions if not a.help]
+        assert not undocumented, (name, undocumented)
+
+
+@pytest.mark.parametrize(
+    ("mesh", "message"),
+    [
+        ("99999999999x1", "mesh size 99,999,999,999 in '99999999999x1' is more than any machine has"),
+        ("0x2", "mesh sizes must be positive, got '0x2'"),
+    ],
+)
+def test_mesh_sizes_out_of_range_say_which(mesh: str, message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run(capsys, "check", str(SPECS / "tiny.par"), "--mesh", mesh)
+    assert code == 2 and err.startswith(f"dslc: error: {message}")
+
+
+def test_a_folder_is_not_a_missing_file_and_dev_null_is_read(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, _, err = run(capsys, "check", str(tmp_path))
+    assert code == 2 and err == f"dslc: error: {tmp_path} is a folder, not a file\n"
+    code, _, err = run(capsys, "check", os.devnull)
+    assert code == 1 and "error[E028]: the spec is empty" in err
 
 
 def test_check_without_spec_uses_embedded_default(capsys: pytest.CaptureFixture[str]) -> None:
@@ -173,11 +210,11 @@ def test_a_saved_table_given_back_plans_as_its_kind(
     assert own == expected
 
 
-def test_a_table_runs_where_its_kind_does(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_table_checks_as_its_kind_does(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     gpt_small = str(SPECS / "gpt_small.par")
-    assert run(capsys, "check", gpt_small, "--schedule", str(saved_table(capsys, tmp_path / "a.json", "zb-h1")))[0] == 0
-    code, _, err = run(capsys, "check", gpt_small, "--schedule", str(saved_table(capsys, tmp_path / "b.json", "zb-v")))
-    assert code == 1 and "error[E031]: zb-v can be planned and drawn but not run yet" in err
+    for kind in ("zb-h1", "zb-v"):
+        saved = saved_table(capsys, tmp_path / f"{kind}.json", kind)
+        assert run(capsys, "check", gpt_small, "--schedule", str(saved))[0] == 0
 
 
 def test_a_corrupted_table_is_a_diagnostic(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -121,6 +121,15 @@ def test_e002_file_that_cannot_be_read(tmp_path: Path) -> None:
     assert d.message.startswith(f"cannot read `{tmp_path / 'missing.par'}`")
 
 
+def test_e002_a_spec_path_given_as_text_is_read_as_a_path_with_a_did_you_mean(tmp_path: Path) -> None:
+    (tmp_path / "gpt_small.par").write_text(spec())
+    d = only(str(tmp_path / "gpt_smal.par"))  # a str, as dslc.check("specs/gpt_smal.par") gets it
+    assert d.code == "E002" and d.message.startswith(f"cannot read `{tmp_path / 'gpt_smal.par'}`")
+    assert d.help == f"did you mean `{tmp_path / 'gpt_small.par'}`?"
+    d = only(str(tmp_path))
+    assert d.code == "E002" and "directory" in d.message
+
+
 def test_e003_brackets_nested_too_deep() -> None:
     text = "model m\nconst a = " + "(" * 70 + "1" + ")" * 70 + "\n"
     d = only(text)
@@ -501,6 +510,31 @@ def test_e022_virtual_stages_only_for_interleaved() -> None:
     d = only(text)
     assert (d.code, at(d)) == ("E022", (10, 1, 14, 2))
     assert "virtual=2" in d.message and "interleaved-1f1b" in d.message
+    assert d.help is not None and "`virtual 1`" in d.help and "--set v=1" in d.help
+
+
+def test_pipeline_and_train_settings_read_constants_that_set_changes() -> None:
+    # language.md: settings take integer expressions over the spec's constants, so `--set`
+    # changes them; `--set v=1` turns an interleaved plan into one chunk per stage.
+    text = spec(
+        "stages {",
+        "  repeat 4 relu()",
+        "}",
+        "loss: mse(y)",
+        header=PIPELINE_HEADER.replace("8 @ data", "16 @ data") + "const mb = 4\nconst acc = 2\nconst v = 2\n",
+        after="pipeline stage {\n  schedule interleaved-1f1b\n  microbatches mb\n  virtual v\n}\n"
+        "train {\n  accumulate acc\n  optimizer adamw(warmup=acc * 10)\n}\n",
+    )
+    program = dslc.analyze(text).program
+    assert program is not None and program.pipeline is not None
+    assert (program.pipeline.microbatches, program.pipeline.virtual, program.train.accumulate) == (4, 2, 2)
+    assert dict(program.train.optimizer.hyper) == {"warmup": 20.0}
+    assert len(program.chunks) == 4
+    changed = dslc.analyze(text, overrides=["mb=2", "acc=4", "v=1"], schedule="1f1b")
+    assert changed.ok, changed.diagnostics
+    assert changed.program is not None and changed.program.pipeline is not None
+    assert (changed.program.pipeline.microbatches, changed.program.pipeline.virtual) == (2, 1)
+    assert changed.program.train.accumulate == 4 and len(changed.program.chunks) == 2
 
 
 # ---- E030, E031: schedule tables from files, and pipelines dslc plans but does not run -----------
@@ -615,14 +649,10 @@ def staged(schedule: str, microbatches: int, batch: int = 8) -> str:
     )
 
 
-def test_e031_a_v_is_planned_but_not_run() -> None:
-    text = staged("zb-v", 8)
-    d = only(text)
-    assert (d.code, d.severity, at(d)) == ("E031", ERROR, (10, 1, 13, 2))
-    assert d.message.startswith("zb-v can be planned and drawn but not run yet")
-    assert d.notes == ("chunks held: stage 0: 0 and 3, stage 1: 1 and 2",)
-    # Planning leaves it out: the plan is what the spec is for.
-    assert dslc.analyze(text, running=False).ok
+def test_a_v_checks_clean_and_places_its_chunks_in_a_v() -> None:
+    analysis = dslc.analyze(staged("zb-v", 8))
+    assert analysis.ok and analysis.program is not None, analysis.diagnostics
+    assert [c.stage for c in analysis.program.chunks] == [0, 1, 1, 0]
 
 
 def test_e031_a_table_too_large_to_run_is_still_planned() -> None:
@@ -649,6 +679,10 @@ def test_e023_mesh_argument_with_the_wrong_number_of_sizes() -> None:
     assert at(d) == (2, 1, 2, 21)
     assert d.message == "--mesh 2x2x2 gives 3 sizes, but the spec's mesh has 2 axes (data, model)"
     assert d.help == "pass one size per axis, in order: --mesh NxN"
+
+
+def test_e023_counts_one_size_as_one() -> None:
+    assert only(spec(), mesh="2").message == "--mesh 2 gives 1 size, but the spec's mesh has 2 axes (data, model)"
 
 
 def test_e023_mesh_axis_without_a_size() -> None:
@@ -753,6 +787,13 @@ def test_e024_repeat_count_out_of_range() -> None:
 def test_e025_division_by_zero() -> None:
     d = only("model m\nconst a = 8 // (2 - 2)\ninput x: f32[8, 16]\nforward(x) {\n  relu()\n}\n")
     assert (d.code, d.severity, at(d), d.message) == ("E025", ERROR, (2, 17, 2, 22), "division by zero")
+
+
+def test_e025_a_constant_with_a_fraction() -> None:
+    d = only(spec(header=HEADER + "const rate = 0.1\n"))
+    assert (d.code, at(d)) == ("E025", (5, 14, 5, 17))
+    assert d.message == "constants are integers, but `rate` is given `0.1`"
+    assert d.help is not None and "dropout(0.1)" in d.help
 
 
 def test_e025_number_too_large() -> None:
@@ -1012,6 +1053,25 @@ def test_w002_unbalanced_stages_says_how_much_more_work() -> None:
     assert d.message == "pipeline stages are unbalanced: stage 0 does 32x the work of stage 1"
     assert labels(d) == [((6, 11, 6, 25), "stage 0 starts here")]
     assert d.notes == ("forward FLOPs per stage: 0: 4.1e+03, 1: 128",)
+
+
+def test_w002_under_interleaving_names_the_chunks_and_does_not_label_a_shared_repeat() -> None:
+    # 8 chunks on 2 stages (virtual 4), cut from one `repeat`: every chunk starts on its line,
+    # so no label can say where the heavy stage starts; the head makes stage 1 heavy.
+    text = spec(
+        "stages {",
+        "  repeat 8 linear(16, 16)",
+        "}",
+        "head: linear(16, 64)",
+        "out: linear(64, 16)",
+        "loss: mse(y)",
+        header=PIPELINE_HEADER,
+        after="pipeline stage {\n  schedule interleaved-1f1b\n  microbatches 8\n  virtual 4\n}\n",
+    )
+    d = only(text)
+    assert d.code == "W002" and d.labels == ()
+    assert d.notes[1] == "stage 1 runs chunks 1, 3, 5, 7 (4 per stage)"
+    assert d.help is not None and "`stage { }` blocks" not in d.help and "stage 1's chunks" in d.help
 
 
 def test_w002_small_imbalance_in_percent() -> None:

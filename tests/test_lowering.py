@@ -238,7 +238,7 @@ def test_cli_init_and_run_simulate_the_mesh_and_match_the_python_api(tmp_path: P
 
 def test_cli_run_rejects_weights_of_another_spec_without_writing(tmp_path: Path) -> None:
     assert _dslc("init", str(SPECS / "tiny.par"), "-o", "w.npz", cwd=tmp_path).returncode == 0
-    np.savez(tmp_path / "x.npz", x=np.zeros(1))
+    np.savez(tmp_path / "x.npz", x=np.zeros((2, 128, 768), np.float32))  # its declared input
     run = _dslc(
         "run", str(SPECS / "seed_tp_layer.par"), "--weights", "w.npz", "--inputs", "x.npz", "-o", "y.npz", cwd=tmp_path
     )

@@ -177,6 +177,19 @@ def test_the_load_balancing_loss_is_in_the_loss_and_its_gradient(results: Result
     assert relative_error(grads["head.kernel"], base.grads["head.kernel"]) <= TOL
 
 
+def test_training_metrics_report_the_load_balance_and_dropped_share(results: Results) -> None:
+    """`dslc train` logs these (`moe_balance_loss`, `moe_dropped_fraction`) from the layers'
+    auxiliary values: checked against the dense reference's routing."""
+    from dslc.kernels.metrics import moe_metrics
+
+    base = results["all_to_all_4"]
+    want = base.reference.aux
+    found = moe_metrics(base.aux)
+    assert relative_error(found["moe_balance_loss"], want["aux_loss"]) <= TOL
+    assert found["moe_dropped_fraction"] == want["moe_dropped"] / want["moe_routed"]
+    assert moe_metrics({}) == {}
+
+
 def test_grouping_makes_the_numbers_independent_of_the_layout(results: Results) -> None:
     """Every sequence is its own routing group, so the loss and the routing do not depend
     on the mesh, the microbatches or the accumulation slices."""

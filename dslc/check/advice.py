@@ -56,15 +56,37 @@ def check_balance(program: Program, diags: Diagnostics) -> None:
     light = min(range(stages), key=flops.__getitem__)
     if flops[heavy] <= (1 + MAX_IMBALANCE) * flops[light]:
         return
-    heavy_chunk = next(c for c in program.chunks if stage[c.index] == heavy)
+    notes = ["forward FLOPs per stage: " + ", ".join(f"{i}: {f:.3g}" for i, f in enumerate(flops))]
+    if p.virtual == 1:
+        fix = "the slowest stage sets the pace; move layers from the heavy stage or balance with `stage { }` blocks"
+    else:
+        chunks = [c.index for c in program.chunks if stage[c.index] == heavy]
+        notes.append(f"stage {heavy} runs chunks {', '.join(map(str, chunks))} ({p.virtual} per stage)")
+        fix = (
+            f"the slowest stage sets the pace; move layers off stage {heavy}'s chunks (layers before or after "
+            "a `stages { }` region run in its first or its last chunk)"
+        )
     diags.warning(
         "W002",
         f"pipeline stages are unbalanced: {_imbalance(heavy, flops[heavy], light, flops[light])}",
         p.span,
-        labels=[Label(heavy_chunk.span, f"stage {heavy} starts here")],
-        notes=["forward FLOPs per stage: " + ", ".join(f"{i}: {f:.3g}" for i, f in enumerate(flops))],
-        help="the slowest stage sets the pace; move layers from the heavy stage or balance with `stage { }` blocks",
+        labels=_stage_starts(program, heavy),
+        notes=notes,
+        help=fix,
     )
+
+
+def _stage_starts(program: Program, stage: int) -> list[Label]:
+    """Where the stage's chunks begin, where that place is its own: a `repeat` cut into
+    several chunks is one line for all of them, and says nothing about this stage."""
+    others = {c.span for c in program.chunks if c.stage != stage}
+    virtual = program.pipeline is not None and program.pipeline.virtual > 1
+    labels: dict[Span, Label] = {}
+    for c in program.chunks:
+        if c.stage == stage and c.span not in others and c.span not in labels:
+            what = f"chunk {c.index} (stage {stage})" if virtual else f"stage {stage}"
+            labels[c.span] = Label(c.span, f"{what} starts here")
+    return list(labels.values())
 
 
 def _imbalance(heavy: int, heavy_flops: int, light: int, light_flops: int) -> str:

@@ -7,9 +7,8 @@ from dslc.diagnostics import Diagnostics, Label
 from dslc.ir.nodes import Program, all_layers
 from dslc.layers import RULES
 from dslc.plan.schedule_figures import closed_form
-from dslc.plan.timetable import pipelined, stage_of
-from dslc.schedules import KINDS, MAX_ACTIONS, ScheduleError, check_arguments, placement, table_actions
-from dslc.schedules.table import Direction, Result, direction
+from dslc.plan.timetable import pipelined
+from dslc.schedules import KINDS, MAX_ACTIONS, ScheduleError, check_arguments, table_actions
 
 
 def check_schedule(program: Program, diags: Diagnostics) -> None:
@@ -22,11 +21,18 @@ def check_schedule(program: Program, diags: Diagnostics) -> None:
     try:
         kind, virtual = check_arguments(p.schedule, stages, p.microbatches, p.virtual)
     except ScheduleError as exc:
+        # A schedule of one chunk per stage (`--schedule 1f1b` on an interleaved spec, say)
+        # runs with `virtual 1`; the message itself points the other way, to interleaving.
+        one_chunk = p.virtual != 1 and p.schedule != "interleaved-1f1b"
         diags.error(
             "E022",
             str(exc),
             p.span,
             notes=[f"{stages} stages (`{p.axis}`), {p.microbatches} microbatches, virtual {p.virtual}"],
+            help=f"for {p.schedule}, set `virtual 1` in the pipeline section; written as a constant (`virtual v`), "
+            "it can be changed from the command line with `--set v=1`"
+            if one_chunk
+            else None,
         )
         return
     actions = table_actions(kind, stages, p.microbatches, virtual)
@@ -40,32 +46,15 @@ def check_schedule(program: Program, diags: Diagnostics) -> None:
         )
 
 
-def runs_on_executor(placement: tuple[int, ...], stages: int) -> bool:
-    """Whether the pipeline executor runs tables with this placement: it passes activations to
-    the next stage and gradients to the previous one, so every chunk's output must go to the
-    next stage (a ring: one chunk per stage, or interleaved), never stay or go back (a V)."""
-    return all(
-        direction(Result.ACTIVATION, placement[c], placement[c + 1], stages) is Direction.NEXT
-        for c in range(len(placement) - 1)
-    )
-
-
-def kind_runs(kind: str) -> bool:
-    """Whether the executor runs `kind`'s tables. Their placement is alike on any number of
-    stages (three tell a ring from a V) and of chunks per stage (interleaving needs two)."""
-    return runs_on_executor(placement(kind, 3, 2 if kind == "interleaved-1f1b" else None), 3)
-
-
 def check_executor(program: Program, diags: Diagnostics) -> None:
-    """What dslc plans and draws but the executor cannot run yet (E031): a V's placement, or a
-    table too large to build (the executor runs the whole table)."""
+    """What dslc plans and draws but the executor cannot run (E031): a table too large to
+    build (the executor runs the whole table)."""
     p = program.pipeline
     if p is None or not pipelined(program):
         return
     stages = program.mesh.size((p.axis,))
     try:
         actions = _actions(program)
-        holders = stage_of(program)
     except ScheduleError:
         return  # check_schedule reported it
     if actions > MAX_ACTIONS:
@@ -78,18 +67,6 @@ def check_executor(program: Program, diags: Diagnostics) -> None:
             "(past 4 per stage the bubble hardly shrinks)",
         )
         return
-    if not runs_on_executor(holders, stages):
-        shown = min(stages, 4)
-        held = [" and ".join(str(c) for c, holder in enumerate(holders) if holder == s) for s in range(shown)]
-        more = ", ..." if stages > shown else ""
-        diags.error(
-            "E031",
-            f"{p.schedule} can be planned and drawn but not run yet: the pipeline executor passes each chunk's "
-            "output to the next stage, and this placement sends some to the previous stage or keeps them",
-            p.span,
-            notes=["chunks held: " + ", ".join(f"stage {s}: {chunks}" for s, chunks in enumerate(held)) + more],
-            help="`dslc plan` and `dslc schedule` take it; to train now, use zb-h1 or interleaved-1f1b",
-        )
 
 
 def _actions(program: Program) -> int:

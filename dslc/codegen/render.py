@@ -267,7 +267,15 @@ def _schedule(program: ir.Program) -> dict[str, object]:
         "microbatches": p.microbatches,
         "virtual": p.virtual,
         "axis": p.axis,
-        "table": [(name, [list(row) for row in getattr(table, name)]) for name in entries],
+        "table": [(name, [list(row) for row in getattr(table, name)]) for name in entries]
+        + (
+            []
+            if table.ring_only
+            else [
+                (f.name, [list(row) for row in getattr(table.other_directions, f.name)])
+                for f in fields(table.other_directions)
+            ]
+        ),
         "chunk_inputs": [chunk_input(chunk, p.microbatches) for chunk in program.chunks],
         "boundary_shape": shape,
         "boundary_dtype": ir.DTYPES[dtype or program.train.compute_dtype].jax,
@@ -276,7 +284,8 @@ def _schedule(program: ir.Program) -> dict[str, object]:
 
 def _kernels(program: ir.Program) -> list[source.Definition]:
     layers = ir.all_layers(program)
-    wanted = ["named_key", "initial_array", "make_optimizer", "accumulate_gradients", "to_weights", "from_weights"]
+    wanted = ["named_key", "initial_array", "make_optimizer", "accumulate_gradients", "step_metrics"]
+    wanted += ["to_weights", "from_weights"]
     wanted += sorted({RULES[layer.kind].kernel(dict(layer.attrs), layer.operand) for layer in layers})
     if any(RULES[layer.kind].has_aux for layer in layers):
         wanted += ["AUX_LOSS", "add_aux"]

@@ -21,6 +21,7 @@ from dslc.ir.settings import read_pipeline, read_train
 from dslc.ir.shardings import divisor_sizes, resolve
 from dslc.layers import LOSS_KINDS, RULES
 from dslc.layers.base import REQUIRED, ArgSpec, Context, LayerRule
+from dslc.schedules import ScheduleError, placement
 from dslc.syntax import ast
 
 # A typed IR needs a type for the activation after a layer that could not be typed; this
@@ -68,7 +69,7 @@ def elaborate(
     if chunks_source is None:
         return None
     stream, segments = chunks_source
-    pipeline = read_pipeline(header.pipeline, header.mesh, diags) if header.pipeline else None
+    pipeline = read_pipeline(header.pipeline, header.mesh, header.constants, diags) if header.pipeline else None
     if header.pipeline is not None and pipeline is None:
         # The pipeline was declared but could not be read (already reported): the stages
         # cannot be counted against it, and "no pipeline is declared" would be untrue.
@@ -156,7 +157,7 @@ class _Header:
             train=ir.Train(),
         )
         train = singles.get(ast.TrainDef)
-        header.train = read_train(train, mesh, diags) if isinstance(train, ast.TrainDef) else ir.Train()
+        header.train = read_train(train, mesh, constants, diags) if isinstance(train, ast.TrainDef) else ir.Train()
         header.inputs = _read_inputs(module, header, diags)
         header.blocks = _read_blocks(module, diags)
         return header
@@ -189,8 +190,8 @@ def _read_mesh(
         names = ", ".join(a.name.text for a in decl.axes)
         diags.error(
             "E023",
-            f"--mesh {'x'.join(map(str, sizes))} gives {len(sizes)} sizes, but the spec's mesh has "
-            f"{len(decl.axes)} axes ({names})",
+            f"--mesh {'x'.join(map(str, sizes))} gives {_count(len(sizes), 'size')}, but the spec's mesh has "
+            f"{_count(len(decl.axes), 'axis', 'axes')} ({names})",
             decl.span,
             help=f"pass one size per axis, in order: --mesh {'x'.join('N' for _ in decl.axes)}",
         )
@@ -225,6 +226,10 @@ def _read_mesh(
     return ir.Mesh(tuple(axes))
 
 
+def _count(n: int, one: str, many: str | None = None) -> str:
+    return f"{n} {one if n == 1 else many or one + 's'}"
+
+
 def _read_constants(module: ast.Module, overrides: Mapping[str, int], diags: Diagnostics) -> dict[str, int]:
     decls = [item for item in module.items if isinstance(item, ast.ConstDecl)]
     values: dict[str, int] = {}
@@ -243,7 +248,18 @@ def _read_constants(module: ast.Module, overrides: Mapping[str, int], diags: Dia
         spans[name] = decl.name.span
         later = {n: s for n, s in declared_at.items() if n not in values and n != name}
         local = Diagnostics()
-        value = overrides[name] if name in overrides else eval_expr(decl.value, values, local)
+        if name in overrides:
+            value: int | None = overrides[name]
+        elif isinstance(decl.value, ast.FloatLit):
+            value = None
+            diags.error(
+                "E025",
+                f"constants are integers, but `{name}` is given `{decl.value.text}`",
+                decl.value.span,
+                help="write the number where it is used, for example `dropout(0.1)` or `adamw(lr=3e-4)`",
+            )
+        else:
+            value = eval_expr(decl.value, values, local)
         for d in local.items:
             diags.add(_explain_later(d, later))
         if value is not None:
@@ -1105,9 +1121,24 @@ def _assign_chunks(
         before, after = [], []
     groups[0][:0] = before
     groups[-1].extend(after)
+    stage = _placement(pipeline, stages, len(groups))
     return tuple(
-        ir.Chunk(i, i % stages, i // stages, tuple(g), g[0].span if g else NO_SPAN) for i, g in enumerate(groups)
+        ir.Chunk(i, stage[i], stage[: i].count(stage[i]), tuple(g), g[0].span if g else NO_SPAN)
+        for i, g in enumerate(groups)
     )
+
+
+def _placement(pipeline: ir.Pipeline, stages: int, chunks: int) -> tuple[int, ...]:
+    """The stage that holds each chunk, as the schedule places it (chunk c on stage c mod P
+    but in a V); where the schedule cannot say (its own mistake, reported by the checker),
+    the ring's."""
+    if pipeline.table is not None and len(pipeline.table.placement) == chunks:
+        return pipeline.table.placement
+    try:
+        found = placement(pipeline.schedule, stages, pipeline.virtual)
+    except ScheduleError:
+        found = ()
+    return found if len(found) == chunks else tuple(i % stages for i in range(chunks))
 
 
 def _split_evenly(nodes: list[ir.Node], per: int) -> list[list[ir.Node]]:

@@ -1,17 +1,99 @@
-"""What values a program's inputs may hold."""
+"""What values a program's inputs may hold, and the check of a batch against them.
+
+Nothing here needs jax: `Program` checks every batch it is given with `check_inputs`, and so
+do `dslc run` and `dslc train` through it. A value the spec cannot mean (a token id past the
+vocabulary, a negative class label, fractions where the spec declares integers) would
+otherwise be clamped or cast silently, and the numbers computed from it would be wrong.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
 from dslc.ir import nodes as ir
+
+# The values each integer dtype can hold.
+_INT_LIMITS = {"i8": (-(2**7), 2**7 - 1), "i32": (-(2**31), 2**31 - 1), "i64": (-(2**63), 2**63 - 1)}
+
+
+class InputError(ValueError):
+    """A batch that does not fit the spec's inputs: a name, shape, dtype or value."""
+
+
+@dataclass(frozen=True, slots=True)
+class IdRange:
+    """Integer input values must lie in 0 .. `bound` - 1; `what` says which layer reads them."""
+
+    bound: int
+    what: str
+
+
+def id_ranges(program: ir.Program) -> dict[str, IdRange]:
+    """For integer inputs that index something: token ids below the embedding's vocabulary,
+    class labels below the logits' width."""
+    ranges: dict[str, IdRange] = {}
+    for layer in ir.all_layers(program):
+        if layer.kind == "embed" and layer.input.dtype in ir.INT_DTYPES and program.stream not in ranges:
+            vocab = int(layer.attr("vocab"))  # type: ignore[call-overload]
+            ranges[program.stream] = IdRange(vocab, f"`{layer.path}` takes token ids 0 .. {vocab - 1} (vocab {vocab})")
+        if layer.kind == "cross_entropy":
+            classes = layer.input.shape[-1]
+            what = f"`{layer.path}` takes class ids 0 .. {classes - 1} ({classes} logits)"
+            ranges[str(layer.attr("targets"))] = IdRange(classes, what)
+    return ranges
 
 
 def integer_bounds(program: ir.Program) -> dict[str, int]:
-    """For integer inputs, the exclusive upper bound of a valid value: token ids below the
-    embedding's vocabulary, class labels below the logits' width."""
-    bounds: dict[str, int] = {}
-    for layer in ir.all_layers(program):
-        if layer.kind == "embed" and layer.input.dtype in ir.INT_DTYPES:
-            bounds.setdefault(program.stream, int(layer.attr("vocab")))  # type: ignore[call-overload]
-        if layer.kind == "cross_entropy":
-            bounds[str(layer.attr("targets"))] = layer.input.shape[-1]
-    return bounds
+    """For integer inputs, the exclusive upper bound of a valid value (see `id_ranges`)."""
+    return {name: r.bound for name, r in id_ranges(program).items()}
+
+
+def read_inputs(program: ir.Program, loss: bool) -> tuple[str, ...]:
+    """The inputs the forward pass reads (the stream), and with `loss` the loss's targets."""
+    names = [program.stream]
+    nodes = [n for chunk in program.chunks for n in chunk.nodes]
+    last = nodes[-1] if nodes else None
+    if loss and isinstance(last, ir.Layer) and "targets" in dict(last.attrs):
+        names.append(str(last.attr("targets")))
+    return tuple(names)
+
+
+def check_inputs(program: ir.Program, batch: Mapping[str, Any], required: tuple[str, ...]) -> None:
+    """Raise InputError, in one line naming the input, when a `required` input is missing or
+    any declared input in `batch` has another shape, a dtype of another kind (fractions for
+    an integer input), or a value outside what its reader accepts (with its index)."""
+    import numpy as np
+
+    missing = [name for name in required if name not in batch]
+    if missing:
+        given = ", ".join(f"`{n}`" for n in batch) or "nothing"
+        raise InputError(f"missing input `{missing[0]}` (the batch holds {given})")
+    ranges = id_ranges(program)
+    for inp in program.inputs:
+        if inp.name not in batch:
+            continue
+        value = np.asarray(batch[inp.name])
+        if value.shape != inp.type.shape:
+            raise InputError(f"input `{inp.name}` has shape {value.shape}, the spec says {inp.type.shape}")
+        integer = inp.type.dtype in ir.INT_DTYPES
+        if integer and not np.issubdtype(value.dtype, np.integer):
+            raise InputError(
+                f"input `{inp.name}` is {inp.type.dtype} in the spec, but the array holds {value.dtype} values; "
+                "give it integers"
+            )
+        if not integer and not (np.issubdtype(value.dtype, np.number) or value.dtype == np.bool_):
+            raise InputError(f"input `{inp.name}` is {inp.type.dtype} in the spec, but the array holds {value.dtype}")
+        if not integer or value.size == 0:
+            continue
+        lo, hi = _INT_LIMITS[inp.type.dtype]
+        what = f"that does not fit {inp.type.dtype}"
+        if inp.name in ranges:
+            lo, hi, what = 0, ranges[inp.name].bound - 1, ranges[inp.name].what
+        bad = np.flatnonzero((value < lo) | (value > hi))
+        if bad.size:
+            index = np.unravel_index(bad[0], value.shape)
+            where = ", ".join(str(int(i)) for i in index)
+            more = f" (and {bad.size - 1} more out of range)" if bad.size > 1 else ""
+            raise InputError(f"input `{inp.name}` holds {value[index]} at index [{where}]{more}: {what}")

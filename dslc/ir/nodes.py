@@ -73,6 +73,8 @@ class Mesh:
         return math.prod(a.size for a in self.axes if a.name in axes)
 
     def describe(self) -> str:
+        if not self.axes:
+            return "1 (no axes)"
         return "x".join(str(s) for s in self.shape) + f" ({', '.join(self.names)})"
 
 

@@ -219,8 +219,10 @@ def _pack_per_stage(
     program: Program, left: list[list[StackedWeight]], axis: str
 ) -> tuple[list[tuple[StoredArray, list[tuple[int, StackedWeight, int]]]], list[tuple[int, StackedWeight]]]:
     """Weights that stages hold in the same kind (dtype, rank, sharding) share arrays with a
-    row per stage: the largest of each stage with the largest of the others, and so on, so
-    the padding is small. A weight no other stage has a partner for is left alone."""
+    row per stage: first the shares of one repeat (or weights of one name) on each stage,
+    then the rest, the largest of each stage with the largest of the others, so the padding
+    is small. A weight no other stage has a partner for is left alone — but a share of a
+    repeat keeps a row of its own even then, as the rest of the repeat is elsewhere."""
     stages = program.stages
     kinds: dict[tuple[str, int, Sharding], list[list[tuple[int, StackedWeight]]]] = defaultdict(
         lambda: [[] for _ in range(stages)]
@@ -234,12 +236,9 @@ def _pack_per_stage(
     packed: list[tuple[StoredArray, list[tuple[int, StackedWeight, int]]]] = []
     alone: list[tuple[int, StackedWeight]] = []
     for (dtype, _, sharding), per_stage in kinds.items():
-        for mine in per_stage:
-            mine.sort(key=lambda item: (-math.prod(_leaf_shape(item[1])), item[1].name))
-        for j in range(max(len(m) for m in per_stage)):
-            slot = [m[j] if j < len(m) else None for m in per_stage]
+        for slot in _slots(per_stage):
             present = [s for s in slot if s is not None]
-            if len(present) < 2:
+            if len(present) < 2 and not _is_share(present[0][1]):
                 alone.extend(present)
                 continue
             shapes = [_leaf_shape(sw) for _, sw in present]
@@ -247,12 +246,44 @@ def _pack_per_stage(
             rows = tuple(
                 None if s is None else Row(s[1].name, _leaf_shape(s[1]), s[1].weight.init, _first(s[1])) for s in slot
             )
-            name = "|".join(row.name for row in rows if row is not None)
+            members = [row for row in rows if row is not None]
+            # Rows of one weight (a repeat's shares) are named after it and the first layer
+            # of their first row; rows of different weights after them all.
+            same = len({row.name for row in members}) == 1
+            name = f"{members[0].name}@{members[0].first}" if same else "|".join(row.name for row in members)
             t = TensorType(dtype, (stages, *padded), ((axis,), *sharding))
             array = StoredArray(name, t, "rows", rows=rows, stage_dim=0, span=present[0][1].weight.span)
             # Each member's row is its stage's.
             packed.append((array, [(c, sw, program.chunks[c].stage) for c, sw in present]))
     return packed, alone
+
+
+Slot = list[tuple[int, StackedWeight] | None]
+
+
+def _slots(per_stage: list[list[tuple[int, StackedWeight]]]) -> list[Slot]:
+    """One entry per stage in each slot: the k-th weight of a name on every stage that has
+    one, then the remaining weights paired largest with largest."""
+    slots: list[Slot] = []
+    rest: list[list[tuple[int, StackedWeight]]] = [[] for _ in per_stage]
+    names = {sw.name for mine in per_stage for _, sw in mine}
+    for name in sorted(names):
+        of = [[item for item in mine if item[1].name == name] for mine in per_stage]
+        shared = min(len(mine) for mine in of)
+        for k in range(shared):
+            slots.append([mine[k] for mine in of])
+        for stage, mine in enumerate(of):
+            rest[stage].extend(mine[shared:])
+    for mine in rest:
+        mine.sort(key=lambda item: (-math.prod(_leaf_shape(item[1])), item[1].name))
+    for j in range(max((len(m) for m in rest), default=0)):
+        slots.append([m[j] if j < len(m) else None for m in rest])
+    return slots
+
+
+def _is_share(sw: StackedWeight) -> bool:
+    """Whether a weight is a chunk's share of a repeat that other chunks share too."""
+    return bool(sw.repeats) and sw.repeats[0].count < sw.repeats[0].length
 
 
 def _first(sw: StackedWeight) -> int:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from dslc.diagnostics import Diagnostics, Label
@@ -35,11 +35,13 @@ def _unique(settings: tuple[ast.PipelineItem, ...], diags: Diagnostics) -> dict[
     return seen
 
 
-def _one_int(s: ast.Setting, diags: Diagnostics, lo: int, hi: int | None = None) -> int | None:
+def _one_int(
+    s: ast.Setting, constants: Mapping[str, int], diags: Diagnostics, lo: int, hi: int | None = None
+) -> int | None:
     if len(s.values) != 1 or isinstance(s.values[0], ast.Call | ast.FloatLit | ast.BoolLit):
         diags.error("E026", f"`{s.key.text}` takes one integer", s.span)
         return None
-    value = eval_expr(s.values[0], {}, diags)
+    value = eval_expr(s.values[0], constants, diags)
     if value is None:
         return None
     if value < lo or (hi is not None and value > hi):
@@ -53,7 +55,10 @@ def _unknown_key(s: ast.Setting, known: tuple[str, ...], section: str, diags: Di
     diags.add(unknown_name(f"`{section}` setting", s.key.text, s.key.span, known, code="E026"))
 
 
-def read_pipeline(p: ast.PipelineDef, mesh: ir.Mesh, diags: Diagnostics) -> ir.Pipeline | None:
+def read_pipeline(
+    p: ast.PipelineDef, mesh: ir.Mesh, constants: Mapping[str, int], diags: Diagnostics
+) -> ir.Pipeline | None:
+    """The `pipeline` section; its numbers are integer expressions over the spec's constants."""
     axis = p.axis.text
     if axis not in mesh.names:
         diags.add(unknown_name("mesh axis", axis, p.axis.span, mesh.names, code="E012"))
@@ -82,9 +87,9 @@ def read_pipeline(p: ast.PipelineDef, mesh: ir.Mesh, diags: Diagnostics) -> ir.P
                     return None
                 schedule = table.kind
             case ast.Setting() if key == "microbatches":
-                microbatches = _one_int(s, diags, 1, 1 << 20)
+                microbatches = _one_int(s, constants, diags, 1, 1 << 20)
             case ast.Setting() if key == "virtual":
-                virtual = _one_int(s, diags, 1, 64) or 1
+                virtual = _one_int(s, constants, diags, 1, 64) or 1
             case ast.Setting():
                 _unknown_key(s, ("schedule", "microbatches", "virtual"), "pipeline", diags)
     if table is not None:
@@ -168,14 +173,15 @@ def _fits_the_pipeline(
     return fits
 
 
-def read_train(t: ast.TrainDef, mesh: ir.Mesh, diags: Diagnostics) -> ir.Train:
+def read_train(t: ast.TrainDef, mesh: ir.Mesh, constants: Mapping[str, int], diags: Diagnostics) -> ir.Train:
+    """The `train` section; its numbers are expressions over the spec's constants."""
     settings = _unique(t.settings, diags)
     train = ir.Train(span=t.span)
     fields: dict[str, object] = {}
     readers: dict[str, Callable[[ast.Setting], None]] = {}
 
     def zero(s: ast.Setting) -> None:
-        value = _one_int(s, diags, 0, 3)
+        value = _one_int(s, constants, diags, 0, 3)
         if value is not None:
             fields["zero"] = value
 
@@ -198,7 +204,7 @@ def read_train(t: ast.TrainDef, mesh: ir.Mesh, diags: Diagnostics) -> ir.Train:
         fields["zero"] = 3
 
     def accumulate(s: ast.Setting) -> None:
-        value = _one_int(s, diags, 1, 1 << 16)
+        value = _one_int(s, constants, diags, 1, 1 << 16)
         if value is not None:
             fields["accumulate"] = value
 
@@ -239,7 +245,7 @@ def read_train(t: ast.TrainDef, mesh: ir.Mesh, diags: Diagnostics) -> ir.Train:
                     unknown_name(f"`{name}` setting", arg.name.text, arg.name.span, OPTIMIZERS[name], code="E026")
                 )
                 continue
-            value = eval_value(arg.value, {}, diags)
+            value = eval_value(arg.value, constants, diags)
             if value is None or isinstance(value, bool):
                 if isinstance(value, bool):
                     diags.error("E026", f"`{arg.name.text}` is a number", arg.value.span)

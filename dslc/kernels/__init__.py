@@ -14,5 +14,6 @@ from pathlib import Path
 # The kernel modules in the order the generated code lists them, by the file holding each.
 # (Read as text by the code generator, which does not import jax.)
 SOURCES = {
-    name: Path(__file__).with_name(f"{name}.py") for name in ("storage", "params", "layers", "pipeline", "training")
+    name: Path(__file__).with_name(f"{name}.py")
+    for name in ("storage", "params", "layers", "pipeline", "training", "metrics")
 }

@@ -36,6 +36,12 @@ The table has one row per tick and one column per stage, with these entries:
                       here (-1: nothing arrives)
   receive_gradient    likewise for the gradient arriving from the next stage
 
+A placement that is not a ring (a V: stage d holds chunks d and 2P-1-d) also passes values
+the other way and keeps some on the stage that made them; its table then has, likewise,
+  activation_from_next, gradient_from_previous    arrivals from the other neighbour
+  keep_activation, keep_gradient                  what the stage made for its own next chunk
+and every tick sends its value both ways round the ring: each arrival has one receiver.
+
 Chunks may return an auxiliary loss besides their output (`has_aux`: a mixture of experts'
 load-balancing loss). It is part of the objective: the chunk's backward differentiates
 (output, aux) with cotangents (output gradient, 1/M), and its value, divided by M, joins the
@@ -65,6 +71,8 @@ TABLE_ENTRIES = (
     "receive_activation",
     "receive_gradient",
 )
+# A table whose placement is not a ring also has these.
+OTHER_DIRECTIONS = ("activation_from_next", "gradient_from_previous", "keep_activation", "keep_gradient")
 
 # chunk(weights, x, inputs, key) -> the chunk's output; the last chunk returns its f32 loss.
 # With `has_aux`, every chunk returns (that, aux), aux an f32 scalar added to the loss.
@@ -102,7 +110,11 @@ def pipeline_value_and_grad(
     M = microbatches
     # Microbatch i takes rows i, i+M, i+2M, ...: each keeps rows from every data shard.
     micro = {k: v.reshape(v.shape[0] // M, M, *v.shape[1:]).swapaxes(0, 1) for k, v in batch.items()}
-    tables = {name: jnp.asarray(np.asarray(table[name], np.int32)) for name in TABLE_ENTRIES}
+    tables = {
+        name: jnp.asarray(np.asarray(table[name], np.int32))
+        for name in (*TABLE_ENTRIES, *OTHER_DIRECTIONS)
+        if name in table
+    }
     used = sorted({int(code) for row in table["op"] for code in row})
     slots = {name: int(np.max(table[name])) + 1 for name in ("stash_slot", "activation_slot", "gradient_slot")}
 
@@ -300,10 +312,16 @@ class _Executor:
         gacc = {name: gacc[name] + added[name] for name in gacc}
 
         # Unconditional ring sends: every stage, every tick, outside the switches.
-        got_act = lax.ppermute(y, self.axis, [(i, (i + 1) % P) for i in range(P)])
-        got_grad = lax.ppermute(dx, self.axis, [(i, (i - 1) % P) for i in range(P)])
-        acts = acts.at[slot("receive_activation", "activation_slot")].set(got_act)
-        grads_in = grads_in.at[slot("receive_gradient", "gradient_slot")].set(got_grad)
+        up = [(i, (i + 1) % P) for i in range(P)]
+        down = [(i, (i - 1) % P) for i in range(P)]
+        acts = acts.at[slot("receive_activation", "activation_slot")].set(lax.ppermute(y, self.axis, up))
+        grads_in = grads_in.at[slot("receive_gradient", "gradient_slot")].set(lax.ppermute(dx, self.axis, down))
+        if "activation_from_next" in self.tables:
+            # A V: values also go the other way round, or stay where they were made.
+            acts = acts.at[slot("activation_from_next", "activation_slot")].set(lax.ppermute(y, self.axis, down))
+            acts = acts.at[slot("keep_activation", "activation_slot")].set(y)
+            grads_in = grads_in.at[slot("gradient_from_previous", "gradient_slot")].set(lax.ppermute(dx, self.axis, up))
+            grads_in = grads_in.at[slot("keep_gradient", "gradient_slot")].set(dx)
         return (stash, stash_x, acts, grads_in, gacc, loss), None
 
     # ---- the branches -----------------------------------------------------------------------

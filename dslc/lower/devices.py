@@ -1,13 +1,16 @@
 """Devices and the mesh: simulate a mesh on CPU host devices when there are too few.
 
-XLA decides how many CPU devices exist when jax starts its backend, so the request has to
-be made before then. A process that needs N devices and has not started jax yet gets
-`--xla_force_host_platform_device_count` raised to N; one that already started with too
-few gets a clear error saying what to do.
+XLA decides how many CPU devices exist when jax starts its backends (on first use, not on
+import), so the request has to be made before then: a process that has not imported jax
+gets `--xla_force_host_platform_device_count` raised in its environment, one that has
+imported it but not used it yet gets jax's `jax_num_cpu_devices` setting raised. A process
+whose backends already started with too few, or a machine with fewer accelerators than the
+mesh needs, gets an error that says which.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import sys
@@ -26,15 +29,27 @@ class DeviceError(RuntimeError):
 
 
 def request_host_devices(n: int) -> None:
-    """Ask for at least `n` CPU devices, if jax has not started yet (a no-op otherwise)."""
+    """Ask for at least `n` CPU devices, if jax has not started its backends yet (a no-op
+    otherwise: `make_mesh` then reports a shortfall)."""
     if "jax" in sys.modules:
+        import jax
+
+        # A count already set in jax is someone's choice (a multi-process run sets each
+        # process's share of the mesh): left alone.
+        if jax.config.jax_num_cpu_devices < 0 and _flag_count() < n:  # type: ignore[attr-defined]
+            with contextlib.suppress(RuntimeError):  # the backends have started: too late to change
+                jax.config.update("jax_num_cpu_devices", n)
         return
-    flags = os.environ.get("XLA_FLAGS", "")
-    found = re.search(rf"{_FLAG}=(\d+)", flags)
-    if found and int(found.group(1)) >= n:
+    if _flag_count() >= n:
         return
-    flags = re.sub(rf"\s*{_FLAG}=\d+", "", flags)
+    flags = re.sub(rf"\s*{_FLAG}=\d+", "", os.environ.get("XLA_FLAGS", ""))
     os.environ["XLA_FLAGS"] = f"{flags} {_FLAG}={n}".strip()
+
+
+def _flag_count() -> int:
+    """How many CPU devices the XLA flag asks for (1 without it)."""
+    found = re.search(rf"{_FLAG}=(\d+)", os.environ.get("XLA_FLAGS", ""))
+    return int(found.group(1)) if found else 1
 
 
 def make_mesh(mesh: Mesh) -> jax.sharding.Mesh:
@@ -50,12 +65,24 @@ def make_mesh(mesh: Mesh) -> jax.sharding.Mesh:
 
     devices = jax.devices()
     if len(devices) < mesh.devices:
-        raise DeviceError(
-            f"the mesh {mesh.describe()} needs {mesh.devices} devices, but this process has "
-            f"{len(devices)} ({devices[0].platform}); on CPU, set "
-            f"XLA_FLAGS={_FLAG}={mesh.devices} before jax is first imported"
-        )
+        raise DeviceError(_shortfall(mesh, devices))
     names = mesh.names or ("replica",)
     shape = mesh.shape or (1,)
     auto = (jax.sharding.AxisType.Auto,) * len(names)
     return jax.make_mesh(shape, names, axis_types=auto, devices=devices[: mesh.devices])
+
+
+def _shortfall(mesh: Mesh, devices: list[jax.Device]) -> str:
+    have = f"{len(devices)} {devices[0].platform.upper()} device{'s' * (len(devices) != 1)}"
+    need = f"the mesh {mesh.describe()} needs {mesh.devices} devices"
+    if devices[0].platform == "cpu":
+        return (
+            f"{need}, but jax has {have}: it had started, or its jax_num_cpu_devices was set, before dslc "
+            f"could ask for more; compile the spec before anything in this process uses jax (importing it is "
+            f"fine), or set XLA_FLAGS={_FLAG}={mesh.devices} before starting Python"
+        )
+    return (
+        f"{need}, but this process sees {have}: run on more (a multi-process run adds each process's), "
+        f"or choose a --mesh of at most {len(devices)} devices; JAX_PLATFORMS=cpu simulates the mesh on CPU "
+        "devices instead"
+    )

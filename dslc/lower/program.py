@@ -22,7 +22,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from dslc.codegen.names import safe_identifier
 from dslc.ir import nodes as ir
-from dslc.ir.inputs import integer_bounds
+from dslc.ir.inputs import check_inputs, integer_bounds, read_inputs
 from dslc.kernels.storage import shapes_of
 
 Params = dict[str, jax.Array]
@@ -141,7 +141,7 @@ class Program:
         """The training objective: the loss layer's value plus the layers' auxiliary losses."""
         self._needs_loss()
         with jax.set_mesh(self.mesh):
-            return self._loss(model.arrays(), self.place(batch))
+            return self._loss(model.arrays(), self.place(batch, loss=True))
 
     def aux(self, model: DslcModel, inputs: Mapping[str, Any]) -> dict[str, float]:
         """The auxiliary values the layers return on `inputs`, summed over the layers (dropout
@@ -165,7 +165,7 @@ class Program:
         """The loss and the gradients as the module keeps them, in one step (dropout off)."""
         self._needs_loss()
         with jax.set_mesh(self.mesh):
-            loss, grads = self._grads(model.arrays(), self.place(batch))
+            loss, grads = self._grads(model.arrays(), self.place(batch, loss=True))
         return float(loss), grads
 
     def example_batch(self, seed: int) -> dict[str, np.ndarray]:
@@ -183,22 +183,19 @@ class Program:
                 batch[inp.name] = rng.standard_normal(t.shape).astype(dtype)
         return batch
 
-    def place(self, batch: Mapping[str, Any]) -> dict[str, jax.Array]:
-        """Put each input on the mesh with its declared sharding (checking its shape)."""
+    def place(self, batch: Mapping[str, Any], loss: bool = False) -> dict[str, jax.Array]:
+        """Put each input on the mesh with its declared sharding, after checking the batch
+        (`InputError`): what the forward pass reads, and with `loss` the targets too."""
+        check_inputs(self.ir, batch, read_inputs(self.ir, loss))
         placed: dict[str, jax.Array] = {}
         for inp in self.ir.inputs:
             if inp.name not in batch:
                 continue
-            value = np.asarray(batch[inp.name])
-            if value.shape != inp.type.shape:
-                raise ValueError(f"input `{inp.name}` has shape {value.shape}, the spec says {inp.type.shape}")
-            value = value.astype(jax.numpy.dtype(ir.DTYPES[inp.type.dtype].jax))
+            value = np.asarray(batch[inp.name]).astype(jax.numpy.dtype(ir.DTYPES[inp.type.dtype].jax))
             # Every process holds the whole batch and builds only its own devices' shards;
             # device_put onto a mesh spanning processes would all-gather it to compare first.
-            sharding = NamedSharding(self.mesh, _spec(inp.type.sharding))
+            sharding = NamedSharding(self.mesh, partition_spec(inp.type.sharding))
             placed[inp.name] = jax.make_array_from_callback(value.shape, sharding, value.__getitem__)
-        if self.ir.stream not in placed:
-            raise ValueError(f"missing input `{self.ir.stream}`")
         return placed
 
     # --- training -----------------------------------------------------------------------------
@@ -212,12 +209,20 @@ class Program:
     def train_step(self, model: DslcModel, opt_state: Any, batch: Mapping[str, Any], step: int) -> tuple[Any, float]:
         """One optimizer step on `batch` (dropout on, keyed by `step`); updates `model` in
         place and returns the new optimizer state and the loss before the step."""
+        opt_state, metrics = self.train_step_with_metrics(model, opt_state, batch, step)
+        return opt_state, metrics["loss"]
+
+    def train_step_with_metrics(
+        self, model: DslcModel, opt_state: Any, batch: Mapping[str, Any], step: int
+    ) -> tuple[Any, dict[str, float]]:
+        """`train_step`, returning the step's figures as well: `loss` and those of the module's
+        `step_metrics` (`grad_norm`)."""
         key = jax.random.key(step)
         with jax.set_mesh(self.mesh):
-            params, opt_state, loss = self._step(model.arrays(), opt_state, self.place(batch), key)
+            params, opt_state, loss, metrics = self._step(model.arrays(), opt_state, self.place(batch, loss=True), key)
         for name, value in params.items():
             model.params[name].set_value(value)
-        return opt_state, float(loss)
+        return opt_state, {"loss": float(loss)} | {name: float(value) for name, value in metrics.items()}
 
     def learning_rate(self, step: int) -> float:
         """The spec's learning-rate schedule at `step`."""
@@ -235,7 +240,7 @@ class Program:
             inp.name: jax.ShapeDtypeStruct(
                 inp.type.shape,
                 jax.numpy.dtype(ir.DTYPES[inp.type.dtype].jax),
-                sharding=NamedSharding(self.mesh, _spec(inp.type.sharding)),
+                sharding=NamedSharding(self.mesh, partition_spec(inp.type.sharding)),
             )
             for inp in self.ir.inputs
         }
@@ -299,7 +304,8 @@ class Program:
         return self.module.make_train_step(self.mesh, self.optimizer)
 
 
-def _spec(sharding: ir.Sharding) -> PartitionSpec:
+def partition_spec(sharding: ir.Sharding) -> PartitionSpec:
+    """The jax PartitionSpec of an IR sharding (one tuple of mesh axes per dimension)."""
     return PartitionSpec(*(None if not axes else axes[0] if len(axes) == 1 else axes for axes in sharding))
 
 

@@ -10,19 +10,24 @@ from dslc.ir.nodes import Program, all_layers, weights_by_path
 from dslc.layers.attention import context_axes
 from dslc.plan.communication import Transfer, communication
 from dslc.plan.experts import ExpertLayer, experts
-from dslc.plan.flops import Flops, flops
+from dslc.plan.flops import Flops, busiest_stage_flops, flops
 from dslc.plan.memory import Memory, memory
 from dslc.plan.report import Pipeline, Plan, format_bytes
+from dslc.plan.roles import read_roles
+from dslc.plan.step_time import Hardware, StepTime, intra_node_axes, step_time
 from dslc.plan.timetable import pipeline_figures
 from dslc.schedules import theoretical_bubble
 
-__all__ = ["ExpertLayer", "Flops", "Memory", "Pipeline", "Plan", "Transfer", "plan"]
+__all__ = ["ExpertLayer", "Flops", "Hardware", "Memory", "Pipeline", "Plan", "StepTime", "Transfer", "plan"]
 
 
-def plan(program: Program, device_memory: int | None = None) -> Plan:
+def plan(program: Program, device_memory: int | None = None, hardware: Hardware | None = None) -> Plan:
     """The plan of one training step of `program`; `device_memory` (bytes per device), when
-    given, is compared with the total."""
+    given, is compared with the total; the step time is estimated on `hardware` (its
+    defaults when None), with the cost model `--mesh auto` ranks plans by."""
+    hardware = hardware or Hardware()
     mem = memory(program)
+    transfers = tuple(communication(program))
     warnings = []
     if device_memory is not None and mem.total > device_memory:
         warnings.append(
@@ -37,17 +42,23 @@ def plan(program: Program, device_memory: int | None = None) -> Plan:
             "(long_context with 256 and 512 tokens per sequence: 0.85 and 0.88 of XLA's figure; docs/plan.md); "
             "leave that much headroom, or compare with `dslc plan --xla`"
         )
+    pipe = _pipeline(program)
+    intra = intra_node_axes(read_roles(program).innermost_first(program.mesh.shape), hardware.node_size)
+    bubble = pipe.bubble_fraction if pipe is not None else 0.0
+    estimate = step_time(busiest_stage_flops(program), transfers, bubble, intra, hardware)
     return Plan(
         model=program.name,
         mesh=tuple(zip(program.mesh.names, program.mesh.shape, strict=True)),
         parameters=sum(w.type.numel for w in weights_by_path(program).values()),
         memory=mem,
-        communication=tuple(communication(program)),
+        communication=transfers,
         flops=flops(program),
-        pipeline=_pipeline(program),
+        pipeline=pipe,
         device_memory=device_memory,
         warnings=tuple(warnings),
         experts=experts(program),
+        step_time=estimate,
+        hardware=hardware,
     )
 
 

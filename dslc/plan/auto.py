@@ -41,19 +41,19 @@ from functools import cached_property
 from typing import cast
 
 from dslc.check import check_program
-from dslc.check.schedule import kind_runs
 from dslc.diagnostics import Diagnostic, Diagnostics, Span
 from dslc.ir.elaborate import elaborate
-from dslc.ir.nodes import Layer, Layout, Mesh, MeshAxis, Program, TensorType, walk, weights_by_path
+from dslc.ir.nodes import Mesh, MeshAxis, Program, TensorType, weights_by_path
 from dslc.ir.state import state_sharding
 from dslc.plan.activations import kept_by, tensor_bytes
 from dslc.plan.auto_report import AutoPlan, Candidate, Excluded
 from dslc.plan.communication import Transfer, communication, ring_bytes
-from dslc.plan.flops import flops, forward_flops
+from dslc.plan.flops import busiest_stage_flops, flops
 from dslc.plan.memory import MOMENTS, Memory, memory
+from dslc.plan.roles import read_roles
 from dslc.plan.schedule_figures import Figures, figures
 from dslc.plan.step_time import PER_MICROBATCH, Hardware, StepTime, intra_node_axes, step_time
-from dslc.plan.timetable import pipelined, stage_of
+from dslc.plan.timetable import pipelined
 from dslc.schedules import KINDS, V_KINDS, Kind
 from dslc.syntax import ast
 
@@ -69,53 +69,6 @@ CHUNKING = ("E018", "E019")
 # The errors that depend only on the sizes of the axes that split weights and features: a
 # dimension, or the attention heads, that those sizes do not divide.
 SHAPES = ("E014", "E015")
-
-
-@dataclass(frozen=True, slots=True)
-class Roles:
-    """What each mesh axis of a spec is for, read from how the spec uses it."""
-
-    names: tuple[str, ...]
-    data: tuple[str, ...]
-    tensor: tuple[str, ...]
-    pipeline: str | None
-    shaping: tuple[str, ...]  # the axes that split a weight, or an activation past its batch dimension
-
-    def role(self, axis: str) -> str:
-        if axis in self.data:
-            return "data"
-        if axis == self.pipeline:
-            return "pipeline"
-        return "tensor" if axis in self.tensor else "unused"
-
-    @property
-    def used(self) -> tuple[str, ...]:
-        return tuple(a for a in self.names if self.role(a) != "unused")
-
-    def innermost_first(self, sizes: Sequence[int]) -> list[tuple[str, int]]:
-        """The axes in the order devices are numbered along them (see `step_time`)."""
-        size = dict(zip(self.names, sizes, strict=True))
-        order = [*self.tensor, *self.data, *([self.pipeline] if self.pipeline else [])]
-        return [(a, size[a]) for a in order]
-
-
-def read_roles(program: Program) -> Roles:
-    """Each mesh axis's role, from the shardings of the program's inputs, weights and activations."""
-    data = program.input(program.stream).type.sharding[0] if program.inputs else ()
-    pipeline = program.pipeline.axis if program.pipeline else None
-    activations = [inp.type.sharding for inp in program.inputs]
-    shaping: set[str] = set()
-    for node in walk(tuple(n for chunk in program.chunks for n in chunk.nodes)):
-        if isinstance(node, Layer | Layout):
-            activations += [node.input.sharding, node.output.sharding]
-        if isinstance(node, Layer):
-            activations.append(node.operand)
-            shaping.update(a for w in node.weights for a in w.type.axes_used)
-    shaping.update(a for sharding in activations for dim in sharding[1:] for a in dim)
-    used = shaping | set(program.train.shard_axes) | {a for sharding in activations if sharding for a in sharding[0]}
-    names = program.mesh.names
-    tensor = tuple(a for a in names if a in used and a not in data and a != pipeline)
-    return Roles(names, tuple(data), tensor, pipeline, tuple(a for a in names if a in shaping))
 
 
 def divisors(n: int) -> list[int]:
@@ -232,9 +185,7 @@ class AutoPlanner:
         self.device_memory = device_memory
         self.hardware = hardware or Hardware()
         self.overrides = dict(overrides or {})
-        # The kinds the executor runs, unless the user names others to plan (not run) them.
-        self.kinds = tuple(k for k in KINDS if (k in schedules if schedules is not None else kind_runs(k)))
-        self.running = all(kind_runs(k) for k in self.kinds)
+        self.kinds = tuple(k for k in KINDS if schedules is None or k in schedules)
         self.roles = read_roles(reference)
         self.batch = reference.input(reference.stream).type.shape[0] if reference.inputs else 1
         self.model_flops = flops(reference).model
@@ -418,7 +369,7 @@ class AutoPlanner:
         diags = Diagnostics()
         program = elaborate(module, tuple(sizes), diags, self.overrides)
         if program is not None and not diags.has_errors:
-            check_program(program, diags, self.running)
+            check_program(program, diags)
         if program is None or diags.has_errors:
             raise _Rejected([d for d in diags.items if d.is_error])
         return program
@@ -447,7 +398,7 @@ class AutoPlanner:
         intra = intra_node_axes(self.roles.innermost_first(group.sizes), self.hardware.node_size)
         once = [t for t in transfers if t.phase not in PER_MICROBATCH]
         self.sync[group.sizes] = step_time(0, once, 0.0, intra, self.hardware).communication
-        return _Costed(group, program, _busiest_stage_flops(program), transfers, intra)
+        return _Costed(group, program, busiest_stage_flops(program), transfers, intra)
 
     def _candidates(self, costed: _Costed) -> list[_Pending]:
         """Each (schedule, microbatches) option of the group, with its step time."""
@@ -489,7 +440,7 @@ class AutoPlanner:
         rejected = None
         if fits:
             diags = Diagnostics()
-            check_program(pending.program, diags, self.running)
+            check_program(pending.program, diags)
             rejected = next((f"{d.code}: {d.message}" for d in diags.items if d.is_error), None)
         return Candidate(
             group.sizes,
@@ -533,21 +484,6 @@ class _Rejected(Exception):
         self.errors = errors
         first = errors[0]
         super().__init__(f"{first.code}: {first.message}")
-
-
-def _busiest_stage_flops(program: Program) -> float:
-    """FLOPs per device on the busiest pipeline stage: each stage's share of the step's FLOPs
-    (the planner's, the executor's reruns included) spread over the devices that run it."""
-    stages = program.mesh.size((program.pipeline.axis,)) if program.pipeline else 1
-    staged = pipelined(program)
-    last = len(program.chunks) - 1
-    per_stage = [0] * stages
-    stage = stage_of(program)
-    for chunk in program.chunks:
-        alone = flops(replace(program, chunks=(chunk,), pipeline=None)).model
-        rerun = forward_flops(chunk.nodes) if staged and chunk.index != last else 0
-        per_stage[stage[chunk.index]] += alone + rerun
-    return max(per_stage) / (program.mesh.devices // stages)
 
 
 def _with_pipeline(module: ast.Module, schedule: str, microbatches: int | None, virtual: int) -> ast.Module:

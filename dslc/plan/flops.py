@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import assert_never
 
 from dslc.ir.nodes import Block, Layer, Layout, Node, Program, Repeat, Residual, counted_layers
-from dslc.plan.timetable import splits_backward
+from dslc.plan.timetable import splits_backward, stage_of
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,3 +71,17 @@ def flops(program: Program) -> Flops:
     forward = forward_flops(nodes)
     recompute = sum(_recomputed(n) for n in nodes)
     return Flops(forward, 2 * forward, recompute, forward if splits_backward(program) else 0)
+
+
+def busiest_stage_flops(program: Program) -> float:
+    """FLOPs per device on the busiest pipeline stage: each stage's share of the step's FLOPs
+    (the model's, and a split backward's second pull) spread over the devices that run it."""
+    stages = program.stages
+    split = splits_backward(program)
+    per_stage = [0] * stages
+    stage = stage_of(program)
+    for chunk in program.chunks:
+        forward = forward_flops(chunk.nodes)
+        recompute = sum(_recomputed(n) for n in chunk.nodes)
+        per_stage[stage[chunk.index]] += 3 * forward + recompute + (forward if split else 0)
+    return max(per_stage) / (program.mesh.devices // stages)

@@ -9,6 +9,7 @@ from dslc.plan.communication import Transfer
 from dslc.plan.experts import ExpertLayer
 from dslc.plan.flops import Flops
 from dslc.plan.memory import Memory
+from dslc.plan.step_time import Hardware, StepTime
 
 GIB = 1 << 30
 
@@ -48,6 +49,8 @@ class Plan:
     warnings: tuple[str, ...]
     experts: tuple[ExpertLayer, ...] = ()
     measured: Measured | None = None
+    step_time: StepTime | None = None  # estimated on `hardware`
+    hardware: Hardware | None = None
 
     @property
     def devices(self) -> int:
@@ -132,6 +135,15 @@ class Plan:
                 "grads_step_ratio": m.grads_step / self.measured.grads_step,
                 "train_step_ratio": m.total / self.measured.train_step,
             },
+            "step_time": None
+            if self.step_time is None or self.hardware is None
+            else {
+                "compute_s": self.step_time.compute,
+                "communication_s": self.step_time.communication,
+                "bubble_s": self.step_time.bubble,
+                "total_s": self.step_time.total,
+                "hardware": self.hardware.to_json(),
+            },
             "device_memory": self.device_memory,
             "fits": None if self.device_memory is None else m.total <= self.device_memory,
             "warnings": list(self.warnings),
@@ -198,6 +210,15 @@ class Plan:
                 + f", at most {p.peak_in_flight} {'microbatches' if p.virtual == 1 else 'chunk-microbatches'}"
                 " in flight per stage",
             ]
+        if self.step_time is not None and self.hardware is not None:
+            t = self.step_time
+            lines += [
+                "",
+                f"estimated step time {format_seconds(t.total)}: compute {format_seconds(t.compute)}, "
+                f"communication {format_seconds(t.communication)}, bubble {format_seconds(t.bubble)}",
+                f"  on {self.hardware.describe()} (docs/plan.md; --device-flops and the other flags of "
+                "--mesh auto change them)",
+            ]
         lines += [f"warning: {w}" for w in self.warnings]
         return "\n".join(lines) + "\n"
 
@@ -208,3 +229,11 @@ def format_bytes(n: int) -> str:
         if n >= scale:
             return f"{n / scale:.2f} {unit}"
     return f"{n} B"
+
+
+def format_seconds(s: float) -> str:
+    """A duration in the unit people read it in."""
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6)):
+        if s >= scale:
+            return f"{s / scale:.3g} {unit}"
+    return f"{s * 1e9:.3g} ns"

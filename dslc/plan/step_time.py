@@ -49,6 +49,16 @@ class Hardware:
     intra_latency: float = 10e-6  # seconds a collective call costs inside a node, whatever its size
     inter_latency: float = 20e-6  # likewise between nodes
 
+    def to_json(self) -> dict[str, float]:
+        return {
+            "device_flops": self.device_flops,
+            "intra_bandwidth": self.intra_bandwidth,
+            "inter_bandwidth": self.inter_bandwidth,
+            "node_size": self.node_size,
+            "intra_latency": self.intra_latency,
+            "inter_latency": self.inter_latency,
+        }
+
     def describe(self) -> str:
         return (
             f"{self.device_flops / 1e12:g} TFLOP/s per device, {self.intra_bandwidth / 1e9:g} GB/s and "

@@ -35,6 +35,16 @@ def to_text(schedule: Schedule) -> str:
     return "\n".join(line.rstrip() for line in lines) + "\n"
 
 
+def tick_legend(schedule: Schedule) -> str:
+    """What one column of the timeline is, with the actions this schedule uses."""
+    used = {action.op for row in schedule.actions_by_stage for action in row}
+    ops = ", ".join(f"{op.value} {_op_name(op)}" for op in Op if op in used)
+    return (
+        f"a tick: each stage runs at most one action ({ops}) on one microbatch of one chunk; the stages keep "
+        "step, so a tick lasts as long as its slowest action (`dslc plan` estimates a step in seconds)"
+    )
+
+
 def to_json(schedule: Schedule) -> dict[str, object]:
     """The schedule as JSON-ready data; `actions[s]` lists stage `s`'s actions in tick order."""
     return {

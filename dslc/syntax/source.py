@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,8 +29,20 @@ def read_path(path: str | os.PathLike[str]) -> tuple[Source | None, list[Diagnos
             data = f.read(MAX_SOURCE_BYTES + 1)
     except OSError as exc:
         span = Span(name, 1, 1, 1, 1)
-        return None, [error("E002", f"cannot read `{name}`: {exc.strerror or exc}", span)]
+        guess = _nearby_spec(Path(path)) if isinstance(exc, FileNotFoundError) else None
+        hint = f"did you mean `{guess}`?" if guess else None
+        return None, [error("E002", f"cannot read `{name}`: {exc.strerror or exc}", span, help=hint)]
     return decode(name, data)
+
+
+def _nearby_spec(path: Path) -> Path | None:
+    """The spec in the same folder whose name is closest to a missing one's."""
+    try:
+        names = [p.name for p in path.parent.glob("*.par")]
+    except OSError:
+        return None
+    found = difflib.get_close_matches(path.name, names, n=1, cutoff=0.6)
+    return path.parent / found[0] if found else None
 
 
 def decode(name: str, data: bytes) -> tuple[Source | None, list[Diagnostic]]:
@@ -53,18 +66,21 @@ def from_text(text: str, name: str = "<string>") -> tuple[Source | None, list[Di
 
 
 def resolve(source_or_path: str | os.PathLike[str]) -> tuple[Source | None, list[Diagnostic]]:
-    """A Path is a file; a str is a file if it names one and has no newline, else it is text."""
+    """A Path is a file; so is a str of one line that names an existing file or folder, or
+    ends in `.par` (a missing spec is reported as one, not parsed as text); any other str
+    is the spec's text."""
     if isinstance(source_or_path, os.PathLike):
         return read_path(source_or_path)
     text = source_or_path
-    if "\n" not in text and len(text) < 4096 and _is_file(text):
-        return read_path(text)
+    one_line = "\n" not in text and len(text) < 4096
+    if one_line and (text.strip().endswith(".par") or _exists(text)):
+        return read_path(text.strip())
     return from_text(text)
 
 
-def _is_file(text: str) -> bool:
+def _exists(text: str) -> bool:
     try:
-        return Path(text).is_file()
+        return Path(text).exists()
     except (OSError, ValueError):  # a name too long for the OS, or one with a NUL in it
         return False
 

@@ -124,6 +124,10 @@ class Checkpoints:
         return restored.state["optimizer"]
 
     def close(self) -> None:
+        # The manager starts removing unfinished saves in a thread when it opens, and only a
+        # save waits for that thread; a process that ends before it finishes (a refused
+        # `--resume`) would get a traceback from it at interpreter shutdown.
+        self._manager._maybe_await_cleanup_tmp_directory()
         self._manager.close()
 
 

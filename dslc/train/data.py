@@ -1,21 +1,27 @@
-"""Which embedded data set can feed a spec, decided from its declared inputs and loss.
+"""Which data set can feed a spec, decided from its declared inputs and loss.
 
 `dslc train` needs no downloads: byte-level language models read Python's own standard
 library (`corpus.py`), image classifiers read the handwritten digits shipped with dslc
-(`digits.py`). A spec whose inputs fit neither is refused with a message that says what
+(`digits.py`); `--data PATH` gives a language model the user's own tokens or text
+(`tokens.py`). A spec whose inputs fit neither is refused with a message that says what
 each data set needs. Nothing here imports jax: the decision is made on the checked IR.
 """
 
 from __future__ import annotations
 
+import hashlib
+from pathlib import Path
+
 from dslc.ir import nodes as ir
-from dslc.train.corpus import ByteCorpus, stdlib_corpus
+from dslc.train.corpus import stdlib_corpus
 from dslc.train.dataset import DataError, Dataset
 from dslc.train.digits import CLASSES, NATIVE_SIDE, DigitImages, image_side, load_digits
+from dslc.train.tokens import HELD_OUT, NextTokens, TokenData, in_memory, open_data
 
 
-def dataset_for(program: ir.Program) -> Dataset:
-    """The embedded data set that fits the spec's inputs; DataError says why none does."""
+def dataset_for(program: ir.Program, data: Path | None = None) -> Dataset:
+    """The data set that fits the spec's inputs: `data` (a path, for language models) or the
+    embedded one; DataError says why none does."""
     stream = program.input(program.stream)
     loss = program.loss
     if loss is None:
@@ -24,13 +30,54 @@ def dataset_for(program: ir.Program) -> Dataset:
         )
     target = program.input(str(loss.attr("targets")))
     others = [i for i in program.inputs if i.name not in (stream.name, target.name)]
-    if not others:
-        if _is_language_model(program, stream, target, loss):
-            vocab = _token_count(program, loss)
-            return ByteCorpus(stdlib_corpus(), vocab, stream, target)
-        if _is_image_classifier(stream, target, loss):
-            return DigitImages(load_digits(), stream, target)
+    if not others and _is_language_model(program, stream, target, loss):
+        vocab = _token_count(program, loss, embedded=data is None)
+        found = _stdlib_tokens() if data is None else open_data(data, vocab)
+        held_out = NextTokens(found.held_out, vocab, stream, target, found.description + " (held out)", "")
+        return NextTokens(found.train, vocab, stream, target, found.description, found.fingerprint, held_out)
+    if data is not None:
+        raise DataError(
+            f"--data feeds language models (integer tokens read by an `embed`, targets of the same shape for "
+            f"`cross_entropy`), which spec `{program.name}` is not"
+        )
+    if not others and _is_image_classifier(stream, target, loss):
+        return DigitImages(load_digits(), stream, target)
     raise DataError(_refusal(program))
+
+
+def _stdlib_tokens() -> TokenData:
+    text = stdlib_corpus()
+    train, held_out = in_memory(text).split(HELD_OUT)
+    description = (
+        f"Python standard-library sources, byte-level ({len(text) / 1e6:.1f} MB, the last {HELD_OUT:.0%} held out)"
+    )
+    return TokenData(train, held_out, description, hashlib.sha256(text).hexdigest()[:16])
+
+
+def data_warnings(program: ir.Program) -> list[str]:
+    """What a person should know before training the spec on the data `dataset_for` gives it.
+
+    Every language-model data set `dslc train` reads is next-token prediction: a target is
+    the token after its position. Attention that also looks forward (`causal=false`) then
+    reads the very token it is asked to predict, and the loss falls towards zero with nothing
+    learnt that would generate text."""
+    stream = program.input(program.stream)
+    loss = program.loss
+    if loss is None or loss.kind != "cross_entropy":
+        return []
+    target = program.input(str(loss.attr("targets")))
+    if not _is_language_model(program, stream, target, loss):
+        return []
+    layers = ir.all_layers(program)
+    both_ways = [layer.path for layer in layers if layer.kind == "attention" and not layer.attr("causal")]
+    if not both_ways:
+        return []
+    more = f" (and {len(both_ways) - 1} more)" if len(both_ways) > 1 else ""
+    return [
+        f"warning: `{both_ways[0]}`{more} attends both ways (causal=false), but every target is the next token: "
+        "each position can read the token it is asked to predict, so the loss will fall without the model "
+        "learning to predict; use causal=true for next-token training"
+    ]
 
 
 def _embedding(program: ir.Program) -> ir.Layer | None:
@@ -51,12 +98,12 @@ def _is_language_model(program: ir.Program, stream: ir.Input, target: ir.Input, 
     )
 
 
-def _token_count(program: ir.Program, loss: ir.Layer) -> int:
+def _token_count(program: ir.Program, loss: ir.Layer, embedded: bool) -> int:
     """Token ids must index both the embedding table and the logits."""
     embed = _embedding(program)
     assert embed is not None
     vocab = min(int(embed.attr("vocab")), loss.input.shape[-1])  # type: ignore[call-overload]
-    if vocab < 128:
+    if embedded and vocab < 128:
         raise DataError(
             f"spec `{program.name}` is a language model over {vocab} token ids; the embedded corpus (Python's "
             "standard-library sources, byte-level) needs at least 128 (ASCII) and keeps every byte with 256: "

@@ -8,7 +8,7 @@ import numpy as np
 
 
 class DataError(Exception):
-    """The spec's inputs are not something the embedded data sets can feed."""
+    """The spec's inputs are not something the data sets can feed, or the data are unusable."""
 
 
 class Dataset(Protocol):
@@ -35,6 +35,13 @@ class Dataset(Protocol):
         """A short hash of the data, so a resumed run can tell whether they changed."""
         ...
 
-    def batch(self, seed: int, step: int) -> dict[str, np.ndarray]:
-        """The batch of 0-based step `step` of the run seeded `seed`, one array per declared input."""
+    @property
+    def held_out(self) -> Dataset | None:
+        """Data kept out of training, to evaluate on; None when there are none."""
+        ...
+
+    def batch(self, seed: int, step: int, rows: np.ndarray | None = None) -> dict[str, np.ndarray]:
+        """The batch of 0-based step `step` of the run seeded `seed`, one array per declared
+        input. With `rows`, only those rows need be read (a process's share of a multi-process
+        run); the others may be left zero."""
         ...

@@ -96,17 +96,23 @@ class DigitImages:
     def fingerprint(self) -> str:
         return self.digits.fingerprint
 
+    @property
+    def held_out(self) -> None:
+        """Every digit trains: 1797 images leave too few to split off a useful held-out set."""
+        return None
+
     @functools.cached_property
     def _pixels(self) -> np.ndarray:
         side = image_side(self.images.type.shape[1])
         assert side is not None, "data.dataset_for admits square widths only"
         return resample(self.digits.images, side).reshape(len(self.digits.labels), -1)
 
-    def batch(self, seed: int, step: int) -> dict[str, np.ndarray]:
-        n, rows = len(self.digits.labels), self.per_batch
-        positions = np.arange(step * rows, (step + 1) * rows)
+    def batch(self, seed: int, step: int, rows: np.ndarray | None = None) -> dict[str, np.ndarray]:
+        """The digits live in memory: every row is made whatever `rows` asks."""
+        n, size = len(self.digits.labels), self.per_batch
+        positions = np.arange(step * size, (step + 1) * size)
         epochs = positions // n
-        order = np.empty(rows, dtype=np.int64)
+        order = np.empty(size, dtype=np.int64)
         for epoch in np.unique(epochs):
             here = epochs == epoch
             order[here] = np.random.default_rng((seed, int(epoch))).permutation(n)[positions[here] % n]

@@ -20,6 +20,12 @@ import sys
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from dslc.lower.program import Program
 
 
 class DistributedError(Exception):
@@ -163,3 +169,20 @@ def _check_port_free(coordinator: str) -> None:
         raise DistributedError(
             f"process 0 cannot serve the coordinator at port {port}: {exc.strerror or exc}; choose another port"
         ) from None
+
+
+def local_rows(program: Program) -> np.ndarray | None:
+    """The rows of the batch that this process's devices hold, or None when it holds them
+    all (a single process): the data sets then read only these rows."""
+    import numpy as np
+    from jax.sharding import NamedSharding
+
+    from dslc.lower.program import partition_spec
+
+    size = program.ir.input(program.ir.stream).type.shape[0]
+    rows: set[int] = set()
+    for inp in program.ir.inputs:
+        sharding = NamedSharding(program.mesh, partition_spec(inp.type.sharding))
+        for index in sharding.addressable_devices_indices_map(inp.type.shape).values():
+            rows.update(range(*index[0].indices(size)) if index else range(size))
+    return None if len(rows) == size else np.array(sorted(rows))

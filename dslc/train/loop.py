@@ -1,12 +1,13 @@
-"""The training loop: a compiled Program, the embedded data, metrics and checkpoints.
+"""The training loop: a compiled Program, its data, metrics, evaluation and checkpoints.
 
 A run lives in one folder: `metrics.jsonl`, `loss.png` and `checkpoints/`. Step numbers
 count optimizer steps done, so "step 3" is the state after three updates; checkpoint 3
 resumes by running the step whose 0-based index is 3 (the fourth batch).
 
 In a multi-process run (`distributed.py`) every process runs this same loop on the same
-global batches and takes part in every checkpoint save (orbax writes each process's shards);
-only process 0 reports: the log lines, the progress, the metrics and the loss curve.
+global batches, reading only its own rows of each, and takes part in every checkpoint save
+(orbax writes each process's shards) and every evaluation; only process 0 reports: the log
+lines, the progress, the metrics and the loss curve.
 """
 
 from __future__ import annotations
@@ -14,24 +15,40 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 
+from dslc.ir import nodes as ir
+from dslc.kernels.metrics import moe_metrics
+from dslc.layers import RULES
 from dslc.lower.program import DslcModel, Program
 from dslc.train.checkpoint import Checkpoints, RunState, run_state
-from dslc.train.data import dataset_for
+from dslc.train.data import data_warnings, dataset_for
 from dslc.train.dataset import Dataset
+from dslc.train.distributed import local_rows
+from dslc.train.interrupt import StopRequest
 from dslc.train.metrics import Metrics, Throughput
 from dslc.train.progress import TrainingProgress
 
 CHECKPOINTS_DIR = "checkpoints"
+# Held-out batches per evaluation: the same ones every time, so the eval losses compare.
+EVAL_BATCHES = 8
 
 
 class TrainError(Exception):
     """A run that cannot start as asked (a folder, a checkpoint or a seed that does not fit)."""
+
+
+class TrainInterrupted(Exception):
+    """Ctrl-C stopped the run after step `step`, whose checkpoint is saved."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__(f"stopped at step {step}")
+        self.step = step
 
 
 @dataclass(frozen=True)
@@ -41,6 +58,8 @@ class TrainOptions:
     seed: int | None = None  # None: 0 for a new run, the checkpoint's when resuming
     checkpoint_every: int | None = None  # besides the checkpoint at the end
     resume: bool = False
+    data: Path | None = None  # a language model's own tokens or text, instead of the embedded data
+    eval_every: int | None = None  # evaluate on the held-out data every K steps (and at the end)
 
 
 @dataclass(frozen=True)
@@ -56,6 +75,7 @@ class TrainResult:
     unit: str
     checkpoint: int | None  # the newest checkpoint's step
     leader: bool  # this process reports the run: the only one, or process 0 of several
+    eval_losses: dict[int, float] = field(default_factory=dict)
 
     def summary(self) -> str:
         if not self.losses:
@@ -66,6 +86,12 @@ class TrainResult:
             f"loss {self.losses[steps[0]]:.4f} -> {self.losses[steps[-1]]:.4f}",
             f"first step (compilation included): {self.first_step_s:.2f} s",
         ]
+        if self.eval_losses:
+            evals = sorted(self.eval_losses)
+            lines.append(
+                f"held-out loss at step {evals[0]}: {self.eval_losses[evals[0]]:.4f}"
+                + (f", at step {evals[-1]}: {self.eval_losses[evals[-1]]:.4f}" if len(evals) > 1 else "")
+            )
         if self.steady is not None:
             lines.append(
                 f"steady state over {self.steady.steps} steps: {self.steady.step_time_s * 1e3:.1f} ms/step, "
@@ -76,12 +102,17 @@ class TrainResult:
 
 
 def train(program: Program, options: TrainOptions, log: Callable[[str], None] | None = None) -> TrainResult:
-    """Train `program` on its embedded data set as `options` say. `log` (standard error by
-    default, beside the progress display) gets what a person should read before it starts;
-    in a multi-process run only process 0 logs."""
+    """Train `program` on its data as `options` say. `log` (standard error by default, beside
+    the progress display) gets what a person should read before it starts; in a
+    multi-process run only process 0 logs. Ctrl-C finishes the step under way, saves it and
+    raises TrainInterrupted."""
     leader = jax.process_index() == 0
     log = (log or _to_stderr) if leader else _nowhere
-    dataset = dataset_for(program.ir)
+    dataset = dataset_for(program.ir, options.data)
+    if options.eval_every is not None and dataset.held_out is None:
+        raise TrainError(f"--eval-every needs held-out data, and {dataset.description} keeps none")
+    if options.resume and not _has_entries(options.out / CHECKPOINTS_DIR):
+        raise _nothing_to_resume(options.out / CHECKPOINTS_DIR)  # before anything is created
     checkpoints = _open_run(options.out)
     try:
         return _train(program, dataset, checkpoints, options, log, leader)
@@ -97,17 +128,35 @@ def _open_run(out: Path) -> Checkpoints:
     return Checkpoints(out / CHECKPOINTS_DIR)
 
 
-def _train(
-    program: Program,
-    dataset: Dataset,
-    checkpoints: Checkpoints,
-    options: TrainOptions,
-    log: Callable[[str], None],
-    leader: bool,
-) -> TrainResult:
+def _has_entries(directory: Path) -> bool:
+    try:
+        return any(directory.iterdir())
+    except OSError:  # missing, or not a folder: _open_run says which
+        return False
+
+
+def _nothing_to_resume(directory: Path) -> TrainError:
+    return TrainError(f"no checkpoint in {directory} to resume from; train without --resume first")
+
+
+@dataclass
+class _Run:
+    """A run's state between steps."""
+
+    model: DslcModel
+    opt_state: Any
+    seed: int
+    start: int  # steps done before this process began
+    mesh: str
+
+
+def _start(
+    program: Program, dataset: Dataset, checkpoints: Checkpoints, options: TrainOptions, log: Callable[[str], None]
+) -> _Run:
+    """A fresh model, or the newest checkpoint's when resuming, after checking that it fits."""
     latest = checkpoints.latest_step()
     if options.resume and latest is None:
-        raise TrainError(f"no checkpoint in {checkpoints.directory} to resume from; train without --resume first")
+        raise _nothing_to_resume(checkpoints.directory)
     if not options.resume and latest is not None:
         raise TrainError(
             f"{options.out} already holds a checkpoint at step {latest}: add --resume to continue from it, "
@@ -120,66 +169,107 @@ def _train(
         )
     seed = saved.seed if saved is not None else options.seed or 0
     model = program.init(seed)
-    opt_state = program.init_optimizer(model)
-    here = _state(program, dataset, model, opt_state, seed, 0)
-    start = 0
-    if saved is not None:
-        problems = saved.mismatch(here)
-        if problems:
-            raise TrainError(
-                f"the checkpoint at step {saved.step} in {checkpoints.directory} is not of this spec: "
-                + "; ".join(problems)
-                + ". Resume with the spec and --set values it was trained with, or choose another --out"
-            )
-        opt_state = checkpoints.restore(saved.step, model, opt_state)
-        start = saved.data_position
-        moved = "" if saved.mesh == here.mesh else f", resharded from mesh {saved.mesh}"
-        log(f"resumed from the checkpoint at step {saved.step}{moved}")
-        if saved.data_fingerprint != dataset.fingerprint:
-            log(
-                f"warning: the data differ from the checkpoint's ({saved.data}; another Python version?): "
-                "the loss will not follow the uninterrupted run's"
-            )
-    log(f"training {program.ir.name} on mesh {here.mesh}: {dataset.description}, seed {seed}")
+    run = _Run(model, program.init_optimizer(model), seed, 0, program.ir.mesh.describe())
+    if saved is None:
+        return run
+    problems = saved.mismatch(_state(program, dataset, run, 0))
+    if problems:
+        raise TrainError(
+            f"the checkpoint at step {saved.step} in {checkpoints.directory} is not of this spec: "
+            + "; ".join(problems)
+            + ". Resume with the spec and --set values it was trained with, or choose another --out"
+        )
+    run.opt_state = checkpoints.restore(saved.step, model, run.opt_state)
+    run.start = saved.data_position
+    moved = "" if saved.mesh == run.mesh else f", resharded from mesh {saved.mesh}"
+    log(f"resumed from the checkpoint at step {saved.step}{moved}")
+    if saved.data_fingerprint != dataset.fingerprint:
+        log(
+            f"warning: the data differ from the checkpoint's ({saved.data}): "
+            "the loss will not follow the uninterrupted run's"
+        )
+    return run
 
-    metrics = Metrics.resume(options.out, dataset.unit, start, writes=leader)
+
+def _train(
+    program: Program,
+    dataset: Dataset,
+    checkpoints: Checkpoints,
+    options: TrainOptions,
+    log: Callable[[str], None],
+    leader: bool,
+) -> TrainResult:
+    run = _start(program, dataset, checkpoints, options, log)
+    log(f"training {program.ir.name} on mesh {run.mesh}: {dataset.description}, seed {run.seed}")
+    for warning in data_warnings(program.ir):
+        log(warning)
+    rows = local_rows(program)
+    metrics = Metrics.resume(options.out, dataset.unit, run.start, writes=leader)
     losses: dict[int, float] = {}
+    eval_losses: dict[int, float] = {}
     first_step_s = None
-    newest = latest
+    newest = checkpoints.latest_step()
+    step = run.start
     try:
-        with TrainingProgress(options.steps, start, dataset.unit, shown=leader) as progress:
-            for index in range(start, options.steps):
-                batch = dataset.batch(seed, index)
+        with (
+            TrainingProgress(options.steps, run.start, dataset.unit, shown=leader) as progress,
+            StopRequest(lambda: log("stopping after this step; Ctrl-C again to stop now, without saving")) as stop,
+        ):
+            for index in range(run.start, options.steps):
+                batch = dataset.batch(run.seed, index, rows)
                 began = time.perf_counter()
-                opt_state, loss = program.train_step(model, opt_state, batch, index)
+                run.opt_state, figures = program.train_step_with_metrics(run.model, run.opt_state, batch, index)
                 seconds = time.perf_counter() - began
-                step, compiled = index + 1, index == start
+                step, compiled = index + 1, index == run.start
                 first_step_s = seconds if compiled else first_step_s
-                losses[step] = loss
-                metrics.add(step, loss, seconds, dataset.per_batch, program.learning_rate(index), compiled)
-                progress.step(step, loss, seconds, dataset.per_batch / seconds, compiled)
+                losses[step] = figures["loss"]
+                metrics.add(step, seconds, dataset.per_batch, program.learning_rate(index), compiled, figures)
+                progress.step(step, figures["loss"], seconds, dataset.per_batch / seconds, compiled)
+                every, last = options.eval_every, step == options.steps or stop.requested
+                if every is not None and (step % every == 0 or last):
+                    assert dataset.held_out is not None, "train() refuses --eval-every without held-out data"
+                    found = evaluate(program, run.model, dataset.held_out, run.seed, rows)
+                    eval_losses[step] = found["eval_loss"]
+                    metrics.annotate(found)
+                    progress.evaluated(step, found["eval_loss"])
                 every = options.checkpoint_every
-                if step == options.steps or (every is not None and step % every == 0):
-                    checkpoints.save(model, opt_state, _state(program, dataset, model, opt_state, seed, step))
+                if last or (every is not None and step % every == 0):
+                    checkpoints.save(run.model, run.opt_state, _state(program, dataset, run, step))
                     newest = step
                     metrics.write()
+                if stop.requested:
+                    raise TrainInterrupted(step)
     except BaseException:
         if losses:  # what ran is worth keeping, even when the run stops early
             metrics.write()
         raise
     return TrainResult(
         model=program.ir.name,
-        mesh=here.mesh,
+        mesh=run.mesh,
         data=dataset.description,
         out=options.out,
-        start=start,
+        start=run.start,
         losses=losses,
         first_step_s=first_step_s,
-        steady=metrics.throughput(since_step=start),
+        steady=metrics.throughput(since_step=run.start),
         unit=dataset.unit,
         checkpoint=newest,
         leader=leader,
+        eval_losses=eval_losses,
     )
+
+
+def evaluate(
+    program: Program, model: DslcModel, held_out: Dataset, seed: int, rows: np.ndarray | None = None
+) -> dict[str, float]:
+    """The mean loss over EVAL_BATCHES held-out batches (dropout off) as `eval_loss`, and for
+    a mixture of experts its load and dropped tokens on them (`dslc.kernels.metrics`)."""
+    batches = [held_out.batch(seed, i, rows) for i in range(EVAL_BATCHES)]
+    found = {"eval_loss": float(np.mean([float(program.loss(model, b)) for b in batches]))}
+    if any(RULES[layer.kind].has_aux for layer in ir.all_layers(program.ir)):
+        aux = [program.aux(model, b) for b in batches]
+        found |= moe_metrics({k: float(np.mean([a[k] for a in aux])) for k in aux[0]})
+    return found
 
 
 def _saved_state(checkpoints: Checkpoints, step: int | None) -> RunState | None:
@@ -199,12 +289,12 @@ def _nowhere(line: str) -> None:
     """The log of a process other than the first: process 0 has said the same."""
 
 
-def _state(program: Program, dataset: Dataset, model: DslcModel, opt_state: Any, seed: int, step: int) -> RunState:
+def _state(program: Program, dataset: Dataset, run: _Run, step: int) -> RunState:
     return run_state(
-        model,
-        opt_state,
+        run.model,
+        run.opt_state,
         step=step,
-        seed=seed,
+        seed=run.seed,
         data_position=step,
         data=dataset.description,
         data_fingerprint=dataset.fingerprint,

@@ -1,9 +1,12 @@
 """Per-step training metrics: one JSON object a line in `metrics.jsonl`, and the loss curve.
 
 Keys of each line: `step` (optimizer steps done, from 1), `loss` (on that step's batch,
-before its update), `step_time_s` (wall time of the step, the loss fetched), `tokens_per_s`
-or `samples_per_s` (whichever the data set counts), `lr` (the learning rate the step used)
-and `compiled` (true on the first step a process runs, whose time includes compilation).
+before its update), `grad_norm` (the global L2 norm of the step's gradients),
+`step_time_s` (wall time of the step, the loss fetched), `tokens_per_s` or `samples_per_s`
+(whichever the data set counts), `lr` (the learning rate the step used) and `compiled` (true
+on the first step a process runs, whose time includes compilation). A step that evaluated
+(`--eval-every`) also has `eval_loss`, the mean loss on held-out batches after the step,
+and for a mixture of experts `moe_balance_loss` and `moe_dropped_fraction` on them.
 """
 
 from __future__ import annotations
@@ -50,11 +53,15 @@ class Metrics:
         rows = list(_read_rows(path)) if path.is_file() else []
         return cls(directory, unit, [r for r in rows if r["step"] <= step], writes)
 
-    def add(self, step: int, loss: float, step_time_s: float, per_batch: int, lr: float, compiled: bool) -> None:
+    def add(
+        self, step: int, step_time_s: float, per_batch: int, lr: float, compiled: bool, figures: dict[str, float]
+    ) -> None:
+        """A step's row; `figures` holds its `loss` and whatever else the step measured."""
         self.rows.append(
             {
                 "step": step,
-                "loss": loss,
+                "loss": figures["loss"],
+                **{k: v for k, v in figures.items() if k != "loss"},
                 "step_time_s": step_time_s,
                 f"{self.unit}_per_s": per_batch / step_time_s,
                 "lr": lr,
@@ -62,13 +69,19 @@ class Metrics:
             }
         )
 
+    def annotate(self, figures: dict[str, float]) -> None:
+        """Add figures measured after the newest step (an evaluation) to its row."""
+        self.rows[-1].update(figures)
+
     def write(self) -> None:
         if not self.writes:
             return
         text = "".join(json.dumps(r) + "\n" for r in self.rows)
         write_atomic(self.directory / METRICS_FILE, text)
         steps = [r["step"] for r in self.rows]
-        write_atomic(self.directory / CURVE_FILE, loss_curve_png(steps, [r["loss"] for r in self.rows]))
+        evaluated = [(r["step"], r["eval_loss"]) for r in self.rows if "eval_loss" in r]
+        curve = loss_curve_png(steps, [r["loss"] for r in self.rows], evaluated)
+        write_atomic(self.directory / CURVE_FILE, curve)
 
     def throughput(self, since_step: int) -> Throughput | None:
         """Steady state over the steps after `since_step`, or None before any ran."""

@@ -2,9 +2,10 @@
 
 On a terminal, a live `rich` progress bar with the step, loss, step time and throughput.
 Elsewhere (a log file, CI) a live bar would be noise, so a plain line every tenth of the
-run. Either way the first step a process runs is reported on its own: its time is mostly
-compilation, and is kept out of the steady-state figures. In a multi-process run only
-process 0 shows anything; the others' progress is hidden (`shown=False`).
+run. Either way the first step a process runs is reported on its own: while it compiles the
+display says so (it can take minutes for a large model), and its time is kept out of the
+steady-state figures. Evaluations get a line each. In a multi-process run only process 0
+shows anything; the others' progress is hidden (`shown=False`).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ class TrainingProgress:
         self._bar: Progress | None = None
         if shown and self._console.is_terminal:
             self._bar = Progress(
-                TextColumn("step"),
+                TextColumn("{task.description}"),
                 MofNCompleteColumn(),
                 BarColumn(),
                 TextColumn("loss {task.fields[loss]}"),
@@ -37,11 +38,15 @@ class TrainingProgress:
                 TimeRemainingColumn(),
                 console=self._console,
             )
-            self._task = self._bar.add_task("train", total=total, completed=start, loss="-", step_ms="-", rate="-")
+            self._task = self._bar.add_task(
+                "compiling the first step", total=total, completed=start, loss="-", step_ms="-", rate="-"
+            )
 
     def __enter__(self) -> TrainingProgress:
         if self._bar is not None:
             self._bar.start()
+        elif self.shown and self.start < self.total:
+            self._console.print(f"step {self.start + 1}: compiling the training step ...", highlight=False)
         return self
 
     def __exit__(
@@ -57,8 +62,17 @@ class TrainingProgress:
             self._console.print(f"step {step}: compiled and ran in {step_time_s:.2f} s, loss {loss:.4f}")
         if self._bar is not None:
             self._bar.update(
-                self._task, completed=step, loss=f"{loss:.4f}", step_ms=f"{step_time_s * 1e3:.0f}", rate=f"{per_s:,.0f}"
+                self._task,
+                description="step",
+                completed=step,
+                loss=f"{loss:.4f}",
+                step_ms=f"{step_time_s * 1e3:.0f}",
+                rate=f"{per_s:,.0f}",
             )
         elif not compiled and ((step - self.start) % self._every == 0 or step == self.total):
             timing = f"{step_time_s * 1e3:.0f} ms/step  {per_s:,.0f} {self.unit}/s"
             self._console.print(f"step {step}/{self.total}  loss {loss:.4f}  {timing}", highlight=False)
+
+    def evaluated(self, step: int, loss: float) -> None:
+        if self.shown:
+            self._console.print(f"step {step}: held-out loss {loss:.4f}", highlight=False)

@@ -124,13 +124,3 @@ def test_a_v_turns_on_the_last_stage_and_climbs_back(kind: str) -> None:
     assert stages_with(plan.receive_gradient) == {0, 1}
     assert stages_with(others.keep_gradient) == {2}
     assert stages_with(others.gradient_from_previous) == {1, 2}
-
-
-@pytest.mark.parametrize("kind", KINDS)
-def test_the_checker_and_the_tables_agree_on_what_the_ring_executor_runs(kind: str) -> None:
-    """`dslc check` decides from the placement alone; the tables say it by what they fill."""
-    from dslc.check.schedule import runs_on_executor
-
-    for stages in (1, 2, 3, 4):
-        schedule = build(kind, stages, 2 * stages, 2 if kind == "interleaved-1f1b" else None)
-        assert runs_on_executor(schedule.placement, stages) == allocate_slots(schedule).ring_only

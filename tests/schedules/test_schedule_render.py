@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from dslc.schedules import KINDS, build, to_json, to_svg, to_text
+from dslc.schedules.render import tick_legend
 
 SVG = "{http://www.w3.org/2000/svg}"
 GOLDENS = Path(__file__).parent / "goldens"
@@ -65,6 +66,15 @@ def test_a_v_shows_each_stage_holding_two_chunks() -> None:
 def test_text_timeline_zb_h1_uses_split_backwards() -> None:
     text = to_text(build("zb-h1", 2, 2))
     assert "I0" in text and "W0" in text and "B0" not in text
+
+
+def test_the_tick_legend_says_what_a_tick_is_with_the_schedules_own_actions() -> None:
+    assert tick_legend(build("1f1b", 2, 3)) == (
+        "a tick: each stage runs at most one action (F forward, B backward) on one microbatch of one chunk; "
+        "the stages keep step, so a tick lasts as long as its slowest action (`dslc plan` estimates a step in "
+        "seconds)"
+    )
+    assert "(F forward, I input gradient, W weight gradient)" in tick_legend(build("zb-h1", 2, 2))
 
 
 @pytest.mark.parametrize("request_", examples())

@@ -1,0 +1,261 @@
+"""`dslc train --data`: token files and text, held-out evaluation, exact resume, Ctrl-C.
+
+The training runs use specs/tiny.par (vocab 256, batches of 8 x 32 tokens) for a few steps
+on data made here: a token sequence with a short period, which a model learns within tens of
+steps, and a folder of text files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dslc.cli import main
+from dslc.frontend import analyze
+from dslc.ir import nodes as ir
+from dslc.train.data import dataset_for
+from dslc.train.dataset import DataError
+from dslc.train.tokens import HELD_OUT, NextTokens, TokenStream, open_data
+from tests.conftest import ROOT, SPECS
+
+TINY = str(SPECS / "tiny.par")
+PERIOD = 61  # the token sequence repeats every PERIOD tokens
+
+
+def checked(source: str | Path) -> ir.Program:
+    analysis = analyze(source)
+    assert analysis.program is not None and analysis.ok, analysis.diagnostics
+    return analysis.program
+
+
+def periodic_tokens(count: int = 200_000) -> np.ndarray:
+    return ((np.arange(count) * 37) % PERIOD * 4).astype(np.uint16)  # ids 0 .. 240
+
+
+def write_text_folder(folder: Path) -> Path:
+    folder.mkdir()
+    lines = [
+        f"the {animal} {verb} over the {thing}.\n"
+        for animal in ("cat", "dog", "fox")
+        for verb in ("jumps", "looks", "runs")
+        for thing in ("fence", "wall", "river", "log")
+    ]
+    for i in range(40):
+        (folder / f"part{i:02d}.txt").write_text("".join(lines[(i + j) % len(lines)] for j in range(60)))
+    (folder / ".hidden").write_text("never read")
+    (folder / "image.png").write_bytes(b"\x89PNG\r\n\x1a\n\0\0\0" + bytes(100))  # binary: skipped
+    return folder
+
+
+def rows_of(run: Path) -> list[dict[str, object]]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def train(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(["train", TINY, *argv])
+    out, err = capsys.readouterr()
+    assert "Traceback" not in err
+    return code, out, err
+
+
+# --- reading ---------------------------------------------------------------------------------
+
+
+def test_token_files_are_mapped_not_read_and_split_off_a_held_out_tail(tmp_path: Path) -> None:
+    tokens = periodic_tokens()
+    tokens.tofile(tmp_path / "train.bin")
+    data = open_data(tmp_path / "train.bin", vocab=256)
+    assert isinstance(data.train.parts[0], np.memmap)
+    assert len(data.held_out) == int(len(tokens) * HELD_OUT) and len(data.train) + len(data.held_out) == len(tokens)
+    np.testing.assert_array_equal(data.held_out.window(0, 5), tokens[len(data.train) : len(data.train) + 5])
+    np.save(tmp_path / "tokens.npy", tokens.astype(np.uint32))
+    assert open_data(tmp_path / "tokens.npy", vocab=256).train.parts[0].dtype == np.uint32
+    # A vocabulary beyond uint16 reads .bin files as uint32.
+    assert open_data(tmp_path / "train.bin", vocab=100_000).train.parts[0].dtype == np.uint32
+
+
+def test_a_folder_with_train_and_val_is_nanogpts_layout(tmp_path: Path) -> None:
+    periodic_tokens(5000).tofile(tmp_path / "train.bin")
+    periodic_tokens(700).tofile(tmp_path / "val.bin")
+    data = open_data(tmp_path, vocab=256)
+    assert (len(data.train), len(data.held_out)) == (5000, 700)
+    assert "val.bin (700, held out)" in data.description
+
+
+def test_text_is_read_byte_level_across_files_skipping_hidden_and_binary_ones(tmp_path: Path) -> None:
+    folder = write_text_folder(tmp_path / "text")
+    data = open_data(folder, vocab=256)
+    text = b"\n".join(p.read_bytes() for p in sorted(folder.glob("part*.txt")))
+    assert len(data.train) + len(data.held_out) == len(text)
+    # A window across the boundary between two files reads both, with the newline between.
+    first = (folder / "part00.txt").stat().st_size
+    np.testing.assert_array_equal(data.train.window(first - 3, 7), np.frombuffer(text[first - 3 : first + 4], np.uint8))
+    assert "40 files" in data.description
+
+
+def test_a_process_reads_only_its_own_rows(tmp_path: Path) -> None:
+    program = checked(TINY)
+    stream = TokenStream((periodic_tokens(10_000),), byte_level=False)
+    data = NextTokens(stream, 256, program.input("tokens"), program.input("targets"), "periodic", "")
+    whole = data.batch(3, 7)
+    read: list[int] = []
+    original = TokenStream.window
+
+    def counting(self: TokenStream, start: int, length: int) -> np.ndarray:
+        read.append(start)
+        return original(self, start, length)
+
+    mine = np.array([2, 5])
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(TokenStream, "window", counting)
+        part = data.batch(3, 7, mine)
+    assert len(read) == 2
+    for name in ("tokens", "targets"):
+        np.testing.assert_array_equal(part[name][mine], whole[name][mine])
+        assert not part[name][[0, 1, 3, 4, 6, 7]].any()
+    np.testing.assert_array_equal(whole["targets"][:, :-1], whole["tokens"][:, 1:])
+
+
+def unusable(kind: str, folder: Path) -> Path:
+    """A path that --data must refuse, of the given kind."""
+    match kind:
+        case "missing":
+            return folder / "missing.bin"
+        case "odd":
+            (folder / "odd.bin").write_bytes(b"abc")
+            return folder / "odd.bin"
+        case "floats":
+            np.save(folder / "f.npy", np.zeros(9, np.float32))
+            return folder / "f.npy"
+        case "matrix":
+            np.save(folder / "m.npy", np.zeros((3, 3), np.int32))
+            return folder / "m.npy"
+        case "empty":
+            (folder / "e").mkdir()
+            return folder / "e"
+        case _:
+            periodic_tokens(9).tofile(folder / "train.bin")
+            return folder
+
+
+@pytest.mark.parametrize(
+    ("kind", "message"),
+    [
+        ("missing", "no such file or folder"),
+        ("odd", "3 bytes is not a whole number of uint16 ids"),
+        ("floats", "a token file is a flat array of integer ids, this one is float32[9]"),
+        ("matrix", "this one is int32[3x3]"),
+        ("empty", "the folder holds no text files (nor train.bin and val.bin)"),
+        ("no-val", "it holds train.bin but no val.bin (the held-out split)"),
+    ],
+)
+def test_unusable_data_is_refused_with_what_is_wrong(tmp_path: Path, kind: str, message: str) -> None:
+    path = unusable(kind, tmp_path)
+    with pytest.raises(DataError) as caught:
+        dataset_for(checked(TINY), path)
+    assert str(caught.value).startswith(f"--data {path}: ") and message in str(caught.value)
+
+
+def test_ids_beyond_the_vocabulary_name_their_position(tmp_path: Path) -> None:
+    tokens = periodic_tokens(5000)
+    tokens[1234] = 300
+    tokens.tofile(tmp_path / "t.bin")
+    data = dataset_for(checked(TINY), tmp_path / "t.bin")
+    with pytest.raises(DataError, match=r"token id 300 at position 1,234 \(step \d+\) is not below .* 256"):
+        for step in range(100):
+            data.batch(0, step)
+
+
+# --- training ----------------------------------------------------------------------------------
+
+
+def test_a_token_file_trains_with_a_falling_held_out_loss_and_resumes_exactly(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    periodic_tokens().tofile(tmp_path / "tokens.bin")
+    data = ["--data", str(tmp_path / "tokens.bin"), "--eval-every", "10"]
+    whole, part = tmp_path / "whole", tmp_path / "part"
+    code, _, err = train(capsys, *data, "--steps", "30", "--out", str(whole))
+    assert code == 0, err
+    held_out = {r["step"]: r["eval_loss"] for r in rows_of(whole) if "eval_loss" in r}
+    # Seen: 3.39, 1.09, 0.30 at steps 10, 20, 30 (the sequence has 61 distinct ids).
+    assert list(held_out) == [10, 20, 30] and held_out[30] < held_out[10] / 2, held_out
+    assert f"token file {tmp_path / 'tokens.bin'} (200,000 tokens, uint16)" in err
+    assert train(capsys, *data, "--steps", "20", "--out", str(part))[0] == 0
+    assert train(capsys, *data, "--steps", "30", "--resume", "--out", str(part))[0] == 0
+    # Bitwise: the position in the data is the step, restored with the checkpoint.
+    assert rows_of(part)[-1]["loss"] == rows_of(whole)[-1]["loss"]
+    assert [r.get("eval_loss") for r in rows_of(part)] == [r.get("eval_loss") for r in rows_of(whole)]
+
+
+def test_a_text_folder_trains_byte_level_with_a_falling_held_out_loss(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    folder = write_text_folder(tmp_path / "text")
+    code, _, err = train(
+        capsys, "--data", str(folder), "--eval-every", "15", "--steps", "30", "--out", str(tmp_path / "r")
+    )
+    assert code == 0, err
+    held_out = {r["step"]: r["eval_loss"] for r in rows_of(tmp_path / "r") if "eval_loss" in r}
+    # Seen: 2.37 and 1.01 at steps 15 and 30.
+    assert list(held_out) == [15, 30] and held_out[30] < held_out[15] - 0.5, held_out
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (("--data", "nowhere.bin"), "--data nowhere.bin: no such file or folder"),
+        (("--eval-every", "0"), "--eval-every must be at least 1"),
+        ((str(SPECS / "seed_mlp_pipeline.par"), "--eval-every", "5"), "keeps none"),
+        ((str(SPECS / "seed_mlp_pipeline.par"), "--data", TINY), "--data feeds language models"),
+    ],
+)
+def test_bad_data_flags_end_with_one_line_and_exit_2(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, argv: tuple[str, ...], message: str
+) -> None:
+    code = main(["train", *argv, "--steps", "1", "--out", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and message in err, err
+    assert not (tmp_path / "run").exists()
+
+
+def test_ctrl_c_saves_a_checkpoint_and_prints_how_to_resume(tmp_path: Path) -> None:
+    run, log = tmp_path / "run", tmp_path / "err"
+    command = [sys.executable, "-m", "dslc.cli", "train", TINY, "--steps", "100000", "--out", str(run)]
+    with log.open("w") as stderr:
+        child = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=stderr, text=True)
+        try:
+            deadline = time.monotonic() + 180
+            while "compiled and ran" not in log.read_text():
+                assert child.poll() is None and time.monotonic() < deadline, log.read_text()
+                time.sleep(0.1)
+            os.kill(child.pid, signal.SIGINT)
+            out, _ = child.communicate(timeout=120)
+        finally:
+            child.kill()
+    assert child.returncode == 130, log.read_text()
+    step = int(out.split("stopped at step ")[1].split(",")[0])
+    assert out == (
+        f"stopped at step {step}, checkpoint saved; to continue:\n"
+        f"  dslc train {TINY} --steps 100000 --out {run} --resume\n"
+    )
+    assert (run / "checkpoints" / str(step)).is_dir() and len(rows_of(run)) == step
+    assert "stopping after this step" in log.read_text() and "Traceback" not in log.read_text()
+
+
+def test_a_token_file_for_a_larger_vocabulary_stops_with_its_position(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    np.full(5000, 300, np.uint16).tofile(tmp_path / "gpt2.bin")  # ids of a larger tokenizer
+    code = main(["train", TINY, "--data", str(tmp_path / "gpt2.bin"), "--steps", "2", "--out", str(tmp_path / "r")])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    assert err.splitlines()[-1].startswith("dslc: error: token file ") and "token id 300 at position" in err

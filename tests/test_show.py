@@ -1,0 +1,93 @@
+"""`dslc show`: every weight and activation with its sharding, per-device shape and bytes, and
+the collectives each layer implies, for every spec in specs/."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dslc import cli
+from dslc.frontend import analyze
+from dslc.ir import nodes as ir
+from dslc.ir.placement import place
+from dslc.plan import plan
+from dslc.plan.tensors import partition_spec, tensors
+from tests.conftest import SPECS
+
+SPEC_FILES = sorted(SPECS.glob("*.par"))
+
+
+def checked(path: Path, **kwargs: object) -> ir.Program:
+    analysis = analyze(path, **kwargs)  # type: ignore[arg-type]
+    assert analysis.program is not None and analysis.ok, analysis.diagnostics
+    return analysis.program
+
+
+@pytest.mark.parametrize("path", SPEC_FILES, ids=lambda p: p.stem)
+def test_every_weight_once_with_bytes_summing_to_the_plans_parameters(
+    path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli.main(["show", str(path), "--format", "json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    program = checked(path)
+    arrays = {a.name: a for a in place(program).arrays}
+    # Every stored array is listed, and its bytes count once.
+    counted = [w["stored"] for layer in shown["layers"] for w in layer["weights"] if w["bytes"]]
+    assert sorted(counted) == sorted(arrays)
+    total = sum(w["bytes"] for layer in shown["layers"] for w in layer["weights"])
+    assert total == shown["weight_bytes"] == plan(program).memory.params
+    # Each weight's per-device shape is its array's global shape split as its partition spec says.
+    for layer in shown["layers"]:
+        for w in layer["weights"]:
+            stored = arrays[w["stored"]].state(program).params
+            assert w["partition_spec"] == partition_spec(stored)
+            pieces = [program.mesh.size(axes) for axes in stored]
+            assert w["local_shape"] == [-(-n // k) for n, k in zip(w["shape"], pieces, strict=True)]
+    # The collectives are the layers' own, in order, chunk by chunk.
+    implied = [
+        (c.kind, list(c.axes))
+        for chunk in program.chunks
+        for layer in ir.layers(chunk.nodes)
+        for c in layer.collectives
+    ]
+    found = [
+        (c["kind"], c["axes"]) for layer in shown["layers"] if layer["kind"] != "layout" for c in layer["collectives"]
+    ]
+    assert found == implied
+
+
+def test_text_shows_specs_shapes_bytes_and_collectives(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["show", str(SPECS / "gpt_small.par")]) == 0
+    out = capsys.readouterr().out
+    # Each stage holds its own half of the layers: 107.25 KiB of the 214.50 KiB of weights.
+    assert out.startswith("model gpt_small on mesh 2x4x2 (data, model, stage): 107.25 KiB of weights on each device")
+    assert "chunk 1 (stage 1)" in out and "  blocks.up (linear, x2)" in out
+    # Column-parallel: the kernels split over `model` along their outputs, a quarter of the
+    # stage's two layers on each device, stacked in one array.
+    assert (
+        "    weight  kernel       P('stage', None, 'model')  f32[4, 64, 256]        [2, 64, 64]" in out
+        and "in `blocks.*.up.kernel`" in out
+    )
+    assert "all-reduce over model of 128.00 KiB (f32): `blocks.down`: sum of row-parallel partial products" in out
+
+
+def test_zero_3_stores_weights_split_over_the_data_axis_and_says_how_they_compute(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    spec = tmp_path / "z3.par"
+    spec.write_text((SPECS / "tiny.par").read_text().replace("train {", "train {\n  zero 3"))
+    shown = tensors(checked(spec))
+    up = next(row for row in shown.rows if row.path == "layers.up")
+    kernel = next(w for w in up.weights if w.name == "kernel")
+    # The two layers' kernels, stacked, split over `data` within each layer.
+    assert partition_spec(kernel.type.sharding) == "P(None, 'data', 'model')"
+    assert partition_spec(kernel.computed) == "P(None, None, 'model')"
+    assert "(gathered to P(None, None, 'model') to compute)" in shown.to_text()
+    assert shown.weight_bytes == plan(checked(spec)).memory.params
+
+
+def test_show_reports_spec_errors_with_exit_1(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["show", str(SPECS / "tiny.par"), "--mesh", "3x1"]) == 1
+    assert "error[" in capsys.readouterr().err
