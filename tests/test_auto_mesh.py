@@ -10,6 +10,7 @@ model, while `--mesh auto` picks one that fits and is faster.
 from __future__ import annotations
 
 import json
+import math
 import re
 import time
 from dataclasses import replace
@@ -116,7 +117,7 @@ def test_gpt3_on_1024_devices_of_80_gib(gpt3: tuple[Analysis, AutoPlanner, AutoP
     mesh = heuristic_mesh(search.roles, strategy)
     assert mesh == (1024, 1, 1)
     assert any(d.code == "E014" for d in dslc.check(GPT3, mesh=mesh))
-    assert search.training_state(search._mesh(mesh), staged=False) > 1000 * GIB
+    assert search.training_state(search._mesh(mesh), 1) > 1000 * GIB
     assert search.search(meshes={mesh}).chosen is None
     # Under the lowering's memory model (every stage keeps every stage's weights) only 32-way
     # tensor parallelism shrinks the weights enough; the pipeline then halves the scan's
@@ -191,7 +192,7 @@ def test_a_pipeline_pick_that_does_not_fit(tmp_path: Path) -> None:
     spec.write_text(ZERO3_MLP)
     analysis, search = planner(spec, 16, 0.14)
     strategy = select_parallelism_strategy(parameters(analysis), 16, 0.14)
-    assert search.training_state(search._mesh((1, 16, 1)), staged=False) < 0.1 * GIB
+    assert search.training_state(search._mesh((1, 16, 1)), 1) < 0.1 * GIB
     assert strategy["strategy"] == "hybrid_3d"
     mesh = heuristic_mesh(search.roles, strategy)
     assert mesh == (2, 4, 2)
@@ -242,7 +243,20 @@ def test_training_state_is_the_planners() -> None:
         assert program is not None
         m = plan(program).memory
         expected = m.params + m.grads + m.grad_accumulator + m.optimizer + m.inputs
-        assert search.training_state(program.mesh, staged=False) == expected
+        assert search.training_state(program.mesh, 1) == expected
+
+
+@pytest.mark.parametrize(
+    ("spec", "mesh"), [("gpt_small", (2, 2, 4)), ("seed_hybrid_3d", (2, 2, 4)), ("gpt_small", (1, 4, 4))]
+)
+def test_training_state_of_a_pipeline_never_exceeds_the_planners(spec: str, mesh: tuple[int, ...]) -> None:
+    # A lower bound: a group it rules out could not fit.
+    _, search = planner(SPECS / f"{spec}.par", math.prod(mesh), 80)
+    program = dslc.analyze(SPECS / f"{spec}.par", mesh=mesh).program
+    assert program is not None and program.pipelined
+    m = plan(program).memory
+    bound = search.training_state(program.mesh, mesh[2])
+    assert bound <= m.params + m.grads + m.grad_accumulator + m.optimizer + m.inputs
 
 
 @pytest.mark.parametrize("kind", ["gpipe", "1f1b", "zb-h1", "interleaved-1f1b", "zb-v", "v-half"])

@@ -83,7 +83,9 @@ def test_sequence_parallel_block_is_one_all_gather_and_one_reduce_scatter_per_bl
     assert hlo_collectives(compiled_forward(program)) == {"all-gather": 2, "all-reduce": 2}
 
 
-@pytest.mark.parametrize("spec", ["tiny.par", "gpt_small.par", "llama_small.par", "seed_mlp_pipeline.par"])
+# Pipelined specs are left out: their forward (evaluation, no pipeline) runs the chunks one
+# after another on every device, moving each stage's weights to where it computes.
+@pytest.mark.parametrize("spec", ["tiny.par", "llama_small.par", "seed_tp_layer.par"])
 def test_compiled_forward_collectives_are_the_ones_the_ir_predicts(spec: str) -> None:
     program = dslc.compile(SPECS / spec)
     assert hlo_collectives(compiled_forward(program)) == ir_forward_collectives(program.ir)

@@ -221,8 +221,8 @@ def test_dslc_run_grads_matches_the_reference(tmp_path: Path, capsys: pytest.Cap
 def test_expert_weights_are_split_over_the_expert_axis(results: Results) -> None:
     program = results["all_to_all_4"].program
     model = program.init(SEED)
-    shards = {s.data.shape for s in model.arrays()["layers.0.moe.w_in"].addressable_shards}
-    assert shards == {(2, 32, 64)}  # 8 experts over 4 devices
+    shards = {s.data.shape for s in model.arrays()["layers.*.moe.w_in"].addressable_shards}
+    assert shards == {(2, 2, 32, 64)}  # the 2 layers' 8 experts over 4 devices
 
 
 # ---- the checker ------------------------------------------------------------------------------
@@ -323,8 +323,8 @@ def test_plan_counts_expert_parameters_and_all_to_all_bytes() -> None:
     analysis = dslc.analyze(MOE_SMALL)
     assert analysis.ok and analysis.program is not None
     p = plan(analysis.program)
-    [first, second] = p.experts
-    assert first.path == "layers.0.moe" and second.path == "layers.1.moe"
+    [first] = p.experts  # the repeated block's layer, run twice
+    assert first.path == "layers.moe" and first.copies == 2
     assert (first.experts, first.expert_axes, first.experts_per_device) == (8, ("expert",), 2)
     assert (first.tokens_per_group, first.slots, first.exchange) == (16, 5, "all-to-all")
     assert first.parameter_bytes == 2 * 2 * 32 * 64 * 4  # 2 experts x (w_in + w_out) f32
@@ -338,7 +338,7 @@ def test_plan_counts_expert_parameters_and_all_to_all_bytes() -> None:
         ("all-to-all", "recompute"): (4 * per_all_to_all, 4),
     }
     text = p.to_text()
-    assert "experts" in text and "layers.0.moe" in text
+    assert "experts" in text and "layers.moe" in text
     assert p.to_json()["experts"][0]["exchange_bytes"] == first.exchange_bytes
 
 

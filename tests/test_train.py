@@ -105,7 +105,7 @@ def test_bidirectional_attention_on_next_token_targets_is_warned_about() -> None
     assert data_warnings(checked(TINY)) == []
     bidirectional = TINY_TEXT.replace("attention(d, heads)", "attention(d, heads, causal=false, rope=true)")
     (warning,) = data_warnings(checked(bidirectional))
-    assert warning.startswith("warning: `layers.0.attn` (and 1 more) attends both ways (causal=false)")
+    assert warning.startswith("warning: `layers.attn` attends both ways (causal=false)")
     assert "causal=true" in warning
     assert data_warnings(checked(SPECS / "seed_mlp_pipeline.par")) == []
 

@@ -1123,7 +1123,7 @@ def _assign_chunks(
     groups[-1].extend(after)
     stage = _placement(pipeline, stages, len(groups))
     return tuple(
-        ir.Chunk(i, stage[i], stage[: i].count(stage[i]), tuple(g), g[0].span if g else NO_SPAN)
+        ir.Chunk(i, stage[i], stage[:i].count(stage[i]), tuple(g), g[0].span if g else NO_SPAN)
         for i, g in enumerate(groups)
     )
 

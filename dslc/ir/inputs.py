@@ -83,7 +83,9 @@ def check_inputs(program: ir.Program, batch: Mapping[str, Any], required: tuple[
                 f"input `{inp.name}` is {inp.type.dtype} in the spec, but the array holds {value.dtype} values; "
                 "give it integers"
             )
-        if not integer and not (np.issubdtype(value.dtype, np.number) or value.dtype == np.bool_):
+        # bfloat16 (ml_dtypes, as jax writes it) is a number numpy does not count among its own.
+        numeric = np.issubdtype(value.dtype, np.number) or value.dtype.name.startswith(("bfloat", "float"))
+        if not integer and not (numeric or value.dtype == np.bool_):
             raise InputError(f"input `{inp.name}` is {inp.type.dtype} in the spec, but the array holds {value.dtype}")
         if not integer or value.size == 0:
             continue

@@ -44,17 +44,17 @@ from dslc.check import check_program
 from dslc.diagnostics import Diagnostic, Diagnostics, Span
 from dslc.ir.elaborate import elaborate
 from dslc.ir.nodes import Mesh, MeshAxis, Program, TensorType, weights_by_path
-from dslc.ir.state import state_sharding
-from dslc.plan.activations import kept_by, tensor_bytes
+from dslc.plan.activations import tensor_bytes
 from dslc.plan.auto_report import AutoPlan, Candidate, Excluded
 from dslc.plan.communication import Transfer, communication, ring_bytes
 from dslc.plan.flops import busiest_stage_flops, flops
-from dslc.plan.memory import MOMENTS, Memory, memory
+from dslc.plan.memory import Memory, memory, pipeline_activations
+from dslc.plan.memory import training_state as memory_state
 from dslc.plan.roles import read_roles
 from dslc.plan.schedule_figures import Figures, figures
 from dslc.plan.step_time import PER_MICROBATCH, Hardware, StepTime, intra_node_axes, step_time
 from dslc.plan.timetable import pipelined
-from dslc.schedules import KINDS, V_KINDS, Kind
+from dslc.schedules import KINDS, SPLIT_BACKWARD, V_KINDS, Kind, ScheduleError
 from dslc.syntax import ast
 
 # The most chunks per stage tried: the bubble shrinks as 1/V while the stash slots, the sends
@@ -64,6 +64,7 @@ MAX_VIRTUAL = 8
 RUNNERS_UP = 4
 INTERLEAVED = "interleaved-1f1b"
 ONE_CHUNK_KINDS = ("1f1b", "zb-h1", "gpipe")
+SEARCHED_WHEN_NAMED = ("v-half",)
 # The errors that depend only on how many pipeline chunks there are (stages x virtual).
 CHUNKING = ("E018", "E019")
 # The errors that depend only on the sizes of the axes that split weights and features: a
@@ -104,20 +105,30 @@ class _Costed:
 
     group: _Group
     program: Program  # checked, with the group's first option as its pipeline settings
-    flops_per_device: float
-    transfers: tuple[Transfer, ...]  # the planner's, less the pipeline sends (they depend on the schedule)
     intra: frozenset[str]
-    peaks: dict[int, int] = field(default_factory=dict)  # one chunk's backward peak, by microbatch count
+    # FLOPs per device on the busiest stage and the planner's transfers less the pipeline
+    # sends (they depend on the schedule), for schedules that split the backward and not.
+    costs: dict[bool, tuple[float, tuple[Transfer, ...]]] = field(default_factory=dict)
 
-    def sliced(self, microbatches: int | None) -> tuple[Transfer, ...]:
+    def cost(self, schedule: str | None) -> tuple[float, tuple[Transfer, ...]]:
+        split = schedule in SPLIT_BACKWARD
+        if split not in self.costs:
+            program = self.program
+            if program.pipeline is not None and schedule is not None:
+                program = replace(program, pipeline=replace(program.pipeline, schedule=schedule))
+            transfers = tuple(t for t in communication(program) if t.kind != "ppermute")
+            self.costs[split] = (busiest_stage_flops(program), transfers)
+        return self.costs[split]
+
+    def sliced(self, schedule: str | None, microbatches: int | None) -> tuple[Transfer, ...]:
         """The transfers with each layer collective's count for `microbatches` instead of the
         group's first option's: a layer's collectives run once per microbatch."""
+        transfers = self.cost(schedule)[1]
         first = self.group.options[0][1]
         if not (pipelined(self.program) and first and microbatches) or first == microbatches:
-            return self.transfers
+            return transfers
         return tuple(
-            replace(t, count=t.count // first * microbatches) if t.phase in PER_MICROBATCH else t
-            for t in self.transfers
+            replace(t, count=t.count // first * microbatches) if t.phase in PER_MICROBATCH else t for t in transfers
         )
 
     @cached_property
@@ -185,7 +196,11 @@ class AutoPlanner:
         self.device_memory = device_memory
         self.hardware = hardware or Hardware()
         self.overrides = dict(overrides or {})
-        self.kinds = tuple(k for k in KINDS if schedules is None or k in schedules)
+        # v-half has no closed form: its tables are built to be costed, which takes seconds
+        # each on a large pipeline, so it is searched only when named.
+        self.kinds = tuple(
+            k for k in KINDS if (k in schedules if schedules is not None else k not in SEARCHED_WHEN_NAMED)
+        )
         self.roles = read_roles(reference)
         self.batch = reference.input(reference.stream).type.shape[0] if reference.inputs else 1
         self.model_flops = flops(reference).model
@@ -319,7 +334,12 @@ class AutoPlanner:
         else:
             kinds = [k for k in (INTERLEAVED, *(V_KINDS if virtual == 2 else ())) if k in self.kinds]
         counts = divisors(per_shard)
-        return tuple((k, m) for k in kinds for m in counts if k != INTERLEAVED or m % stages == 0)
+        return tuple(
+            (k, m)
+            for k in kinds
+            for m in counts
+            if (k != INTERLEAVED or m % stages == 0) and _plannable(k, stages, m, virtual)
+        )
 
     def _group(
         self, sizes: tuple[int, ...], virtual: int, options: tuple[tuple[str | None, int | None], ...]
@@ -330,27 +350,25 @@ class AutoPlanner:
             figures(cast(Kind, k), stages, m, virtual).bubble_fraction if staged and k and m else 0.0
             for k, m in options
         )
-        return _Group(sizes, virtual, options, self.training_state(self._mesh(sizes), staged), floor)
+        return _Group(sizes, virtual, options, self.training_state(self._mesh(sizes), stages if staged else 1), floor)
 
     def _stages(self, sizes: Sequence[int]) -> int:
         p = self.roles.pipeline
         return sizes[self.roles.names.index(p)] if p else 1
 
-    def training_state(self, mesh: Mesh, staged: bool) -> int:
-        """Parameters, gradients, accumulators, optimizer state and inputs per device, counted
-        as `dslc.plan.memory` counts them, from the spec's weights (the same on every mesh)."""
-        program = replace(self.reference, mesh=mesh)
-        train = program.train
-        params = grads = optimizer = full_grads = 0
-        for t, n in self.weight_types.items():
-            state = state_sharding(t, program)
-            params += n * TensorType(t.dtype, t.shape, state.params).local_nbytes(mesh)
-            grads += n * TensorType(t.dtype, t.shape, state.grads).local_nbytes(mesh)
-            optimizer += n * TensorType(t.dtype, t.shape, state.optimizer).local_nbytes(mesh)
-            full_grads += n * t.local_nbytes(mesh)
-        accumulators = full_grads * ((train.accumulate > 1) + staged)
+    def training_state(self, mesh: Mesh, stages: int) -> int:
+        """Parameters, gradients, accumulators, optimizer state and inputs per device before a
+        group is elaborated: on one stage exactly as `dslc.plan.memory` counts them (the
+        weights as stored without a pipeline), on more a lower bound — each stage holds at
+        least its 1/P share of everything, and a gradient accumulator as large as its
+        gradients — so that a group whose state alone does not fit is ruled out safely."""
+        program = replace(self.reference, mesh=mesh, pipeline=None)
+        state = memory_state(program)
         inputs = sum(inp.type.local_nbytes(mesh) for inp in program.inputs)
-        return params + grads + accumulators + MOMENTS[train.optimizer.name] * optimizer + inputs
+        whole = state.params + state.grads + state.optimizer + state.accumulators
+        if stages == 1:
+            return whole + inputs
+        return (whole + state.grads) // stages + inputs
 
     def _bound(self, group: _Group) -> float:
         """No candidate of the group is faster: the model's FLOPs spread evenly over the devices,
@@ -394,11 +412,11 @@ class AutoPlanner:
             else:
                 self.illegal[group.sizes] = str(exc)
             return str(exc)
-        transfers = tuple(t for t in communication(program) if t.kind != "ppermute")
         intra = intra_node_axes(self.roles.innermost_first(group.sizes), self.hardware.node_size)
-        once = [t for t in transfers if t.phase not in PER_MICROBATCH]
+        costed = _Costed(group, program, intra)
+        once = [t for t in costed.cost(schedule)[1] if t.phase not in PER_MICROBATCH]
         self.sync[group.sizes] = step_time(0, once, 0.0, intra, self.hardware).communication
-        return _Costed(group, program, busiest_stage_flops(program), transfers, intra)
+        return costed
 
     def _candidates(self, costed: _Costed) -> list[_Pending]:
         """Each (schedule, microbatches) option of the group, with its step time."""
@@ -412,8 +430,8 @@ class AutoPlanner:
                 fig = figures(cast(Kind, schedule), stages, microbatches, group.virtual)
             sends = self._sends(costed, microbatches, fig) if microbatches and fig else []
             bubble = fig.bubble_fraction if fig else 0.0
-            transfers = (*costed.sliced(microbatches), *sends)
-            time = step_time(costed.flops_per_device, transfers, bubble, costed.intra, self.hardware)
+            transfers = (*costed.sliced(schedule, microbatches), *sends)
+            time = step_time(costed.cost(schedule)[0], transfers, bubble, costed.intra, self.hardware)
             pending.append(_Pending(costed, schedule, microbatches, fig, time, sum(t.bytes for t in transfers)))
         self.costed += len(pending)
         return pending
@@ -456,25 +474,22 @@ class AutoPlanner:
         )
 
     def _activations(self, pending: _Pending) -> int:
-        """The activations `dslc.plan.memory` counts: under a pipeline, the stash and receive
-        slots of the schedule's buffer plan and one chunk's backward for one microbatch; without
-        one, the same for every option."""
-        costed = pending.costed
-        fig, microbatches = pending.figures, pending.microbatches
-        if fig is None or microbatches is None:
-            return costed.planned.activations
-        program = costed.program
-        mesh = program.mesh
-        slices = microbatches * program.train.accumulate
-        boundary = costed.boundary(slices)
-        stream = tensor_bytes(program.input(program.stream).type, mesh, slices)
-        if microbatches not in costed.peaks:
-            compute = program.train.compute_dtype
-            costed.peaks[microbatches] = max(
-                (kept_by(c.nodes, mesh, compute, slices).peak for c in program.chunks), default=0
-            )
-        slots = fig.activation_slots + fig.gradient_slots
-        return fig.stash_slots * (boundary + stream) + slots * boundary + costed.peaks[microbatches]
+        """The activations `dslc.plan.memory` counts for the candidate: under a pipeline, its
+        schedule's stash and receive slots and one chunk's backward; without one, the same
+        for every option."""
+        if pending.figures is None or pending.microbatches is None:
+            return pending.costed.planned.activations
+        return pipeline_activations(pending.program)[0]
+
+
+def _plannable(kind: str, stages: int, microbatches: int, virtual: int) -> bool:
+    """Whether the planner can count this schedule: a closed form, or a table small enough to
+    build (v-half has no closed form)."""
+    try:
+        figures(cast(Kind, kind), stages, microbatches, virtual)
+    except ScheduleError:
+        return False
+    return True
 
 
 class _Rejected(Exception):

@@ -37,20 +37,20 @@ class ExpertLayer:
     tokens_per_group: int  # a routing group is one sequence
     slots: int  # per expert and routing group
     exchange: str  # "all-to-all", "all-reduce", or "none" (every expert on every device)
-    parameter_bytes: int  # w_in and w_out as stored on one device
-    exchange_bytes: int  # sent by one device per step: forward, backward and recompute
+    parameter_bytes: int  # w_in and w_out of one copy, as stored on one device
+    exchange_bytes: int  # sent by one device per step for one copy: forward, backward and recompute
+    copies: int = 1  # how many times a chunk runs the layer (a repeat's: once per copy)
 
 
 def experts(program: Program) -> tuple[ExpertLayer, ...]:
     mesh = program.mesh
     staged = pipelined(program)
-    last = len(program.chunks) - 1
     out = []
     for chunk in program.chunks:
-        for layer, checkpointed in _moe_layers(chunk.nodes, False):
-            # The checkpointed block's rerun, the pipeline's rerun of all chunks but the last,
-            # and, inside the pipeline, the layer's own recompute in its backward.
-            reruns = int(checkpointed) + int(staged and chunk.index != last) + int(staged)
+        for layer, checkpointed, copies in _moe_layers(chunk.nodes, False):
+            # The checkpointed block's rerun and, inside the pipeline, the layer's own
+            # recompute in its backward.
+            reruns = int(checkpointed) + int(staged)
             sent, kinds = 0, set()
             for c in exchange_collectives(layer):
                 size = _group_bytes(c, layer.input, mesh)
@@ -76,27 +76,29 @@ def experts(program: Program) -> tuple[ExpertLayer, ...]:
                     exchange=kinds.pop() if kinds else "none",
                     parameter_bytes=params,
                     exchange_bytes=sent,
+                    copies=copies,
                 )
             )
     return tuple(out)
 
 
-def _moe_layers(nodes: tuple[Node, ...], checkpointed: bool) -> list[tuple[Layer, bool]]:
-    """The `moe` layers among `nodes`, each with whether its forward is recomputed."""
+def _moe_layers(nodes: tuple[Node, ...], checkpointed: bool, copies: int = 1) -> list[tuple[Layer, bool, int]]:
+    """The `moe` layers among `nodes`, each with whether its forward is recomputed and how
+    many times it runs."""
     found = []
     for node in nodes:
         match node:
             case Layer():
                 if node.kind == MoE.kind:
-                    found.append((node, checkpointed))
+                    found.append((node, checkpointed, copies))
             case Layout():
                 pass
             case Residual():
-                found += _moe_layers(node.body, checkpointed)
+                found += _moe_layers(node.body, checkpointed, copies)
             case Block():
-                found += _moe_layers(node.body, checkpointed or node.remat.policy != "none")
+                found += _moe_layers(node.body, checkpointed or node.remat.policy != "none", copies)
             case Repeat():
-                found += _moe_layers((node.body,), checkpointed)
+                found += _moe_layers((node.body,), checkpointed, copies * node.count)
             case _:
                 assert_never(node)
     return found

@@ -136,6 +136,9 @@ def pipeline_activations(program: Program) -> tuple[int, list[tuple[str, int]], 
     working = max((k.peak - k.kept for k in chunks), default=0)
     stash = (slots.stash_slots + 1) * (boundary + residuals)
     received = (slots.activation_slots + slots.gradient_slots + 2) * boundary
+    # A tick's own values: the residuals its forward makes and those its backward reads (one
+    # slot's worth each, outside the stash), and the chunk's weight gradients it adds up.
+    tick = 2 * (boundary + residuals)
     details = [
         (
             f"stash: {slots.stash_slots} slots of a chunk's input and residuals "
@@ -143,12 +146,13 @@ def pipeline_activations(program: Program) -> tuple[int, list[tuple[str, int]], 
             stash,
         ),
         (f"receive buffers: {slots.activation_slots} activation + {slots.gradient_slots} gradient slots", received),
+        ("a tick's residuals, made by its forward and read by its backward", tick),
         ("one chunk's backward working set for one microbatch", working),
     ]
     # The executor reshapes the batch into microbatches: one copy of the inputs.
     copy = sum(inp.type.local_nbytes(mesh) for inp in program.inputs)
     details.append(("the batch split into microbatches (a copy)", copy))
-    return stash + received + working, details, copy
+    return stash + received + tick + working, details, copy
 
 
 __all__ = ["Kept", "Memory", "State", "memory", "pipeline_activations", "training_state"]

@@ -124,6 +124,7 @@ class Plan:
                     "exchange": e.exchange,
                     "parameter_bytes": e.parameter_bytes,
                     "exchange_bytes": e.exchange_bytes,
+                    "copies": e.copies,
                 }
                 for e in self.experts
             ],
@@ -191,9 +192,9 @@ class Plan:
             f"  total {f.total:.4g} ({f.total / self.devices:.4g} per device)",
         ]
         if self.experts:
-            lines += ["", "experts per device (a routing group is one sequence)"]
+            lines += ["", "experts per device, for each copy of a layer (a routing group is one sequence)"]
             lines += [
-                f"  {e.path}: {e.experts_per_device} of {e.experts} experts"
+                f"  {e.path}{f' (x{e.copies})' if e.copies > 1 else ''}: {e.experts_per_device} of {e.experts} experts"
                 + (f" (split over {','.join(e.expert_axes)})" if e.expert_axes else "")
                 + f", {format_bytes(e.parameter_bytes)}; {e.slots} slots each per {e.tokens_per_group} tokens; "
                 + (f"{e.exchange} {format_bytes(e.exchange_bytes)} per step" if e.exchange != "none" else "no exchange")
