@@ -170,7 +170,7 @@ def _set_arg(p: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="NAME=VALUE",
-        help="override a constant of the spec, e.g. --set layers=4 (repeatable)",
+        help="override a constant of the spec, e.g. --set layers=4, --set eps=1e-6, --set tied=true (repeatable)",
     )
 
 
@@ -416,7 +416,7 @@ LATENCY_FLAGS = ("intra_latency", "inter_latency")
 def _plan_auto(args: argparse.Namespace) -> int:
     import json
 
-    from dslc.frontend import parse_overrides
+    from dslc.frontend import check_overrides, parse_overrides
     from dslc.plan.auto import AutoPlanner
     from dslc.plan.report import format_bytes
     from dslc.plan.step_time import Hardware
@@ -446,7 +446,7 @@ def _plan_auto(args: argparse.Namespace) -> int:
     try:
         # The spec on its own mesh: its axes' roles, weights and FLOPs, whatever that mesh's errors.
         result = analyze(path, None, args.set, args.schedule)
-        overrides = parse_overrides(args.set)
+        overrides = check_overrides(result.module, parse_overrides(args.set)) if result.module else {}
     except ValueError as exc:  # a malformed --set or --schedule
         raise UsageError(str(exc)) from None
     sources = {result.source.name: result.source.text} if result.source else {}

@@ -36,7 +36,7 @@ def elaborate(
     module: ast.Module,
     mesh_sizes: Sequence[int] | None,
     diags: Diagnostics,
-    overrides: Mapping[str, int] | None = None,
+    overrides: Mapping[str, ScalarValue] | None = None,
 ) -> ir.Program | None:
     """The program a module denotes, or None when it is too broken to say.
 
@@ -95,7 +95,7 @@ def elaborate(
 class _Header:
     name: str
     mesh: ir.Mesh
-    constants: dict[str, int]
+    constants: dict[str, ScalarValue]
     inputs: dict[str, ir.Input]
     blocks: dict[str, ast.BlockDef]
     forward: ast.ForwardDef | None
@@ -115,7 +115,10 @@ class _Header:
 
     @staticmethod
     def read(
-        module: ast.Module, mesh_sizes: Sequence[int] | None, diags: Diagnostics, overrides: Mapping[str, int]
+        module: ast.Module,
+        mesh_sizes: Sequence[int] | None,
+        diags: Diagnostics,
+        overrides: Mapping[str, ScalarValue],
     ) -> _Header:
         singles: dict[type, ast.Item] = {}
         for item in module.items:
@@ -142,7 +145,7 @@ class _Header:
         mesh = _read_mesh(mesh_decl if isinstance(mesh_decl, ast.MeshDecl) else None, mesh_sizes, module, diags)
         pipeline = singles.get(ast.PipelineDef)
         pipeline_def = pipeline if isinstance(pipeline, ast.PipelineDef) else None
-        constants = _read_constants(module, overrides, diags)
+        constants = read_constants(module, overrides, diags)
         header = _Header(
             name=name,
             mesh=mesh,
@@ -223,9 +226,13 @@ def _read_mesh(
     return ir.Mesh(tuple(axes))
 
 
-def _read_constants(module: ast.Module, overrides: Mapping[str, int], diags: Diagnostics) -> dict[str, int]:
+def read_constants(
+    module: ast.Module, overrides: Mapping[str, ScalarValue], diags: Diagnostics
+) -> dict[str, ScalarValue]:
+    """The value of every constant the module defines (integers, numbers with a fraction,
+    booleans), `overrides` replacing the values written."""
     decls = [item for item in module.items if isinstance(item, ast.ConstDecl)]
-    values: dict[str, int] = {}
+    values: dict[str, ScalarValue] = {}
     spans: dict[str, Span] = {}
     declared_at = {d.name.text: d.name.span for d in decls}
     for decl in decls:
@@ -241,7 +248,7 @@ def _read_constants(module: ast.Module, overrides: Mapping[str, int], diags: Dia
         spans[name] = decl.name.span
         later = {n: s for n, s in declared_at.items() if n not in values and n != name}
         local = Diagnostics()
-        value = overrides[name] if name in overrides else eval_expr(decl.value, values, local)
+        value = overrides[name] if name in overrides else eval_value(decl.value, values, local)
         for d in local.items:
             diags.add(_explain_later(d, later))
         if value is not None:

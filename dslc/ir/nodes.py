@@ -251,7 +251,7 @@ class Input:
 class Program:
     name: str
     mesh: Mesh
-    constants: tuple[tuple[str, int], ...]
+    constants: tuple[tuple[str, int | float | bool], ...]
     inputs: tuple[Input, ...]
     stream: str
     chunks: tuple[Chunk, ...]

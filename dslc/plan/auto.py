@@ -43,6 +43,7 @@ from typing import cast
 from dslc.check import check_program
 from dslc.diagnostics import Diagnostic, Diagnostics, Span
 from dslc.ir.elaborate import elaborate
+from dslc.ir.evaluate import ScalarValue
 from dslc.ir.nodes import Layer, Layout, Mesh, MeshAxis, Program, TensorType, walk, weights_by_path
 from dslc.ir.state import state_sharding
 from dslc.plan.activations import kept_by, tensor_bytes
@@ -222,7 +223,7 @@ class AutoPlanner:
         devices: int,
         device_memory: int,
         hardware: Hardware | None = None,
-        overrides: Mapping[str, int] | None = None,
+        overrides: Mapping[str, ScalarValue] | None = None,
         schedules: Sequence[str] | None = None,
     ) -> None:
         self.module = module
