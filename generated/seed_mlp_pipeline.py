@@ -179,12 +179,23 @@ def relu(x: jax.Array) -> jax.Array:
     return jax.nn.relu(x)
 
 
-def cross_entropy(logits: jax.Array, *, targets: jax.Array) -> jax.Array:
+def cross_entropy(
+    logits: jax.Array, *, targets: jax.Array, mask: jax.Array | None = None, ignore_index: int
+) -> jax.Array:
+    """The mean over the positions counted (see `cross_entropy_count`); 0 when none is."""
     logits = logits.astype(jnp.float32)
     # The target logit picked by a one-hot product: over vocab-split logits this is a local
-    # partial sum and one all-reduce (Megatron's vocab-parallel cross-entropy).
+    # partial sum and one all-reduce (Megatron's vocab-parallel cross-entropy). An ignored
+    # target outside the vocabulary picks nothing.
     picked = jnp.sum(logits * jax.nn.one_hot(targets, logits.shape[-1], dtype=jnp.float32), axis=-1)
-    return jnp.mean(jax.nn.logsumexp(logits, axis=-1) - picked)
+    counted = _counted(targets, mask, ignore_index)
+    losses = jnp.where(counted, jax.nn.logsumexp(logits, axis=-1) - picked, 0.0)
+    return jnp.sum(losses) / jnp.maximum(jnp.sum(counted), 1).astype(jnp.float32)
+
+
+def _counted(targets: jax.Array, mask: jax.Array | None, ignore_index: int) -> jax.Array:
+    counted = targets != ignore_index
+    return counted if mask is None else counted & (mask != 0)
 
 
 IDLE, FORWARD, BACKWARD, INPUT_GRAD, WEIGHT_GRAD = 0, 1, 2, 3, 4
@@ -472,25 +483,37 @@ def accumulate_gradients(
     batch: dict[str, jax.Array],
     key: jax.Array | None,
     steps: int,
+    count: Callable[[dict[str, jax.Array]], jax.Array] | None = None,
 ) -> tuple[jax.Array, Any]:
     """Mean loss and gradients over `steps` slices of the batch, one slice at a time.
 
     Slice j takes rows j, j+steps, j+2*steps, ...: every slice keeps rows from every data
     shard, so all devices work on every slice. Gradients are summed as they arrive; their
     mean over equal slices is the full-batch gradient of a mean loss.
+
+    A loss that averages over the positions it counts (`count` gives their number in a
+    batch: cross-entropy leaves out ignored targets) has slices of different weights: slice
+    j's loss and gradients are weighed by its share of the batch's counted positions, so the
+    result is the full batch's mean over its counted positions, not a mean of slice means.
     """
     if steps == 1:
         return value_and_grad(params, batch, key)
     sliced = {k: v.reshape(v.shape[0] // steps, steps, *v.shape[1:]).swapaxes(0, 1) for k, v in batch.items()}
     keys = jax.random.split(key, steps) if key is not None else None
+    total_count = None if count is None else jnp.maximum(count(batch), 1.0)
 
     def one(total: tuple[jax.Array, Any], i: jax.Array) -> tuple[tuple[jax.Array, Any], None]:
         piece = {k: v[i] for k, v in sliced.items()}
         value, grads = value_and_grad(params, piece, keys[i] if keys is not None else None)
+        if count is not None and total_count is not None:
+            share = count(piece) / total_count
+            value, grads = value * share, jax.tree.map(lambda g: g * share.astype(g.dtype), grads)
         return (total[0] + value, jax.tree.map(jnp.add, total[1], grads)), None
 
     zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
     (value, total), _ = jax.lax.scan(one, zeros, jnp.arange(steps))
+    if total_count is not None:
+        return value, total
     return value / steps, jax.tree.map(lambda g: g / steps, total)
 
 
@@ -652,6 +675,7 @@ def loss_of(x: jax.Array, inputs: dict[str, jax.Array]) -> jax.Array:
     return cross_entropy(
         x,
         targets=inputs["labels"],
+        ignore_index=-100,
     )
 
 

@@ -125,7 +125,9 @@ def generate(program: ir.Program, spec_text: str, spec_name: str, mesh_size: str
     if loss_layer is not None:
         scratch = ModuleClass("", "", "")
         loss = builder.layer(scratch, loss_layer, "x", None, global_namer(set()))
-    kernels = _kernels(program, pipelined)
+    # Accumulated slices of a loss that averages over the positions it counts weigh by their count.
+    count = RULES[loss_layer.kind].count_kernel if loss_layer is not None and program.train.accumulate > 1 else None
+    kernels = _kernels(program, pipelined, count)
     imports = _imports(kernels)
     mesh_axes = program.mesh.names or ("replica",)
     mesh_shape = program.mesh.shape or (1,)
@@ -154,6 +156,7 @@ def generate(program: ir.Program, spec_text: str, spec_name: str, mesh_size: str
         "loss": loss,
         "schedule": _schedule(program) if pipelined else None,
         "accumulate": program.train.accumulate,
+        "count": count,
         "optimizer": {"name": program.train.optimizer.name, "hyper": dict(program.train.optimizer.hyper)},
     }
     return _ENV.get_template("module.py.j2").render(context)
@@ -249,10 +252,12 @@ def _schedule(program: ir.Program) -> dict[str, object]:
     }
 
 
-def _kernels(program: ir.Program, pipelined: bool) -> list[source.Definition]:
+def _kernels(program: ir.Program, pipelined: bool, count: str | None) -> list[source.Definition]:
     wanted = {"params": ["named_key", "initial_value"], "training": ["make_optimizer", "accumulate_gradients"]}
     layers = ir.all_layers(program)
     wanted["layers"] = sorted({RULES[layer.kind].kernel(dict(layer.attrs), layer.operand) for layer in layers})
+    if count is not None:
+        wanted["layers"].append(count)
     if any(RULES[layer.kind].has_aux for layer in layers):
         wanted["layers"] += ["AUX_LOSS", "add_aux"]
     if pipelined:

@@ -20,7 +20,7 @@ from dslc.ir.names import closest, unknown_name
 from dslc.ir.settings import read_pipeline, read_train
 from dslc.ir.shardings import divisor_sizes, resolve
 from dslc.layers import LOSS_KINDS, RULES
-from dslc.layers.base import REQUIRED, ArgSpec, Context, LayerRule
+from dslc.layers.base import REQUIRED, ArgSpec, Context, LayerRule, input_args
 from dslc.syntax import ast
 
 # A typed IR needs a type for the activation after a layer that could not be typed; this
@@ -660,7 +660,7 @@ class _Builder:
         # A layer that reads a declared input (a loss's targets) compares it with the
         # activation, which comes from the stream input. An unreadable target leaves nothing
         # to compare; a refused sharding on either side leaves shapes, but not shardings.
-        reads = {attrs[spec.name] for spec in rule.args if spec.type == "input"}
+        reads = set(input_args(rule, attrs).values())
         if reads and (reads | {self.stream}) & self.h.broken_inputs:
             ctx.shardings_as_written = False
         if x is not UNKNOWN and weights is not None and not reads & self.h.untyped_inputs:

@@ -36,6 +36,7 @@ class ArgSpec:
 
     name: str
     type: ArgType
+    # An argument of type "input" may default to None: it is optional, and absent when not given.
     default: object | Callable[[Attrs], object] = REQUIRED
     doc: str = ""
     positive: bool = True
@@ -168,6 +169,12 @@ class LayerRule:
     # True when the kernel draws random numbers: it then takes `key` (None when evaluating).
     random: ClassVar[bool] = False
 
+    # For a loss that is a mean over the positions it counts (cross-entropy leaves out ignored
+    # targets): the function of `dslc.kernels.layers` that counts them, called with the loss
+    # kernel's inputs and static arguments. Gradient accumulation weighs each slice of the
+    # batch by its count, so the mean is the whole batch's. None: every slice weighs the same.
+    count_kernel: ClassVar[str | None] = None
+
     # True when the kernel returns (y, aux) rather than y: aux is a dict of f32 scalars, summed
     # over the layers that return one. Its "aux_loss" entry is added to the training loss (and
     # so differentiated); the others are counts reported as they are (a mixture of experts'
@@ -185,6 +192,12 @@ class LayerRule:
         array under the argument's own name.
         """
         return {}
+
+
+def input_args(rule: LayerRule, attrs: Mapping[str, object]) -> dict[str, str]:
+    """The declared inputs one use of a layer reads, by argument name (an optional input
+    argument left out, such as a loss's `mask`, is not listed)."""
+    return {arg.name: str(attrs[arg.name]) for arg in rule.args if arg.type == "input" and attrs[arg.name] is not None}
 
 
 F32 = 4  # bytes of the f32 copies that normalisation and the losses compute in

@@ -22,6 +22,7 @@ from dslc.kernels import layers as kernels
 from dslc.kernels.layers import add_aux
 from dslc.kernels.params import initial_value, named_key
 from dslc.layers import LOSS_KINDS, RULES
+from dslc.layers.base import input_args
 from dslc.lower.runtime import JNP_DTYPES, Runtime
 
 Params = dict[str, jax.Array]
@@ -140,9 +141,7 @@ def call_kernel(layer: ir.Layer, x: jax.Array, weights: dict[str, jax.Array], rt
     rule = RULES[layer.kind]
     attrs = dict(layer.attrs)
     # An argument of type "input" holds the name of the declared input it reads.
-    arrays: dict[str, jax.Array | None] = {
-        arg.name: rt.inputs[str(attrs[arg.name])] for arg in rule.args if arg.type == "input"
-    }
+    arrays: dict[str, jax.Array | None] = {arg: rt.inputs[name] for arg, name in input_args(rule, attrs).items()}
     if rule.random:
         arrays["key"] = rt.rng(layer.path) if rt.training else None
     shardings = {w.name: w.type.sharding for w in layer.weights}
@@ -195,3 +194,21 @@ def run_loss(program: ir.Program, params: Params, batch: dict[str, jax.Array], r
     y, aux = forward_nodes(body, batch[program.stream], params, rt)
     value, _ = call_kernel(loss, y, {}, rt)
     return value + aux[kernels.AUX_LOSS] if kernels.AUX_LOSS in aux else value
+
+
+def loss_count(program: ir.Program) -> Callable[[dict[str, jax.Array]], jax.Array] | None:
+    """How many positions the loss averages over in a batch, as its rule counts them (None
+    when every position counts alike): gradient accumulation weighs slices by it."""
+    _, loss = split_loss(program)
+    rule = RULES[loss.kind] if loss is not None else None
+    if loss is None or rule is None or rule.count_kernel is None:
+        return None
+    attrs = dict(loss.attrs)
+    inputs = input_args(rule, attrs)
+    static = rule.kernel_args(attrs, "float32", loss.operand, {})
+    count = getattr(kernels, rule.count_kernel)
+
+    def counted(batch: dict[str, jax.Array]) -> jax.Array:
+        return count(**{arg: batch[name] for arg, name in inputs.items()}, **static)  # type: ignore[no-any-return]
+
+    return counted

@@ -16,7 +16,7 @@ from dslc.ir import nodes as ir
 from dslc.ir.inputs import integer_bounds
 from dslc.ir.state import state_sharding
 from dslc.kernels.training import accumulate_gradients
-from dslc.lower.model import DslcModel, Params, init_params, run_forward, run_loss, split_loss
+from dslc.lower.model import DslcModel, Params, init_params, loss_count, run_forward, run_loss, split_loss
 from dslc.lower.optim import make_optimizer
 from dslc.lower.pipeline import PipelineExecutor
 from dslc.lower.runtime import JNP_DTYPES, Runtime, partition_spec
@@ -291,7 +291,7 @@ class Program:
         """Loss and gradients, over `accumulate` slices of the batch when the spec asks; through
         the pipeline schedule when the spec has one."""
         once: Any = self._pipeline.value_and_grad if self._pipeline is not None else jax.value_and_grad(self._loss_fn)
-        return accumulate_gradients(once, params, batch, key, self.ir.train.accumulate)
+        return accumulate_gradients(once, params, batch, key, self.ir.train.accumulate, loss_count(self.ir))
 
 
 def _listing(count: int, what: str, examples: list[str], shown: int = 3) -> str:
