@@ -742,6 +742,22 @@ def test_e027_unknown_weight() -> None:
     assert d.help == "did you mean `kernel`?"
 
 
+def test_e027_a_weight_other_arguments_would_give_may_be_sharded() -> None:
+    """One spec serves both settings of a bias switched by a constant: the clause applies when
+    the weight exists. A name the layer kind never has is still an error."""
+    header = HEADER.replace("input y", "const biased = false\ninput y")
+    text = spec(
+        "fc: linear(16, 16, bias=biased) shard kernel[_, model], bias[model]",
+        "down: linear(16, 16, bias=false) shard kernel[model, _]",
+        "loss: mse(y)",
+        header=header,
+    )
+    assert diagnose(text) == []
+    assert dslc.check(text, overrides={"biased": True}) == []
+    d = only(spec("fc: linear(16, 16, bias=false) shard kernel[_, model], bais[model]", "loss: mse(y)"))
+    assert (d.code, d.message, d.help) == ("E027", "`linear` has no weight `bais`", "did you mean `bias`?")
+
+
 def test_e027_wrong_number_of_dimensions() -> None:
     d = only(spec("fc: linear(16, 16) shard kernel[model]", "loss: mse(y)"))
     assert (d.code, at(d)) == ("E027", (6, 28, 6, 41))

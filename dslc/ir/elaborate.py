@@ -697,9 +697,14 @@ class _Builder:
         ok = True
         for shard in shards:
             wname = shard.weight.text
+            possible = rule.possible_weights(attrs)
+            if wname not in specs and wname in possible:
+                # A weight other arguments would give this use (a bias turned off): the clause
+                # applies where it exists, so one spec can switch it with a constant.
+                continue
             if wname not in specs:
                 known = ", ".join(f"`{n}`" for n in specs) or "none"
-                guess = closest(wname, specs)
+                guess = closest(wname, sorted(possible))
                 self.diags.error(
                     "E027",
                     f"`{rule.kind}` has no weight `{wname}`",

@@ -130,6 +130,15 @@ class LayerRule:
     def weights(self, a: Attrs) -> tuple[WeightSpec, ...]:
         return ()
 
+    def possible_weights(self, a: Attrs) -> set[str]:
+        """The names of the weights this use has, and of those a boolean argument set the other
+        way would give it (a bias)."""
+        names = {w.name for w in self.weights(a)}
+        for arg in self.args:
+            if arg.type == "bool":
+                names |= {w.name for w in self.weights({**a, arg.name: not a[arg.name]})}
+        return names
+
     def validate(self, a: Attrs, ctx: Context) -> bool:
         """Checks among the arguments themselves; report and return False when they clash."""
         return True
