@@ -13,11 +13,14 @@ import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dslc import files, resources
 from dslc.diagnostics import Severity, render_json, render_text
 from dslc.frontend import Analysis, analyze
+
+if TYPE_CHECKING:
+    from dslc.interop import CheckpointError
 
 EXIT_OK, EXIT_ERRORS, EXIT_USAGE, EXIT_INTERNAL = 0, 1, 2, 3
 
@@ -100,6 +103,28 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--grads", action="store_true", help="also write `loss` and `grad/NAME` for every weight")
     _set_arg(run)
     run.set_defaults(run=_run)
+
+    imp = sub.add_parser(
+        "import", help="read a Hugging Face checkpoint folder (GPT-2, Llama, Mistral, Qwen2) into a spec's weights"
+    )
+    imp.add_argument("spec", help="path of the .par file")
+    imp.add_argument("checkpoint", help="the checkpoint folder: config.json and .safetensors files")
+    imp.add_argument("--mesh", help="mesh sizes in the spec's axis order, e.g. 2x4x2")
+    imp.add_argument("-o", "--output", required=True, help="where to write the weights (.npz)")
+    _set_arg(imp)
+    imp.set_defaults(run=_import)
+
+    exp = sub.add_parser("export", help="write a spec's weights as a Hugging Face checkpoint folder")
+    exp.add_argument("spec", help="path of the .par file")
+    exp.add_argument("--weights", required=True, help="weights (.npz, as `dslc init` or `dslc import` write them)")
+    exp.add_argument("--mesh", help="mesh sizes in the spec's axis order, e.g. 2x4x2")
+    exp.add_argument("-o", "--output", required=True, help="the folder to write config.json and model.safetensors in")
+    exp.add_argument("--dtype", choices=("f32", "bf16", "f16"), help="the tensors' dtype (default: the spec's)")
+    exp.add_argument(
+        "--untie", action="store_true", help="write a head tied to the embedding as its own weight, when they differ"
+    )
+    _set_arg(exp)
+    exp.set_defaults(run=_export)
 
     plan = sub.add_parser("plan", help="memory, communication, bubble and FLOPs per device, before anything runs")
     plan.add_argument("spec", help="path of the .par file")
@@ -372,6 +397,58 @@ def _run(args: argparse.Namespace) -> int:
 
     _save_npz(args.output, {name: np.asarray(value) for name, value in results.items()})
     print(f"{args.output}: " + ", ".join(sorted(results)[:4]) + (", ..." if len(results) > 4 else ""))
+    return EXIT_OK
+
+
+def _checked(args: argparse.Namespace) -> Analysis:
+    """The spec's analysis, or the exit that shows its errors."""
+    result = _analyze(args)
+    if not result.ok:
+        sources = {result.source.name: result.source.text} if result.source else {}
+        sys.stderr.write(render_text(result.diagnostics, sources))
+        raise _Exit(EXIT_ERRORS)
+    return result
+
+
+def _checkpoint_errors(result: Analysis, exc: CheckpointError) -> int:
+    sources = {result.source.name: result.source.text} if result.source else {}
+    sys.stderr.write(render_text(exc.diagnostics, sources))
+    return EXIT_ERRORS
+
+
+def _import(args: argparse.Namespace) -> int:
+    from dslc.interop import CheckpointError, import_checkpoint
+
+    result = _checked(args)
+    folder = Path(args.checkpoint)
+    if not folder.is_dir():
+        raise UsageError(f"no such folder: {folder}")
+    try:
+        done = import_checkpoint(result, folder, Path(args.output))
+    except CheckpointError as exc:
+        return _checkpoint_errors(result, exc)
+    except files.FolderMissing as exc:
+        raise UsageError(str(exc)) from None
+    print(
+        f"{args.output}: {done.weights} weights, {done.parameters:,} parameters "
+        f"from {done.tensors} tensors of a {done.model_type} checkpoint"
+    )
+    return EXIT_OK
+
+
+def _export(args: argparse.Namespace) -> int:
+    from dslc.interop import CheckpointError, export_checkpoint
+
+    result = _checked(args)
+    weights = _load_npz(args.weights, "weights")
+    try:
+        done = export_checkpoint(
+            result, weights, Path(args.output), untie=args.untie, dtype=args.dtype, source=Path(args.weights)
+        )
+    except CheckpointError as exc:
+        return _checkpoint_errors(result, exc)
+    tied = ", the head tied to the embedding" if done.tied else ""
+    print(f"{args.output}: a {done.model_type} checkpoint, {done.tensors} tensors ({done.bytes:,} bytes){tied}")
     return EXIT_OK
 
 

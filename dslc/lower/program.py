@@ -15,6 +15,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from dslc.ir import nodes as ir
 from dslc.ir.inputs import integer_bounds
 from dslc.ir.state import state_sharding
+from dslc.ir.weights import mismatches
 from dslc.kernels.training import accumulate_gradients
 from dslc.lower.model import DslcModel, Params, init_params, loss_count, run_forward, run_loss, split_loss
 from dslc.lower.optim import make_optimizer
@@ -87,21 +88,10 @@ class Program:
     def import_weights(self, model: DslcModel, weights: Mapping[str, Any]) -> None:
         """Load a dict of arrays by dotted name. Every name and shape is checked before any
         value is replaced, so a mismatch leaves the model as it was."""
+        problems = mismatches(self.ir, {name: tuple(np.shape(value)) for name, value in weights.items()})
+        if problems:
+            raise WeightsError("cannot load weights, nothing was loaded: " + "; ".join(problems))
         expected = ir.weights_by_path(self.ir)
-        missing = [n for n in expected if n not in weights]
-        unknown = [n for n in weights if n not in expected]
-        misshapen = [
-            f"`{n}` is {tuple(np.shape(weights[n]))}, the spec says {w.type.shape}"
-            for n, w in expected.items()
-            if n in weights and tuple(np.shape(weights[n])) != w.type.shape
-        ]
-        problems = [
-            _listing(len(missing), "missing", [f"`{n}`" for n in missing]),
-            _listing(len(unknown), "not in the spec", [f"`{n}`" for n in unknown]),
-            _listing(len(misshapen), "of the wrong shape", misshapen),
-        ]
-        if any(problems):
-            raise WeightsError("cannot load weights, nothing was loaded: " + "; ".join(p for p in problems if p))
         dtypes = {name: JNP_DTYPES[w.type.dtype] for name, w in expected.items()}
         placed = {
             name: jax.device_put(np.asarray(weights[name], dtype=dtypes[name]), self._shardings[name])
@@ -292,10 +282,3 @@ class Program:
         the pipeline schedule when the spec has one."""
         once: Any = self._pipeline.value_and_grad if self._pipeline is not None else jax.value_and_grad(self._loss_fn)
         return accumulate_gradients(once, params, batch, key, self.ir.train.accumulate, loss_count(self.ir))
-
-
-def _listing(count: int, what: str, examples: list[str], shown: int = 3) -> str:
-    if not count:
-        return ""
-    more = f", and {count - shown} more" if count > shown else ""
-    return f"{count} {what} ({', '.join(examples[:shown])}{more})"
