@@ -164,6 +164,11 @@ def _parser() -> argparse.ArgumentParser:
         "--checkpoint-every", type=_count, metavar="K", help="also checkpoint every K steps (always at the end)"
     )
     train.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in the run folder")
+    train.add_argument(
+        "--init-from",
+        metavar="WEIGHTS",
+        help="start from these weights: a .npz (dslc init, dslc import) or a Hugging Face checkpoint folder",
+    )
     train.add_argument("--coordinator", metavar="HOST:PORT", help="multi-process run: the address of process 0")
     train.add_argument("--num-processes", type=_count, metavar="N", help="multi-process run: how many processes")
     train.add_argument("--process-id", type=_count, metavar="I", help="multi-process run: this one's, 0 to N-1")
@@ -596,12 +601,13 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _train_here(args: argparse.Namespace) -> int:
+    initial = _initial_weights(args) if args.init_from else None
     program = _compile(args)  # first: it decides how many host devices jax starts with
     from dslc.train.dataset import DataError
     from dslc.train.loop import TrainError, TrainOptions, train
 
     out = Path(args.out) if args.out else _run_folder(program.ir.name, args)
-    options = TrainOptions(args.steps, out, args.seed, args.checkpoint_every, args.resume)
+    options = TrainOptions(args.steps, out, args.seed, args.checkpoint_every, args.resume, initial)
     try:
         result = train(program, options)
     except (DataError, TrainError) as exc:
@@ -609,6 +615,26 @@ def _train_here(args: argparse.Namespace) -> int:
     if result.leader:
         print(result.summary())
     return EXIT_OK
+
+
+def _initial_weights(args: argparse.Namespace) -> dict[str, Any]:
+    """--init-from's weights, read before jax starts (a checkpoint folder as `dslc import` reads it)."""
+    from dslc.interop import CheckpointError
+    from dslc.train.init_from import initial_weights
+
+    if args.resume:
+        raise UsageError("--init-from starts a new run from given weights; --resume continues one from its checkpoint")
+    source = Path(args.init_from)
+    if not source.exists():
+        raise UsageError(f"no such file or folder: {source}")
+    result = _checked(args)
+    try:
+        return initial_weights(source, result)
+    except CheckpointError as exc:
+        raise _Exit(_checkpoint_errors(result, exc)) from None
+    except (OSError, ValueError) as exc:
+        print(f"dslc: error: cannot read weights from {source}: {exc}", file=sys.stderr)
+        raise _Exit(EXIT_ERRORS) from None
 
 
 def _run_folder(model: str, args: argparse.Namespace) -> Path:

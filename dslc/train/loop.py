@@ -13,16 +13,17 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 
 from dslc.lower.model import DslcModel
 from dslc.lower.optim import learning_rate
-from dslc.lower.program import Program
+from dslc.lower.program import Program, WeightsError
 from dslc.train.checkpoint import Checkpoints, RunState, run_state
 from dslc.train.data import dataset_for
 from dslc.train.dataset import Dataset
@@ -43,6 +44,7 @@ class TrainOptions:
     seed: int | None = None  # None: 0 for a new run, the checkpoint's when resuming
     checkpoint_every: int | None = None  # besides the checkpoint at the end
     resume: bool = False
+    init_from: Mapping[str, np.ndarray] | None = None  # weights a new run starts from, by dotted name
 
 
 @dataclass(frozen=True)
@@ -122,6 +124,8 @@ def _train(
         )
     seed = saved.seed if saved is not None else options.seed or 0
     model = program.init(seed)
+    if options.init_from is not None and saved is None:
+        _start_from(program, model, options.init_from)
     opt_state = program.init_optimizer(model)
     here = _state(program, dataset, model, opt_state, seed, 0)
     start = 0
@@ -183,6 +187,14 @@ def _train(
         checkpoint=newest,
         leader=leader,
     )
+
+
+def _start_from(program: Program, model: DslcModel, weights: Mapping[str, np.ndarray]) -> None:
+    """Replace the fresh weights with the given ones, all checked before any is replaced."""
+    try:
+        program.import_weights(model, weights)
+    except WeightsError as exc:
+        raise TrainError(f"--init-from: {exc}") from None
 
 
 def _saved_state(checkpoints: Checkpoints, step: int | None) -> RunState | None:
