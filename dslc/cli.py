@@ -116,7 +116,9 @@ def _parser() -> argparse.ArgumentParser:
 
     exp = sub.add_parser("export", help="write a spec's weights as a Hugging Face checkpoint folder")
     exp.add_argument("spec", help="path of the .par file")
-    exp.add_argument("--weights", required=True, help="weights (.npz, as `dslc init` or `dslc import` write them)")
+    exp.add_argument(
+        "--weights", required=True, help="weights: a .npz (dslc init, dslc import) or a `dslc train` run folder"
+    )
     exp.add_argument("--mesh", help="mesh sizes in the spec's axis order, e.g. 2x4x2")
     exp.add_argument("-o", "--output", required=True, help="the folder to write config.json and model.safetensors in")
     exp.add_argument("--dtype", choices=("f32", "bf16", "f16"), help="the tensors' dtype (default: the spec's)")
@@ -445,8 +447,8 @@ def _export(args: argparse.Namespace) -> int:
     from dslc.interop import CheckpointError, export_checkpoint
 
     result = _checked(args)
-    weights = _load_npz(args.weights, "weights")
     try:
+        weights = _weights_to_export(args, result)
         done = export_checkpoint(
             result, weights, Path(args.output), untie=args.untie, dtype=args.dtype, source=Path(args.weights)
         )
@@ -455,6 +457,18 @@ def _export(args: argparse.Namespace) -> int:
     tied = ", the head tied to the embedding" if done.tied else ""
     print(f"{args.output}: a {done.model_type} checkpoint, {done.tensors} tensors ({done.bytes:,} bytes){tied}")
     return EXIT_OK
+
+
+def _weights_to_export(args: argparse.Namespace, result: Analysis) -> dict[str, Any]:
+    """--weights: a .npz, or a `dslc train` run folder (its newest checkpoint, restored on the mesh)."""
+    source = Path(args.weights)
+    if not source.is_dir():
+        return _load_npz(args.weights, "weights")
+    from dslc.train.weights import trained_weights
+
+    step, weights = trained_weights(_compile(args), source)
+    print(f"{source}: the parameters of checkpoint {step}", file=sys.stderr)
+    return weights
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -620,7 +634,7 @@ def _train_here(args: argparse.Namespace) -> int:
 def _initial_weights(args: argparse.Namespace) -> dict[str, Any]:
     """--init-from's weights, read before jax starts (a checkpoint folder as `dslc import` reads it)."""
     from dslc.interop import CheckpointError
-    from dslc.train.init_from import initial_weights
+    from dslc.train.weights import initial_weights
 
     if args.resume:
         raise UsageError("--init-from starts a new run from given weights; --resume continues one from its checkpoint")

@@ -16,6 +16,7 @@ and k swapped: 0.32).
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,7 @@ import numpy as np
 import pytest
 
 from dslc import cli
-from tests.conftest import SPECS
+from tests.conftest import ROOT, SPECS
 from tests.hf_checkpoints import (
     GPT2_CONFIG,
     GPT2_SET,
@@ -246,6 +247,7 @@ REFUSED: dict[str, tuple[dict[str, object], Any, Any, int, list[str]]] = {
             "gpt2.par:23:1: error[C001]: config.json's `n_head` is 8, but the spec's number of attention heads is 4",
             " 23 | const heads = 12",
             "used by `h.0.attn`",
+            "= note: `heads` is 4 here, set on the command line",
             "= help: --set heads=8",
         ],
     ),
@@ -398,6 +400,11 @@ def test_export_refuses_weights_of_another_spec(
             ["error[C003]: sliding_window is 8, shorter than the spec's 16 tokens"],
         ),
         ({"mlp_bias": True}, ["error[C003]: mlp_bias is true"]),
+        # No constant holds it: the diagnostic points at the layer and says what to write there.
+        (
+            {"head_dim": 16},
+            ["error[C001]: config.json's `head_dim` is 16, but the spec's head width is 8", "write `head_dim=16`"],
+        ),
     ],
 )
 def test_a_llama_config_is_checked_before_a_tensor_is_read(
@@ -416,3 +423,19 @@ def test_a_llama_config_is_checked_before_a_tensor_is_read(
     for words in said:
         assert words in err, err
     assert (tmp_path / "w.npz").exists() == (not said)
+
+
+def test_every_checkpoint_diagnostic_is_documented_and_tested() -> None:
+    emitted = {
+        code
+        for path in (ROOT / "dslc").rglob("*.py")
+        for code in re.findall(r"[\"'](C0\d\d)[\"']", path.read_text(encoding="utf-8"))
+    }
+    documented = set(re.findall(r"^\| (C0\d\d) \|", (ROOT / "docs" / "checkpoints.md").read_text(), flags=re.M))
+    here = Path(__file__).parent
+    tested = set(
+        re.findall(
+            r"error\[(C0\d\d)\]", "".join(p.read_text() for p in (here / "test_interop.py", here / "test_init_from.py"))
+        )
+    )
+    assert emitted and emitted == documented == tested

@@ -82,15 +82,7 @@ class Llama(FamilyBase):
                     "kv_heads",
                     "change `kv_heads`",
                 ),
-                Fact(
-                    "head_dim",
-                    config.head_width,
-                    attn.attr("head_dim"),
-                    "head width",
-                    attn,
-                    "head_dim",
-                    f"write `head_dim={config.head_width}`",
-                ),
+                *_head_width_facts(config, embed, attn),
                 Fact(
                     "rope_theta",
                     config.rope_base,
@@ -218,3 +210,13 @@ def _bias_facts(config: LlamaConfig, attn: ir.Layer) -> list[Fact]:
         Fact("attention_bias", config.attention_bias, qkv, "use of q, k and v biases", attn, "qkv_bias", fix),
         Fact("attention_bias", config.attention_bias, o, "use of an o bias", attn, None, fix),
     ]
+
+
+def _head_width_facts(config: LlamaConfig, embed: ir.Layer, attn: ir.Layer) -> list[Fact]:
+    """A head's width, where either side gives it rather than leaving it to width // heads
+    (which the width and heads facts check already)."""
+    default = int(embed.attr("dim")) // int(attn.attr("heads"))  # type: ignore[call-overload]
+    if config.head_dim is None and attn.attr("head_dim") == default:
+        return []
+    fix = f"write `head_dim={config.head_width}` on the attention"
+    return [Fact("head_dim", config.head_width, attn.attr("head_dim"), "head width", attn, "head_dim", fix)]

@@ -171,6 +171,9 @@ def disagreements(facts: Sequence[Fact], analysis: Analysis, config: Path) -> li
             notes.append(f"{len(wrong)} layers of the spec disagree with it")
         if f.constant in declared and _same(constants.get(f.constant), f.spec):
             decl = declared[f.constant]
+            written = decl.value
+            if isinstance(written, ast.IntLit | ast.FloatLit | ast.BoolLit) and not _same(written.value, f.spec):
+                notes.append(f"`{f.constant}` is {_json(f.spec)} here, set on the command line")
             out.append(
                 error(
                     "C001",
