@@ -40,9 +40,6 @@ class GPT2Config(_Config):
     scale_attn_weights: bool = True
     scale_attn_by_inverse_layer_idx: bool = False
     add_cross_attention: bool = False
-    resid_pdrop: float = 0.1
-    embd_pdrop: float = 0.1
-    attn_pdrop: float = 0.1
 
     @property
     def ffn(self) -> int:

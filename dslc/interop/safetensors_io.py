@@ -53,7 +53,9 @@ class TensorFiles:
     def __init__(self, folder: Path) -> None:
         self.folder = folder
         self.tensors: dict[str, TensorInfo] = {}
-        files = self._files()
+        index = folder / INDEX
+        weight_map = self._weight_map(index) if index.is_file() else None
+        files = sorted({folder / name for name in weight_map.values()}) if weight_map is not None else self._files()
         for path in files:
             for name, info in _header(path).items():
                 if name in self.tensors:
@@ -61,12 +63,14 @@ class TensorFiles:
                         path, "C005", f"tensor `{name}` is also in {self.tensors[name].file.name}: which one is meant?"
                     )
                 self.tensors[name] = info
-        self._check_index(files)
+        for name, file in (weight_map or {}).items():
+            held = self.tensors.get(name)
+            if held is None or held.file.name != file:
+                where = f"it is in {held.file.name}" if held else "no file holds it"
+                raise file_problem(index, "C005", f"says `{name}` is in {file}, but {where}")
 
     def _files(self) -> list[Path]:
-        index = self.folder / INDEX
-        if index.is_file():
-            return sorted({self.folder / name for name in self._weight_map(index).values()})
+        """The tensor files of a folder without an index: model.safetensors, or the only one."""
         if (self.folder / SINGLE).is_file():
             return [self.folder / SINGLE]
         found = sorted(self.folder.glob("*.safetensors"))
@@ -101,16 +105,6 @@ class TensorFiles:
         if missing:
             raise file_problem(index, "C005", f"names files that are not in the folder: {', '.join(missing)}")
         return weight_map
-
-    def _check_index(self, files: list[Path]) -> None:
-        index = self.folder / INDEX
-        if not index.is_file():
-            return
-        for name, file in self._weight_map(index).items():
-            held = self.tensors.get(name)
-            if held is None or held.file.name != file:
-                where = f"it is in {held.file.name}" if held else "no file holds it"
-                raise file_problem(index, "C005", f"says `{name}` is in {file}, but {where}")
 
     def read(self, name: str) -> np.ndarray:
         """One tensor's values, copied out of its file (`get_tensor` copies: the array
