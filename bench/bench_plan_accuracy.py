@@ -17,16 +17,23 @@ from pathlib import Path
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=16")
 
 import dslc
+from dslc.frontend import parse_overrides
+from dslc.ir.evaluate import ScalarValue
 from dslc.plan import plan
 
 SPECS = Path(__file__).resolve().parent.parent / "specs"
-# Compiled at a reduced size: at full size seed_hybrid_3d is too large for a CPU host, and
+# Compiled at a reduced size: at full size seed_hybrid_3d, gpt2 and llama are too large for a
+# CPU host, and
 # gpt3_175b is planned on paper only.
-REDUCED = {"seed_hybrid_3d": {"layers": 4, "seq": 64, "hidden": 128}}
+REDUCED = {
+    "seed_hybrid_3d": {"layers": 4, "seq": 64, "hidden": 128},
+    "gpt2": {"vocab": 128, "positions": 32, "d": 64, "heads": 4, "layers": 4, "seq": 32, "batch": 16},
+    "llama": {"vocab": 128, "d": 64, "heads": 4, "kv_heads": 2, "ffn": 176, "layers": 4, "seq": 32, "batch": 16},
+}
 SKIPPED = {"gpt3_175b"}
 
 
-def measure(path: Path, mesh: str | None, overrides: dict[str, int] | None) -> tuple[int, int, int, int]:
+def measure(path: Path, mesh: str | None, overrides: dict[str, ScalarValue] | None) -> tuple[int, int, int, int]:
     """(planned gradient step, XLA's, planned training step, XLA's), bytes per device."""
     analysis = dslc.analyze(path, mesh=mesh, overrides=overrides)
     assert analysis.program is not None, [d.message for d in analysis.diagnostics]
@@ -45,7 +52,7 @@ def main() -> None:
     paths = [Path(s) if s.endswith(".par") else SPECS / f"{s}.par" for s in args.specs] or [
         p for p in sorted(SPECS.glob("*.par")) if p.stem not in SKIPPED
     ]
-    given = {k: int(v) for k, v in (item.split("=", 1) for item in args.set)}
+    given = parse_overrides(args.set)
     header = f"{'spec':<20} {'grads planned':>14} {'XLA':>12} {'ratio':>6}"
     print(f"{header}   {'step planned':>13} {'XLA':>12} {'ratio':>6}")
     for path in paths:

@@ -71,6 +71,8 @@ def _symbolic_args(rule: LayerRule) -> dict[str, object]:
 def _default(spec: ArgSpec, rule: LayerRule) -> str:
     if spec.default is REQUIRED:
         return "required"
+    if spec.default is None:
+        return "optional"
     if callable(spec.default):
         return f"`{spec.default(_symbolic_args(rule))}`"
     return f"`{_literal(spec.default)}`"
@@ -87,6 +89,8 @@ def _signature(rule: LayerRule) -> str:
     for a in rule.args:
         if a.default is REQUIRED:
             parts.append(a.name)
+        elif a.default is None:
+            parts.append(f"[{a.name}=INPUT]")
         elif callable(a.default):
             parts.append(f"{a.name}={a.default(_symbolic_args(rule))}")
         else:
@@ -102,7 +106,10 @@ def _weights(rule: LayerRule) -> list[tuple[str, str, str, str]]:
     for w in rule.weights(base):
         seen[w.name] = ("[" + ", ".join(map(str, w.shape)) + "]", w.init)
         present_by_default.add(w.name)
-    conditions: dict[str, list[str]] = {}
+    # A weight present by default stays while every flag that removes it keeps its default; one
+    # absent by default appears when any flag that adds it is flipped.
+    kept_while: dict[str, list[str]] = {}
+    added_by: dict[str, list[str]] = {}
     for a in rule.args:
         if a.type != "bool" or a.default is REQUIRED or callable(a.default):
             continue
@@ -112,13 +119,16 @@ def _weights(rule: LayerRule) -> list[tuple[str, str, str, str]]:
             names.add(w.name)
             seen.setdefault(w.name, ("[" + ", ".join(map(str, w.shape)) + "]", w.init))
         for name in present_by_default - names:
-            conditions.setdefault(name, []).append(f"`{a.name}={_literal(a.default)}`")
+            kept_while.setdefault(name, []).append(f"`{a.name}={_literal(a.default)}`")
         for name in names - present_by_default:
-            conditions.setdefault(name, []).append(f"`{a.name}={_literal(not a.default)}`")
-    return [
-        (name, shape, init, "when " + " and ".join(conditions[name]) if name in conditions else "always")
-        for name, (shape, init) in seen.items()
-    ]
+            added_by.setdefault(name, []).append(f"`{a.name}={_literal(not a.default)}`")
+
+    def when(name: str) -> str:
+        if name in kept_while:
+            return "when " + " and ".join(kept_while[name])
+        return "when " + " or ".join(added_by[name]) if name in added_by else "always"
+
+    return [(name, shape, init, when(name)) for name, (shape, init) in seen.items()]
 
 
 def render() -> str:

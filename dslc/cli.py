@@ -13,11 +13,14 @@ import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dslc import files, resources
 from dslc.diagnostics import Severity, render_json, render_text
 from dslc.frontend import Analysis, analyze
+
+if TYPE_CHECKING:
+    from dslc.interop import CheckpointError
 
 EXIT_OK, EXIT_ERRORS, EXIT_USAGE, EXIT_INTERNAL = 0, 1, 2, 3
 EXIT_INTERRUPTED = 130  # as a shell reports a process stopped by Ctrl-C
@@ -105,6 +108,30 @@ def _parser() -> argparse.ArgumentParser:
     _set_arg(run)
     run.set_defaults(run=_run)
 
+    imp = sub.add_parser(
+        "import", help="read a Hugging Face checkpoint folder (GPT-2, Llama, Mistral, Qwen2) into a spec's weights"
+    )
+    imp.add_argument("spec", help="path of the .par file")
+    imp.add_argument("checkpoint", help="the checkpoint folder: config.json and .safetensors files")
+    imp.add_argument("--mesh", help="mesh sizes in the spec's axis order, e.g. 2x4x2")
+    imp.add_argument("-o", "--output", required=True, help="where to write the weights (.npz)")
+    _set_arg(imp)
+    imp.set_defaults(run=_import)
+
+    exp = sub.add_parser("export", help="write a spec's weights as a Hugging Face checkpoint folder")
+    exp.add_argument("spec", help="path of the .par file")
+    exp.add_argument(
+        "--weights", required=True, help="weights: a .npz (dslc init, dslc import) or a `dslc train` run folder"
+    )
+    exp.add_argument("--mesh", help="mesh sizes in the spec's axis order, e.g. 2x4x2")
+    exp.add_argument("-o", "--output", required=True, help="the folder to write config.json and model.safetensors in")
+    exp.add_argument("--dtype", choices=("f32", "bf16", "f16"), help="the tensors' dtype (default: the spec's)")
+    exp.add_argument(
+        "--untie", action="store_true", help="write a head tied to the embedding as its own weight, when they differ"
+    )
+    _set_arg(exp)
+    exp.set_defaults(run=_export)
+
     plan = sub.add_parser("plan", help="memory, communication, bubble and FLOPs per device, before anything runs")
     plan.add_argument("spec", help="path of the .par file")
     plan.add_argument(
@@ -163,6 +190,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     train.add_argument(
         "--eval-every", type=_count, metavar="K", help="log the loss on held-out data every K steps and at the end"
+    )
+    train.add_argument(
+        "--init-from",
+        metavar="WEIGHTS",
+        help="start from these weights: a .npz (dslc init, dslc import) or a Hugging Face checkpoint folder",
     )
     train.add_argument("--coordinator", metavar="HOST:PORT", help="multi-process run: the address of process 0")
     train.add_argument("--num-processes", type=_count, metavar="N", help="multi-process run: how many processes")
@@ -225,7 +257,7 @@ def _set_arg(p: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="NAME=VALUE",
-        help="override a constant of the spec, e.g. --set layers=4 (repeatable)",
+        help="override a constant of the spec, e.g. --set layers=4, --set eps=1e-6, --set tied=true (repeatable)",
     )
 
 
@@ -443,6 +475,70 @@ def _run(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _checked(args: argparse.Namespace) -> Analysis:
+    """The spec's analysis, or the exit that shows its errors."""
+    result = _analyze(args)
+    if not result.ok:
+        sources = {result.source.name: result.source.text} if result.source else {}
+        sys.stderr.write(render_text(result.diagnostics, sources))
+        raise _Exit(EXIT_ERRORS)
+    return result
+
+
+def _checkpoint_errors(result: Analysis, exc: CheckpointError) -> int:
+    sources = {result.source.name: result.source.text} if result.source else {}
+    sys.stderr.write(render_text(exc.diagnostics, sources))
+    return EXIT_ERRORS
+
+
+def _import(args: argparse.Namespace) -> int:
+    from dslc.interop import CheckpointError, import_checkpoint
+
+    result = _checked(args)
+    folder = Path(args.checkpoint)
+    if not folder.is_dir():
+        raise UsageError(f"no such folder: {folder}")
+    try:
+        done = import_checkpoint(result, folder, Path(args.output))
+    except CheckpointError as exc:
+        return _checkpoint_errors(result, exc)
+    except files.FolderMissing as exc:
+        raise UsageError(str(exc)) from None
+    print(
+        f"{args.output}: {done.weights} weights, {done.parameters:,} parameters "
+        f"from {done.tensors} tensors of a {done.model_type} checkpoint"
+    )
+    return EXIT_OK
+
+
+def _export(args: argparse.Namespace) -> int:
+    from dslc.interop import CheckpointError, export_checkpoint
+
+    result = _checked(args)
+    try:
+        weights = _weights_to_export(args, result)
+        done = export_checkpoint(
+            result, weights, Path(args.output), untie=args.untie, dtype=args.dtype, source=Path(args.weights)
+        )
+    except CheckpointError as exc:
+        return _checkpoint_errors(result, exc)
+    tied = ", the head tied to the embedding" if done.tied else ""
+    print(f"{args.output}: a {done.model_type} checkpoint, {done.tensors} tensors ({done.bytes:,} bytes){tied}")
+    return EXIT_OK
+
+
+def _weights_to_export(args: argparse.Namespace, result: Analysis) -> dict[str, Any]:
+    """--weights: a .npz, or a `dslc train` run folder (its newest checkpoint, restored on the mesh)."""
+    source = Path(args.weights)
+    if not source.is_dir():
+        return _load_npz(args.weights)
+    from dslc.train.weights import trained_weights
+
+    step, weights = trained_weights(_compile(args), source)
+    print(f"{source}: the parameters of checkpoint {step}", file=sys.stderr)
+    return weights
+
+
 def _plan(args: argparse.Namespace) -> int:
     import json
 
@@ -502,7 +598,7 @@ LATENCY_FLAGS = ("intra_latency", "inter_latency")
 def _plan_auto(args: argparse.Namespace) -> int:
     import json
 
-    from dslc.frontend import parse_overrides
+    from dslc.frontend import check_overrides, parse_overrides
     from dslc.plan.auto import AutoPlanner
     from dslc.plan.report import format_bytes
 
@@ -520,7 +616,7 @@ def _plan_auto(args: argparse.Namespace) -> int:
     try:
         # The spec on its own mesh: its axes' roles, weights and FLOPs, whatever that mesh's errors.
         result = analyze(path, None, args.set, args.schedule, running=False)
-        overrides = parse_overrides(args.set)
+        overrides = check_overrides(result.module, parse_overrides(args.set)) if result.module else {}
     except ValueError as exc:  # a malformed --set or --schedule
         raise UsageError(str(exc)) from None
     sources = {result.source.name: result.source.text} if result.source else {}
@@ -616,13 +712,16 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _train_here(args: argparse.Namespace) -> int:
+    initial = _initial_weights(args) if args.init_from else None
     program = _compile(args)  # first: it decides how many host devices jax starts with
     from dslc.train.dataset import DataError
     from dslc.train.loop import TrainError, TrainInterrupted, TrainOptions, train
 
     out = Path(args.out) if args.out else _run_folder(program.ir.name, args)
     data = Path(args.data) if args.data is not None else None
-    options = TrainOptions(args.steps, out, args.seed, args.checkpoint_every, args.resume, data, args.eval_every)
+    options = TrainOptions(
+        args.steps, out, args.seed, args.checkpoint_every, args.resume, data, args.eval_every, initial
+    )
     try:
         result = train(program, options)
     except (DataError, TrainError) as exc:
@@ -656,6 +755,26 @@ def _resume_command(args: argparse.Namespace, out: Path) -> str:
         words += ["--set", pair]
     words += ["--steps", str(args.steps), "--out", str(out), "--resume"]
     return shlex.join(words)
+
+
+def _initial_weights(args: argparse.Namespace) -> dict[str, Any]:
+    """--init-from's weights, read before jax starts (a checkpoint folder as `dslc import` reads it)."""
+    from dslc.interop import CheckpointError
+    from dslc.train.weights import initial_weights
+
+    if args.resume:
+        raise UsageError("--init-from starts a new run from given weights; --resume continues one from its checkpoint")
+    source = Path(args.init_from)
+    if not source.exists():
+        raise UsageError(f"no such file or folder: {source}")
+    result = _checked(args)
+    try:
+        return initial_weights(source, result)
+    except CheckpointError as exc:
+        raise _Exit(_checkpoint_errors(result, exc)) from None
+    except (OSError, ValueError) as exc:
+        print(f"dslc: error: cannot read weights from {source}: {exc}", file=sys.stderr)
+        raise _Exit(EXIT_ERRORS) from None
 
 
 def _run_folder(model: str, args: argparse.Namespace) -> Path:

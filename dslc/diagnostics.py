@@ -132,7 +132,9 @@ def _printable(line: str) -> str:
 
 def _render_one(d: Diagnostic, sources: dict[str, str]) -> str:
     s = d.span
-    out = [f"{s.file}:{s.line}:{s.column}: {d.severity}[{d.code}]: {d.message}\n"]
+    # A span without a line is a whole file (a checkpoint's): its name alone says where.
+    where = f"{s.file}:{s.line}:{s.column}" if s.line else s.file
+    out = [f"{where}: {d.severity}[{d.code}]: {d.message}\n"]
     lines = [_printable(line) for line in sources.get(s.file, "").split("\n")]
     gutter = len(str(max([s.line] + [label.span.line for label in d.labels]))) + 1
     excerpts = [(s, "", "^")] + [(label.span, label.message, "-") for label in d.labels]

@@ -5,6 +5,7 @@ Imports no accelerator stack: `dslc check` answers in milliseconds.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from collections.abc import Mapping, Sequence
@@ -13,11 +14,13 @@ from pathlib import Path
 
 from dslc.check import check_program
 from dslc.diagnostics import NO_SPAN, Diagnostic, Diagnostics, Span, error, has_errors, render_text, sort_key
-from dslc.ir.elaborate import elaborate
+from dslc.ir.elaborate import elaborate, read_constants
+from dslc.ir.evaluate import ScalarValue
 from dslc.ir.names import closest
 from dslc.ir.nodes import Program
 from dslc.schedules import KINDS as SCHEDULES
 from dslc.syntax import ast
+from dslc.syntax.format import value as format_value
 from dslc.syntax.parser import parse
 from dslc.syntax.source import Source, resolve
 
@@ -69,8 +72,15 @@ class Analysis:
         return self.program is not None and not has_errors(self.diagnostics)
 
 
-def parse_overrides(pairs: Sequence[str] | Mapping[str, int] | None) -> dict[str, int]:
-    """`["layers=4", "seq=64"]` (or a mapping) to constant overrides; ValueError when malformed."""
+Overrides = Sequence[str] | Mapping[str, ScalarValue] | None
+
+_INTEGER = re.compile(r"-?[0-9]{1,18}")
+_NUMBER = re.compile(r"-?([0-9]+\.[0-9]*|\.[0-9]+|[0-9]+)([eE][+-]?[0-9]+)?")
+
+
+def parse_overrides(pairs: Overrides) -> dict[str, ScalarValue]:
+    """`["layers=4", "eps=1e-6", "tied=true"]` (or a mapping) to constant overrides: integers,
+    numbers with a fraction and booleans; ValueError when malformed."""
     if pairs is None:
         return {}
     if isinstance(pairs, Mapping):
@@ -78,33 +88,83 @@ def parse_overrides(pairs: Sequence[str] | Mapping[str, int] | None) -> dict[str
     else:
         items = []
         for pair in pairs:
-            name, sep, value = pair.partition("=")
-            if (
-                not sep
-                or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name.strip())
-                or not re.fullmatch(r"-?[0-9]{1,18}", value.strip())
-            ):
-                raise ValueError(f"--set takes NAME=INTEGER, got {pair!r}")
-            items.append((name.strip(), int(value)))
-    out: dict[str, int] = {}
-    for name, number in items:
-        if isinstance(number, bool) or not isinstance(number, int):
-            raise ValueError(f"constant `{name}` must be set to an integer, got {number!r}")
-        out[name] = number
+            name, sep, text = pair.partition("=")
+            name, text = name.strip(), text.strip()
+            if not sep or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+                raise ValueError(f"--set takes NAME=VALUE (an integer, a number or true/false), got {pair!r}")
+            items.append((name, _scalar(text, pair)))
+    out: dict[str, ScalarValue] = {}
+    for name, value in items:
+        if not isinstance(value, int | float) or (isinstance(value, float) and not math.isfinite(value)):
+            raise ValueError(
+                f"constant `{name}` must be set to an integer, a finite number or a boolean, got {value!r}"
+            )
+        out[name] = value
     return out
+
+
+def _scalar(text: str, pair: str) -> ScalarValue:
+    if text in ("true", "false"):
+        return text == "true"
+    if _INTEGER.fullmatch(text):
+        return int(text)
+    if _NUMBER.fullmatch(text):
+        return float(text)
+    raise ValueError(f"--set takes NAME=VALUE (an integer, a number or true/false), got {pair!r}")
+
+
+def check_overrides(module: ast.Module, values: dict[str, ScalarValue]) -> dict[str, ScalarValue]:
+    """`values` against the constants the module declares: each must be defined, and set to a
+    value of its kind (an integer for an integer, a number for a number with a fraction, where
+    an integer is taken as that number, a boolean for a boolean). Returns them as declared."""
+    decls = {item.name.text: item for item in module.items if isinstance(item, ast.ConstDecl)}
+    for name in values:
+        if name not in decls:
+            known = ", ".join(sorted(decls)) or "none"
+            raise ValueError(f"cannot set `{name}`: the spec defines no constant `{name}` (it has: {known})")
+    # The values the spec writes, which say each constant's kind (one that does not evaluate is
+    # reported by elaboration, unless it is set here, when its kind is whatever is given).
+    declared = read_constants(module, {}, Diagnostics())
+    out = dict(values)
+    for name, value in values.items():
+        if name not in declared:
+            continue
+        kind, given = _kind(declared[name]), _kind(value)
+        if kind == "a number" and given == "an integer":
+            out[name] = float(value)
+        elif kind != given:
+            decl = decls[name]
+            raise ValueError(
+                f"cannot set `{name}` to {_written(value)}: it is {kind} "
+                f"(line {decl.span.line}: `const {name} = {format_value(decl.value)}`)"
+            )
+    return out
+
+
+def _kind(value: ScalarValue) -> str:
+    if isinstance(value, bool):
+        return "a boolean (true or false)"
+    return "an integer" if isinstance(value, int) else "a number"
+
+
+def _written(value: ScalarValue) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return repr(value)
 
 
 def analyze(
     source_or_path: str | os.PathLike[str],
     mesh: MeshArg = None,
-    overrides: Sequence[str] | Mapping[str, int] | None = None,
+    overrides: Overrides = None,
     schedule: str | None = None,
     running: bool = True,
 ) -> Analysis:
-    """Parse, elaborate and check a spec. `overrides` sets constants (`{"layers": 4}`);
+    """Parse, elaborate and check a spec. `overrides` sets constants (`{"layers": 4}`,
+    `{"eps": 1e-6}`, `{"tied": True}`: each of the kind the spec declares it);
     `schedule` replaces the pipeline schedule the spec names: a kind, or the path of a table
     in JSON (`*.json`). With `running` false, what only stops the spec from running (a
-    schedule the executor cannot run yet) is not an error: the spec is being planned."""
+    table too large to run) is not an error: the spec is being planned."""
     sizes = parse_mesh(mesh)
     values = parse_overrides(overrides)
     replacement = None if schedule is None else _schedule_setting(schedule)
@@ -114,11 +174,7 @@ def analyze(
     module, diags = parse(source)
     if module is None:
         return Analysis(source, None, None, diags)
-    declared = {item.name.text for item in module.items if isinstance(item, ast.ConstDecl)}
-    for name in values:
-        if name not in declared:
-            known = ", ".join(sorted(declared)) or "none"
-            raise ValueError(f"cannot set `{name}`: the spec defines no constant `{name}` (it has: {known})")
+    values = check_overrides(module, values)
     if replacement is not None:
         module = _with_schedule(module, replacement, schedule)
     collected = Diagnostics()
@@ -196,7 +252,7 @@ class CompileError(Exception):
 def check(
     source_or_path: str | os.PathLike[str],
     mesh: MeshArg = None,
-    overrides: Sequence[str] | Mapping[str, int] | None = None,
+    overrides: Overrides = None,
     schedule: str | None = None,
 ) -> list[Diagnostic]:
     """Every diagnostic for a spec given as text or as a path (see `syntax.source.resolve`).

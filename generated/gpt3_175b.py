@@ -459,6 +459,10 @@ def attention(
     k: jax.Array,
     v: jax.Array,
     o: jax.Array,
+    q_bias: jax.Array | None = None,
+    k_bias: jax.Array | None = None,
+    v_bias: jax.Array | None = None,
+    o_bias: jax.Array | None = None,
     *,
     heads: int,
     kv_heads: int,
@@ -467,13 +471,11 @@ def attention(
     rope_base: float,
     dtype: str,
 ) -> jax.Array:
-    """Self-attention on [batch, seq, dim]; grouped-query when kv_heads < heads."""
+    """Self-attention on [batch, seq, dim]; grouped-query when kv_heads < heads. Each
+    projection adds its bias when it has one."""
     b, s, _ = x.shape
-    head_dim = q.shape[-1] // heads
-    x = x.astype(dtype)
-    queries = jnp.einsum("bsd,de->bse", x, q).reshape(b, s, heads, head_dim)
-    keys = jnp.einsum("bsd,de->bse", x, k).reshape(b, s, kv_heads, head_dim)
-    values = jnp.einsum("bsd,de->bse", x, v).reshape(b, s, kv_heads, head_dim)
+    queries, keys, values = _project(x.astype(dtype), q, k, v, q_bias, k_bias, v_bias, heads=heads, kv_heads=kv_heads)
+    head_dim = queries.shape[-1]
     if rope:
         queries, keys = rotary(queries, rope_base), rotary(keys, rope_base)
     # Grouped-query: the query heads form kv_heads groups, each sharing one key/value head.
@@ -484,7 +486,34 @@ def attention(
         scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
     out = jnp.einsum("bkgqs,bskd->bqkgd", probs, values).reshape(b, s, heads * head_dim)
-    return jnp.einsum("bse,ed->bsd", out, o)
+    return _project_out(out, o, o_bias)
+
+
+def _project(
+    x: jax.Array,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    q_bias: jax.Array | None,
+    k_bias: jax.Array | None,
+    v_bias: jax.Array | None,
+    *,
+    heads: int,
+    kv_heads: int,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Queries [b, s, heads, head_dim], keys and values [b, s, kv_heads, head_dim] of x [b, s, dim]."""
+    b, s, _ = x.shape
+
+    def one(w: jax.Array, bias: jax.Array | None, n: int) -> jax.Array:
+        y = jnp.einsum("bsd,de->bse", x, w)
+        return (y if bias is None else y + bias).reshape(b, s, n, w.shape[-1] // n)
+
+    return one(q, q_bias, heads), one(k, k_bias, kv_heads), one(v, v_bias, kv_heads)
+
+
+def _project_out(heads_out: jax.Array, o: jax.Array, o_bias: jax.Array | None) -> jax.Array:
+    y = jnp.einsum("bse,ed->bsd", heads_out, o)
+    return y if o_bias is None else y + o_bias
 
 
 def rotary(t: jax.Array, base: float, positions: jax.Array | None = None) -> jax.Array:
@@ -503,16 +532,33 @@ def rotary(t: jax.Array, base: float, positions: jax.Array | None = None) -> jax
     return jnp.concatenate([t1 * cos - t2 * sin, t1 * sin + t2 * cos], axis=-1).astype(t.dtype)
 
 
-def gelu(x: jax.Array) -> jax.Array:
-    return jax.nn.gelu(x, approximate=True)
+def gelu(x: jax.Array, *, approximate: bool) -> jax.Array:
+    return jax.nn.gelu(x, approximate=approximate)
 
 
-def cross_entropy(logits: jax.Array, *, targets: jax.Array) -> jax.Array:
+def cross_entropy(
+    logits: jax.Array, *, targets: jax.Array, mask: jax.Array | None = None, ignore_index: int
+) -> jax.Array:
+    """The mean over the positions counted (see `cross_entropy_count`); 0 when none is."""
     logits = logits.astype(jnp.float32)
     # The target logit picked by a one-hot product: over vocab-split logits this is a local
-    # partial sum and one all-reduce (Megatron's vocab-parallel cross-entropy).
+    # partial sum and one all-reduce (Megatron's vocab-parallel cross-entropy). An ignored
+    # target outside the vocabulary picks nothing.
     picked = jnp.sum(logits * jax.nn.one_hot(targets, logits.shape[-1], dtype=jnp.float32), axis=-1)
-    return jnp.mean(jax.nn.logsumexp(logits, axis=-1) - picked)
+    counted = _counted(targets, mask, ignore_index)
+    losses = jnp.where(counted, jax.nn.logsumexp(logits, axis=-1) - picked, 0.0)
+    return jnp.sum(losses) / jnp.maximum(jnp.sum(counted), 1).astype(jnp.float32)
+
+
+def cross_entropy_count(*, targets: jax.Array, mask: jax.Array | None = None, ignore_index: int) -> jax.Array:
+    """How many positions `cross_entropy` averages over: those whose target is not
+    `ignore_index` and whose mask, when given, is not zero (f32)."""
+    return jnp.sum(_counted(targets, mask, ignore_index)).astype(jnp.float32)
+
+
+def _counted(targets: jax.Array, mask: jax.Array | None, ignore_index: int) -> jax.Array:
+    counted = targets != ignore_index
+    return counted if mask is None else counted & (mask != 0)
 
 
 IDLE, FORWARD, BACKWARD, INPUT_GRAD, WEIGHT_GRAD = 0, 1, 2, 3, 4
@@ -560,6 +606,7 @@ def pipeline_value_and_grad(
     boundary: tuple[tuple[int, ...], Any],
     stage_dims: dict[str, tuple[int | None, int | None]],
     has_aux: bool = False,
+    count: Callable[[dict[str, jax.Array]], jax.Array] | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Mean loss over the microbatches and the gradient of every stored array.
 
@@ -567,7 +614,10 @@ def pipeline_value_and_grad(
     stage's own (rows or layers), or `split` the dimension a whole array is split along over
     the stage axis between steps (both None: every stage holds all of it). `chunk_inputs[c]`
     is the shape of one microbatch of chunk c's input; `boundary` the (shape, dtype) of the
-    buffer every inter-stage tensor is padded into.
+    buffer every inter-stage tensor is padded into. `count`, for a loss that averages over the
+    positions it counts (cross-entropy's ignored targets), gives their number in a batch:
+    each microbatch's loss then weighs by its share of the batch's, so the result is the
+    batch's mean over its counted positions rather than a mean of microbatch means.
     """
     M = microbatches
     # Microbatch i takes rows i, i+M, i+2M, ...: each keeps rows from every data shard.
@@ -586,7 +636,16 @@ def pipeline_value_and_grad(
     in_specs = {name: along(own) for name, (own, _) in stage_dims.items()}
     out_specs = {name: along(own if own is not None else split) for name, (own, split) in stage_dims.items()}
 
-    def body(local: dict[str, jax.Array], micro: dict[str, jax.Array], tables: Any, key: jax.Array) -> Any:
+    # Each microbatch's weight in the mean loss: 1/M, or its share of the counted positions.
+    if count is None:
+        weights = jnp.full((M,), 1.0 / M, jnp.float32)
+    else:
+        counts = jax.vmap(count)(micro).astype(jnp.float32)
+        weights = counts / jnp.maximum(counts.sum(), 1.0)
+
+    def body(
+        local: dict[str, jax.Array], micro: dict[str, jax.Array], tables: Any, key: jax.Array, weights: jax.Array
+    ) -> Any:
         executor = _Executor(
             chunks,
             shares,
@@ -602,6 +661,7 @@ def pipeline_value_and_grad(
             boundary,
             has_aux,
             M,
+            weights,
         )
         loss, gacc = executor.run()
         grads = {}
@@ -620,14 +680,14 @@ def pipeline_value_and_grad(
     run = jax.shard_map(
         body,
         mesh=mesh,
-        in_specs=(in_specs, PartitionSpec(), PartitionSpec(), PartitionSpec()),
+        in_specs=(in_specs, PartitionSpec(), PartitionSpec(), PartitionSpec(), PartitionSpec()),
         out_specs=(PartitionSpec(), out_specs),
         axis_names={axis},
         # Nothing differentiates through this map: every gradient is taken inside, by the
         # explicit backward ticks, so replication needs no tracking here.
         check_vma=False,
     )
-    return run(params, micro, tables, key if key is not None else jax.random.key(0))  # type: ignore[no-any-return]
+    return run(params, micro, tables, key if key is not None else jax.random.key(0), weights)  # type: ignore[no-any-return]
 
 
 class _Executor:
@@ -649,10 +709,12 @@ class _Executor:
         boundary: tuple[tuple[int, ...], Any],
         has_aux: bool,
         microbatches: int,
+        weights: jax.Array,
     ) -> None:
         self.chunks, self.shares, self.local, self.micro = chunks, shares, local, micro
         self.tables, self.key, self.used, self.axis, self.stream = tables, key, used, axis, stream
         self.chunk_inputs, self.has_aux, self.M = chunk_inputs, has_aux, microbatches
+        self.loss_weights = weights  # each microbatch's weight in the mean loss
         self.shape, self.dtype = boundary
         self.C = len(chunks)
         # Each buffer has one slot more than the table uses: the scratch slot that ticks with
@@ -748,6 +810,7 @@ class _Executor:
             x,
             inputs,
             key,
+            m,
         )
         keep = jnp.where(is_forward, slot("stash_slot"), self.scratch["stash_slot"])
         stash = tuple(buffer.at[keep].set(row) for buffer, row in zip(stash, rows, strict=True))
@@ -770,6 +833,7 @@ class _Executor:
             grads_in[slot("gradient_slot")],
             inputs,
             key,
+            m,
         )
         gacc = {name: gacc[name] + added[name] for name in gacc}
 
@@ -788,18 +852,18 @@ class _Executor:
 
     # ---- the branches -----------------------------------------------------------------------
 
-    def no_forward(self, x: jax.Array, inputs: Any, key: Any) -> tuple[Any, ...]:
+    def no_forward(self, x: jax.Array, inputs: Any, key: Any, m: jax.Array) -> tuple[Any, ...]:
         buffers, _ = self.residual_layout
         return jnp.zeros(self.shape, self.dtype), tuple(jnp.zeros(s, d) for s, d in buffers), jnp.zeros((), jnp.float32)
 
     def forward(self, c: int) -> Callable[..., tuple[Any, ...]]:
-        def go(buffer: jax.Array, inputs: dict[str, jax.Array], key: jax.Array | None) -> tuple[Any, ...]:
+        def go(buffer: jax.Array, inputs: dict[str, jax.Array], key: jax.Array | None, m: jax.Array) -> tuple[Any, ...]:
             (y, aux), pull, primals = self.forward_vjp(c, inputs, self._take(buffer, c), key)
             plan, residuals = _residuals(pull, primals)
             self.rebuild[c] = (jax.tree.structure(pull), plan, y.dtype)
             rows = self._pack(c, residuals)
             # The last chunk's output is its loss: it joins the total here, and is not sent.
-            gained = aux / self.M + (y.astype(jnp.float32) / self.M if c == self.C - 1 else 0.0)
+            gained = aux / self.M + (y.astype(jnp.float32) * self.loss_weights[m] if c == self.C - 1 else 0.0)
             sent = jnp.zeros(self.shape, self.dtype) if c == self.C - 1 else self._fit(y)
             return sent, rows, gained
 
@@ -818,6 +882,7 @@ class _Executor:
             g: jax.Array,
             inputs: dict[str, jax.Array],
             key: jax.Array | None,
+            m: jax.Array,
         ) -> tuple[Any, jax.Array]:
             treedef, plan, out_dtype = self.rebuild[c]
             w = self.weights(c)
@@ -826,7 +891,7 @@ class _Executor:
             # The loss's gradient is d(mean over microbatches)/d(loss_m), and so is an
             # auxiliary loss's; any other chunk's output gradient arrived shaped as the next
             # chunk's input.
-            out_ct = jnp.asarray(1.0 / self.M, jnp.float32) if c == self.C - 1 else self._take(g, c + 1)
+            out_ct = self.loss_weights[m] if c == self.C - 1 else self._take(g, c + 1)
             cts = pull((out_ct.astype(out_dtype), jnp.asarray(1.0 / self.M, jnp.float32)))
             if weight_grads:
                 _, to_stored = jax.vjp(self.shares[c], self.local)
@@ -971,25 +1036,37 @@ def accumulate_gradients(
     batch: dict[str, jax.Array],
     key: jax.Array | None,
     steps: int,
+    count: Callable[[dict[str, jax.Array]], jax.Array] | None = None,
 ) -> tuple[jax.Array, Any]:
     """Mean loss and gradients over `steps` slices of the batch, one slice at a time.
 
     Slice j takes rows j, j+steps, j+2*steps, ...: every slice keeps rows from every data
     shard, so all devices work on every slice. Gradients are summed as they arrive; their
     mean over equal slices is the full-batch gradient of a mean loss.
+
+    A loss that averages over the positions it counts (`count` gives their number in a
+    batch: cross-entropy leaves out ignored targets) has slices of different weights: slice
+    j's loss and gradients are weighed by its share of the batch's counted positions, so the
+    result is the full batch's mean over its counted positions, not a mean of slice means.
     """
     if steps == 1:
         return value_and_grad(params, batch, key)
     sliced = {k: v.reshape(v.shape[0] // steps, steps, *v.shape[1:]).swapaxes(0, 1) for k, v in batch.items()}
     keys = jax.random.split(key, steps) if key is not None else None
+    total_count = None if count is None else jnp.maximum(count(batch), 1.0)
 
     def one(total: tuple[jax.Array, Any], i: jax.Array) -> tuple[tuple[jax.Array, Any], None]:
         piece = {k: v[i] for k, v in sliced.items()}
         value, grads = value_and_grad(params, piece, keys[i] if keys is not None else None)
+        if count is not None and total_count is not None:
+            share = count(piece) / total_count
+            value, grads = value * share, jax.tree.map(lambda g: g * share.astype(g.dtype), grads)
         return (total[0] + value, jax.tree.map(jnp.add, total[1], grads)), None
 
     zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
     (value, total), _ = jax.lax.scan(one, zeros, jnp.arange(steps))
+    if total_count is not None:
+        return value, total
     return value / steps, jax.tree.map(lambda g: g / steps, total)
 
 
@@ -1092,7 +1169,10 @@ class GptBlock(nnx.Module):
         )
         h = checkpoint_name(constrain(h, P("data", None, "model")), self.path + ".up")
         # gpt3_175b.par:38 gelu()
-        h = gelu(h)
+        h = gelu(
+            h,
+            approximate=True,
+        )
         h = checkpoint_name(constrain(h, P("data", None, "model")), self.path + ".gelu")
         # gpt3_175b.par:39 down: linear(ffn, d) shard kernel[model, _]
         h = linear(
@@ -1472,6 +1552,7 @@ def loss_of(x: jax.Array, inputs: dict[str, jax.Array]) -> jax.Array:
     return cross_entropy(
         x,
         targets=inputs["targets"],
+        ignore_index=-100,
     )
 
 
@@ -4869,6 +4950,7 @@ def value_and_grad(
         chunk_inputs=CHUNK_INPUTS,
         boundary=BOUNDARY,
         stage_dims={name: (p.stage_rows, p.stage_split) for name, p in PARAMETERS.items()},
+        count=loss_count,
     )
 
 
@@ -4876,11 +4958,21 @@ ACCUMULATE = 1  # gradient accumulation steps per optimizer step
 OPTIMIZER = ("adamw", {"lr": 6e-05, "warmup": 375.0, "weight_decay": 0.1, "clip": 1.0})
 
 
+def loss_count(batch: dict[str, jax.Array]) -> jax.Array:
+    """How many positions the loss averages over in `batch`: accumulation steps and
+    microbatches weigh by their share of them."""
+    return cross_entropy_count(
+        targets=batch["targets"],
+        ignore_index=-100,
+    )
+
+
 def gradients(
     params: dict[str, jax.Array], batch: dict[str, jax.Array], key: jax.Array | None, mesh: jax.sharding.Mesh
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The mean loss and its gradients over the batch, in `ACCUMULATE` slices of it."""
-    return accumulate_gradients(functools.partial(value_and_grad, mesh=mesh), params, batch, key, ACCUMULATE)
+    once = functools.partial(value_and_grad, mesh=mesh)
+    return accumulate_gradients(once, params, batch, key, ACCUMULATE, loss_count)
 
 
 def optimizer_shardings(state: Any, mesh: jax.sharding.Mesh) -> Any:

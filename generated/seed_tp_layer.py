@@ -324,6 +324,10 @@ def attention(
     k: jax.Array,
     v: jax.Array,
     o: jax.Array,
+    q_bias: jax.Array | None = None,
+    k_bias: jax.Array | None = None,
+    v_bias: jax.Array | None = None,
+    o_bias: jax.Array | None = None,
     *,
     heads: int,
     kv_heads: int,
@@ -332,13 +336,11 @@ def attention(
     rope_base: float,
     dtype: str,
 ) -> jax.Array:
-    """Self-attention on [batch, seq, dim]; grouped-query when kv_heads < heads."""
+    """Self-attention on [batch, seq, dim]; grouped-query when kv_heads < heads. Each
+    projection adds its bias when it has one."""
     b, s, _ = x.shape
-    head_dim = q.shape[-1] // heads
-    x = x.astype(dtype)
-    queries = jnp.einsum("bsd,de->bse", x, q).reshape(b, s, heads, head_dim)
-    keys = jnp.einsum("bsd,de->bse", x, k).reshape(b, s, kv_heads, head_dim)
-    values = jnp.einsum("bsd,de->bse", x, v).reshape(b, s, kv_heads, head_dim)
+    queries, keys, values = _project(x.astype(dtype), q, k, v, q_bias, k_bias, v_bias, heads=heads, kv_heads=kv_heads)
+    head_dim = queries.shape[-1]
     if rope:
         queries, keys = rotary(queries, rope_base), rotary(keys, rope_base)
     # Grouped-query: the query heads form kv_heads groups, each sharing one key/value head.
@@ -349,7 +351,34 @@ def attention(
         scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
     out = jnp.einsum("bkgqs,bskd->bqkgd", probs, values).reshape(b, s, heads * head_dim)
-    return jnp.einsum("bse,ed->bsd", out, o)
+    return _project_out(out, o, o_bias)
+
+
+def _project(
+    x: jax.Array,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    q_bias: jax.Array | None,
+    k_bias: jax.Array | None,
+    v_bias: jax.Array | None,
+    *,
+    heads: int,
+    kv_heads: int,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Queries [b, s, heads, head_dim], keys and values [b, s, kv_heads, head_dim] of x [b, s, dim]."""
+    b, s, _ = x.shape
+
+    def one(w: jax.Array, bias: jax.Array | None, n: int) -> jax.Array:
+        y = jnp.einsum("bsd,de->bse", x, w)
+        return (y if bias is None else y + bias).reshape(b, s, n, w.shape[-1] // n)
+
+    return one(q, q_bias, heads), one(k, k_bias, kv_heads), one(v, v_bias, kv_heads)
+
+
+def _project_out(heads_out: jax.Array, o: jax.Array, o_bias: jax.Array | None) -> jax.Array:
+    y = jnp.einsum("bse,ed->bsd", heads_out, o)
+    return y if o_bias is None else y + o_bias
 
 
 def rotary(t: jax.Array, base: float, positions: jax.Array | None = None) -> jax.Array:
@@ -368,8 +397,8 @@ def rotary(t: jax.Array, base: float, positions: jax.Array | None = None) -> jax
     return jnp.concatenate([t1 * cos - t2 * sin, t1 * sin + t2 * cos], axis=-1).astype(t.dtype)
 
 
-def gelu(x: jax.Array) -> jax.Array:
-    return jax.nn.gelu(x, approximate=True)
+def gelu(x: jax.Array, *, approximate: bool) -> jax.Array:
+    return jax.nn.gelu(x, approximate=approximate)
 
 
 def mse(x: jax.Array, *, targets: jax.Array) -> jax.Array:
@@ -422,25 +451,37 @@ def accumulate_gradients(
     batch: dict[str, jax.Array],
     key: jax.Array | None,
     steps: int,
+    count: Callable[[dict[str, jax.Array]], jax.Array] | None = None,
 ) -> tuple[jax.Array, Any]:
     """Mean loss and gradients over `steps` slices of the batch, one slice at a time.
 
     Slice j takes rows j, j+steps, j+2*steps, ...: every slice keeps rows from every data
     shard, so all devices work on every slice. Gradients are summed as they arrive; their
     mean over equal slices is the full-batch gradient of a mean loss.
+
+    A loss that averages over the positions it counts (`count` gives their number in a
+    batch: cross-entropy leaves out ignored targets) has slices of different weights: slice
+    j's loss and gradients are weighed by its share of the batch's counted positions, so the
+    result is the full batch's mean over its counted positions, not a mean of slice means.
     """
     if steps == 1:
         return value_and_grad(params, batch, key)
     sliced = {k: v.reshape(v.shape[0] // steps, steps, *v.shape[1:]).swapaxes(0, 1) for k, v in batch.items()}
     keys = jax.random.split(key, steps) if key is not None else None
+    total_count = None if count is None else jnp.maximum(count(batch), 1.0)
 
     def one(total: tuple[jax.Array, Any], i: jax.Array) -> tuple[tuple[jax.Array, Any], None]:
         piece = {k: v[i] for k, v in sliced.items()}
         value, grads = value_and_grad(params, piece, keys[i] if keys is not None else None)
+        if count is not None and total_count is not None:
+            share = count(piece) / total_count
+            value, grads = value * share, jax.tree.map(lambda g: g * share.astype(g.dtype), grads)
         return (total[0] + value, jax.tree.map(jnp.add, total[1], grads)), None
 
     zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
     (value, total), _ = jax.lax.scan(one, zeros, jnp.arange(steps))
+    if total_count is not None:
+        return value, total
     return value / steps, jax.tree.map(lambda g: g / steps, total)
 
 
@@ -538,7 +579,10 @@ class SeedTpLayer(nnx.Module):
         )
         h = checkpoint_name(constrain(h, P("data", None, "model")), "up")
         # seed_tp_layer.par:28 gelu()
-        h = gelu(h)
+        h = gelu(
+            h,
+            approximate=True,
+        )
         h = checkpoint_name(constrain(h, P("data", None, "model")), "gelu")
         # seed_tp_layer.par:29 down: linear(ffn, hidden) shard kernel[model, _]
         h = linear(
@@ -606,7 +650,8 @@ def gradients(
     params: dict[str, jax.Array], batch: dict[str, jax.Array], key: jax.Array | None, mesh: jax.sharding.Mesh
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The mean loss and its gradients over the batch, in `ACCUMULATE` slices of it."""
-    return accumulate_gradients(functools.partial(value_and_grad, mesh=mesh), params, batch, key, ACCUMULATE)
+    once = functools.partial(value_and_grad, mesh=mesh)
+    return accumulate_gradients(once, params, batch, key, ACCUMULATE)
 
 
 def optimizer_shardings(state: Any, mesh: jax.sharding.Mesh) -> Any:

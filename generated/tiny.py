@@ -335,6 +335,10 @@ def attention(
     k: jax.Array,
     v: jax.Array,
     o: jax.Array,
+    q_bias: jax.Array | None = None,
+    k_bias: jax.Array | None = None,
+    v_bias: jax.Array | None = None,
+    o_bias: jax.Array | None = None,
     *,
     heads: int,
     kv_heads: int,
@@ -343,13 +347,11 @@ def attention(
     rope_base: float,
     dtype: str,
 ) -> jax.Array:
-    """Self-attention on [batch, seq, dim]; grouped-query when kv_heads < heads."""
+    """Self-attention on [batch, seq, dim]; grouped-query when kv_heads < heads. Each
+    projection adds its bias when it has one."""
     b, s, _ = x.shape
-    head_dim = q.shape[-1] // heads
-    x = x.astype(dtype)
-    queries = jnp.einsum("bsd,de->bse", x, q).reshape(b, s, heads, head_dim)
-    keys = jnp.einsum("bsd,de->bse", x, k).reshape(b, s, kv_heads, head_dim)
-    values = jnp.einsum("bsd,de->bse", x, v).reshape(b, s, kv_heads, head_dim)
+    queries, keys, values = _project(x.astype(dtype), q, k, v, q_bias, k_bias, v_bias, heads=heads, kv_heads=kv_heads)
+    head_dim = queries.shape[-1]
     if rope:
         queries, keys = rotary(queries, rope_base), rotary(keys, rope_base)
     # Grouped-query: the query heads form kv_heads groups, each sharing one key/value head.
@@ -360,7 +362,34 @@ def attention(
         scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
     out = jnp.einsum("bkgqs,bskd->bqkgd", probs, values).reshape(b, s, heads * head_dim)
-    return jnp.einsum("bse,ed->bsd", out, o)
+    return _project_out(out, o, o_bias)
+
+
+def _project(
+    x: jax.Array,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    q_bias: jax.Array | None,
+    k_bias: jax.Array | None,
+    v_bias: jax.Array | None,
+    *,
+    heads: int,
+    kv_heads: int,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Queries [b, s, heads, head_dim], keys and values [b, s, kv_heads, head_dim] of x [b, s, dim]."""
+    b, s, _ = x.shape
+
+    def one(w: jax.Array, bias: jax.Array | None, n: int) -> jax.Array:
+        y = jnp.einsum("bsd,de->bse", x, w)
+        return (y if bias is None else y + bias).reshape(b, s, n, w.shape[-1] // n)
+
+    return one(q, q_bias, heads), one(k, k_bias, kv_heads), one(v, v_bias, kv_heads)
+
+
+def _project_out(heads_out: jax.Array, o: jax.Array, o_bias: jax.Array | None) -> jax.Array:
+    y = jnp.einsum("bse,ed->bsd", heads_out, o)
+    return y if o_bias is None else y + o_bias
 
 
 def rotary(t: jax.Array, base: float, positions: jax.Array | None = None) -> jax.Array:
@@ -379,16 +408,33 @@ def rotary(t: jax.Array, base: float, positions: jax.Array | None = None) -> jax
     return jnp.concatenate([t1 * cos - t2 * sin, t1 * sin + t2 * cos], axis=-1).astype(t.dtype)
 
 
-def gelu(x: jax.Array) -> jax.Array:
-    return jax.nn.gelu(x, approximate=True)
+def gelu(x: jax.Array, *, approximate: bool) -> jax.Array:
+    return jax.nn.gelu(x, approximate=approximate)
 
 
-def cross_entropy(logits: jax.Array, *, targets: jax.Array) -> jax.Array:
+def cross_entropy(
+    logits: jax.Array, *, targets: jax.Array, mask: jax.Array | None = None, ignore_index: int
+) -> jax.Array:
+    """The mean over the positions counted (see `cross_entropy_count`); 0 when none is."""
     logits = logits.astype(jnp.float32)
     # The target logit picked by a one-hot product: over vocab-split logits this is a local
-    # partial sum and one all-reduce (Megatron's vocab-parallel cross-entropy).
+    # partial sum and one all-reduce (Megatron's vocab-parallel cross-entropy). An ignored
+    # target outside the vocabulary picks nothing.
     picked = jnp.sum(logits * jax.nn.one_hot(targets, logits.shape[-1], dtype=jnp.float32), axis=-1)
-    return jnp.mean(jax.nn.logsumexp(logits, axis=-1) - picked)
+    counted = _counted(targets, mask, ignore_index)
+    losses = jnp.where(counted, jax.nn.logsumexp(logits, axis=-1) - picked, 0.0)
+    return jnp.sum(losses) / jnp.maximum(jnp.sum(counted), 1).astype(jnp.float32)
+
+
+def cross_entropy_count(*, targets: jax.Array, mask: jax.Array | None = None, ignore_index: int) -> jax.Array:
+    """How many positions `cross_entropy` averages over: those whose target is not
+    `ignore_index` and whose mask, when given, is not zero (f32)."""
+    return jnp.sum(_counted(targets, mask, ignore_index)).astype(jnp.float32)
+
+
+def _counted(targets: jax.Array, mask: jax.Array | None, ignore_index: int) -> jax.Array:
+    counted = targets != ignore_index
+    return counted if mask is None else counted & (mask != 0)
 
 
 OPTIMIZER_DEFAULTS = {
@@ -436,25 +482,37 @@ def accumulate_gradients(
     batch: dict[str, jax.Array],
     key: jax.Array | None,
     steps: int,
+    count: Callable[[dict[str, jax.Array]], jax.Array] | None = None,
 ) -> tuple[jax.Array, Any]:
     """Mean loss and gradients over `steps` slices of the batch, one slice at a time.
 
     Slice j takes rows j, j+steps, j+2*steps, ...: every slice keeps rows from every data
     shard, so all devices work on every slice. Gradients are summed as they arrive; their
     mean over equal slices is the full-batch gradient of a mean loss.
+
+    A loss that averages over the positions it counts (`count` gives their number in a
+    batch: cross-entropy leaves out ignored targets) has slices of different weights: slice
+    j's loss and gradients are weighed by its share of the batch's counted positions, so the
+    result is the full batch's mean over its counted positions, not a mean of slice means.
     """
     if steps == 1:
         return value_and_grad(params, batch, key)
     sliced = {k: v.reshape(v.shape[0] // steps, steps, *v.shape[1:]).swapaxes(0, 1) for k, v in batch.items()}
     keys = jax.random.split(key, steps) if key is not None else None
+    total_count = None if count is None else jnp.maximum(count(batch), 1.0)
 
     def one(total: tuple[jax.Array, Any], i: jax.Array) -> tuple[tuple[jax.Array, Any], None]:
         piece = {k: v[i] for k, v in sliced.items()}
         value, grads = value_and_grad(params, piece, keys[i] if keys is not None else None)
+        if count is not None and total_count is not None:
+            share = count(piece) / total_count
+            value, grads = value * share, jax.tree.map(lambda g: g * share.astype(g.dtype), grads)
         return (total[0] + value, jax.tree.map(jnp.add, total[1], grads)), None
 
     zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
     (value, total), _ = jax.lax.scan(one, zeros, jnp.arange(steps))
+    if total_count is not None:
+        return value, total
     return value / steps, jax.tree.map(lambda g: g / steps, total)
 
 
@@ -553,7 +611,10 @@ class Decoder(nnx.Module):
         )
         h = checkpoint_name(constrain(h, P("data", None, "model")), self.path + ".up")
         # tiny.par:27 gelu()
-        h = gelu(h)
+        h = gelu(
+            h,
+            approximate=True,
+        )
         h = checkpoint_name(constrain(h, P("data", None, "model")), self.path + ".gelu")
         # tiny.par:28 down: linear(ffn, d) shard kernel[model, _] # row parallel: one all-reduce
         h = linear(
@@ -644,6 +705,7 @@ def loss_of(x: jax.Array, inputs: dict[str, jax.Array]) -> jax.Array:
     return cross_entropy(
         x,
         targets=inputs["targets"],
+        ignore_index=-100,
     )
 
 
@@ -666,11 +728,21 @@ ACCUMULATE = 1  # gradient accumulation steps per optimizer step
 OPTIMIZER = ("adamw", {"lr": 0.003, "warmup": 20.0})
 
 
+def loss_count(batch: dict[str, jax.Array]) -> jax.Array:
+    """How many positions the loss averages over in `batch`: accumulation steps and
+    microbatches weigh by their share of them."""
+    return cross_entropy_count(
+        targets=batch["targets"],
+        ignore_index=-100,
+    )
+
+
 def gradients(
     params: dict[str, jax.Array], batch: dict[str, jax.Array], key: jax.Array | None, mesh: jax.sharding.Mesh
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The mean loss and its gradients over the batch, in `ACCUMULATE` slices of it."""
-    return accumulate_gradients(functools.partial(value_and_grad, mesh=mesh), params, batch, key, ACCUMULATE)
+    once = functools.partial(value_and_grad, mesh=mesh)
+    return accumulate_gradients(once, params, batch, key, ACCUMULATE, loss_count)
 
 
 def optimizer_shardings(state: Any, mesh: jax.sharding.Mesh) -> Any:

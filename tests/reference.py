@@ -28,6 +28,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.scipy.special import erf
 
 from dslc.ir import nodes as ir
 
@@ -234,6 +235,11 @@ def embed(layer: ir.Layer, w: Weights, ids: Array, ctx: _Context) -> Array:
     return w["table"][ids]
 
 
+def position_embed(layer: ir.Layer, w: Weights, x: Array, ctx: _Context) -> Array:
+    positions = np.arange(x.shape[-2])
+    return x + jnp.take(w["table"], positions, axis=0)
+
+
 def layernorm(layer: ir.Layer, w: Weights, x: Array, ctx: _Context) -> Array:
     h = _f32(x)
     mean = h.mean(-1, keepdims=True)
@@ -265,9 +271,12 @@ def attention(layer: ir.Layer, w: Weights, x: Array, ctx: _Context) -> Array:
     heads, kv_heads, head_dim = layer.attr("heads"), layer.attr("kv_heads"), layer.attr("head_dim")
     assert isinstance(heads, int) and isinstance(kv_heads, int) and isinstance(head_dim, int)
     b, s, _ = x.shape
-    q = _matmul("bsd,de->bse", x, w["q"], ctx).reshape(b, s, heads, head_dim)
-    k = _matmul("bsd,de->bse", x, w["k"], ctx).reshape(b, s, kv_heads, head_dim)
-    v = _matmul("bsd,de->bse", x, w["v"], ctx).reshape(b, s, kv_heads, head_dim)
+
+    def project(name: str, n: int) -> Array:
+        y = _matmul("bsd,de->bse", x, w[name], ctx)
+        return (y + w[f"{name}_bias"] if f"{name}_bias" in w else y).reshape(b, s, n, head_dim)
+
+    q, k, v = project("q", heads), project("k", kv_heads), project("v", kv_heads)
     if layer.attr("rope"):
         base = float(layer.attr("rope_base"))  # type: ignore[arg-type]
         q = _rotate(q, base).astype(ctx.compute)
@@ -281,11 +290,14 @@ def attention(layer: ir.Layer, w: Weights, x: Array, ctx: _Context) -> Array:
     if layer.attr("causal"):
         scores = jnp.where(np.triu(np.ones((s, s), dtype=bool), k=1), -jnp.inf, scores)
     out = _matmul("bhqk,bkhd->bqhd", _softmax(scores), v, ctx).reshape(b, s, heads * head_dim)
-    return _matmul("bse,ed->bsd", out, w["o"], ctx)
+    y = _matmul("bse,ed->bsd", out, w["o"], ctx)
+    return y + w["o_bias"] if "o_bias" in w else y
 
 
 def gelu(layer: ir.Layer, w: Weights, x: Array, ctx: _Context) -> Array:
-    return _gelu_tanh(_f32(x))
+    if layer.attr("approximate"):
+        return _gelu_tanh(_f32(x))
+    return 0.5 * _f32(x) * (1.0 + erf(_f32(x) / math.sqrt(2.0)))
 
 
 def relu(layer: ir.Layer, w: Weights, x: Array, ctx: _Context) -> Array:
@@ -368,6 +380,7 @@ LAYERS: dict[str, LayerMath] = {
     "linear": linear,
     "swiglu": swiglu,
     "embed": embed,
+    "position_embed": position_embed,
     "layernorm": layernorm,
     "rmsnorm": rmsnorm,
     "attention": attention,
@@ -385,10 +398,17 @@ WITH_AUX: dict[str, Callable[[ir.Layer, Weights, Array, _Context], tuple[Array, 
 
 
 def cross_entropy(layer: ir.Layer, logits: Array, ctx: _Context) -> Array:
+    """The mean over the positions counted: a target other than `ignore_index`, and a
+    nonzero mask where the layer reads one."""
     logits = _f32(logits)
     targets = ctx.batch[str(layer.attr("targets"))]
-    target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-    return jnp.mean(_logsumexp(logits) - target_logit)
+    counted = targets != layer.attr("ignore_index")
+    if layer.attr("mask") is not None:
+        counted = counted & (ctx.batch[str(layer.attr("mask"))] != 0)
+    picked = jnp.where(counted, targets, 0)
+    target_logit = jnp.take_along_axis(logits, picked[..., None], axis=-1)[..., 0]
+    losses = jnp.where(counted, _logsumexp(logits) - target_logit, 0.0)
+    return losses.sum() / jnp.maximum(counted.sum(), 1)
 
 
 def mse(layer: ir.Layer, y: Array, ctx: _Context) -> Array:

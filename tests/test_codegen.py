@@ -34,10 +34,19 @@ RUNNABLE: dict[str, dict[str, int]] = {
     "seed_mlp_pipeline": {},
     "seed_tp_layer": {},
     "seed_hybrid_3d": {"layers": 4, "seq": 64, "hidden": 128},
+    # GPT-2 small at its declared size is 163M parameters; this keeps every layer kind, the
+    # mesh and the pipeline.
+    "gpt2": {"vocab": 96, "positions": 32, "d": 32, "heads": 4, "layers": 2, "seq": 16, "batch": 8},
 }
 # gpt3_175b is planned, never run: 175B parameters do not fit a test machine. Its module is
 # still generated and kept as a golden file, and checked by ruff and by Python's compiler.
 PLAN_ONLY = {"gpt3_175b"}
+# Run elsewhere, not compared here. llama computes in bf16 inside pipeline stages: the direct
+# backend's `forward` scans the blocks of every stage as one loop, the generated module's runs
+# stage by stage, and bf16 rounds the two apart (measured, shrunk as in tests/test_interop.py:
+# forward 7.6e-3, unpipelined loss 1.9e-5, the pipelined gradients identical; in f32 the
+# forward differs by 4e-7). Its numerics are held to an independent reference there.
+RUN_ELSEWHERE = {"llama"}
 
 
 def spec_names() -> list[str]:
@@ -149,7 +158,7 @@ def test_the_golden_numerics(name: str, update_goldens: bool) -> None:
 
 
 def test_every_spec_is_run_or_declared_plan_only() -> None:
-    assert set(RUNNABLE) | PLAN_ONLY == set(spec_names())
+    assert set(RUNNABLE) | PLAN_ONLY | RUN_ELSEWHERE == set(spec_names())
 
 
 # ---- running the generated program -------------------------------------------------------------

@@ -70,6 +70,12 @@ def only(text: str | Path, mesh: str | None = None) -> Diagnostic:
     return diags[0]
 
 
+def written(d: Diagnostic, text: str) -> str:
+    """The text of `d`'s primary span (one line)."""
+    line = text.split("\n")[d.span.line - 1]
+    return line[d.span.column - 1 : d.span.end_column - 1]
+
+
 def at(d: Diagnostic) -> tuple[int, int, int, int]:
     return (d.span.line, d.span.column, d.span.end_line, d.span.end_column)
 
@@ -410,6 +416,48 @@ def test_e017_bias_split_unlike_its_kernel_says_how_to_shard_it() -> None:
         d.message == "`bias` of `up` is replicated but must be split over `model`: it is added to the kernel's output"
     )
     assert d.help == "shard it as `bias[model]`"
+
+
+def test_e017_attention_bias_split_unlike_its_projection() -> None:
+    text = spec(
+        "attn: attention(16, 4, bias=true) shard q[_, model], q_bias[model], k[_, model], k_bias[model], "
+        "v[_, model], v_bias[model], o[model, _], o_bias[model]",
+        "loss: mse(y)",
+        header=HEADER.replace("[8 @ data, 16]", "[8 @ data, 4, 16]"),
+    )
+    d = only(text)
+    assert d.code == "E017"
+    assert d.message == (
+        "`o_bias` of `attn` is split over `model` but must be replicated: it is added to the output of `o`"
+    )
+    assert written(d, text) == "o_bias[model]"
+
+
+def test_e016_position_table_shorter_than_the_sequence() -> None:
+    d = only(
+        spec("pos: position_embed(2, 16)", "loss: mse(y)", header=HEADER.replace("[8 @ data, 16]", "[8 @ data, 4, 16]"))
+    )
+    assert (d.code, at(d)) == ("E016", (6, 23, 6, 24))  # the `2`
+    assert d.message == "`pos` holds 2 positions, but its input has 4: f32[8@data, 4, 16]"
+    assert d.help == "make the table at least 4 positions long, or the sequence at most 2"
+
+
+def test_e017_position_table_split_along_positions() -> None:
+    d = only(spec("pos: position_embed(8, 16) shard table[model, _]", "loss: mse(y)"))
+    assert d.code == "E017"
+    assert d.message.startswith("`table` of `pos` is split over `model` but must be replicated")
+
+
+def test_e016_and_e017_a_loss_mask_laid_out_unlike_its_targets() -> None:
+    header = "model m\nmesh data=2\ninput x: i32[8 @ data, 4]\ninput t: i32[8 @ data, 4]\n"
+    body = ("embed: embed(32, 16)", "head: linear(16, 32)", "loss: cross_entropy(t, mask=m)")
+    text = spec(*body, header=header + "input m: i8[8 @ data, 5]\n")
+    shaped = only(text)
+    assert shaped.code == "E016"
+    assert shaped.message == "mask `m` must be shaped like the targets: mask i8[8@data, 5], targets i32[8@data, 4]"
+    assert written(shaped, text) == "mask=m"
+    sharded = only(spec(*body, header=header + "input m: i8[8, 4]\n"))
+    assert sharded.code == "E017" and sharded.help == "shard the mask like the targets"
 
 
 # ---- E018-E022: pipelines and batches -------------------------------------------------------
@@ -878,6 +926,22 @@ def test_e027_unknown_weight() -> None:
     assert d.message == "`linear` has no weight `kernal`"
     assert d.notes == ("its weights: `kernel`, `bias`",)
     assert d.help == "did you mean `kernel`?"
+
+
+def test_e027_a_weight_other_arguments_would_give_may_be_sharded() -> None:
+    """One spec serves both settings of a bias switched by a constant: the clause applies when
+    the weight exists. A name the layer kind never has is still an error."""
+    header = HEADER.replace("input y", "const biased = false\ninput y")
+    text = spec(
+        "fc: linear(16, 16, bias=biased) shard kernel[_, model], bias[model]",
+        "down: linear(16, 16, bias=false) shard kernel[model, _]",
+        "loss: mse(y)",
+        header=header,
+    )
+    assert diagnose(text) == []
+    assert dslc.check(text, overrides={"biased": True}) == []
+    d = only(spec("fc: linear(16, 16, bias=false) shard kernel[_, model], bais[model]", "loss: mse(y)"))
+    assert (d.code, d.message, d.help) == ("E027", "`linear` has no weight `bais`", "did you mean `bias`?")
 
 
 def test_e027_wrong_number_of_dimensions() -> None:

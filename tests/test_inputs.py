@@ -64,7 +64,7 @@ def test_negative_targets_are_refused_and_counted() -> None:
     batch["targets"][7, 31] = -1
     assert refusal(program, batch) == (
         "input `targets` holds -5 at index [0, 2] (and 1 more out of range): "
-        "`loss` takes class ids 0 .. 255 (256 logits)"
+        "`loss` takes class ids 0 .. 255 (256 logits), or -100 (not counted)"
     )
 
 

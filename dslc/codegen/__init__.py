@@ -6,16 +6,15 @@ Imports no jax: generating code is as quick as checking.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
 
 from dslc.codegen.render import MARKER, generate
-from dslc.frontend import Analysis, CompileError, MeshArg, analyze
+from dslc.frontend import Analysis, CompileError, MeshArg, Overrides, analyze
 
 
 def generate_module(
     source_or_path: str | os.PathLike[str],
     mesh: MeshArg = None,
-    overrides: Sequence[str] | Mapping[str, int] | None = None,
+    overrides: Overrides = None,
     schedule: str | None = None,
 ) -> str:
     """The standalone module for a spec (text or path) on a mesh; raises CompileError with

@@ -130,7 +130,10 @@ def generate(program: ir.Program, spec_text: str, spec_name: str, mesh_size: str
     loss: Statement | None = None
     if program.loss is not None:
         loss = builder.layer(ModuleClass("", "", ""), program.loss, "x", None, global_namer(set()))
-    kernels = _kernels(program)
+    # A loss that averages over the positions it counts (cross-entropy's ignored targets):
+    # slices of the batch (accumulation steps, microbatches) weigh by their count.
+    count = RULES[program.loss.kind].count_kernel if program.loss is not None else None
+    kernels = _kernels(program, count)
     mesh_axes = program.mesh.names or ("replica",)
     mesh_shape = program.mesh.shape or (1,)
     context = {
@@ -162,6 +165,7 @@ def generate(program: ir.Program, spec_text: str, spec_name: str, mesh_size: str
         "loss": loss,
         "schedule": _schedule(program) if program.pipelined else None,
         "accumulate": program.train.accumulate,
+        "count": count,
         "optimizer": {"name": program.train.optimizer.name, "hyper": dict(program.train.optimizer.hyper)},
     }
     return _ENV.get_template("module.py.j2").render(context)
@@ -282,11 +286,13 @@ def _schedule(program: ir.Program) -> dict[str, object]:
     }
 
 
-def _kernels(program: ir.Program) -> list[source.Definition]:
+def _kernels(program: ir.Program, count: str | None) -> list[source.Definition]:
     layers = ir.all_layers(program)
     wanted = ["named_key", "initial_array", "make_optimizer", "accumulate_gradients", "step_metrics"]
     wanted += ["to_weights", "from_weights"]
     wanted += sorted({RULES[layer.kind].kernel(dict(layer.attrs), layer.operand) for layer in layers})
+    if count is not None:
+        wanted.append(count)
     if any(RULES[layer.kind].has_aux for layer in layers):
         wanted += ["AUX_LOSS", "add_aux"]
     if program.pipelined:

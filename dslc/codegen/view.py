@@ -19,6 +19,7 @@ from dslc.codegen.names import Namer, attribute_namer, class_name, comment
 from dslc.ir import nodes as ir
 from dslc.ir.signature import signature
 from dslc.layers import RULES
+from dslc.layers.base import input_args
 
 # Comments carry the spec line they came from, cut to stay within the line length.
 COMMENT_WIDTH = 100
@@ -201,7 +202,7 @@ class Builder:
             kernel=rule.kernel(a, layer.operand),
             operand=layer.operand if layer.operand != layer.input.sharding else None,
             weights=weights,
-            inputs=tuple((arg.name, str(a[arg.name])) for arg in rule.args if arg.type == "input"),
+            inputs=tuple(input_args(rule, a).items()),
             key=self.path(layer.path, base) if rule.random else None,
             static=tuple(static.items()),
             output=layer.output.sharding if layer.output.rank else None,

@@ -20,7 +20,7 @@ from dslc.ir.names import closest, unknown_name
 from dslc.ir.settings import read_pipeline, read_train
 from dslc.ir.shardings import divisor_sizes, resolve
 from dslc.layers import LOSS_KINDS, RULES
-from dslc.layers.base import REQUIRED, ArgSpec, Context, LayerRule
+from dslc.layers.base import REQUIRED, ArgSpec, Context, LayerRule, input_args
 from dslc.schedules import ScheduleError, placement
 from dslc.syntax import ast
 
@@ -37,7 +37,7 @@ def elaborate(
     module: ast.Module,
     mesh_sizes: Sequence[int] | None,
     diags: Diagnostics,
-    overrides: Mapping[str, int] | None = None,
+    overrides: Mapping[str, ScalarValue] | None = None,
 ) -> ir.Program | None:
     """The program a module denotes, or None when it is too broken to say.
 
@@ -98,7 +98,7 @@ def elaborate(
 class _Header:
     name: str
     mesh: ir.Mesh
-    constants: dict[str, int]
+    constants: dict[str, ScalarValue]
     inputs: dict[str, ir.Input]
     blocks: dict[str, ast.BlockDef]
     forward: ast.ForwardDef | None
@@ -118,7 +118,10 @@ class _Header:
 
     @staticmethod
     def read(
-        module: ast.Module, mesh_sizes: Sequence[int] | None, diags: Diagnostics, overrides: Mapping[str, int]
+        module: ast.Module,
+        mesh_sizes: Sequence[int] | None,
+        diags: Diagnostics,
+        overrides: Mapping[str, ScalarValue],
     ) -> _Header:
         singles: dict[type, ast.Item] = {}
         for item in module.items:
@@ -145,7 +148,7 @@ class _Header:
         mesh = _read_mesh(mesh_decl if isinstance(mesh_decl, ast.MeshDecl) else None, mesh_sizes, module, diags)
         pipeline = singles.get(ast.PipelineDef)
         pipeline_def = pipeline if isinstance(pipeline, ast.PipelineDef) else None
-        constants = _read_constants(module, overrides, diags)
+        constants = read_constants(module, overrides, diags)
         header = _Header(
             name=name,
             mesh=mesh,
@@ -230,9 +233,13 @@ def _count(n: int, one: str, many: str | None = None) -> str:
     return f"{n} {one if n == 1 else many or one + 's'}"
 
 
-def _read_constants(module: ast.Module, overrides: Mapping[str, int], diags: Diagnostics) -> dict[str, int]:
+def read_constants(
+    module: ast.Module, overrides: Mapping[str, ScalarValue], diags: Diagnostics
+) -> dict[str, ScalarValue]:
+    """The value of every constant the module defines (integers, numbers with a fraction,
+    booleans), `overrides` replacing the values written."""
     decls = [item for item in module.items if isinstance(item, ast.ConstDecl)]
-    values: dict[str, int] = {}
+    values: dict[str, ScalarValue] = {}
     spans: dict[str, Span] = {}
     declared_at = {d.name.text: d.name.span for d in decls}
     for decl in decls:
@@ -248,18 +255,7 @@ def _read_constants(module: ast.Module, overrides: Mapping[str, int], diags: Dia
         spans[name] = decl.name.span
         later = {n: s for n, s in declared_at.items() if n not in values and n != name}
         local = Diagnostics()
-        if name in overrides:
-            value: int | None = overrides[name]
-        elif isinstance(decl.value, ast.FloatLit):
-            value = None
-            diags.error(
-                "E025",
-                f"constants are integers, but `{name}` is given `{decl.value.text}`",
-                decl.value.span,
-                help="write the number where it is used, for example `dropout(0.1)` or `adamw(lr=3e-4)`",
-            )
-        else:
-            value = eval_expr(decl.value, values, local)
+        value = overrides[name] if name in overrides else eval_value(decl.value, values, local)
         for d in local.items:
             diags.add(_explain_later(d, later))
         if value is not None:
@@ -690,7 +686,7 @@ class _Builder:
         # A layer that reads a declared input (a loss's targets) compares it with the
         # activation, which comes from the stream input. An unreadable target leaves nothing
         # to compare; a refused sharding on either side leaves shapes, but not shardings.
-        reads = {attrs[spec.name] for spec in rule.args if spec.type == "input"}
+        reads = set(input_args(rule, attrs).values())
         if reads and (reads | {self.stream}) & self.h.broken_inputs:
             ctx.shardings_as_written = False
         if x is not UNKNOWN and weights is not None and not reads & self.h.untyped_inputs:
@@ -727,9 +723,14 @@ class _Builder:
         ok = True
         for shard in shards:
             wname = shard.weight.text
+            possible = rule.possible_weights(attrs)
+            if wname not in specs and wname in possible:
+                # A weight other arguments would give this use (a bias turned off): the clause
+                # applies where it exists, so one spec can switch it with a constant.
+                continue
             if wname not in specs:
                 known = ", ".join(f"`{n}`" for n in specs) or "none"
-                guess = closest(wname, specs)
+                guess = closest(wname, sorted(possible))
                 self.diags.error(
                     "E027",
                     f"`{rule.kind}` has no weight `{wname}`",

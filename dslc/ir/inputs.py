@@ -24,10 +24,12 @@ class InputError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class IdRange:
-    """Integer input values must lie in 0 .. `bound` - 1; `what` says which layer reads them."""
+    """Integer input values must lie in 0 .. `bound` - 1, or be `ignored` (a target the loss
+    does not count); `what` says which layer reads them."""
 
     bound: int
     what: str
+    ignored: int | None = None
 
 
 def id_ranges(program: ir.Program) -> dict[str, IdRange]:
@@ -40,8 +42,9 @@ def id_ranges(program: ir.Program) -> dict[str, IdRange]:
             ranges[program.stream] = IdRange(vocab, f"`{layer.path}` takes token ids 0 .. {vocab - 1} (vocab {vocab})")
         if layer.kind == "cross_entropy":
             classes = layer.input.shape[-1]
-            what = f"`{layer.path}` takes class ids 0 .. {classes - 1} ({classes} logits)"
-            ranges[str(layer.attr("targets"))] = IdRange(classes, what)
+            ignored = int(layer.attr("ignore_index"))  # type: ignore[call-overload]
+            what = f"`{layer.path}` takes class ids 0 .. {classes - 1} ({classes} logits), or {ignored} (not counted)"
+            ranges[str(layer.attr("targets"))] = IdRange(classes, what, ignored)
     return ranges
 
 
@@ -91,9 +94,13 @@ def check_inputs(program: ir.Program, batch: Mapping[str, Any], required: tuple[
             continue
         lo, hi = _INT_LIMITS[inp.type.dtype]
         what = f"that does not fit {inp.type.dtype}"
+        ignored = None
         if inp.name in ranges:
-            lo, hi, what = 0, ranges[inp.name].bound - 1, ranges[inp.name].what
-        bad = np.flatnonzero((value < lo) | (value > hi))
+            lo, hi, what, ignored = 0, ranges[inp.name].bound - 1, ranges[inp.name].what, ranges[inp.name].ignored
+        outside = (value < lo) | (value > hi)
+        if ignored is not None:
+            outside &= value != ignored
+        bad = np.flatnonzero(outside)
         if bad.size:
             index = np.unravel_index(bad[0], value.shape)
             where = ", ".join(str(int(i)) for i in index)

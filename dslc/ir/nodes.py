@@ -8,7 +8,7 @@ equality, so two programs compare equal when they mean the same thing.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal, TypeAlias
 
 from dslc.diagnostics import NO_SPAN, Span
@@ -313,7 +313,7 @@ class Input:
 class Program:
     name: str
     mesh: Mesh
-    constants: tuple[tuple[str, int], ...]
+    constants: tuple[tuple[str, int | float | bool], ...]
     inputs: tuple[Input, ...]
     stream: str
     chunks: tuple[Chunk, ...]
@@ -406,6 +406,41 @@ def counted(nodes: tuple[Node, ...], times: int = 1) -> list[tuple[Node, int]]:
 def counted_layers(nodes: tuple[Node, ...]) -> list[tuple[Layer, int]]:
     """Every layer node with the number of times one pass over `nodes` runs it."""
     return [(n, times) for n, times in counted(nodes) if isinstance(n, Layer)]
+
+
+def unrolled(nodes: tuple[Node, ...]) -> tuple[Node, ...]:
+    """The nodes with every repeat written out as its copies, each a block whose paths carry
+    its index (`blocks.attn` -> `blocks.3.attn`): the model as a reader of its per-layer
+    weight names sees it."""
+    out: list[Node] = []
+    for node in nodes:
+        match node:
+            case Repeat():
+                for i in range(node.first, node.first + node.count):
+                    copy = _renamed(node.body, node.path, i)
+                    assert isinstance(copy, Block)
+                    out.append(replace(copy, body=unrolled(copy.body)))
+            case Residual() | Block():
+                out.append(replace(node, body=unrolled(node.body)))
+            case Layer() | Layout():
+                out.append(node)
+    return tuple(out)
+
+
+def _renamed(node: Node, prefix: str, index: int) -> Node:
+    """`node` with `prefix`'s paths below it given `index` (`prefix.rest` -> `prefix.index.rest`)."""
+    path = node.path
+    if path == prefix or path.startswith(prefix + "."):
+        path = f"{prefix}.{index}{path[len(prefix) :]}"
+    match node:
+        case Layer() | Layout():
+            return replace(node, path=path)
+        case Residual() | Block():
+            return replace(node, path=path, body=tuple(_renamed(c, prefix, index) for c in node.body))
+        case Repeat():
+            body = _renamed(node.body, prefix, index)
+            assert isinstance(body, Block)
+            return replace(node, path=path, body=body)
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from dslc.diagnostics import Diagnostics, Label
 from dslc.ir import nodes as ir
-from dslc.ir.evaluate import eval_expr, eval_value
+from dslc.ir.evaluate import ScalarValue, eval_expr, eval_value
 from dslc.ir.names import closest, unknown_name
 from dslc.schedules import KINDS as SCHEDULES
 from dslc.schedules import Schedule, ScheduleError, build, default_virtual
@@ -36,7 +36,7 @@ def _unique(settings: tuple[ast.PipelineItem, ...], diags: Diagnostics) -> dict[
 
 
 def _one_int(
-    s: ast.Setting, constants: Mapping[str, int], diags: Diagnostics, lo: int, hi: int | None = None
+    s: ast.Setting, constants: Mapping[str, ScalarValue], diags: Diagnostics, lo: int, hi: int | None = None
 ) -> int | None:
     if len(s.values) != 1 or isinstance(s.values[0], ast.Call | ast.FloatLit | ast.BoolLit):
         diags.error("E026", f"`{s.key.text}` takes one integer", s.span)
@@ -56,7 +56,7 @@ def _unknown_key(s: ast.Setting, known: tuple[str, ...], section: str, diags: Di
 
 
 def read_pipeline(
-    p: ast.PipelineDef, mesh: ir.Mesh, constants: Mapping[str, int], diags: Diagnostics
+    p: ast.PipelineDef, mesh: ir.Mesh, constants: Mapping[str, ScalarValue], diags: Diagnostics
 ) -> ir.Pipeline | None:
     """The `pipeline` section; its numbers are integer expressions over the spec's constants."""
     axis = p.axis.text
@@ -173,7 +173,7 @@ def _fits_the_pipeline(
     return fits
 
 
-def read_train(t: ast.TrainDef, mesh: ir.Mesh, constants: Mapping[str, int], diags: Diagnostics) -> ir.Train:
+def read_train(t: ast.TrainDef, mesh: ir.Mesh, constants: Mapping[str, ScalarValue], diags: Diagnostics) -> ir.Train:
     """The `train` section; its numbers are expressions over the spec's constants."""
     settings = _unique(t.settings, diags)
     train = ir.Train(span=t.span)

@@ -37,6 +37,11 @@ def embed(ids: jax.Array, table: jax.Array, *, dtype: str) -> jax.Array:
     return jnp.einsum("...v,vd->...d", one_hot, table)
 
 
+def position_embed(x: jax.Array, table: jax.Array) -> jax.Array:
+    # Row i of the table for position i, the same for every sequence of the batch.
+    return x + table[: x.shape[-2]]
+
+
 def conv(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *, stride: int, dtype: str) -> jax.Array:
     y = lax.conv_general_dilated(
         x.astype(dtype),
@@ -75,6 +80,10 @@ def attention(
     k: jax.Array,
     v: jax.Array,
     o: jax.Array,
+    q_bias: jax.Array | None = None,
+    k_bias: jax.Array | None = None,
+    v_bias: jax.Array | None = None,
+    o_bias: jax.Array | None = None,
     *,
     heads: int,
     kv_heads: int,
@@ -83,13 +92,11 @@ def attention(
     rope_base: float,
     dtype: str,
 ) -> jax.Array:
-    """Self-attention on [batch, seq, dim]; grouped-query when kv_heads < heads."""
+    """Self-attention on [batch, seq, dim]; grouped-query when kv_heads < heads. Each
+    projection adds its bias when it has one."""
     b, s, _ = x.shape
-    head_dim = q.shape[-1] // heads
-    x = x.astype(dtype)
-    queries = jnp.einsum("bsd,de->bse", x, q).reshape(b, s, heads, head_dim)
-    keys = jnp.einsum("bsd,de->bse", x, k).reshape(b, s, kv_heads, head_dim)
-    values = jnp.einsum("bsd,de->bse", x, v).reshape(b, s, kv_heads, head_dim)
+    queries, keys, values = _project(x.astype(dtype), q, k, v, q_bias, k_bias, v_bias, heads=heads, kv_heads=kv_heads)
+    head_dim = queries.shape[-1]
     if rope:
         queries, keys = rotary(queries, rope_base), rotary(keys, rope_base)
     # Grouped-query: the query heads form kv_heads groups, each sharing one key/value head.
@@ -100,7 +107,34 @@ def attention(
         scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
     out = jnp.einsum("bkgqs,bskd->bqkgd", probs, values).reshape(b, s, heads * head_dim)
-    return jnp.einsum("bse,ed->bsd", out, o)
+    return _project_out(out, o, o_bias)
+
+
+def _project(
+    x: jax.Array,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    q_bias: jax.Array | None,
+    k_bias: jax.Array | None,
+    v_bias: jax.Array | None,
+    *,
+    heads: int,
+    kv_heads: int,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Queries [b, s, heads, head_dim], keys and values [b, s, kv_heads, head_dim] of x [b, s, dim]."""
+    b, s, _ = x.shape
+
+    def one(w: jax.Array, bias: jax.Array | None, n: int) -> jax.Array:
+        y = jnp.einsum("bsd,de->bse", x, w)
+        return (y if bias is None else y + bias).reshape(b, s, n, w.shape[-1] // n)
+
+    return one(q, q_bias, heads), one(k, k_bias, kv_heads), one(v, v_bias, kv_heads)
+
+
+def _project_out(heads_out: jax.Array, o: jax.Array, o_bias: jax.Array | None) -> jax.Array:
+    y = jnp.einsum("bse,ed->bsd", heads_out, o)
+    return y if o_bias is None else y + o_bias
 
 
 def rotary(t: jax.Array, base: float, positions: jax.Array | None = None) -> jax.Array:
@@ -135,6 +169,10 @@ def ring_attention(
     k: jax.Array,
     v: jax.Array,
     o: jax.Array,
+    q_bias: jax.Array | None = None,
+    k_bias: jax.Array | None = None,
+    v_bias: jax.Array | None = None,
+    o_bias: jax.Array | None = None,
     *,
     heads: int,
     kv_heads: int,
@@ -166,7 +204,21 @@ def ring_attention(
         # A ring of one device is plain attention (and XLA's partitioner rejects a manual
         # axis of one device next to automatic ones).
         return attention(
-            x, q, k, v, o, heads=heads, kv_heads=kv_heads, causal=causal, rope=rope, rope_base=rope_base, dtype=dtype
+            x,
+            q,
+            k,
+            v,
+            o,
+            q_bias,
+            k_bias,
+            v_bias,
+            o_bias,
+            heads=heads,
+            kv_heads=kv_heads,
+            causal=causal,
+            rope=rope,
+            rope_base=rope_base,
+            dtype=dtype,
         )
     tokens, whole = PartitionSpec(None, axis, None), PartitionSpec()
     shard = functools.partial(
@@ -180,10 +232,11 @@ def ring_attention(
         dtype=dtype,
     )
     # The weights enter in f32 (see `_ring_attention_shard`); the casts are exact.
-    q, k, v, o = (w.astype(jnp.float32) for w in (q, k, v, o))
+    given = {"q": q, "k": k, "v": v, "o": o, "q_bias": q_bias, "k_bias": k_bias, "v_bias": v_bias, "o_bias": o_bias}
+    weights = {name: w.astype(jnp.float32) for name, w in given.items() if w is not None}
     return jax.shard_map(  # type: ignore[no-any-return]
-        shard, in_specs=(tokens, whole, whole, whole, whole), out_specs=tokens, axis_names={axis}
-    )(x, q, k, v, o)
+        shard, in_specs=(tokens, whole), out_specs=tokens, axis_names={axis}
+    )(x, weights)
 
 
 def _axis_size(axis: str) -> int:
@@ -196,10 +249,7 @@ def _axis_size(axis: str) -> int:
 
 def _ring_attention_shard(
     x: jax.Array,
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    o: jax.Array,
+    weights: dict[str, jax.Array],
     *,
     heads: int,
     kv_heads: int,
@@ -211,22 +261,22 @@ def _ring_attention_shard(
 ) -> jax.Array:
     """One device's share of `ring_attention`: its tokens, all of the weights (in f32)."""
     b, n, _ = x.shape
-    head_dim = q.shape[-1] // heads
     ring, me = lax.axis_size(axis), lax.axis_index(axis)
     # Each device's weight gradient is summed over `axis` where the weights become per-device
     # values: made so here, in f32, that sum runs in f32, which is more accurate and avoids a
     # crash of XLA's CPU compiler on a bf16 sum there ("Invalid binary instruction opcode
     # copy", jax 0.10.2, whenever another mesh axis stays automatic).
-    q, k, v, o = (lax.pcast(w, (axis,), to="varying").astype(dtype) for w in (q, k, v, o))
+    w = {name: lax.pcast(value, (axis,), to="varying").astype(dtype) for name, value in weights.items()}
     # The tokens move into the zig-zag layout once, as the layer's input (one tensor rather
     # than q, k and v); every step before the ring works token by token, so it may run on
     # the zig-zagged tokens.
     x = x.astype(dtype)
     if causal:
         x = _zigzag(x, axis, ring)
-    queries = jnp.einsum("bsd,de->bse", x, q).reshape(b, n, heads, head_dim)
-    keys = jnp.einsum("bsd,de->bse", x, k).reshape(b, n, kv_heads, head_dim)
-    values = jnp.einsum("bsd,de->bse", x, v).reshape(b, n, kv_heads, head_dim)
+    queries, keys, values = _project(
+        x, w["q"], w["k"], w["v"], w.get("q_bias"), w.get("k_bias"), w.get("v_bias"), heads=heads, kv_heads=kv_heads
+    )
+    head_dim = queries.shape[-1]
     if rope:
         positions = _ring_positions(me, n, ring, causal)
         queries, keys = rotary(queries, rope_base, positions), rotary(keys, rope_base, positions)
@@ -236,7 +286,7 @@ def _ring_attention_shard(
         # Back to token order before the output projection, while the heads are still split
         # over a tensor-parallel axis (fewer bytes than the projected, unsplit output).
         out = _zigzag(out, axis, ring, inverse=True)
-    return jnp.einsum("bse,ed->bsd", out, o)
+    return _project_out(out, w["o"], w.get("o_bias"))
 
 
 def _ring_positions(me: jax.Array, n: int, ring: int, causal: bool) -> jax.Array:
@@ -655,8 +705,8 @@ def _route(
 # ---- elementwise ---------------------------------------------------------------------------------
 
 
-def gelu(x: jax.Array) -> jax.Array:
-    return jax.nn.gelu(x, approximate=True)
+def gelu(x: jax.Array, *, approximate: bool) -> jax.Array:
+    return jax.nn.gelu(x, approximate=approximate)
 
 
 def relu(x: jax.Array) -> jax.Array:
@@ -675,15 +725,32 @@ def dropout(x: jax.Array, *, rate: float, key: jax.Array | None) -> jax.Array:
     return jnp.where(keep, x / (1.0 - rate), 0).astype(x.dtype)
 
 
-# ---- losses (f32, mean over every position) ------------------------------------------------------
+# ---- losses (f32, mean over the positions counted) -----------------------------------------------
 
 
-def cross_entropy(logits: jax.Array, *, targets: jax.Array) -> jax.Array:
+def cross_entropy(
+    logits: jax.Array, *, targets: jax.Array, mask: jax.Array | None = None, ignore_index: int
+) -> jax.Array:
+    """The mean over the positions counted (see `cross_entropy_count`); 0 when none is."""
     logits = logits.astype(jnp.float32)
     # The target logit picked by a one-hot product: over vocab-split logits this is a local
-    # partial sum and one all-reduce (Megatron's vocab-parallel cross-entropy).
+    # partial sum and one all-reduce (Megatron's vocab-parallel cross-entropy). An ignored
+    # target outside the vocabulary picks nothing.
     picked = jnp.sum(logits * jax.nn.one_hot(targets, logits.shape[-1], dtype=jnp.float32), axis=-1)
-    return jnp.mean(jax.nn.logsumexp(logits, axis=-1) - picked)
+    counted = _counted(targets, mask, ignore_index)
+    losses = jnp.where(counted, jax.nn.logsumexp(logits, axis=-1) - picked, 0.0)
+    return jnp.sum(losses) / jnp.maximum(jnp.sum(counted), 1).astype(jnp.float32)
+
+
+def cross_entropy_count(*, targets: jax.Array, mask: jax.Array | None = None, ignore_index: int) -> jax.Array:
+    """How many positions `cross_entropy` averages over: those whose target is not
+    `ignore_index` and whose mask, when given, is not zero (f32)."""
+    return jnp.sum(_counted(targets, mask, ignore_index)).astype(jnp.float32)
+
+
+def _counted(targets: jax.Array, mask: jax.Array | None, ignore_index: int) -> jax.Array:
+    counted = targets != ignore_index
+    return counted if mask is None else counted & (mask != 0)
 
 
 def mse(x: jax.Array, *, targets: jax.Array) -> jax.Array:

@@ -98,6 +98,7 @@ def pipeline_value_and_grad(
     boundary: tuple[tuple[int, ...], Any],
     stage_dims: dict[str, tuple[int | None, int | None]],
     has_aux: bool = False,
+    count: Callable[[dict[str, jax.Array]], jax.Array] | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Mean loss over the microbatches and the gradient of every stored array.
 
@@ -105,7 +106,10 @@ def pipeline_value_and_grad(
     stage's own (rows or layers), or `split` the dimension a whole array is split along over
     the stage axis between steps (both None: every stage holds all of it). `chunk_inputs[c]`
     is the shape of one microbatch of chunk c's input; `boundary` the (shape, dtype) of the
-    buffer every inter-stage tensor is padded into.
+    buffer every inter-stage tensor is padded into. `count`, for a loss that averages over the
+    positions it counts (cross-entropy's ignored targets), gives their number in a batch:
+    each microbatch's loss then weighs by its share of the batch's, so the result is the
+    batch's mean over its counted positions rather than a mean of microbatch means.
     """
     M = microbatches
     # Microbatch i takes rows i, i+M, i+2M, ...: each keeps rows from every data shard.
@@ -124,7 +128,16 @@ def pipeline_value_and_grad(
     in_specs = {name: along(own) for name, (own, _) in stage_dims.items()}
     out_specs = {name: along(own if own is not None else split) for name, (own, split) in stage_dims.items()}
 
-    def body(local: dict[str, jax.Array], micro: dict[str, jax.Array], tables: Any, key: jax.Array) -> Any:
+    # Each microbatch's weight in the mean loss: 1/M, or its share of the counted positions.
+    if count is None:
+        weights = jnp.full((M,), 1.0 / M, jnp.float32)
+    else:
+        counts = jax.vmap(count)(micro).astype(jnp.float32)
+        weights = counts / jnp.maximum(counts.sum(), 1.0)
+
+    def body(
+        local: dict[str, jax.Array], micro: dict[str, jax.Array], tables: Any, key: jax.Array, weights: jax.Array
+    ) -> Any:
         executor = _Executor(
             chunks,
             shares,
@@ -140,6 +153,7 @@ def pipeline_value_and_grad(
             boundary,
             has_aux,
             M,
+            weights,
         )
         loss, gacc = executor.run()
         grads = {}
@@ -158,14 +172,14 @@ def pipeline_value_and_grad(
     run = jax.shard_map(
         body,
         mesh=mesh,
-        in_specs=(in_specs, PartitionSpec(), PartitionSpec(), PartitionSpec()),
+        in_specs=(in_specs, PartitionSpec(), PartitionSpec(), PartitionSpec(), PartitionSpec()),
         out_specs=(PartitionSpec(), out_specs),
         axis_names={axis},
         # Nothing differentiates through this map: every gradient is taken inside, by the
         # explicit backward ticks, so replication needs no tracking here.
         check_vma=False,
     )
-    return run(params, micro, tables, key if key is not None else jax.random.key(0))  # type: ignore[no-any-return]
+    return run(params, micro, tables, key if key is not None else jax.random.key(0), weights)  # type: ignore[no-any-return]
 
 
 class _Executor:
@@ -187,10 +201,12 @@ class _Executor:
         boundary: tuple[tuple[int, ...], Any],
         has_aux: bool,
         microbatches: int,
+        weights: jax.Array,
     ) -> None:
         self.chunks, self.shares, self.local, self.micro = chunks, shares, local, micro
         self.tables, self.key, self.used, self.axis, self.stream = tables, key, used, axis, stream
         self.chunk_inputs, self.has_aux, self.M = chunk_inputs, has_aux, microbatches
+        self.loss_weights = weights  # each microbatch's weight in the mean loss
         self.shape, self.dtype = boundary
         self.C = len(chunks)
         # Each buffer has one slot more than the table uses: the scratch slot that ticks with
@@ -286,6 +302,7 @@ class _Executor:
             x,
             inputs,
             key,
+            m,
         )
         keep = jnp.where(is_forward, slot("stash_slot"), self.scratch["stash_slot"])
         stash = tuple(buffer.at[keep].set(row) for buffer, row in zip(stash, rows, strict=True))
@@ -308,6 +325,7 @@ class _Executor:
             grads_in[slot("gradient_slot")],
             inputs,
             key,
+            m,
         )
         gacc = {name: gacc[name] + added[name] for name in gacc}
 
@@ -326,18 +344,18 @@ class _Executor:
 
     # ---- the branches -----------------------------------------------------------------------
 
-    def no_forward(self, x: jax.Array, inputs: Any, key: Any) -> tuple[Any, ...]:
+    def no_forward(self, x: jax.Array, inputs: Any, key: Any, m: jax.Array) -> tuple[Any, ...]:
         buffers, _ = self.residual_layout
         return jnp.zeros(self.shape, self.dtype), tuple(jnp.zeros(s, d) for s, d in buffers), jnp.zeros((), jnp.float32)
 
     def forward(self, c: int) -> Callable[..., tuple[Any, ...]]:
-        def go(buffer: jax.Array, inputs: dict[str, jax.Array], key: jax.Array | None) -> tuple[Any, ...]:
+        def go(buffer: jax.Array, inputs: dict[str, jax.Array], key: jax.Array | None, m: jax.Array) -> tuple[Any, ...]:
             (y, aux), pull, primals = self.forward_vjp(c, inputs, self._take(buffer, c), key)
             plan, residuals = _residuals(pull, primals)
             self.rebuild[c] = (jax.tree.structure(pull), plan, y.dtype)
             rows = self._pack(c, residuals)
             # The last chunk's output is its loss: it joins the total here, and is not sent.
-            gained = aux / self.M + (y.astype(jnp.float32) / self.M if c == self.C - 1 else 0.0)
+            gained = aux / self.M + (y.astype(jnp.float32) * self.loss_weights[m] if c == self.C - 1 else 0.0)
             sent = jnp.zeros(self.shape, self.dtype) if c == self.C - 1 else self._fit(y)
             return sent, rows, gained
 
@@ -356,6 +374,7 @@ class _Executor:
             g: jax.Array,
             inputs: dict[str, jax.Array],
             key: jax.Array | None,
+            m: jax.Array,
         ) -> tuple[Any, jax.Array]:
             treedef, plan, out_dtype = self.rebuild[c]
             w = self.weights(c)
@@ -364,7 +383,7 @@ class _Executor:
             # The loss's gradient is d(mean over microbatches)/d(loss_m), and so is an
             # auxiliary loss's; any other chunk's output gradient arrived shaped as the next
             # chunk's input.
-            out_ct = jnp.asarray(1.0 / self.M, jnp.float32) if c == self.C - 1 else self._take(g, c + 1)
+            out_ct = self.loss_weights[m] if c == self.C - 1 else self._take(g, c + 1)
             cts = pull((out_ct.astype(out_dtype), jnp.asarray(1.0 / self.M, jnp.float32)))
             if weight_grads:
                 _, to_stored = jax.vjp(self.shares[c], self.local)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dslc.layers.attention import Attention
 from dslc.layers.base import LayerRule
 from dslc.layers.conv import Conv
-from dslc.layers.dense import Embed, Linear, SwiGLU
+from dslc.layers.dense import Embed, Linear, PositionEmbed, SwiGLU
 from dslc.layers.elementwise import Dropout, Gelu, Relu, Silu
 from dslc.layers.loss import CrossEntropy, MeanSquaredError
 from dslc.layers.moe import MoE
@@ -16,6 +16,7 @@ RULES: dict[str, LayerRule] = {
     for rule in (
         Linear(),
         Embed(),
+        PositionEmbed(),
         LayerNorm(),
         RmsNorm(),
         Attention(),

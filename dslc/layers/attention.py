@@ -36,7 +36,8 @@ class Attention(LayerRule):
     kind = "attention"
     doc = (
         "Self-attention on [batch, seq, dim]. q, k, v: [dim, heads*head_dim] column parallel "
-        "(split whole heads), o: [heads*head_dim, dim] row parallel."
+        "(split whole heads), o: [heads*head_dim, dim] row parallel. Biases split like their "
+        "projection's output: q_bias[tp], k_bias[tp], v_bias[tp], o_bias[_]."
     )
     args = (
         ArgSpec("dim", "int", doc="model width"),
@@ -46,16 +47,22 @@ class Attention(LayerRule):
         ArgSpec("causal", "bool", True, "mask future tokens"),
         ArgSpec("rope", "bool", False, "rotary position embedding on q and k"),
         ArgSpec("rope_base", "float", 10000.0, "rotary base frequency"),
+        ArgSpec("bias", "bool", False, "add a bias to q, k, v and o (GPT-2)"),
+        ArgSpec("qkv_bias", "bool", False, "add a bias to q, k and v only (Qwen2)"),
     )
 
     def weights(self, a: Attrs) -> tuple[WeightSpec, ...]:
         # Integers when elaborating; docs/gen_layers.py passes symbols to print the shapes.
         d, h, kv, hd = (cast(int, a[name]) for name in ("dim", "heads", "kv_heads", "head_dim"))
-        return (
+        projections = (
             WeightSpec("q", (d, h * hd), "fan_in"),
             WeightSpec("k", (d, kv * hd), "fan_in"),
             WeightSpec("v", (d, kv * hd), "fan_in"),
             WeightSpec("o", (h * hd, d), "fan_in"),
+        )
+        biased = "qkvo" if a["bias"] else "qkv" if a["qkv_bias"] else ""
+        return projections + tuple(
+            WeightSpec(f"{w.name}_bias", w.shape[1:], "zeros") for w in projections if w.name in biased
         )
 
     def validate(self, a: Attrs, ctx: Context) -> bool:
@@ -93,6 +100,12 @@ class Attention(LayerRule):
             return None
         if not same_sharding(ctx, "o", w["o"], 0, tp, "it reads the heads that `q` produced"):
             return None
+        for name in ("q", "k", "v", "o"):
+            bias = f"{name}_bias"
+            if bias in w and not same_sharding(
+                ctx, bias, w[bias], 0, w[name].sharding[1], f"it is added to the output of `{name}`"
+            ):
+                return None
         # Tokens split over the tensor-parallel axis are gathered, one gather serving q, k and
         # v alike (Megatron sequence parallelism); tokens split over another axis stay split
         # and the layer becomes ring attention over it (context parallelism).
@@ -213,7 +226,9 @@ class Attention(LayerRule):
         assert isinstance(h, int) and isinstance(kv, int) and isinstance(hd, int)
         projections = 2 * b * s * d * (2 * h + 2 * kv) * hd
         scores_and_mix = 2 * 2 * b * h * s * s * hd
-        return projections + scores_and_mix
+        qkv_biased, o_biased = bool(a["bias"] or a["qkv_bias"]), bool(a["bias"])
+        biases = b * s * ((h + 2 * kv) * hd * qkv_biased + d * o_biased)
+        return projections + scores_and_mix + biases
 
     def residual_bytes(self, layer: Layer, mesh: Mesh, compute: str, slices: int) -> int:
         c = DTYPE_BYTES[compute]

@@ -36,6 +36,7 @@ class ArgSpec:
 
     name: str
     type: ArgType
+    # An argument of type "input" may default to None: it is optional, and absent when not given.
     default: object | Callable[[Attrs], object] = REQUIRED
     doc: str = ""
     positive: bool = True
@@ -129,6 +130,15 @@ class LayerRule:
     def weights(self, a: Attrs) -> tuple[WeightSpec, ...]:
         return ()
 
+    def possible_weights(self, a: Attrs) -> set[str]:
+        """The names of the weights this use has, and of those a boolean argument set the other
+        way would give it (a bias)."""
+        names = {w.name for w in self.weights(a)}
+        for arg in self.args:
+            if arg.type == "bool":
+                names |= {w.name for w in self.weights({**a, arg.name: not a[arg.name]})}
+        return names
+
     def validate(self, a: Attrs, ctx: Context) -> bool:
         """Checks among the arguments themselves; report and return False when they clash."""
         return True
@@ -168,6 +178,12 @@ class LayerRule:
     # True when the kernel draws random numbers: it then takes `key` (None when evaluating).
     random: ClassVar[bool] = False
 
+    # For a loss that is a mean over the positions it counts (cross-entropy leaves out ignored
+    # targets): the function of `dslc.kernels.layers` that counts them, called with the loss
+    # kernel's inputs and static arguments. Gradient accumulation weighs each slice of the
+    # batch by its count, so the mean is the whole batch's. None: every slice weighs the same.
+    count_kernel: ClassVar[str | None] = None
+
     # True when the kernel returns (y, aux) rather than y: aux is a dict of f32 scalars, summed
     # over the layers that return one. Its "aux_loss" entry is added to the training loss (and
     # so differentiated); the others are counts reported as they are (a mixture of experts'
@@ -185,6 +201,12 @@ class LayerRule:
         array under the argument's own name.
         """
         return {}
+
+
+def input_args(rule: LayerRule, attrs: Mapping[str, object]) -> dict[str, str]:
+    """The declared inputs one use of a layer reads, by argument name (an optional input
+    argument left out, such as a loss's `mask`, is not listed)."""
+    return {arg.name: str(attrs[arg.name]) for arg in rule.args if arg.type == "input" and attrs[arg.name] is not None}
 
 
 F32 = 4  # bytes of the f32 copies that normalisation and the losses compute in

@@ -1,11 +1,11 @@
-"""Layers built on one matrix product: linear, swiglu, embed."""
+"""Layers built on a weight matrix: linear, swiglu, and the token and position embeddings."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 
 from dslc.diagnostics import Label
-from dslc.ir.nodes import DTYPE_BYTES, INT_DTYPES, Layer, Mesh, Sharding, TensorType
+from dslc.ir.nodes import DTYPE_BYTES, FLOAT_DTYPES, INT_DTYPES, Layer, Mesh, Sharding, TensorType
 from dslc.layers.base import (
     ArgSpec,
     Attrs,
@@ -119,3 +119,56 @@ class Embed(LayerRule):
         self, a: Attrs, dtype: str, operand: Sharding, weights: Mapping[str, Sharding]
     ) -> dict[str, object]:
         return {"dtype": dtype}
+
+
+class PositionEmbed(LayerRule):
+    kind = "position_embed"
+    doc = (
+        "Learned position embeddings: adds row i of table to the vector at position i of [..., seq, dim] "
+        "(GPT-2's wpe). The table holds `positions` rows, seq of which are used; it is whole along "
+        "positions and its features split like the input's."
+    )
+    args = (
+        ArgSpec("positions", "int", doc="positions the table holds (the longest sequence)"),
+        ArgSpec("dim", "int", doc="vector size"),
+    )
+
+    def weights(self, a: Attrs) -> tuple[WeightSpec, ...]:
+        return (WeightSpec("table", (a["positions"], a["dim"]), "normal"),)  # type: ignore[arg-type]
+
+    def infer(self, a: Attrs, x: TensorType, w: dict[str, TensorType], ctx: Context) -> TensorType | None:
+        if x.dtype not in FLOAT_DTYPES or x.rank < 2:
+            ctx.error(
+                "E016",
+                f"`{ctx.path}` adds position vectors to [..., seq, dim], but its input is {x.describe()}",
+                labels=[Label(ctx.input_span, "input produced here")],
+            )
+            return None
+        if not expect_features(ctx, x, a["dim"], "features"):  # type: ignore[arg-type]
+            return None
+        positions, seq = a["positions"], x.shape[-2]
+        assert isinstance(positions, int)
+        if seq > positions:
+            ctx.error(
+                "E016",
+                f"`{ctx.path}` holds {positions} positions, but its input has {seq}: {x.describe()}",
+                at=ctx.arg_span("positions"),
+                labels=[Label(ctx.input_span, "input produced here")],
+                help=f"make the table at least {seq} positions long, or the sequence at most {positions}",
+            )
+            return None
+        table = w["table"]
+        if not same_sharding(ctx, "table", table, 0, (), "the first `seq` rows are read, whatever the split"):
+            return None
+        if not same_sharding(ctx, "table", table, 1, x.sharding[-1], "it is added to the input's features"):
+            return None
+        return x
+
+    def flops(self, a: Attrs, x: TensorType, y: TensorType) -> int:
+        return x.numel
+
+    def residual_bytes(self, layer: Layer, mesh: Mesh, compute: str, slices: int) -> int:
+        return 0  # an addition keeps nothing for its backward pass
+
+    def workspace_bytes(self, layer: Layer, mesh: Mesh, compute: str, slices: int) -> int:
+        return layer.input.slice_numel(mesh, slices) * DTYPE_BYTES[compute]  # the output's gradient

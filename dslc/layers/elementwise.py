@@ -37,9 +37,23 @@ class Relu(Elementwise):
 
 class Gelu(Elementwise):
     kind = "gelu"
-    doc = "Gaussian error linear unit (tanh approximation)."
+    doc = (
+        "Gaussian error linear unit: x * Phi(x), Phi the standard normal CDF, by default in the tanh "
+        "approximation (GPT-2's gelu_new); approximate=false computes the exact erf form (BERT, Pythia)."
+    )
+    args = (ArgSpec("approximate", "bool", True, "tanh approximation; false: exact, with erf"),)
     cost = 8
-    kept = 5  # the input and four terms of the tanh approximation
+
+    def residual_bytes(self, layer: Layer, mesh: Mesh, compute: str, slices: int) -> int:
+        # The tanh form keeps the input and four of its terms; the erf form the input, erfc of
+        # it and the exponential its derivative needs.
+        kept = 5 if layer.attr("approximate") else 3
+        return kept * layer.input.slice_numel(mesh, slices) * DTYPE_BYTES[compute]
+
+    def kernel_args(
+        self, a: Attrs, dtype: str, operand: Sharding, weights: Mapping[str, Sharding]
+    ) -> dict[str, object]:
+        return {"approximate": a["approximate"]}
 
 
 class Silu(Elementwise):

@@ -2,18 +2,26 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from dslc.diagnostics import Label
-from dslc.ir.nodes import INT_DTYPES, Layer, Mesh, TensorType, replicated
+from dslc.ir.nodes import INT_DTYPES, Input, Layer, Mesh, Sharding, TensorType, replicated
 from dslc.layers.base import F32, ArgSpec, Attrs, Context, LayerRule
 
 
 class CrossEntropy(LayerRule):
     kind = "cross_entropy"
     doc = (
-        "Mean softmax cross-entropy of logits [..., classes] against integer targets [...]. "
-        "Vocab-parallel logits allowed."
+        "Softmax cross-entropy of logits [..., classes] against integer targets [...], averaged over the "
+        "positions counted: those whose target is not `ignore_index` (Hugging Face's -100) and, given a "
+        "`mask` input, whose mask is not zero. Vocab-parallel logits allowed."
     )
-    args = (ArgSpec("targets", "input", doc="the declared input holding the class ids"),)
+    args = (
+        ArgSpec("targets", "input", doc="the declared input holding the class ids"),
+        ArgSpec("ignore_index", "int", -100, "a target that is not counted", positive=False),
+        ArgSpec("mask", "input", None, "a declared input shaped like the targets: 0 (false) where not counted"),
+    )
+    count_kernel = "cross_entropy_count"
 
     def infer(self, a: Attrs, x: TensorType, w: dict[str, TensorType], ctx: Context) -> TensorType | None:
         target = ctx.inputs[a["targets"]]  # type: ignore[index]
@@ -39,6 +47,8 @@ class CrossEntropy(LayerRule):
                 help="shard the targets' dimensions like the logits' leading dimensions",
             )
             return None
+        if a["mask"] is not None and not _mask_fits(ctx.inputs[a["mask"]], target, ctx):  # type: ignore[index]
+            return None
         scalar = replicated("f32", ())
         ctx.collective(
             "all-reduce",
@@ -53,6 +63,34 @@ class CrossEntropy(LayerRule):
 
     def residual_bytes(self, layer: Layer, mesh: Mesh, compute: str, slices: int) -> int:
         return 2 * layer.input.slice_numel(mesh, slices) * F32  # the f32 one-hot targets and exp(logits)
+
+    def kernel_args(
+        self, a: Attrs, dtype: str, operand: Sharding, weights: Mapping[str, Sharding]
+    ) -> dict[str, object]:
+        return {"ignore_index": a["ignore_index"]}
+
+
+def _mask_fits(mask: Input, target: Input, ctx: Context) -> bool:
+    """A loss's mask must be laid out like its targets."""
+    m, t = mask.type, target.type
+    if m.shape != t.shape:
+        ctx.error(
+            "E016",
+            f"mask `{mask.name}` must be shaped like the targets: mask {m.describe()}, targets {t.describe()}",
+            at=ctx.arg_span("mask"),
+            labels=[Label(mask.span, "mask declared here"), Label(target.span, "targets declared here")],
+        )
+        return False
+    if m.sharding != t.sharding:
+        ctx.error(
+            "E017",
+            f"mask `{mask.name}` is sharded {m.describe()} but the targets are {t.describe()}",
+            at=ctx.arg_span("mask"),
+            labels=[Label(mask.span, "mask declared here"), Label(target.span, "targets declared here")],
+            help="shard the mask like the targets",
+        )
+        return False
+    return True
 
 
 class MeanSquaredError(LayerRule):

@@ -4,11 +4,10 @@ code generator writes for it."""
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from dslc.codegen import module_for
-from dslc.frontend import CompileError, MeshArg, analyze
+from dslc.frontend import CompileError, MeshArg, Overrides, analyze
 from dslc.lower.devices import request_host_devices
 
 if TYPE_CHECKING:
@@ -18,7 +17,7 @@ if TYPE_CHECKING:
 def compile(
     source_or_path: str | os.PathLike[str],
     mesh: MeshArg = None,
-    overrides: Sequence[str] | Mapping[str, int] | None = None,
+    overrides: Overrides = None,
     schedule: str | None = None,
 ) -> Program:
     """Check a spec and bind it to a mesh ("2x4x2", sizes in the spec's axis order; the

@@ -23,6 +23,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from dslc.codegen.names import safe_identifier
 from dslc.ir import nodes as ir
 from dslc.ir.inputs import check_inputs, integer_bounds, read_inputs
+from dslc.ir.weights import mismatches
 from dslc.kernels.storage import shapes_of
 
 Params = dict[str, jax.Array]
@@ -102,21 +103,9 @@ class Program:
     def import_weights(self, model: DslcModel, weights: Mapping[str, Any]) -> None:
         """Load a dict of arrays by per-layer name. Every name and shape is checked before
         any value is replaced, so a mismatch leaves the model as it was."""
-        expected = self.weight_shapes()
-        missing = [n for n in expected if n not in weights]
-        unknown = [n for n in weights if n not in expected]
-        misshapen = [
-            f"`{n}` is {tuple(np.shape(weights[n]))}, the spec says {shape}"
-            for n, shape in expected.items()
-            if n in weights and tuple(np.shape(weights[n])) != shape
-        ]
-        problems = [
-            _listing(len(missing), "missing", [f"`{n}`" for n in missing]),
-            _listing(len(unknown), "not in the spec", [f"`{n}`" for n in unknown]),
-            _listing(len(misshapen), "of the wrong shape", misshapen),
-        ]
-        if any(problems):
-            raise WeightsError("cannot load weights, nothing was loaded: " + "; ".join(p for p in problems if p))
+        problems = mismatches(self.ir, {name: tuple(np.shape(value)) for name, value in weights.items()})
+        if problems:
+            raise WeightsError("cannot load weights, nothing was loaded: " + "; ".join(problems))
         placed = self.module.import_weights(dict(weights), self.mesh)
         for name, value in placed.items():
             model.params[name].set_value(value)
@@ -307,10 +296,3 @@ class Program:
 def partition_spec(sharding: ir.Sharding) -> PartitionSpec:
     """The jax PartitionSpec of an IR sharding (one tuple of mesh axes per dimension)."""
     return PartitionSpec(*(None if not axes else axes[0] if len(axes) == 1 else axes for axes in sharding))
-
-
-def _listing(count: int, what: str, examples: list[str], shown: int = 3) -> str:
-    if not count:
-        return ""
-    more = f", and {count - shown} more" if count > shown else ""
-    return f"{count} {what} ({', '.join(examples[:shown])}{more})"

@@ -43,6 +43,7 @@ from typing import cast
 from dslc.check import check_program
 from dslc.diagnostics import Diagnostic, Diagnostics, Span
 from dslc.ir.elaborate import elaborate
+from dslc.ir.evaluate import ScalarValue
 from dslc.ir.nodes import Mesh, MeshAxis, Program, TensorType, weights_by_path
 from dslc.plan.activations import tensor_bytes
 from dslc.plan.auto_report import AutoPlan, Candidate, Excluded
@@ -187,7 +188,7 @@ class AutoPlanner:
         devices: int,
         device_memory: int,
         hardware: Hardware | None = None,
-        overrides: Mapping[str, int] | None = None,
+        overrides: Mapping[str, ScalarValue] | None = None,
         schedules: Sequence[str] | None = None,
     ) -> None:
         self.module = module

@@ -124,7 +124,7 @@ class MeshDecl:
 @dataclass(frozen=True, slots=True)
 class ConstDecl:
     name: Ident
-    value: Expr | FloatLit  # a fraction only to be reported: constants are integers
+    value: Value
     span: Span = field(compare=False, repr=False)
 
 

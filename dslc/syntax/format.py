@@ -77,8 +77,8 @@ class _Printer:
                 self.emit(f"model {name.text}", line)
             case ast.MeshDecl(axes=axes):
                 self.emit("mesh " + ", ".join(_mesh_axis(a) for a in axes), line)
-            case ast.ConstDecl(name=name, value=given):
-                self.emit(f"const {name.text} = {value(given)}", line)
+            case ast.ConstDecl(name=name, value=v):
+                self.emit(f"const {name.text} = {value(v)}", line)
             case ast.InputDecl(name=name, type=t):
                 self.emit(f"input {name.text}: {_tensor_type(t)}", line)
             case ast.BlockDef(name=name, params=params, checkpoint=cp, body=body):

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,7 +25,7 @@ import numpy as np
 from dslc.ir import nodes as ir
 from dslc.kernels.metrics import moe_metrics
 from dslc.layers import RULES
-from dslc.lower.program import DslcModel, Program
+from dslc.lower.program import DslcModel, Program, WeightsError
 from dslc.train.checkpoint import Checkpoints, RunState, run_state
 from dslc.train.data import data_warnings, dataset_for
 from dslc.train.dataset import Dataset
@@ -60,6 +60,7 @@ class TrainOptions:
     resume: bool = False
     data: Path | None = None  # a language model's own tokens or text, instead of the embedded data
     eval_every: int | None = None  # evaluate on the held-out data every K steps (and at the end)
+    init_from: Mapping[str, np.ndarray] | None = None  # weights a new run starts from, by dotted name
 
 
 @dataclass(frozen=True)
@@ -169,6 +170,8 @@ def _start(
         )
     seed = saved.seed if saved is not None else options.seed or 0
     model = program.init(seed)
+    if options.init_from is not None and saved is None:
+        _start_from(program, model, options.init_from)
     run = _Run(model, program.init_optimizer(model), seed, 0, program.ir.mesh.describe())
     if saved is None:
         return run
@@ -270,6 +273,14 @@ def evaluate(
         aux = [program.aux(model, b) for b in batches]
         found |= moe_metrics({k: float(np.mean([a[k] for a in aux])) for k in aux[0]})
     return found
+
+
+def _start_from(program: Program, model: DslcModel, weights: Mapping[str, np.ndarray]) -> None:
+    """Replace the fresh weights with the given ones, all checked before any is replaced."""
+    try:
+        program.import_weights(model, weights)
+    except WeightsError as exc:
+        raise TrainError(f"--init-from: {exc}") from None
 
 
 def _saved_state(checkpoints: Checkpoints, step: int | None) -> RunState | None:

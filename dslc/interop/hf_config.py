@@ -1,0 +1,151 @@
+"""A Hugging Face checkpoint's `config.json`, read into validated models.
+
+Only the fields that decide what the weights compute are read; every other key is ignored.
+Values are checked strictly (an integer where an integer is meant, `true`/`false` for flags),
+with the defaults `transformers` itself gives a key that is left out. A config that is not
+JSON, names a `model_type` dslc cannot map, or holds a value of the wrong kind is a
+`CheckpointError` that says which key and why.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, TypeAdapter, ValidationError
+
+from dslc.interop.errors import file_problem
+
+CONFIG = "config.json"
+
+
+class _Config(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True, frozen=True)
+
+
+class GPT2Config(_Config):
+    """`GPT2LMHeadModel`: learned positions, pre-norm blocks, Conv1D projections, a tied head."""
+
+    model_type: Literal["gpt2"]
+    vocab_size: PositiveInt = 50257
+    n_positions: PositiveInt = 1024
+    n_embd: PositiveInt = 768
+    n_layer: PositiveInt = 12
+    n_head: PositiveInt = 12
+    n_inner: PositiveInt | None = None
+    activation_function: str = "gelu_new"
+    layer_norm_epsilon: PositiveFloat = 1e-5
+    tie_word_embeddings: bool = True
+    scale_attn_weights: bool = True
+    scale_attn_by_inverse_layer_idx: bool = False
+    add_cross_attention: bool = False
+
+    @property
+    def ffn(self) -> int:
+        return self.n_inner if self.n_inner is not None else 4 * self.n_embd
+
+
+class LlamaConfig(_Config):
+    """`LlamaForCausalLM` and the models built like it: Mistral (with a sliding window) and
+    Qwen2 (with biases on q, k and v)."""
+
+    model_type: Literal["llama", "mistral", "qwen2"]
+    vocab_size: PositiveInt
+    hidden_size: PositiveInt
+    intermediate_size: PositiveInt
+    num_hidden_layers: PositiveInt
+    num_attention_heads: PositiveInt
+    num_key_value_heads: PositiveInt | None = None
+    head_dim: PositiveInt | None = None
+    hidden_act: str = "silu"
+    rms_norm_eps: PositiveFloat = 1e-6
+    rope_theta: PositiveFloat = 10000.0
+    # transformers 4 writes `rope_scaling`, 5 writes `rope_parameters` (with the theta in it).
+    rope_scaling: dict[str, Any] | None = None
+    rope_parameters: dict[str, Any] | None = None
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    sliding_window: PositiveInt | None = None
+    use_sliding_window: bool = False
+    max_position_embeddings: PositiveInt = 2048
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_key_value_heads or self.num_attention_heads
+
+    @property
+    def head_width(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    @property
+    def rope_base(self) -> float:
+        if self.rope_parameters is not None and "rope_theta" in self.rope_parameters:
+            return float(self.rope_parameters["rope_theta"])
+        return self.rope_theta
+
+    @property
+    def rope_type(self) -> str:
+        """ "default" for plain rotary embeddings; otherwise the scaling the config asks for."""
+        for given in (self.rope_parameters, self.rope_scaling):
+            if given:
+                return str(given.get("rope_type", given.get("type", "default")))
+        return "default"
+
+    @property
+    def qkv_bias(self) -> bool:
+        return self.model_type == "qwen2" or self.attention_bias
+
+    @property
+    def window(self) -> int | None:
+        """The sliding window attention is limited to, if any."""
+        if self.model_type == "qwen2" and not self.use_sliding_window:
+            return None
+        return self.sliding_window
+
+
+HFConfig = Annotated[GPT2Config | LlamaConfig, Field(discriminator="model_type")]
+MODEL_TYPES = ("gpt2", "llama", "mistral", "qwen2")
+_ADAPTER: TypeAdapter[GPT2Config | LlamaConfig] = TypeAdapter(HFConfig)
+
+
+def read_config(folder: Path) -> GPT2Config | LlamaConfig:
+    """The folder's config.json, validated; a CheckpointError (C004) when it cannot be used."""
+    path = folder / CONFIG
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise file_problem(path, "C004", f"no {CONFIG}: a Hugging Face checkpoint folder holds one") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise file_problem(path, "C004", f"cannot read it: {exc}") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise file_problem(path, "C004", f"not JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}") from None
+    return parse_config(data, path)
+
+
+def parse_config(data: object, path: Path) -> GPT2Config | LlamaConfig:
+    if not isinstance(data, dict):
+        raise file_problem(path, "C004", "not a JSON object")
+    model_type = data.get("model_type")
+    if model_type not in MODEL_TYPES:
+        raise file_problem(
+            path,
+            "C004",
+            f"model_type {json.dumps(model_type)} is not one dslc maps"
+            if model_type is not None
+            else "no `model_type`",
+            notes=[f"dslc imports and exports {', '.join(MODEL_TYPES)} checkpoints"],
+        )
+    try:
+        return _ADAPTER.validate_python(data)
+    except ValidationError as exc:
+        problems = [
+            f"`{'.'.join(str(part) for part in err['loc'][1:])}`: {err['msg'].lower()}"
+            + (f", got {json.dumps(err['input'])}" if err["type"] != "missing" else "")
+            for err in exc.errors()
+        ]
+        count = f"{len(problems)} unusable value{'s' * (len(problems) != 1)}"
+        raise file_problem(path, "C004", count, notes=problems) from None

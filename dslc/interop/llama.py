@@ -1,0 +1,222 @@
+"""Llama (`LlamaForCausalLM`) checkpoints, and those built like it: Mistral (a sliding window,
+which changes nothing while the sequence fits in it) and Qwen2 (biases on q, k and v).
+
+Layout: `model.embed_tokens`; per layer `input_layernorm`, `self_attn.{q,k,v,o}_proj`,
+`post_attention_layernorm`, `mlp.{gate,up,down}_proj`; then `model.norm` and `lm_head`
+(left out when tied to the embedding). The projections are `nn.Linear`s, whose weights are
+[out, in]: the transposes of the spec's kernels. Rotary embeddings rotate halves of each head
+(`rotate_half`), as dslc's do, so q and k need no permutation.
+"""
+
+from __future__ import annotations
+
+import re
+
+from dslc.interop.hf_config import GPT2Config, LlamaConfig
+from dslc.interop.mapping import HEAD, Fact, FamilyBase, Matched, Requirement, Structure, TensorMap, layer_weight
+from dslc.ir import nodes as ir
+
+PREFIX = "model."
+STRUCTURE = Structure(
+    "Llama",
+    ("embed",),
+    ("(", "rmsnorm", "attention", ")", "(", "rmsnorm", "swiglu", "linear", ")"),
+    ("rmsnorm", "linear"),
+)
+# A buffer older checkpoints carry: the rotary frequencies, which dslc computes itself.
+_BUFFER = re.compile(r"(model\.)?layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
+
+
+class Llama(FamilyBase):
+    name = "Llama"
+    model_types: tuple[str, ...] = ("llama", "mistral", "qwen2")
+    structure = STRUCTURE
+    prefix = PREFIX
+    buffer = _BUFFER
+    tied_by_default = False
+
+    def requirements(self, m: Matched) -> list[Requirement]:
+        out = [self.head_has_no_bias(m)]
+        for _, attn, _, _, down in m.blocks:
+            out += [
+                Requirement(attn, bool(attn.attr("rope")), "its attention has rotary embeddings", "write `rope=true`"),
+                Requirement(attn, bool(attn.attr("causal")), "its attention is causal", "write `causal=true`"),
+                Requirement(down, not down.attr("bias"), "its MLP has no biases", "write `bias=false`"),
+            ]
+        return out
+
+    def facts(self, config: GPT2Config | LlamaConfig, m: Matched, program: ir.Program) -> list[Fact]:
+        assert isinstance(config, LlamaConfig)
+        (embed,) = m.prefix
+        norm = m.suffix[0]
+        out = [
+            *self.vocab_facts(config.vocab_size, m),
+            Fact("hidden_size", config.hidden_size, embed.attr("dim"), "width", embed, "d", "change `dim`"),
+            Fact(
+                "num_hidden_layers",
+                config.num_hidden_layers,
+                len(m.blocks),
+                "number of blocks",
+                m.blocks[0][0],
+                "layers",
+                f"repeat the block {config.num_hidden_layers} times",
+            ),
+        ]
+        for attn_norm, attn, mlp_norm, gate_up, down in m.blocks:
+            out += [
+                Fact(
+                    "num_attention_heads",
+                    config.num_attention_heads,
+                    attn.attr("heads"),
+                    "number of attention heads",
+                    attn,
+                    "heads",
+                    "change `heads`",
+                ),
+                Fact(
+                    "num_key_value_heads",
+                    config.kv_heads,
+                    attn.attr("kv_heads"),
+                    "number of key/value heads",
+                    attn,
+                    "kv_heads",
+                    "change `kv_heads`",
+                ),
+                *_head_width_facts(config, embed, attn),
+                Fact(
+                    "rope_theta",
+                    config.rope_base,
+                    attn.attr("rope_base"),
+                    "rotary base",
+                    attn,
+                    "rope_base",
+                    "change `rope_base`",
+                ),
+                *_bias_facts(config, attn),
+                Fact(
+                    "intermediate_size",
+                    config.intermediate_size,
+                    gate_up.attr("hidden"),
+                    "MLP width",
+                    gate_up,
+                    "ffn",
+                    "change the swiglu's `hidden`",
+                ),
+                Fact(
+                    "intermediate_size",
+                    config.intermediate_size,
+                    down.attr("in"),
+                    "MLP width",
+                    down,
+                    "ffn",
+                    "change `in`",
+                ),
+            ]
+            for n in (attn_norm, mlp_norm):
+                out.append(
+                    Fact("rms_norm_eps", config.rms_norm_eps, n.attr("eps"), "rmsnorm eps", n, "eps", "change `eps`")
+                )
+        out.append(
+            Fact("rms_norm_eps", config.rms_norm_eps, norm.attr("eps"), "rmsnorm eps", norm, "eps", "change `eps`")
+        )
+        out.append(self.tied_fact(config.tie_word_embeddings, m, program))
+        return out
+
+    def unsupported(self, config: GPT2Config | LlamaConfig, program: ir.Program) -> list[tuple[str, str]]:
+        assert isinstance(config, LlamaConfig)
+        out = []
+        if config.hidden_act != "silu":
+            out.append((f"hidden_act {config.hidden_act!r}: dslc's swiglu gates with silu", ""))
+        if config.mlp_bias:
+            out.append(("mlp_bias is true: dslc's swiglu and its down projection have no biases", ""))
+        if config.rope_type != "default":
+            out.append(
+                (
+                    f"rope type {config.rope_type!r}: dslc's rotary embeddings are unscaled",
+                    "scaled variants (llama3, linear, dynamic, yarn) are not supported",
+                )
+            )
+        seq = program.input(program.stream).type.shape[-1]
+        if config.window is not None and config.window < seq:
+            out.append(
+                (
+                    f"sliding_window is {config.window}, shorter than the spec's {seq} tokens",
+                    "dslc attends to the whole sequence: the same while it fits in the window",
+                )
+            )
+        return out
+
+    def tensors(self, m: Matched, tied: bool) -> list[TensorMap]:
+        (embed,) = m.prefix
+        norm, head = m.suffix
+        out = [TensorMap(PREFIX + "embed_tokens.weight", (layer_weight(embed, "table"),))]
+        for i, (attn_norm, attn, mlp_norm, gate_up, down) in enumerate(m.blocks):
+            at = f"{PREFIX}layers.{i}."
+            out.append(TensorMap(at + "input_layernorm.weight", (layer_weight(attn_norm, "scale"),)))
+            for w in "qkvo":
+                out.append(
+                    TensorMap(f"{at}self_attn.{w}_proj.weight", (layer_weight(attn, w),), transposed=True, kernel=True)
+                )
+                if f"{w}_bias" in {x.name for x in attn.weights}:
+                    out.append(TensorMap(f"{at}self_attn.{w}_proj.bias", (layer_weight(attn, f"{w}_bias"),)))
+            out += [
+                TensorMap(at + "post_attention_layernorm.weight", (layer_weight(mlp_norm, "scale"),)),
+                TensorMap(at + "mlp.gate_proj.weight", (layer_weight(gate_up, "gate"),), transposed=True, kernel=True),
+                TensorMap(at + "mlp.up_proj.weight", (layer_weight(gate_up, "up"),), transposed=True, kernel=True),
+                TensorMap(at + "mlp.down_proj.weight", (layer_weight(down, "kernel"),), transposed=True, kernel=True),
+            ]
+        out.append(TensorMap(PREFIX + "norm.weight", (layer_weight(norm, "scale"),)))
+        if not tied:
+            out.append(TensorMap(HEAD, (layer_weight(head, "kernel"),), transposed=True, kernel=True))
+        return out
+
+    def config(self, m: Matched, program: ir.Program, tied: bool, dtype: str) -> dict[str, object]:
+        (embed,) = m.prefix
+        attn_norm, attn, _, gate_up, _ = m.blocks[0]
+        qwen2 = bool(attn.attr("qkv_bias")) and not attn.attr("bias")
+        out: dict[str, object] = {
+            "architectures": ["Qwen2ForCausalLM" if qwen2 else "LlamaForCausalLM"],
+            "model_type": "qwen2" if qwen2 else "llama",
+            "vocab_size": embed.attr("vocab"),
+            "hidden_size": embed.attr("dim"),
+            "intermediate_size": gate_up.attr("hidden"),
+            "num_hidden_layers": len(m.blocks),
+            "num_attention_heads": attn.attr("heads"),
+            "num_key_value_heads": attn.attr("kv_heads"),
+            "head_dim": attn.attr("head_dim"),
+            "hidden_act": "silu",
+            "rms_norm_eps": attn_norm.attr("eps"),
+            "rope_theta": attn.attr("rope_base"),
+            "max_position_embeddings": program.input(program.stream).type.shape[-1],
+            "tie_word_embeddings": tied,
+            "torch_dtype": dtype,
+        }
+        if not qwen2:
+            out |= {"attention_bias": bool(attn.attr("bias")), "mlp_bias": False}
+        return out
+
+
+def _bias_facts(config: LlamaConfig, attn: ir.Layer) -> list[Fact]:
+    """Qwen2 adds biases to q, k and v; a Llama with `attention_bias` to all four projections."""
+    qkv, o = bool(attn.attr("bias") or attn.attr("qkv_bias")), bool(attn.attr("bias"))
+    if config.model_type == "qwen2":
+        spec = "qwen2" if qkv and not o else "llama"
+        fix = "write `qkv_bias=true` (and not `bias=true`) on the attention"
+        return [
+            Fact("model_type", "qwen2", spec, "model type, judged by its attention's biases,", attn, "qkv_bias", fix)
+        ]
+    fix = "write `bias=true` on the attention" if config.attention_bias else "leave the attention's biases out"
+    return [
+        Fact("attention_bias", config.attention_bias, qkv, "use of q, k and v biases", attn, "qkv_bias", fix),
+        Fact("attention_bias", config.attention_bias, o, "use of an o bias", attn, None, fix),
+    ]
+
+
+def _head_width_facts(config: LlamaConfig, embed: ir.Layer, attn: ir.Layer) -> list[Fact]:
+    """A head's width, where either side gives it rather than leaving it to width // heads
+    (which the width and heads facts check already)."""
+    default = int(embed.attr("dim")) // int(attn.attr("heads"))  # type: ignore[call-overload]
+    if config.head_dim is None and attn.attr("head_dim") == default:
+        return []
+    fix = f"write `head_dim={config.head_width}` on the attention"
+    return [Fact("head_dim", config.head_width, attn.attr("head_dim"), "head width", attn, "head_dim", fix)]

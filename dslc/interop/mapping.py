@@ -1,0 +1,303 @@
+"""How a family of checkpoints lines up with a spec: the order of its layers, the facts both
+state (checked against each other before a tensor is read), and where each tensor goes.
+
+A family is recognised in a spec by the order of its layers, not by their names: the labels
+are the spec author's. `match` walks the checked IR (residual branches marked, blocks and
+repeats unrolled, dropout left out as it holds no weights) against the family's `Structure`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from dslc.diagnostics import Diagnostic, Label, error
+from dslc.frontend import Analysis
+from dslc.interop.errors import CheckpointError, file_span
+from dslc.ir import nodes as ir
+from dslc.layers import LOSS_KINDS
+from dslc.syntax import ast
+
+OPEN, CLOSE = "(", ")"  # a residual branch begins and ends
+
+
+@dataclass(frozen=True, slots=True)
+class Structure:
+    """A family's layers in order: those before the repeated block, one block (with its
+    residual branches marked by OPEN and CLOSE), those after."""
+
+    family: str
+    prefix: tuple[str, ...]
+    block: tuple[str, ...]
+    suffix: tuple[str, ...]
+
+    def describe(self) -> str:
+        def words(kinds: tuple[str, ...]) -> str:
+            text = " ".join("residual {" if k == OPEN else "}" if k == CLOSE else f"{k}," for k in kinds)
+            return text.replace(", }", " }").rstrip(",")
+
+        return f"{words(self.prefix)}, then blocks of {words(self.block)}, then {words(self.suffix)}"
+
+
+@dataclass(frozen=True, slots=True)
+class Matched:
+    """The spec's layers with weights or settings the family has, in the family's order."""
+
+    prefix: tuple[ir.Layer, ...]
+    blocks: tuple[tuple[ir.Layer, ...], ...]
+    suffix: tuple[ir.Layer, ...]
+
+
+Token = tuple[str, ir.Node]
+
+
+def _tokens(nodes: Sequence[ir.Node]) -> list[Token]:
+    out: list[Token] = []
+    for node in nodes:
+        match node:
+            case ir.Layer(kind=kind) if kind == "dropout" or kind in LOSS_KINDS:
+                pass
+            case ir.Layer(kind=kind):
+                out.append((kind, node))
+            case ir.Residual(body=body):
+                out += [(OPEN, node), *_tokens(body), (CLOSE, node)]
+            case ir.Block(body=body):
+                out += _tokens(body)
+            case ir.Layout():
+                pass
+    return out
+
+
+def match(structure: Structure, program: ir.Program) -> Matched:
+    """The spec's layers in the family's order; a CheckpointError (C002) at the first one out
+    of place."""
+    tokens = _tokens(ir.unrolled(program.nodes))
+    at = 0
+
+    def take(kinds: tuple[str, ...]) -> tuple[ir.Layer, ...]:
+        nonlocal at
+        taken = []
+        for kind in kinds:
+            found = tokens[at] if at < len(tokens) else None
+            if found is None or found[0] != kind:
+                raise CheckpointError([_out_of_place(structure, kind, found, program)])
+            if isinstance(found[1], ir.Layer):
+                taken.append(found[1])
+            at += 1
+        return tuple(taken)
+
+    prefix = take(structure.prefix)
+    blocks: list[tuple[ir.Layer, ...]] = []
+    while len(tokens) - at > len(structure.suffix) or not blocks:
+        blocks.append(take(structure.block))
+    suffix = take(structure.suffix)
+    if at < len(tokens):
+        raise CheckpointError([_out_of_place(structure, "the end of `forward`", tokens[at], program)])
+    return Matched(prefix, tuple(blocks), suffix)
+
+
+def _out_of_place(structure: Structure, wanted: str, found: Token | None, program: ir.Program) -> Diagnostic:
+    shown = {OPEN: "a residual branch", CLOSE: "the end of a residual branch"}.get(wanted, f"`{wanted}`")
+    if found is None:
+        what, span = (
+            "the end of `forward`",
+            program.chunks[-1].nodes[-1].span if program.chunks[-1].nodes else program.span,
+        )
+    else:
+        kind, node = found
+        what = {OPEN: "a residual branch", CLOSE: "the end of a residual branch"}.get(kind, f"`{kind}` `{node.path}`")
+        span = node.span
+    return error(
+        "C002",
+        f"the spec is not built like a {structure.family}: {shown} should come here, not {what}",
+        span,
+        notes=[f"a {structure.family} is {structure.describe()} (dropout anywhere)"],
+    )
+
+
+# ---- what the config and the spec must agree on -------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Fact:
+    """One size or setting that config.json and the spec both state.
+
+    `constant` is the spec constant that holds it by the family specs' convention: where the
+    spec declares it with the value in question, the diagnostic points at it and `--set` fixes
+    it; otherwise it points at `layer`, and `fix` says what to write there."""
+
+    key: str
+    config: object
+    spec: object
+    what: str
+    layer: ir.Layer
+    constant: str | None
+    fix: str
+
+
+@dataclass(frozen=True, slots=True)
+class Requirement:
+    """What every checkpoint of the family has, so the spec must have it too (C002)."""
+
+    layer: ir.Layer
+    holds: bool
+    message: str
+    fix: str
+
+
+def disagreements(facts: Sequence[Fact], analysis: Analysis, config: Path) -> list[Diagnostic]:
+    """A C001 for each config key the spec disagrees with (once per key: the first layer that
+    disagrees, and how many do)."""
+    program = analysis.program
+    assert program is not None
+    constants = dict(program.constants)
+    declared = (
+        {item.name.text: item for item in analysis.module.items if isinstance(item, ast.ConstDecl)}
+        if (analysis.module)
+        else {}
+    )
+    out: list[Diagnostic] = []
+    for key in dict.fromkeys(f.key for f in facts):
+        wrong = [f for f in facts if f.key == key and not _same(f.config, f.spec)]
+        if not wrong:
+            continue
+        f = wrong[0]
+        message = f"config.json's `{key}` is {_json(f.config)}, but the spec's {f.what} {_is(f.spec)}"
+        notes = [f"in {config}"]
+        if len(wrong) > 1:
+            notes.append(f"{len(wrong)} layers of the spec disagree with it")
+        if f.constant in declared and _same(constants.get(f.constant), f.spec):
+            decl = declared[f.constant]
+            written = decl.value
+            if isinstance(written, ast.IntLit | ast.FloatLit | ast.BoolLit) and not _same(written.value, f.spec):
+                notes.append(f"`{f.constant}` is {_json(f.spec)} here, set on the command line")
+            out.append(
+                error(
+                    "C001",
+                    message,
+                    decl.span,
+                    labels=[Label(f.layer.span, f"used by `{f.layer.path}`")],
+                    notes=notes,
+                    help=f"--set {f.constant}={_json(f.config)}",
+                )
+            )
+        else:
+            out.append(error("C001", message, f.layer.span, notes=notes, help=f.fix))
+    return out
+
+
+def unmet(requirements: Sequence[Requirement], family: str) -> list[Diagnostic]:
+    """A C002 for each requirement the spec breaks (once per place in the text: the blocks of
+    a `repeat` share theirs)."""
+    out = {
+        (r.layer.span, r.message): error(
+            "C002", f"the spec is not built like a {family}: {r.message}", r.layer.span, help=r.fix
+        )
+        for r in requirements
+        if not r.holds
+    }
+    return list(out.values())
+
+
+def unsupported(config: Path, problems: Sequence[tuple[str, str]]) -> list[Diagnostic]:
+    """C003 for each (message, note) the config asks for that dslc does not compute."""
+    return [error("C003", message, file_span(config), notes=[note] if note else []) for message, note in problems]
+
+
+def _same(a: object, b: object) -> bool:
+    if isinstance(a, bool) or isinstance(b, bool):
+        return a is b
+    if isinstance(a, int | float) and isinstance(b, int | float):
+        return float(a) == float(b)
+    return a == b
+
+
+def _json(value: object) -> str:
+    return json.dumps(value)
+
+
+def _is(value: object) -> str:
+    if isinstance(value, bool):
+        return "is true" if value else "is false"
+    return f"is {_json(value)}"
+
+
+# ---- where each tensor goes ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class TensorMap:
+    """One tensor of the checkpoint (its name as `save_pretrained` writes it) and the spec's
+    weights it holds: side by side along its last dimension when there are several (GPT-2's
+    fused q, k, v), and stored [out, in] where the spec's are [in, out] when `transposed`."""
+
+    name: str
+    parts: tuple[str, ...]
+    transposed: bool = False
+    # A projection's matrix: one a checkpoint in another layout convention stores turned
+    # (embedding tables are [vocab, d] in every convention).
+    kernel: bool = False
+
+
+def layer_weight(layer: ir.Layer, name: str) -> str:
+    """A weight's dotted name, as `ir.weights_by_path` has it."""
+    return f"{layer.path}.{name}"
+
+
+def constant(program: ir.Program, name: str, default: object) -> object:
+    return dict(program.constants).get(name, default)
+
+
+HEAD = "lm_head.weight"  # the head's tensor in every family, beside the body's prefix
+
+
+class FamilyBase:
+    """What the families share. Their tensors are named `save_pretrained`'s way, the body's
+    under `prefix` (which older checkpoints leave out) and the head as HEAD; `buffer` matches
+    the buffers older checkpoints carry, which dslc computes itself. The spec has an embedding
+    first and a head last, which a checkpoint ties (`tie_word_embeddings`) or not, as the
+    spec's `tied` constant says, or the family's default."""
+
+    prefix: str
+    buffer: re.Pattern[str]
+    tied_by_default: bool
+
+    def canonical(self, name: str) -> str:
+        """The name `save_pretrained` gives a tensor."""
+        return name if name.startswith(self.prefix) or name == HEAD else self.prefix + name
+
+    def ignored(self, name: str) -> bool:
+        return self.buffer.fullmatch(name) is not None
+
+    def vocab_facts(self, vocab_size: int, m: Matched) -> list[Fact]:
+        """The vocabulary: the embedding's and the head's outputs."""
+        embed, head = m.prefix[0], m.suffix[-1]
+        return [
+            Fact("vocab_size", vocab_size, embed.attr("vocab"), "vocabulary size", embed, "vocab", "change `vocab`"),
+            Fact("vocab_size", vocab_size, head.attr("out"), "number of head outputs", head, "vocab", "change `out`"),
+        ]
+
+    def head_has_no_bias(self, m: Matched) -> Requirement:
+        head = m.suffix[-1]
+        return Requirement(head, not head.attr("bias"), "its head has no bias", "write `bias=false` on the head")
+
+    def tied(self, program: ir.Program) -> bool:
+        return bool(constant(program, "tied", self.tied_by_default))
+
+    def head_and_table(self, m: Matched) -> tuple[str, str]:
+        """The head's kernel and the embedding's table, by their dotted names."""
+        return layer_weight(m.suffix[-1], "kernel"), layer_weight(m.prefix[0], "table")
+
+    def tied_fact(self, tie_word_embeddings: bool, m: Matched, program: ir.Program) -> Fact:
+        return Fact(
+            "tie_word_embeddings",
+            tie_word_embeddings,
+            self.tied(program),
+            "tying of the head to the embedding (`const tied`, or the family's default)",
+            m.suffix[-1],
+            "tied",
+            f"declare `const tied = {'true' if tie_word_embeddings else 'false'}`",
+        )

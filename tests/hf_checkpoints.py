@@ -1,0 +1,239 @@
+"""Small Hugging Face checkpoints written as `transformers` writes them, and the logits their
+models compute, both without `transformers` or torch.
+
+The checkpoints are config.json plus safetensors files with `save_pretrained`'s names and
+layouts: GPT-2's Conv1D weights [in, out] with q, k and v fused in `c_attn`, Llama's
+nn.Linear weights [out, in], a tied head left out. The forwards follow the modelling code of
+`GPT2LMHeadModel` and `LlamaForCausalLM` in float64 numpy, in its own form where dslc's differs:
+the fused projection split after the product, rotary embeddings as `rotate_half` with
+the frequencies repeated over both halves, key/value heads repeated with `repeat_kv`, a -inf
+causal mask. Nothing here comes from dslc.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+from safetensors.numpy import save_file
+
+Tensors = dict[str, np.ndarray]
+
+GPT2_CONFIG = {
+    "architectures": ["GPT2LMHeadModel"],
+    "model_type": "gpt2",
+    "vocab_size": 96,
+    "n_positions": 32,
+    "n_embd": 32,
+    "n_layer": 2,
+    "n_head": 4,
+    "n_inner": None,
+    "activation_function": "gelu_new",
+    "layer_norm_epsilon": 1e-5,
+    "resid_pdrop": 0.1,
+    "embd_pdrop": 0.1,
+    "attn_pdrop": 0.1,
+    "initializer_range": 0.02,
+    "bos_token_id": 95,
+    "eos_token_id": 95,
+    "torch_dtype": "float32",
+}
+# The spec's constants that make specs/gpt2.par this size.
+GPT2_SET = {"vocab": 96, "positions": 32, "d": 32, "heads": 4, "layers": 2, "seq": 16, "batch": 8}
+
+LLAMA_CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": 96,
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "hidden_act": "silu",
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "rope_scaling": None,
+    "max_position_embeddings": 64,
+    "tie_word_embeddings": False,
+    "attention_bias": False,
+    "mlp_bias": False,
+    "torch_dtype": "float32",
+}
+LLAMA_SET = {"vocab": 96, "d": 32, "heads": 4, "kv_heads": 2, "ffn": 48, "layers": 2, "seq": 16, "batch": 8}
+
+
+def _normal(rng: np.random.Generator, *shape: int, scale: float = 0.1) -> np.ndarray:
+    return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+
+def gpt2_tensors(config: dict[str, object], seed: int = 0) -> Tensors:
+    """Random weights (biases and norms too, so that each one shows in the logits)."""
+    rng = np.random.default_rng(seed)
+    d, vocab, positions = int(config["n_embd"]), int(config["vocab_size"]), int(config["n_positions"])  # type: ignore[call-overload]
+    inner = int(config["n_inner"] or 4 * d)  # type: ignore[call-overload]
+    t: Tensors = {
+        "transformer.wte.weight": _normal(rng, vocab, d),
+        "transformer.wpe.weight": _normal(rng, positions, d),
+    }
+    for i in range(int(config["n_layer"])):  # type: ignore[call-overload]
+        h = f"transformer.h.{i}."
+        t |= {
+            h + "ln_1.weight": 1 + _normal(rng, d),
+            h + "ln_1.bias": _normal(rng, d),
+            h + "attn.c_attn.weight": _normal(rng, d, 3 * d),
+            h + "attn.c_attn.bias": _normal(rng, 3 * d),
+            h + "attn.c_proj.weight": _normal(rng, d, d),
+            h + "attn.c_proj.bias": _normal(rng, d),
+            h + "ln_2.weight": 1 + _normal(rng, d),
+            h + "ln_2.bias": _normal(rng, d),
+            h + "mlp.c_fc.weight": _normal(rng, d, inner),
+            h + "mlp.c_fc.bias": _normal(rng, inner),
+            h + "mlp.c_proj.weight": _normal(rng, inner, d),
+            h + "mlp.c_proj.bias": _normal(rng, d),
+        }
+    t |= {"transformer.ln_f.weight": 1 + _normal(rng, d), "transformer.ln_f.bias": _normal(rng, d)}
+    if not config.get("tie_word_embeddings", True):
+        t["lm_head.weight"] = _normal(rng, vocab, d)
+    return t
+
+
+def llama_tensors(config: dict[str, object], seed: int = 0) -> Tensors:
+    rng = np.random.default_rng(seed)
+    d, vocab, ffn = (int(config[k]) for k in ("hidden_size", "vocab_size", "intermediate_size"))  # type: ignore[call-overload]
+    heads, kv = int(config["num_attention_heads"]), int(config["num_key_value_heads"])  # type: ignore[call-overload]
+    hd = d // heads
+    qkv_bias = config["model_type"] == "qwen2" or bool(config.get("attention_bias"))
+    t: Tensors = {"model.embed_tokens.weight": _normal(rng, vocab, d)}
+    for i in range(int(config["num_hidden_layers"])):  # type: ignore[call-overload]
+        at = f"model.layers.{i}."
+        t |= {
+            at + "input_layernorm.weight": 1 + _normal(rng, d),
+            at + "self_attn.q_proj.weight": _normal(rng, heads * hd, d),
+            at + "self_attn.k_proj.weight": _normal(rng, kv * hd, d),
+            at + "self_attn.v_proj.weight": _normal(rng, kv * hd, d),
+            at + "self_attn.o_proj.weight": _normal(rng, d, heads * hd),
+            at + "post_attention_layernorm.weight": 1 + _normal(rng, d),
+            at + "mlp.gate_proj.weight": _normal(rng, ffn, d),
+            at + "mlp.up_proj.weight": _normal(rng, ffn, d),
+            at + "mlp.down_proj.weight": _normal(rng, d, ffn),
+        }
+        if qkv_bias:
+            t |= {
+                at + f"self_attn.{w}_proj.bias": _normal(rng, n * hd) for w, n in (("q", heads), ("k", kv), ("v", kv))
+            }
+        if config.get("attention_bias"):
+            t[at + "self_attn.o_proj.bias"] = _normal(rng, d)
+    t["model.norm.weight"] = 1 + _normal(rng, d)
+    if not config.get("tie_word_embeddings", False):
+        t["lm_head.weight"] = _normal(rng, vocab, d)
+    return t
+
+
+def write_checkpoint(folder: Path, config: dict[str, object], tensors: Tensors, shards: int = 1) -> Path:
+    """config.json and one model.safetensors, or `shards` files with their index, as
+    `save_pretrained` names them."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    if shards == 1:
+        save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        return folder
+    names = sorted(tensors)
+    weight_map = {}
+    for i in range(shards):
+        file = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        part = {n: tensors[n] for n in names[i::shards]}
+        save_file(part, str(folder / file), metadata={"format": "pt"})
+        weight_map |= dict.fromkeys(part, file)
+    total = sum(t.nbytes for t in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    return folder
+
+
+# ---- the models' forward passes ------------------------------------------------------------------
+
+
+def _layernorm(x: np.ndarray, w: np.ndarray, b: np.ndarray, eps: float) -> np.ndarray:
+    mean = x.mean(-1, keepdims=True)
+    var = ((x - mean) ** 2).mean(-1, keepdims=True)
+    return (x - mean) / np.sqrt(var + eps) * w + b
+
+
+def _softmax(x: np.ndarray) -> np.ndarray:
+    e = np.exp(x - x.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+
+
+def _causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
+    """q, k, v [b, heads, s, hd] -> [b, s, heads * hd]."""
+    s, hd = q.shape[2], q.shape[3]
+    scores = q @ k.transpose(0, 1, 3, 2) / math.sqrt(hd)
+    scores = np.where(np.tril(np.ones((s, s), bool)), scores, -np.inf)
+    out = _softmax(scores) @ v
+    return out.transpose(0, 2, 1, 3).reshape(q.shape[0], s, -1)
+
+
+def gpt2_logits(config: dict[str, object], tensors: Tensors, ids: np.ndarray) -> np.ndarray:
+    t = {name.removeprefix("transformer."): value.astype(np.float64) for name, value in tensors.items()}
+    heads, eps = int(config["n_head"]), float(config["layer_norm_epsilon"])  # type: ignore[call-overload, arg-type]
+    b, s = ids.shape
+    x = t["wte.weight"][ids] + t["wpe.weight"][np.arange(s)]
+    for i in range(int(config["n_layer"])):  # type: ignore[call-overload]
+        p = f"h.{i}."
+        h = _layernorm(x, t[p + "ln_1.weight"], t[p + "ln_1.bias"], eps)
+        qkv = h @ t[p + "attn.c_attn.weight"] + t[p + "attn.c_attn.bias"]
+        q, k, v = (part.reshape(b, s, heads, -1).transpose(0, 2, 1, 3) for part in np.split(qkv, 3, axis=-1))
+        x = x + _causal_attention(q, k, v) @ t[p + "attn.c_proj.weight"] + t[p + "attn.c_proj.bias"]
+        h = _layernorm(x, t[p + "ln_2.weight"], t[p + "ln_2.bias"], eps)
+        h = h @ t[p + "mlp.c_fc.weight"] + t[p + "mlp.c_fc.bias"]
+        h = 0.5 * h * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (h + 0.044715 * h**3)))  # gelu_new
+        x = x + h @ t[p + "mlp.c_proj.weight"] + t[p + "mlp.c_proj.bias"]
+    x = _layernorm(x, t["ln_f.weight"], t["ln_f.bias"], eps)
+    head = t.get("lm_head.weight", t["wte.weight"])
+    return x @ head.T
+
+
+def _rms(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * w
+
+
+def _rotate_half(x: np.ndarray) -> np.ndarray:
+    half = x.shape[-1] // 2
+    return np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+
+
+def llama_logits(config: dict[str, object], tensors: Tensors, ids: np.ndarray) -> np.ndarray:
+    t = {name.removeprefix("model."): value.astype(np.float64) for name, value in tensors.items()}
+    heads, kv = int(config["num_attention_heads"]), int(config["num_key_value_heads"])  # type: ignore[call-overload]
+    eps, theta = float(config["rms_norm_eps"]), float(config["rope_theta"])  # type: ignore[arg-type]
+    b, s = ids.shape
+    hd = int(config["hidden_size"]) // heads  # type: ignore[call-overload]
+    inv_freq = 1.0 / theta ** (np.arange(0, hd, 2) / hd)
+    freqs = np.outer(np.arange(s), inv_freq)
+    emb = np.concatenate([freqs, freqs], axis=-1)
+    cos, sin = np.cos(emb)[None, None], np.sin(emb)[None, None]
+    x = t["embed_tokens.weight"][ids]
+    for i in range(int(config["num_hidden_layers"])):  # type: ignore[call-overload]
+        p = f"layers.{i}."
+        h = _rms(x, t[p + "input_layernorm.weight"], eps)
+
+        def project(name: str, n: int, h: np.ndarray = h, p: str = p) -> np.ndarray:
+            y = h @ t[p + f"self_attn.{name}_proj.weight"].T
+            y = y + t[p + f"self_attn.{name}_proj.bias"] if p + f"self_attn.{name}_proj.bias" in t else y
+            return y.reshape(b, s, n, hd).transpose(0, 2, 1, 3)
+
+        q, k, v = project("q", heads), project("k", kv), project("v", kv)
+        q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        # repeat_kv: key/value head j serves query heads j * group ... (j + 1) * group - 1.
+        k, v = np.repeat(k, heads // kv, axis=1), np.repeat(v, heads // kv, axis=1)
+        o = _causal_attention(q, k, v) @ t[p + "self_attn.o_proj.weight"].T
+        x = x + (o + t[p + "self_attn.o_proj.bias"] if p + "self_attn.o_proj.bias" in t else o)
+        h = _rms(x, t[p + "post_attention_layernorm.weight"], eps)
+        gate, up = h @ t[p + "mlp.gate_proj.weight"].T, h @ t[p + "mlp.up_proj.weight"].T
+        x = x + (gate / (1.0 + np.exp(-gate)) * up) @ t[p + "mlp.down_proj.weight"].T
+    x = _rms(x, t["norm.weight"], eps)
+    head = tensors.get("lm_head.weight", tensors["model.embed_tokens.weight"]).astype(np.float64)
+    return x @ head.T

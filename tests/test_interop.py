@@ -1,0 +1,441 @@
+"""`dslc import` and `dslc export`: Hugging Face checkpoints in and out.
+
+Checkpoints are written here in the layout `save_pretrained` writes (tests/hf_checkpoints.py),
+with random weights at the shrunk sizes of specs/gpt2.par and specs/llama.par. Imported, the
+spec's forward gives the logits of an independent float64 forward of the same architecture;
+exported again, the safetensors file is the original byte for byte. Every way a checkpoint
+can fail to fit is refused with its diagnostic and leaves nothing behind.
+
+Tolerance of the logits: 2e-5 relative (max |dslc - reference| / max |reference|). dslc
+computes in f32, the reference in float64; f32 roundings through two layers give a few 1e-7
+(measured: GPT-2 3.5e-7 on one device, 3.7e-7 on 2x2x2; Llama 3.6e-7 and 3.9e-7), while a
+mistake in a layout moves them by far more (GPT-2's first `c_proj` transposed: 1.04; its q
+and k swapped: 0.32).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from dslc import cli
+from tests.conftest import ROOT, SPECS
+from tests.hf_checkpoints import (
+    GPT2_CONFIG,
+    GPT2_SET,
+    LLAMA_CONFIG,
+    LLAMA_SET,
+    gpt2_logits,
+    gpt2_tensors,
+    llama_logits,
+    llama_tensors,
+    write_checkpoint,
+)
+
+TOLERANCE = 2e-5
+GPT2 = SPECS / "gpt2.par"
+
+
+def relative_error(got: Any, want: Any) -> float:
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
+
+
+def flags(values: dict[str, object]) -> list[str]:
+    return [part for name, value in values.items() for part in ("--set", f"{name}={value}")]
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str | Path) -> tuple[int, str, str]:
+    code = cli.main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def f32_llama(folder: Path) -> Path:
+    """specs/llama.par computing in f32, to compare with a float64 forward at f32's tolerance
+    (the bf16 casts are tested on their own in test_numerics)."""
+    text = (SPECS / "llama.par").read_text()
+    assert "compute_dtype bf16" in text
+    path = folder / "llama_f32.par"
+    path.write_text(text.replace("compute_dtype bf16", "compute_dtype f32"))
+    return path
+
+
+def batch(vocab: int, seed: int = 1) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, vocab, size=(8, 16)).astype(np.int32)
+    return {"tokens": tokens, "targets": np.roll(tokens, -1, axis=1)}
+
+
+def logits_of(
+    capsys: pytest.CaptureFixture[str],
+    spec: Path,
+    weights: Path,
+    inputs: dict[str, np.ndarray],
+    sizes: dict[str, object],
+    mesh: str | None,
+    where: Path,
+) -> np.ndarray:
+    np.savez(where / "inputs.npz", **inputs)
+    mesh_flags = ["--mesh", mesh] if mesh else []
+    code, _, err = run(
+        capsys,
+        "run",
+        spec,
+        *mesh_flags,
+        "--weights",
+        weights,
+        "--inputs",
+        where / "inputs.npz",
+        "-o",
+        where / "out.npz",
+        *flags(sizes),
+    )
+    assert code == 0, err
+    with np.load(where / "out.npz") as out:
+        return np.asarray(out["output"])
+
+
+# ---- the happy paths -------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def gpt2(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """A GPT-2 checkpoint (tied head) and its import."""
+    root = tmp_path_factory.mktemp("gpt2")
+    tensors = gpt2_tensors(GPT2_CONFIG)
+    folder = write_checkpoint(root / "checkpoint", GPT2_CONFIG, tensors)
+    weights = root / "weights.npz"
+    assert cli.main(["import", str(GPT2), str(folder), "-o", str(weights), *flags(GPT2_SET)]) == 0
+    return {"root": root, "folder": folder, "tensors": tensors, "weights": weights}
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    root = tmp_path_factory.mktemp("llama")
+    tensors = llama_tensors(LLAMA_CONFIG)
+    folder = write_checkpoint(root / "checkpoint", LLAMA_CONFIG, tensors)
+    spec = f32_llama(root)
+    weights = root / "weights.npz"
+    assert cli.main(["import", str(spec), str(folder), "-o", str(weights), *flags(LLAMA_SET)]) == 0
+    return {"root": root, "folder": folder, "tensors": tensors, "weights": weights, "spec": spec}
+
+
+@pytest.mark.parametrize("mesh", ["1x1x1", None], ids=["one device", "2x2x2"])
+def test_imported_gpt2_computes_the_reference_logits(
+    gpt2: dict[str, Any], mesh: str | None, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    inputs = batch(96)
+    got = logits_of(capsys, GPT2, gpt2["weights"], inputs, GPT2_SET, mesh, tmp_path)
+    want = gpt2_logits(GPT2_CONFIG, gpt2["tensors"], inputs["tokens"])
+    assert relative_error(got, want) <= TOLERANCE
+
+
+@pytest.mark.parametrize("mesh", ["1x1x1", None], ids=["one device", "2x2x2"])
+def test_imported_llama_computes_the_reference_logits(
+    llama: dict[str, Any], mesh: str | None, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    inputs = batch(96)
+    got = logits_of(capsys, llama["spec"], llama["weights"], inputs, LLAMA_SET, mesh, tmp_path)
+    want = llama_logits(LLAMA_CONFIG, llama["tensors"], inputs["tokens"])
+    assert relative_error(got, want) <= TOLERANCE
+
+
+def test_imported_qwen2_with_qkv_biases_computes_the_reference_logits(
+    llama: dict[str, Any], capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    config = {**LLAMA_CONFIG, "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "tie_word_embeddings": True}
+    del config["attention_bias"], config["mlp_bias"]
+    tensors = llama_tensors(config, seed=3)
+    folder = write_checkpoint(tmp_path / "qwen2", config, tensors)
+    sizes = {**LLAMA_SET, "qkv_bias": "true", "tied": "true"}
+    code, out, err = run(capsys, "import", llama["spec"], folder, "-o", tmp_path / "w.npz", *flags(sizes))
+    assert code == 0, err
+    assert "27 weights, 21,792 parameters from 26 tensors of a qwen2 checkpoint" in out  # the head from the table
+    inputs = batch(96, seed=2)
+    got = logits_of(capsys, llama["spec"], tmp_path / "w.npz", inputs, sizes, "1x1x1", tmp_path)
+    assert relative_error(got, llama_logits(config, tensors, inputs["tokens"])) <= TOLERANCE
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_export_writes_the_checkpoint_back_byte_for_byte(
+    family: str, gpt2: dict[str, Any], llama: dict[str, Any], capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    case, spec, sizes, config = {
+        "gpt2": (gpt2, GPT2, GPT2_SET, GPT2_CONFIG),
+        "llama": (llama, llama["spec"], LLAMA_SET, LLAMA_CONFIG),
+    }[family]
+    out = tmp_path / "exported"
+    code, printed, err = run(capsys, "export", spec, "--weights", case["weights"], "-o", out, *flags(sizes))
+    assert code == 0, err
+    assert (out / "model.safetensors").read_bytes() == (case["folder"] / "model.safetensors").read_bytes()
+    written = json.loads((out / "config.json").read_text())
+    # The spec knows the sequence it was trained on, not the checkpoint's longest.
+    same = set(written) & set(config) - {"max_position_embeddings"}
+    assert {k: written[k] for k in same} == {k: config[k] for k in same}
+    assert same >= {"vocab_size", "torch_dtype"}
+    assert family != "gpt2" or ("tied to the embedding" in printed and written["tie_word_embeddings"] is True)
+
+
+def test_sharded_and_unprefixed_checkpoints_import_alike(
+    gpt2: dict[str, Any], capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    sharded = write_checkpoint(tmp_path / "sharded", GPT2_CONFIG, gpt2["tensors"], shards=3)
+    assert len(list(sharded.glob("*.safetensors"))) == 3
+    # Older GPT-2 checkpoints name the tensors without `transformer.` and keep the causal mask.
+    old = {name.removeprefix("transformer."): t for name, t in gpt2["tensors"].items()}
+    old["h.0.attn.bias"] = np.tril(np.ones((1, 1, 32, 32), np.float32))
+    unprefixed = write_checkpoint(tmp_path / "old", GPT2_CONFIG, old)
+    with np.load(gpt2["weights"]) as want:
+        for folder in (sharded, unprefixed):
+            code, _, err = run(capsys, "import", GPT2, folder, "-o", tmp_path / "w.npz", *flags(GPT2_SET))
+            assert code == 0, err
+            with np.load(tmp_path / "w.npz") as got:
+                assert sorted(got.files) == sorted(want.files)
+                assert all(np.array_equal(got[n], want[n]) for n in want.files)
+
+
+def test_import_reads_bf16_checkpoints_exactly(
+    gpt2: dict[str, Any], capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    import ml_dtypes
+
+    halved = {n: t.astype(ml_dtypes.bfloat16) for n, t in gpt2["tensors"].items()}
+    folder = write_checkpoint(tmp_path / "bf16", {**GPT2_CONFIG, "torch_dtype": "bfloat16"}, halved)
+    code, _, err = run(capsys, "import", GPT2, folder, "-o", tmp_path / "w.npz", *flags(GPT2_SET))
+    assert code == 0, err
+    with np.load(tmp_path / "w.npz") as got:
+        table = got["wte.table"]
+        assert table.dtype == np.float32
+        assert np.array_equal(table, halved["transformer.wte.weight"].astype(np.float32))
+
+
+# ---- refusals: a diagnostic, exit 1, and nothing written -------------------------------------------
+
+
+def _transposed_blocks(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The blocks' matrices in nn.Linear's [out, in], as a careless conversion writes them."""
+    return {n: t.T.copy() if t.ndim == 2 and ".h." in n else t for n, t in tensors.items()}
+
+
+def _truncate(folder: Path) -> None:
+    path = folder / "model.safetensors"
+    path.write_bytes(path.read_bytes()[:-1000])
+
+
+def _pickles_only(folder: Path) -> None:
+    (folder / "model.safetensors").rename(folder / "pytorch_model.bin")
+
+
+def _index_names_a_lost_shard(folder: Path) -> None:
+    next(iter(sorted(folder.glob("model-*.safetensors")))).unlink()
+
+
+# name: (config change, tensors change, files change, shards, what stderr must say)
+REFUSED: dict[str, tuple[dict[str, object], Any, Any, int, list[str]]] = {
+    "config disagrees": (
+        {"n_head": 8},
+        None,
+        None,
+        1,
+        [
+            "gpt2.par:23:1: error[C001]: config.json's `n_head` is 8, but the spec's number of attention heads is 4",
+            " 23 | const heads = 12",
+            "used by `h.0.attn`",
+            "= note: `heads` is 4 here, set on the command line",
+            "= help: --set heads=8",
+        ],
+    ),
+    "malformed config": (
+        {"n_head": "4"},
+        None,
+        None,
+        1,
+        ["error[C004]: 1 unusable value", '`n_head`: input should be a valid integer, got "4"'],
+    ),
+    "unsupported config": (
+        {"activation_function": "relu"},
+        None,
+        None,
+        1,
+        ["error[C003]: activation_function 'relu' is not one dslc computes"],
+    ),
+    "missing tensor": (
+        {},
+        lambda t: {n: v for n, v in t.items() if n != "transformer.h.1.mlp.c_fc.bias"},
+        None,
+        1,
+        ["error[C006]: 1 tensor of the spec missing: `transformer.h.1.mlp.c_fc.bias`"],
+    ),
+    "extra tensor": (
+        {},
+        lambda t: {**t, "transformer.h.0.attn.lora_a": t["transformer.h.0.ln_1.bias"]},
+        None,
+        1,
+        ["error[C006]: 1 tensor the spec has no place for: `transformer.h.0.attn.lora_a`"],
+    ),
+    "wrong shape": (
+        {},
+        lambda t: {**t, "transformer.h.0.mlp.c_fc.weight": t["transformer.h.0.mlp.c_fc.weight"][:, :64].copy()},
+        None,
+        1,
+        ["error[C006]: `transformer.h.0.mlp.c_fc.weight` is [32, 64], the spec needs [32, 128]"],
+    ),
+    "transposed matrices": (
+        {},
+        _transposed_blocks,
+        None,
+        1,
+        [
+            "error[C006]: 6 matrices stored the other way round (`transformer.h.0.attn.c_attn.weight`,",
+            "GPT-2 stores `transformer.h.0.attn.c_attn.weight` as [32, 96]",
+            "square matrices (`transformer.h.0.attn.c_proj.weight`, `transformer.h.1.attn.c_proj.weight`) look the "
+            "same either way round",
+        ],
+    ),
+    "truncated file": ({}, None, _truncate, 1, ["model.safetensors: error[C005]: not a readable safetensors file"]),
+    "pickles only": ({}, None, _pickles_only, 1, ["error[C005]: no model.safetensors", "never pickles"]),
+    "lost shard": (
+        {},
+        None,
+        _index_names_a_lost_shard,
+        3,
+        ["model.safetensors.index.json: error[C005]: names files that are not in the folder"],
+    ),
+    "another family": (
+        {**LLAMA_CONFIG, "n_head": None},
+        lambda t: llama_tensors(LLAMA_CONFIG),
+        None,
+        1,
+        [
+            "error[C002]: the spec is not built like a Llama: a residual branch should come here, "
+            "not `position_embed` `wpe`"
+        ],
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_a_checkpoint_that_does_not_fit_is_refused_and_nothing_is_written(
+    name: str, gpt2: dict[str, Any], capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    config_change, tensors_change, files_change, shards, said = REFUSED[name]
+    config = {k: v for k, v in {**GPT2_CONFIG, **config_change}.items() if v is not None or k == "n_inner"}
+    if "model_type" in config_change:
+        config = {k: v for k, v in config.items() if k in LLAMA_CONFIG}
+    tensors = tensors_change(gpt2["tensors"]) if tensors_change else gpt2["tensors"]
+    folder = write_checkpoint(tmp_path / "checkpoint", config, tensors, shards=shards)
+    if files_change:
+        files_change(folder)
+    out = tmp_path / "out"
+    out.mkdir()
+    code, printed, err = run(capsys, "import", GPT2, folder, "-o", out / "w.npz", *flags(GPT2_SET))
+    assert code == 1, err
+    for words in said:
+        assert words in err, err
+    assert "Traceback" not in err and printed == ""
+    assert list(out.iterdir()) == []  # neither the weights nor a temporary file
+
+
+def test_export_refuses_a_head_that_is_no_longer_its_embedding_unless_untied(
+    gpt2: dict[str, Any], capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    with np.load(gpt2["weights"]) as w:
+        trained = {n: w[n] for n in w.files}
+    trained["lm_head.kernel"] = trained["lm_head.kernel"] + 0.5
+    np.savez(tmp_path / "trained.npz", **trained)
+    out = tmp_path / "exported"
+    code, _, err = run(capsys, "export", GPT2, "--weights", tmp_path / "trained.npz", "-o", out, *flags(GPT2_SET))
+    assert code == 1
+    assert "error[C007]: the head `lm_head.kernel` is no longer the embedding `wte.table` it is tied to" in err
+    assert "--untie" in err and not out.exists()
+    code, printed, err = run(
+        capsys, "export", GPT2, "--weights", tmp_path / "trained.npz", "-o", out, "--untie", *flags(GPT2_SET)
+    )
+    assert code == 0, err
+    assert "tied" not in printed
+    config = json.loads((out / "config.json").read_text())
+    assert config["tie_word_embeddings"] is False
+    from safetensors.numpy import load_file
+
+    written = load_file(str(out / "model.safetensors"))
+    assert np.array_equal(written["lm_head.weight"], trained["lm_head.kernel"].T)
+    assert np.array_equal(written["transformer.wte.weight"], trained["wte.table"])
+
+
+def test_export_refuses_weights_of_another_spec(
+    gpt2: dict[str, Any], capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    with np.load(gpt2["weights"]) as w:
+        weights = {n: w[n] for n in w.files if n != "h.1.fc.bias"}
+    np.savez(tmp_path / "w.npz", **weights)
+    code, _, err = run(
+        capsys, "export", GPT2, "--weights", tmp_path / "w.npz", "-o", tmp_path / "out", *flags(GPT2_SET)
+    )
+    assert code == 1
+    assert "error[C007]: the weights do not fit the spec" in err and "1 missing (`h.1.fc.bias`)" in err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    ("change", "said"),
+    [
+        ({"model_type": "mistral", "sliding_window": 4096}, []),
+        (
+            {"rms_norm_eps": 1e-6},
+            ["llama_f32.par:26:1: error[C001]: config.json's `rms_norm_eps` is 1e-06", "= help: --set eps=1e-06"],
+        ),
+        (
+            {"tie_word_embeddings": True},
+            ["error[C001]: config.json's `tie_word_embeddings` is true", "--set tied=true"],
+        ),
+        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, ["error[C003]: rope type 'llama3'"]),
+        (
+            {"model_type": "mistral", "sliding_window": 8},
+            ["error[C003]: sliding_window is 8, shorter than the spec's 16 tokens"],
+        ),
+        ({"mlp_bias": True}, ["error[C003]: mlp_bias is true"]),
+        # No constant holds it: the diagnostic points at the layer and says what to write there.
+        (
+            {"head_dim": 16},
+            ["error[C001]: config.json's `head_dim` is 16, but the spec's head width is 8", "write `head_dim=16`"],
+        ),
+    ],
+)
+def test_a_llama_config_is_checked_before_a_tensor_is_read(
+    change: dict[str, object],
+    said: list[str],
+    llama: dict[str, Any],
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+) -> None:
+    folder = write_checkpoint(tmp_path / "checkpoint", {**LLAMA_CONFIG, **change}, llama["tensors"])
+    # Every check above comes before the tensors: a checkpoint without them gives the same report.
+    if said:
+        (folder / "model.safetensors").unlink()
+    code, _, err = run(capsys, "import", llama["spec"], folder, "-o", tmp_path / "w.npz", *flags(LLAMA_SET))
+    assert code == (1 if said else 0), err
+    for words in said:
+        assert words in err, err
+    assert (tmp_path / "w.npz").exists() == (not said)
+
+
+def test_every_checkpoint_diagnostic_is_documented_and_tested() -> None:
+    emitted = {
+        code
+        for path in (ROOT / "dslc").rglob("*.py")
+        for code in re.findall(r"[\"'](C0\d\d)[\"']", path.read_text(encoding="utf-8"))
+    }
+    documented = set(re.findall(r"^\| (C0\d\d) \|", (ROOT / "docs" / "checkpoints.md").read_text(), flags=re.M))
+    here = Path(__file__).parent
+    tested = set(
+        re.findall(
+            r"error\[(C0\d\d)\]", "".join(p.read_text() for p in (here / "test_interop.py", here / "test_init_from.py"))
+        )
+    )
+    assert emitted and emitted == documented == tested
