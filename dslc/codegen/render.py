@@ -99,8 +99,16 @@ _ENV.filters["py"] = py
 _ENV.filters["spec"] = spec
 
 
-def generate(program: ir.Program, spec_text: str, spec_name: str, mesh_size: str) -> str:
-    """The module for `program`, checked from `spec_text` (named `spec_name`), at `mesh_size`."""
+def generate(
+    program: ir.Program,
+    spec_text: str,
+    spec_name: str,
+    mesh_size: str,
+    regenerate: tuple[str, str] | None = None,
+) -> str:
+    """The module for `program`, checked from `spec_text` (named `spec_name`), at `mesh_size`.
+    `regenerate` is (the command that writes it again, its file name), as its docstring shows
+    them (default: `dslc compile` of the spec's base name, and the model's name)."""
     file = _display_name(spec_name)
     taken = _MODULE_NAMES | set(source.PRELUDE_IMPORTS) | _kernel_names()
     builder = Builder(program, spec_text.split("\n"), file, global_namer(taken))
@@ -139,9 +147,9 @@ def generate(program: ir.Program, spec_text: str, spec_name: str, mesh_size: str
     context = {
         "model": safe_identifier(program.name),
         "file": file,
-        "module_file": safe_identifier(program.name) + ".py",
+        "module_file": regenerate[1] if regenerate else safe_identifier(PurePath(file).stem) + ".py",
         "mesh_text": _mesh_text(mesh_axes, mesh_shape),
-        "mesh_size": mesh_size,
+        "regenerate": regenerate[0] if regenerate else f"dslc compile {file} --mesh {mesh_size} --force",
         "marker": MARKER,
         "imports": _imports(kernels),
         "mesh_axes": mesh_axes,
