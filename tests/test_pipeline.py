@@ -19,7 +19,7 @@ import pytest
 
 import dslc
 from dslc.schedules import build, to_json
-from tests.conftest import SPECS
+from tests.conftest import SPECS, compiled
 
 # f32 on a CPU mesh: the pipeline sums the per-microbatch gradients in another order than one
 # backward over the whole batch. Measured: max relative error 6.3e-7 (seed MLP), 9.8e-7
@@ -149,3 +149,61 @@ def test_a_table_of_ones_own_runs_with_the_numbers_of_autodiff(tmp_path: Path) -
     program = dslc.compile(spec, schedule=str(path))
     assert program.ir.pipeline is not None and program.ir.pipeline.schedule == "deferred"
     assert_matches_autodiff(program)
+
+
+# ---- placement: each stage holds its own weights ------------------------------------------------
+
+
+def _bytes_per_device(arrays: dict[str, jax.Array]) -> dict[int, int]:
+    """Bytes of the stored arrays' shards on each device, read from the arrays themselves."""
+    held: dict[int, int] = {}
+    for value in arrays.values():
+        for shard in value.addressable_shards:
+            held[shard.device.id] = held.get(shard.device.id, 0) + shard.data.nbytes
+    return held
+
+
+def _stage_bytes(program: dslc.Program) -> list[int]:
+    """Each stage's weight bytes, counted per layer from the chunks it runs."""
+    from dslc.ir import nodes as ir
+
+    per_stage = [0] * program.ir.stages
+    for chunk in program.ir.chunks:
+        layers = ir.counted_layers(chunk.nodes)
+        per_stage[chunk.stage] += sum(w.type.nbytes * times for layer, times in layers for w in layer.weights)
+    return per_stage
+
+
+def test_each_device_holds_only_its_stages_weights() -> None:
+    # Unequal stages, no data or tensor axis: a device holds exactly its own stage's weights,
+    # and the stages written one by one are stored as per-stage rows of one array each, so
+    # every device holds the largest stage's size (here stage 0's: fc1 and fc2 are the
+    # largest of their rows).
+    mlp = compiled(SPECS / "seed_mlp_pipeline.par")
+    held = _bytes_per_device(mlp.model.arrays())
+    assert len(held) == 3
+    assert set(held.values()) == {max(_stage_bytes(mlp.program))}
+    # A repeat split over 4 stages, the embedding and head split over them between steps:
+    # every device holds a quarter of the model, nothing more.
+    gpt = compiled(SPECS / "gpt_small.par", mesh="1x1x4", overrides={"seq": 16})
+    total = sum(4 * int(np.prod(shape)) for shape in gpt.program.weight_shapes().values())  # all f32
+    assert set(_bytes_per_device(gpt.model.arrays()).values()) == {total // 4}
+
+
+def test_training_step_sends_no_weight_sized_value_over_the_stage_axis() -> None:
+    # On a mesh whose only axis of size > 1 is the stage axis, every all-reduce in the compiled
+    # step is over it. What may cross it: the loss and the counts of its microbatches, and the
+    # global gradient norm's partial sums (gradient clipping) — a handful of scalars. A weight's
+    # gradient summed over stages would be at least as large as the smallest weight.
+    gpt = compiled(SPECS / "gpt_small.par", mesh="1x1x4", overrides={"seq": 16})
+    with jax.set_mesh(gpt.program.mesh):
+        hlo = gpt.program.lower("train").compile().as_text()
+    smallest = min(int(np.prod(shape)) for shape in gpt.program.weight_shapes().values())
+    sizes = []
+    for line in hlo.splitlines():
+        if re.search(r"\sall-reduce(?:-start)?\(", line):
+            result = line.split("=", 1)[1].split("all-reduce", 1)[0]
+            shapes = re.findall(r"\[([\d,]*)\]", result)
+            sizes.append(max(int(np.prod([int(d) for d in s.split(",") if d] or [1])) for s in shapes))
+    assert sizes, "the step has no all-reduce at all: the loss is not summed over the stages"
+    assert max(sizes) < smallest, sorted(sizes)[-5:]
