@@ -207,3 +207,30 @@ def test_training_step_sends_no_weight_sized_value_over_the_stage_axis() -> None
             sizes.append(max(int(np.prod([int(d) for d in s.split(",") if d] or [1])) for s in shapes))
     assert sizes, "the step has no all-reduce at all: the loss is not summed over the stages"
     assert max(sizes) < smallest, sorted(sizes)[-5:]
+
+
+def test_the_pipelined_step_does_the_flops_of_the_unpipelined_one() -> None:
+    """The spec's checkpointing alone decides recomputation: without it the pipeline keeps
+    each chunk's residuals from its forward tick to its backward tick and reruns nothing."""
+    from dslc.plan.timetable import schedule_table
+    from tests.jaxpr_flops import dot_flops
+
+    def flops(checkpoint: str) -> tuple[float, float]:
+        text = (SPECS / "gpt_small.par").read_text().replace("checkpoint selective(attn)", checkpoint)
+        program = dslc.compile(text, overrides={"seq": 16})
+        assert program.ir.pipeline is not None
+        with jax.set_mesh(program.mesh):
+            unpipelined = jax.jit(jax.value_and_grad(program.module.loss)).trace(*program.abstract_arguments())
+        ticks, microbatches = schedule_table(program.ir).ticks, program.ir.pipeline.microbatches
+        return dot_flops(program.trace("grads").jaxpr, ticks=ticks, microbatches=microbatches), dot_flops(
+            unpipelined.jaxpr
+        )
+
+    pipelined, unpipelined = flops("")
+    # Issue target 1.05; measured 1.000 (the same matrix multiplies, in another order).
+    assert pipelined <= 1.05 * unpipelined, pipelined / unpipelined
+    # The count sees recomputation: `checkpoint full` reruns every block's forward in its
+    # backward, pipelined or not (measured 1.21x the FLOPs of no checkpointing).
+    recomputed, recomputed_unpipelined = flops("checkpoint full")
+    assert recomputed >= 1.15 * pipelined
+    assert recomputed <= 1.05 * recomputed_unpipelined
