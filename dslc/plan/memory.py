@@ -19,6 +19,7 @@ the spec's checkpointing decides), in as many stash slots as the schedule's buff
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from dslc.ir.nodes import Mesh, Program, TensorType
@@ -61,6 +62,7 @@ class State:
     optimizer: int
     accumulators: int
     gathered: int  # whole copies of the weights split over the stage axis, for the step
+    held: int  # the gradients the step computes: the stage's own pieces, gathered arrays whole
     details: tuple[tuple[str, int], ...]
 
 
@@ -72,11 +74,12 @@ def training_state(program: Program) -> State:
     """Parameters, gradients, optimizer state and accumulators per device, as stored."""
     mesh, train = program.mesh, program.train
     axis = program.pipeline.axis if program.pipelined and program.pipeline else None
-    params = grads = optimizer = held = gathered = 0
+    params = grads = optimizer = held = gathered = returned = 0
     for array in place(program).arrays:
         state = array.state(program)
         params += _local(array.type, state.params, mesh)
-        grads += _local(array.type, state.grads, mesh)
+        grad = _local(array.type, state.grads, mesh)
+        grads += grad
         optimizer += MOMENTS[train.optimizer.name] * _local(array.type, state.optimizer, mesh)
         # What the step computes the gradient in: the stage's own piece, or a gathered whole.
         whole = tuple(tuple(a for a in axes if a != axis) for axes in array.type.sharding)
@@ -84,17 +87,21 @@ def training_state(program: Program) -> State:
         held += here
         if array.split_dim is not None:
             gathered += here
+        elif array.stage_dim is not None and grad == here:
+            # The executor returns a stage's own piece of the accumulator as it is: the
+            # accumulator's buffer is the gradient the step returns.
+            returned += here
     details = []
     accumulators = 0
     if train.accumulate > 1:
         accumulators += held
         details.append((f"gradient accumulator (accumulate {train.accumulate})", held))
-    if axis is not None:
-        accumulators += held
-        details.append(("pipeline gradient accumulator (this stage's arrays)", held))
+    if axis is not None and held > returned:
+        accumulators += held - returned
+        details.append(("pipeline gradient accumulator (gathered or replicated arrays)", held - returned))
     if gathered:
         details.append(("weights split over the stage axis, gathered for the step", gathered))
-    return State(params, grads, optimizer, accumulators, gathered, tuple(details))
+    return State(params, grads, optimizer, accumulators, gathered, held, tuple(details))
 
 
 def memory(program: Program) -> Memory:
@@ -136,9 +143,14 @@ def pipeline_activations(program: Program) -> tuple[int, list[tuple[str, int]], 
     working = max((k.peak - k.kept for k in chunks), default=0)
     stash = (slots.stash_slots + 1) * (boundary + residuals)
     received = (slots.activation_slots + slots.gradient_slots + 2) * boundary
-    # A tick's own values: the residuals its forward makes and those its backward reads (one
-    # slot's worth each, outside the stash), and the chunk's weight gradients it adds up.
-    tick = 2 * (boundary + residuals)
+    # The backward reads one slot out of the stash (the residuals and the chunk input) and
+    # its output gradient out of the receive buffer; the forward's new slot is written into
+    # the stash before the backward runs.
+    tick = residuals + 2 * boundary
+    # The backward switch returns a gradient for every array of the stage (zeros for those
+    # its chunk does not read), which is then added to the accumulator.
+    returned = training_state(program).held
+    unpadded = max((max(_part_gradients(program, c), default=0) for c in range(len(program.chunks))), default=0)
     details = [
         (
             f"stash: {slots.stash_slots} slots of a chunk's input and residuals "
@@ -146,13 +158,32 @@ def pipeline_activations(program: Program) -> tuple[int, list[tuple[str, int]], 
             stash,
         ),
         (f"receive buffers: {slots.activation_slots} activation + {slots.gradient_slots} gradient slots", received),
-        ("a tick's residuals, made by its forward and read by its backward", tick),
+        ("a backward tick's slot read from the stash, and its output gradient", tick),
         ("one chunk's backward working set for one microbatch", working),
+        ("the weight gradients a backward tick returns, one per array of the stage", returned),
+        ("a chunk's weight gradient before it is padded into its array", unpadded),
     ]
     # The executor reshapes the batch into microbatches: one copy of the inputs.
     copy = sum(inp.type.local_nbytes(mesh) for inp in program.inputs)
     details.append(("the batch split into microbatches (a copy)", copy))
-    return stash + received + tick + working, details, copy
+    return stash + received + tick + working + returned + unpadded, details, copy
+
+
+def _part_gradients(program: Program, chunk: int) -> list[int]:
+    """Bytes of the weight gradients chunk `chunk` computes for a part of its stage's piece of
+    an array (a row padded to a larger one, one of a stage's virtual chunks): each is made at
+    its own shape and then padded into a gradient of the whole piece, so both exist at once.
+    A chunk that reads the whole piece makes that gradient directly."""
+    placement = place(program)
+    stages = program.stages
+    sizes = []
+    for share in placement.shares[chunk].values():
+        array = placement.array(share.stored)
+        piece = math.prod(array.type.shape) // (stages if array.stage_dim is not None else 1)
+        part = math.prod(share.shape)
+        if part < piece:
+            sizes.append(array.type.local_nbytes(program.mesh) * part // piece)
+    return sizes
 
 
 __all__ = ["Kept", "Memory", "State", "memory", "pipeline_activations", "training_state"]
