@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from dslc.ir.nodes import Mesh, Program, TensorType
+from dslc.ir.nodes import Mesh, Node, Program, Repeat, TensorType
 from dslc.ir.placement import place
 from dslc.plan.activations import Kept, kept_by, tensor_bytes
 from dslc.plan.timetable import microbatch_slices, pipeline_figures
@@ -150,6 +150,12 @@ def pipeline_activations(program: Program) -> tuple[int, list[tuple[str, int]], 
     # The backward switch returns a gradient for every array of the stage (zeros for those
     # its chunk does not read), which is then added to the accumulator.
     returned = training_state(program).held
+    # With one row of a microbatch on a device, XLA lays the stash's stacked residuals out
+    # with that unit dimension elsewhere than the backward's scan reads them, and copies the
+    # slot's scanned residuals into the scan's layout for every backward.
+    rows = min((t.local_shape(mesh)[0] for t in program.boundaries if t.rank), default=0)
+    scanned = max((_scanned(c.nodes, mesh, train.compute_dtype, slices) for c in program.chunks), default=0)
+    relaid = scanned if -(-rows // pipeline.microbatches) == 1 else 0
     unpadded = max((max(_part_gradients(program, c), default=0) for c in range(len(program.chunks))), default=0)
     details = [
         (
@@ -162,11 +168,17 @@ def pipeline_activations(program: Program) -> tuple[int, list[tuple[str, int]], 
         ("one chunk's backward working set for one microbatch", working),
         ("the weight gradients a backward tick returns, one per array of the stage", returned),
         ("a chunk's weight gradient before it is padded into its array", unpadded),
+        ("the slot's scanned residuals copied into the scan's layout (one row per microbatch)", relaid),
     ]
     # The executor reshapes the batch into microbatches: one copy of the inputs.
     copy = sum(inp.type.local_nbytes(mesh) for inp in program.inputs)
     details.append(("the batch split into microbatches (a copy)", copy))
-    return stash + received + tick + working + returned + unpadded, details, copy
+    return stash + received + tick + working + returned + unpadded + relaid, details, copy
+
+
+def _scanned(nodes: tuple[Node, ...], mesh: Mesh, compute: str, slices: int) -> int:
+    """What the scans of a chunk's repeats (of more than one block) keep, stacked."""
+    return sum(kept_by((n,), mesh, compute, slices).kept for n in nodes if isinstance(n, Repeat) and n.count > 1)
 
 
 def _part_gradients(program: Program, chunk: int) -> list[int]:
