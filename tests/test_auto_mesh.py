@@ -256,7 +256,8 @@ def test_training_state_of_a_pipeline_never_exceeds_the_planners(spec: str, mesh
     assert program is not None and program.pipelined
     m = plan(program).memory
     bound = search.training_state(program.mesh, mesh[2])
-    assert bound <= m.params + m.grads + m.grad_accumulator + m.optimizer + m.inputs
+    # The temporaries hold the weight gradients a backward tick returns.
+    assert bound <= m.params + m.grads + m.grad_accumulator + m.optimizer + m.inputs + m.temporaries
 
 
 @pytest.mark.parametrize("kind", ["gpipe", "1f1b", "zb-h1", "interleaved-1f1b", "zb-v", "v-half"])

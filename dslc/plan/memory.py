@@ -127,9 +127,12 @@ def memory(program: Program) -> Memory:
 
 
 def pipeline_activations(program: Program) -> tuple[int, list[tuple[str, int]], int]:
-    """The executor's buffers on a stage: per stash slot one chunk input and one microbatch's
-    residuals, receive slots for activations and gradients (each buffer with one scratch slot
-    besides the table's), and one chunk's backward working set."""
+    """The executor's buffers on a stage, as (activations, details, temporaries). Activations:
+    per stash slot one chunk input and one microbatch's residuals, receive slots for
+    activations and gradients (each buffer with one scratch slot besides the table's), the
+    slot a backward tick reads, and one chunk's backward working set. Temporaries, which no
+    schedule changes: the batch split into microbatches, and the weight gradients a backward
+    tick returns."""
     pipeline = program.pipeline
     assert pipeline is not None
     mesh, train = program.mesh, program.train
@@ -173,7 +176,7 @@ def pipeline_activations(program: Program) -> tuple[int, list[tuple[str, int]], 
     # The executor reshapes the batch into microbatches: one copy of the inputs.
     copy = sum(inp.type.local_nbytes(mesh) for inp in program.inputs)
     details.append(("the batch split into microbatches (a copy)", copy))
-    return stash + received + tick + working + returned + unpadded + relaid, details, copy
+    return stash + received + tick + working + relaid, details, copy + returned + unpadded
 
 
 def _scanned(nodes: tuple[Node, ...], mesh: Mesh, compute: str, slices: int) -> int:
