@@ -23,7 +23,7 @@ import math
 from dataclasses import dataclass
 
 from dslc.ir.nodes import Mesh, Node, Program, Repeat, TensorType
-from dslc.ir.placement import place
+from dslc.ir.placement import Placement, place
 from dslc.plan.activations import Kept, kept_by, tensor_bytes
 from dslc.plan.timetable import microbatch_slices, pipeline_figures
 
@@ -70,12 +70,12 @@ def _local(t: TensorType, sharding: tuple[tuple[str, ...], ...], mesh: Mesh) -> 
     return TensorType(t.dtype, t.shape, sharding).local_nbytes(mesh)
 
 
-def training_state(program: Program) -> State:
+def training_state(program: Program, placement: Placement | None = None) -> State:
     """Parameters, gradients, optimizer state and accumulators per device, as stored."""
     mesh, train = program.mesh, program.train
     axis = program.pipeline.axis if program.pipelined and program.pipeline else None
     params = grads = optimizer = held = gathered = returned = 0
-    for array in place(program).arrays:
+    for array in (placement or place(program)).arrays:
         state = array.state(program)
         params += _local(array.type, state.params, mesh)
         grad = _local(array.type, state.grads, mesh)
@@ -106,12 +106,13 @@ def training_state(program: Program) -> State:
 
 def memory(program: Program) -> Memory:
     mesh, train = program.mesh, program.train
-    state = training_state(program)
+    placement = place(program)
+    state = training_state(program, placement)
     inputs = sum(inp.type.local_nbytes(mesh) for inp in program.inputs)
     details = list(state.details)
     temporaries = state.gathered
     if program.pipelined:
-        acts, pipe_details, pipe_temps = pipeline_activations(program)
+        acts, pipe_details, pipe_temps = pipeline_activations(program, state, placement)
         details.extend(pipe_details)
         temporaries += pipe_temps
     else:
@@ -126,7 +127,9 @@ def memory(program: Program) -> Memory:
     )
 
 
-def pipeline_activations(program: Program) -> tuple[int, list[tuple[str, int]], int]:
+def pipeline_activations(
+    program: Program, state: State | None = None, placement: Placement | None = None
+) -> tuple[int, list[tuple[str, int]], int]:
     """The executor's buffers on a stage, as (activations, details, temporaries). Activations:
     per stash slot one chunk input and one microbatch's residuals, receive slots for
     activations and gradients (each buffer with one scratch slot besides the table's), the
@@ -152,14 +155,17 @@ def pipeline_activations(program: Program) -> tuple[int, list[tuple[str, int]], 
     tick = residuals + 2 * boundary
     # The backward switch returns a gradient for every array of the stage (zeros for those
     # its chunk does not read), which is then added to the accumulator.
-    returned = training_state(program).held
+    placement = placement or place(program)
+    returned = (state or training_state(program, placement)).held
     # With one row of a microbatch on a device, XLA lays the stash's stacked residuals out
     # with that unit dimension elsewhere than the backward's scan reads them, and copies the
     # slot's scanned residuals into the scan's layout for every backward.
     rows = min((t.local_shape(mesh)[0] for t in program.boundaries if t.rank), default=0)
     scanned = max((_scanned(c.nodes, mesh, train.compute_dtype, slices) for c in program.chunks), default=0)
     relaid = scanned if -(-rows // pipeline.microbatches) == 1 else 0
-    unpadded = max((max(_part_gradients(program, c), default=0) for c in range(len(program.chunks))), default=0)
+    unpadded = max(
+        (max(_part_gradients(program, placement, c), default=0) for c in range(len(program.chunks))), default=0
+    )
     details = [
         (
             f"stash: {slots.stash_slots} slots of a chunk's input and residuals "
@@ -184,12 +190,11 @@ def _scanned(nodes: tuple[Node, ...], mesh: Mesh, compute: str, slices: int) -> 
     return sum(kept_by((n,), mesh, compute, slices).kept for n in nodes if isinstance(n, Repeat) and n.count > 1)
 
 
-def _part_gradients(program: Program, chunk: int) -> list[int]:
+def _part_gradients(program: Program, placement: Placement, chunk: int) -> list[int]:
     """Bytes of the weight gradients chunk `chunk` computes for a part of its stage's piece of
     an array (a row padded to a larger one, one of a stage's virtual chunks): each is made at
     its own shape and then padded into a gradient of the whole piece, so both exist at once.
     A chunk that reads the whole piece makes that gradient directly."""
-    placement = place(program)
     stages = program.stages
     sizes = []
     for share in placement.shares[chunk].values():
