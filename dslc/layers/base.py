@@ -163,6 +163,13 @@ class LayerRule:
         y = layer.output.slice_numel(mesh, slices) if layer.output.rank else 1
         return (layer.input.slice_numel(mesh, slices) + y) * DTYPE_BYTES[compute]
 
+    def recomputed_bytes(self, layer: Layer, mesh: Mesh, compute: str, slices: int) -> int:
+        """What recomputing the layer inside a checkpointed block's backward materialises. XLA
+        fuses an elementwise chain into the backward ops that read it, so a rule whose
+        residuals are such a chain's terms (GELU's, a norm's f32 copies) says less here than
+        in `residual_bytes`, which is what a saved forward keeps. By default the same."""
+        return self.residual_bytes(layer, mesh, compute, slices)
+
     def workspace_bytes(self, layer: Layer, mesh: Mesh, compute: str, slices: int) -> int:
         """The largest transient while the layer's backward runs, on top of its residuals. By
         default their gradients, which live next to the residuals themselves: the same size."""
