@@ -1035,6 +1035,35 @@ def test_e033_tied_shapes_differ_and_say_whether_to_transpose() -> None:
     assert (d.code, d.message) == ("E033", "`b.scale` reads `a.bias` transposed, but only a matrix can be: it is [16]")
 
 
+TOKENS = "model m\nmesh data=2, model=2\ninput t: i32[8 @ data, 4]\ninput y: i32[8 @ data, 4]\n"
+
+
+def test_e033_a_padded_vocabulary_read_where_its_padding_cannot_be_masked() -> None:
+    """63 tokens over model=2 are padded to 64: a head right before cross_entropy may read the
+    table (the loss masks the extra logit); a layer feeding anything else may not."""
+    fine = (
+        "forward(t) {\n  wte: embed(63, 16) shard table[model, _]\n"
+        "  head: linear(16, 63, bias=false) tie kernel = wte.table.T\n  loss: cross_entropy(y)\n}\n"
+    )
+    assert diagnose(TOKENS + fine) == []
+    text = TOKENS + fine.replace("  loss:", "  gelu()\n  loss:")
+    d = only(text)
+    assert (d.code, at(d)) == ("E033", (7, 40, 7, 60))
+    assert d.message == (
+        "`head.kernel` reads `wte.table`, whose vocabulary is padded to 64, "
+        "where this layer cannot leave the padding out"
+    )
+
+
+def test_cross_entropy_classes_must_fit_the_logits() -> None:
+    body = "forward(t) {\n  wte: embed(16, 8)\n  head: linear(8, 16)\n  loss: cross_entropy(y, classes=17)\n}\n"
+    d = only(TOKENS + body)
+    assert (d.code, at(d)) == ("E016", (8, 26, 8, 36))
+    assert d.message == "`loss` counts 17 classes, but its logits have 16: f32[8@data, 4, 16]"
+    d = only(TOKENS + body.replace("classes=17", "classes=-1"))
+    assert (d.code, d.message) == ("E024", "`classes` of `cross_entropy` is a count, got -1")
+
+
 # ---- E028: structure -------------------------------------------------------------------------
 
 

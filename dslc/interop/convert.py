@@ -138,7 +138,7 @@ def plan_import(analysis: Analysis, folder: Path) -> ImportPlan:
     files = TensorFiles(folder)
     tied = family.tied(program)
     maps = family.tensors(matched, tied)
-    shapes = {name: w.type.shape for name, w in ir.weights_by_path(program).items()}
+    shapes = {name: w.shape for name, w in ir.weights_by_path(program).items()}
     head, table = family.head_and_table(matched)
     covered = {p for m in maps for p in m.parts} | ({head} if tied else set())
     assert covered == set(shapes), f"the {family.name} mapping misses {sorted(set(shapes) ^ covered)}"

@@ -20,8 +20,9 @@ from dslc.ir.names import closest, unknown_name
 from dslc.ir.settings import read_pipeline, read_train
 from dslc.ir.shardings import divisor_sizes, resolve
 from dslc.ir.ties import Declared, tied_weight
+from dslc.ir.vocabulary import feeding_masked_losses, pad
 from dslc.layers import LOSS_KINDS, RULES
-from dslc.layers.base import REQUIRED, ArgSpec, Context, LayerRule, input_args
+from dslc.layers.base import REQUIRED, ArgSpec, Context, LayerRule, Vocabulary, input_args
 from dslc.schedules import ScheduleError, placement
 from dslc.syntax import ast
 
@@ -371,6 +372,9 @@ class _Flow:
     type: ir.TensorType
     span: Span
     after_loss: Span | None = None
+    # The classes of logits whose last dimension a padded vocabulary widened (the loss masks
+    # the rest out); None where nothing is padded.
+    classes: int | None = None
 
 
 class _Builder:
@@ -387,6 +391,8 @@ class _Builder:
         # Blocks and repeats the statement being elaborated is inside, and of those repeats.
         self.depth = 0
         self.repeats = 0
+        # The calls of heads right before a loss that masks padded logits (by id).
+        self.heads: set[int] = set()
 
     # entry ---------------------------------------------------------------------------------------
 
@@ -398,6 +404,7 @@ class _Builder:
             return None
         src = self.h.inputs[stream]
         flow = _Flow(UNKNOWN if stream in self.h.untyped_inputs else src.type, src.span)
+        self.heads = feeding_masked_losses(fwd.body)
         names = self._names(fwd.body)
         segments: list[_Segment] = []
         scope: Scope = dict(self.h.constants)
@@ -697,7 +704,11 @@ class _Builder:
             self._check_shard_axes(shards, path)
             flow.type, flow.span = UNKNOWN, span
             return None
-        weights = self._weights(rule, attrs, shards, ties, path, call.span, ctx)
+        if flow.classes is not None and "classes" in {a.name for a in rule.args} and "classes" not in arg_spans:
+            # The loss after a padded head counts only the real classes.
+            attrs["classes"] = flow.classes
+        vocab = rule.vocabulary(attrs, id(call) in self.heads)
+        weights = self._weights(rule, attrs, shards, ties, vocab, path, call.span, ctx)
         for w in weights or ():
             self.declared[f"{path}.{w.name}"] = Declared(w, self.repeats > 0)
         x = flow.type
@@ -724,6 +735,8 @@ class _Builder:
             span=span,
         )
         flow.type, flow.span = y, span
+        widened = vocab is not None and vocab.logits and y is not UNKNOWN and y.shape[-1] != vocab.size
+        flow.classes = vocab.size if vocab is not None and widened else None
         if rule.kind in LOSS_KINDS:
             flow.after_loss = span
         return node
@@ -734,11 +747,14 @@ class _Builder:
         attrs: dict[str, object],
         shards: tuple[ast.WeightShard, ...],
         ties: tuple[ast.WeightTie, ...],
+        vocab: Vocabulary | None,
         path: str,
         span: Span,
         ctx: Context,
     ) -> list[ir.Weight] | None:
         specs = {w.name: w for w in rule.weights(attrs)}
+        # A vocabulary's dimensions are padded to split evenly rather than refused (below).
+        padded = dict(vocab.dims) if vocab is not None else {}
         given: dict[str, ast.WeightShard] = {}
         ok = True
         for shard in shards:
@@ -787,13 +803,14 @@ class _Builder:
                 continue
             axis_sets = written.dims if written else tuple(ast.AxisSet((), span) for _ in spec.shape)
             what = f"weight `{path}.{spec.name}`"
-            sharding = resolve(axis_sets, spec.shape, what, self.h.mesh, self.h.pipeline_axis, self.diags)
+            sizes = [None if padded.get(spec.name) == d else n for d, n in enumerate(spec.shape)]
+            sharding = resolve(axis_sets, sizes, what, self.h.mesh, self.h.pipeline_axis, self.diags)
             ctx.weight_spans[spec.name] = written.span if written else span
             t = ir.TensorType(self.h.train.param_dtype, spec.shape, sharding)
             out.append(ir.Weight(spec.name, t, spec.initializer(), written.span if written else span))
         if len(self.diags.items) > reported:
             ctx.shardings_as_written = False
-        return out if ok else None
+        return pad(out, vocab, path, self.h.mesh, self.diags) if ok else None
 
     def _ties(
         self,

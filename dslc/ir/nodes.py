@@ -142,6 +142,16 @@ class Weight:
     init: str
     span: Span = field(default=NO_SPAN, compare=False, repr=False)
     tie: Tie | None = None
+    # Elements added at the end of each dimension of `type` (a vocabulary padded to split
+    # evenly): stored and computed with, never exported. Empty: none.
+    padding: tuple[int, ...] = ()
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The shape the spec declares, as weights are exported and imported: without padding."""
+        if not self.padding:
+            return self.type.shape
+        return tuple(n - pad for n, pad in zip(self.type.shape, self.padding, strict=True))
 
     @property
     def stored(self) -> Weight:
@@ -534,3 +544,8 @@ def weights_by_path(program: Program) -> dict[str, Weight]:
         for name in sw.names():
             out[name] = sw.stored
     return out
+
+
+def parameter_count(program: Program) -> int:
+    """The model's parameters as the spec declares them: a tied weight once, no padding."""
+    return sum(math.prod(w.shape) for w in weights_by_path(program).values())

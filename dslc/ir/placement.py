@@ -59,11 +59,18 @@ class StoredArray:
     stage_dim: int | None = None
     split_dim: int | None = None
     span: Span = field(default=NO_SPAN, compare=False, repr=False)  # where its (first) weight was written
+    padding: tuple[int, ...] = ()  # its weights' own: a vocabulary padded to split evenly
 
     @property
     def lead(self) -> int:
         """Leading dimensions that index layers or rows rather than a weight's own."""
         return sum(self.layers) or int(bool(self.rows))
+
+    @property
+    def declared(self) -> tuple[int, ...]:
+        """Its shape without the padding of its weights' own dimensions."""
+        pads = (0,) * (self.type.rank - len(self.padding)) + self.padding
+        return tuple(n - pad for n, pad in zip(self.type.shape, pads, strict=True))
 
     def state(self, program: Program) -> StateSharding:
         """Where its parameters, gradients and optimizer state live (ZeRO / FSDP)."""
@@ -80,6 +87,7 @@ class StoredArray:
             rows=self.rows,
             stage_rows=self.stage_dim,
             stage_split=self.split_dim,
+            padding=self.padding,
         )
 
     def weight_names(self) -> list[Held]:
@@ -173,7 +181,12 @@ def _unpipelined(program: Program, leaves: list[list[StackedWeight]]) -> Placeme
                 t = sw.stored.type
                 stacked = TensorType(t.dtype, sw.shape, ((),) * len(sw.repeats) + t.sharding)
                 arrays[sw.name] = StoredArray(
-                    sw.name, stacked, sw.stored.init, (1,) * len(sw.repeats), span=sw.stored.span
+                    sw.name,
+                    stacked,
+                    sw.stored.init,
+                    (1,) * len(sw.repeats),
+                    span=sw.stored.span,
+                    padding=sw.stored.padding,
                 )
             mine[sw.name] = Share(sw.name, _piece(sw), _leaf_shape(sw))
         shares.append(mine)
@@ -217,7 +230,13 @@ def _stacked_over_stages(
         layers = (2, *(1,) * (len(first.repeats) - 1))
         stage_dim = 1
     return StoredArray(
-        first.name, stored, first.stored.init, layers, stage_dim=stage_dim, span=first.stored.span
+        first.name,
+        stored,
+        first.stored.init,
+        layers,
+        stage_dim=stage_dim,
+        span=first.stored.span,
+        padding=first.stored.padding,
     ), index
 
 
@@ -236,14 +255,18 @@ def _pack_per_stage(
     kinds: dict[tuple[str, int, Sharding], list[list[tuple[int, StackedWeight]]]] = defaultdict(
         lambda: [[] for _ in range(stages)]
     )
+    alone: list[tuple[int, StackedWeight]] = []
     for c, chunk_leaves in enumerate(left):
         stage = program.chunks[c].stage
         for sw in chunk_leaves:
+            if sw.stored.padding:
+                # Rows export each weight at its row's shape; a padded one keeps an array of its own.
+                alone.append((c, sw))
+                continue
             t = sw.stored.type
             key = (t.dtype, len(_leaf_shape(sw)), ((),) * len(sw.repeats) + t.sharding)
             kinds[key][stage].append((c, sw))
     packed: list[tuple[StoredArray, list[tuple[int, StackedWeight, int]]]] = []
-    alone: list[tuple[int, StackedWeight]] = []
     for (dtype, _, sharding), per_stage in kinds.items():
         for slot in _slots(per_stage):
             present = [s for s in slot if s is not None]
@@ -314,10 +337,21 @@ def _whole(program: Program, sw: StackedWeight, axis: str) -> StoredArray:
             split = tuple((*axes, axis) if i == dim else axes for i, axes in enumerate(sharding))
             stored = TensorType(t.dtype, shape, split)
             return StoredArray(
-                sw.name, stored, sw.stored.init, (1,) * len(sw.repeats), split_dim=dim, span=sw.stored.span
+                sw.name,
+                stored,
+                sw.stored.init,
+                (1,) * len(sw.repeats),
+                split_dim=dim,
+                span=sw.stored.span,
+                padding=sw.stored.padding,
             )
     return StoredArray(
-        sw.name, TensorType(t.dtype, shape, sharding), sw.stored.init, (1,) * len(sw.repeats), span=sw.stored.span
+        sw.name,
+        TensorType(t.dtype, shape, sharding),
+        sw.stored.init,
+        (1,) * len(sw.repeats),
+        span=sw.stored.span,
+        padding=sw.stored.padding,
     )
 
 

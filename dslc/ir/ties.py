@@ -80,21 +80,22 @@ def tied_weight(
     if transposed and stored.type.rank != 2:
         diags.error(
             "E033",
-            f"{what} reads `{name}` transposed, but only a matrix can be: it is {_shape(stored.type.shape)}",
+            f"{what} reads `{name}` transposed, but only a matrix can be: it is {_shape(stored.shape)}",
             _target_span(tie),
             labels=[Label(stored.span, "declared here")],
             help=f"drop the `.{TRANSPOSED}`",
         )
         return None
-    have = stored.type.shape[::-1] if transposed else stored.type.shape
+    # Shapes as declared: a padded vocabulary's padding is the stored weight's, and follows it.
+    have = stored.shape[::-1] if transposed else stored.shape
     if have != shape:
         # Read the other way round, would it fit?
-        turned = stored.type.rank == 2 and (stored.type.shape if transposed else stored.type.shape[::-1]) == shape
+        turned = stored.type.rank == 2 and (stored.shape if transposed else stored.shape[::-1]) == shape
         diags.error(
             "E033",
             f"{what} is {_shape(shape)}, but `{tie.path}` it is tied to is {_shape(have)}",
             _target_span(tie),
-            labels=[Label(stored.span, f"`{name}` declared here: {_shape(stored.type.shape)}")],
+            labels=[Label(stored.span, f"`{name}` declared here: {_shape(stored.shape)}")],
             help=(
                 f"read it {'as it is: drop the `.T`' if transposed else f'transposed: `{name}.{TRANSPOSED}`'}"
                 if turned
@@ -102,13 +103,15 @@ def tied_weight(
             ),
         )
         return None
-    sharding = stored.type.sharding[::-1] if transposed else stored.type.sharding
+    t = stored.type
+    turn = (lambda dims: dims[::-1]) if transposed else (lambda dims: dims)
     return ir.Weight(
         tie.weight.text,
-        ir.TensorType(stored.type.dtype, shape, sharding),
+        ir.TensorType(t.dtype, turn(t.shape), turn(t.sharding)),
         stored.init,
         tie.span,
         tie=ir.Tie(name, stored, transposed),
+        padding=turn(stored.padding),
     )
 
 
