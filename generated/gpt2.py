@@ -227,17 +227,7 @@ def initial_array(name: str, p: Parameter, key: jax.Array) -> jax.Array:
 # Every array of trainable state, under its name in the spec: `*` stands for a repeat's layers,
 # stacked along a leading dimension (weights are exported one by one, as `blocks.3.attn.q`).
 PARAMETERS = {
-    "wte.table|lm_head.kernel": Parameter(
-        (2, 50257, 50257),
-        "float32",
-        "rows",
-        P("stage", None, None),
-        stage_rows=0,
-        rows=(
-            Row("wte.table", (50257, 768), "normal:0.02"),
-            Row("lm_head.kernel", (768, 50257), "normal:0.03608439182435161"),
-        ),
-    ),
+    "wte.table": Parameter((50258, 768), "float32", "normal:0.02", P("model", "stage"), stage_split=1, padding=(1, 0)),
     "wpe.table": Parameter((1024, 768), "float32", "normal:0.02", P("stage", None), stage_split=0),
     "h.*.ln_1.scale": Parameter((12, 768), "float32", "ones", P("stage", None), layers=(1,), stage_rows=0),
     "h.*.ln_1.bias": Parameter((12, 768), "float32", "zeros", P("stage", None), layers=(1,), stage_rows=0),
@@ -312,9 +302,9 @@ class Input(NamedTuple):
 
 
 INPUTS = {
-    # gpt2.par:30 input tokens: i32[batch @ data, seq]
+    # gpt2.par:34 input tokens: i32[batch @ data, seq]
     "tokens": Input((16, 1024), "int32", P("data", None), 50257),
-    # gpt2.par:31 input targets: i32[batch @ data, seq]
+    # gpt2.par:35 input targets: i32[batch @ data, seq]
     "targets": Input((16, 1024), "int32", P("data", None), 50257),
 }
 STREAM = "tokens"  # the input the forward pass starts from
@@ -1045,16 +1035,16 @@ def layers_of(params: dict[str, jax.Array], prefix: str) -> dict[str, jax.Array]
 
 
 class Gpt2Block(nnx.Module):
-    """Block `gpt2_block` of the spec. (gpt2.par:34-44)"""
+    """Block `gpt2_block` of the spec. (gpt2.par:38-48)"""
 
     def __init__(self, params: dict[str, jax.Array], path: str) -> None:
         self.path = path
-        # gpt2.par:35 ln_1: layernorm(d, eps=eps)
+        # gpt2.par:39 ln_1: layernorm(d, eps=eps)
         self.ln_1 = nnx.Dict(
             scale=nnx.Param(params["ln_1.scale"]),
             bias=nnx.Param(params["ln_1.bias"]),
         )
-        # gpt2.par:36 attn: attention(d, heads, bias=true) shard q[_, model], q_bias[model], k[_, model], k...
+        # gpt2.par:40 attn: attention(d, heads, bias=true) shard q[_, model], q_bias[model], k[_, model], k...
         self.attn = nnx.Dict(
             q=nnx.Param(params["attn.q"]),
             k=nnx.Param(params["attn.k"]),
@@ -1065,26 +1055,26 @@ class Gpt2Block(nnx.Module):
             v_bias=nnx.Param(params["attn.v_bias"]),
             o_bias=nnx.Param(params["attn.o_bias"]),
         )
-        # gpt2.par:40 ln_2: layernorm(d, eps=eps)
+        # gpt2.par:44 ln_2: layernorm(d, eps=eps)
         self.ln_2 = nnx.Dict(
             scale=nnx.Param(params["ln_2.scale"]),
             bias=nnx.Param(params["ln_2.bias"]),
         )
-        # gpt2.par:41 fc: linear(d, ffn) shard kernel[_, model], bias[model]
+        # gpt2.par:45 fc: linear(d, ffn) shard kernel[_, model], bias[model]
         self.fc = nnx.Dict(
             kernel=nnx.Param(params["fc.kernel"]),
             bias=nnx.Param(params["fc.bias"]),
         )
-        # gpt2.par:43 proj: linear(ffn, d) shard kernel[model, _]
+        # gpt2.par:47 proj: linear(ffn, d) shard kernel[model, _]
         self.proj = nnx.Dict(
             kernel=nnx.Param(params["proj.kernel"]),
             bias=nnx.Param(params["proj.bias"]),
         )
 
     def __call__(self, x: jax.Array, inputs: dict[str, jax.Array], key: jax.Array | None) -> jax.Array:
-        # gpt2.par:34: residual
+        # gpt2.par:38: residual
         h = x
-        # gpt2.par:35 ln_1: layernorm(d, eps=eps)
+        # gpt2.par:39 ln_1: layernorm(d, eps=eps)
         h = layernorm(
             h,
             scale=weight(self.ln_1["scale"]),
@@ -1093,7 +1083,7 @@ class Gpt2Block(nnx.Module):
             dtype=COMPUTE_DTYPE,
         )
         h = checkpoint_name(constrain(h, P("data", None, None)), self.path + ".ln_1")
-        # gpt2.par:36 attn: attention(d, heads, bias=true) shard q[_, model], q_bias[model], k[_, model], k...
+        # gpt2.par:40 attn: attention(d, heads, bias=true) shard q[_, model], q_bias[model], k[_, model], k...
         h = attention(
             h,
             q=weight(self.attn["q"]),
@@ -1112,7 +1102,7 @@ class Gpt2Block(nnx.Module):
             dtype=COMPUTE_DTYPE,
         )
         h = checkpoint_name(constrain(h, P("data", None, None)), self.path + ".attn")
-        # gpt2.par:37 dropout(0.1)
+        # gpt2.par:41 dropout(0.1)
         h = dropout(
             h,
             key=layer_key(key, self.path + ".dropout_0"),
@@ -1120,9 +1110,9 @@ class Gpt2Block(nnx.Module):
         )
         h = checkpoint_name(constrain(h, P("data", None, None)), self.path + ".dropout_0")
         x = x + h
-        # gpt2.par:39: residual
+        # gpt2.par:43: residual
         h = x
-        # gpt2.par:40 ln_2: layernorm(d, eps=eps)
+        # gpt2.par:44 ln_2: layernorm(d, eps=eps)
         h = layernorm(
             h,
             scale=weight(self.ln_2["scale"]),
@@ -1131,7 +1121,7 @@ class Gpt2Block(nnx.Module):
             dtype=COMPUTE_DTYPE,
         )
         h = checkpoint_name(constrain(h, P("data", None, None)), self.path + ".ln_2")
-        # gpt2.par:41 fc: linear(d, ffn) shard kernel[_, model], bias[model]
+        # gpt2.par:45 fc: linear(d, ffn) shard kernel[_, model], bias[model]
         h = linear(
             h,
             kernel=weight(self.fc["kernel"]),
@@ -1139,13 +1129,13 @@ class Gpt2Block(nnx.Module):
             dtype=COMPUTE_DTYPE,
         )
         h = checkpoint_name(constrain(h, P("data", None, "model")), self.path + ".fc")
-        # gpt2.par:42 gelu()
+        # gpt2.par:46 gelu()
         h = gelu(
             h,
             approximate=True,
         )
         h = checkpoint_name(constrain(h, P("data", None, "model")), self.path + ".gelu")
-        # gpt2.par:43 proj: linear(ffn, d) shard kernel[model, _]
+        # gpt2.par:47 proj: linear(ffn, d) shard kernel[model, _]
         h = linear(
             h,
             kernel=weight(self.proj["kernel"]),
@@ -1153,7 +1143,7 @@ class Gpt2Block(nnx.Module):
             dtype=COMPUTE_DTYPE,
         )
         h = checkpoint_name(constrain(h, P("data", None, None)), self.path + ".proj")
-        # gpt2.par:44 dropout(0.1)
+        # gpt2.par:48 dropout(0.1)
         h = dropout(
             h,
             key=layer_key(key, self.path + ".dropout_1"),
@@ -1165,66 +1155,66 @@ class Gpt2Block(nnx.Module):
 
 
 class Stage0(nnx.Module):
-    """Chunk 0 of the pipeline, run by stage 0. (gpt2.par:49-53)"""
+    """Chunk 0 of the pipeline, run by stage 0. (gpt2.par:53-57)"""
 
     def __init__(self, params: dict[str, jax.Array]) -> None:
-        # gpt2.par:49 wte: embed(vocab, d)
+        # gpt2.par:53 wte: embed(vocab, d) shard table[model, _]
         self.wte = nnx.Dict(
             table=nnx.Param(params["wte.table"]),
         )
-        # gpt2.par:50 wpe: position_embed(positions, d)
+        # gpt2.par:54 wpe: position_embed(positions, d)
         self.wpe = nnx.Dict(
             table=nnx.Param(params["wpe.table"]),
         )
-        # gpt2.par:53 h: repeat layers gpt2_block(d, heads, ffn, eps)
+        # gpt2.par:57 h: repeat layers gpt2_block(d, heads, ffn, eps)
         self.h = Gpt2Block(layers_of(params, "h.*."), "h")
 
     def __call__(self, x: jax.Array, inputs: dict[str, jax.Array], key: jax.Array | None) -> jax.Array:
-        # gpt2.par:49 wte: embed(vocab, d)
+        # gpt2.par:53 wte: embed(vocab, d) shard table[model, _]
         x = embed(
             x,
             table=weight(self.wte["table"]),
             dtype=COMPUTE_DTYPE,
         )
         x = checkpoint_name(constrain(x, P("data", None, None)), "wte")
-        # gpt2.par:50 wpe: position_embed(positions, d)
+        # gpt2.par:54 wpe: position_embed(positions, d)
         x = position_embed(
             x,
             table=weight(self.wpe["table"]),
         )
         x = checkpoint_name(constrain(x, P("data", None, None)), "wpe")
-        # gpt2.par:51 dropout(0.1)
+        # gpt2.par:55 dropout(0.1)
         x = dropout(
             x,
             key=layer_key(key, "dropout"),
             rate=0.1,
         )
         x = checkpoint_name(constrain(x, P("data", None, None)), "dropout")
-        # gpt2.par:53 h: repeat layers gpt2_block(d, heads, ffn, eps)
+        # gpt2.par:57 h: repeat layers gpt2_block(d, heads, ffn, eps)
         x = scan_layers(self.h, 6, x, inputs, key)
         return x
 
 
 class Stage1(nnx.Module):
-    """Chunk 1 of the pipeline, run by stage 1. (gpt2.par:53-56)"""
+    """Chunk 1 of the pipeline, run by stage 1. (gpt2.par:57-60)"""
 
     def __init__(self, params: dict[str, jax.Array]) -> None:
-        # gpt2.par:53 h: repeat layers gpt2_block(d, heads, ffn, eps)
+        # gpt2.par:57 h: repeat layers gpt2_block(d, heads, ffn, eps)
         self.h = Gpt2Block(layers_of(params, "h.*."), "h")
-        # gpt2.par:55 ln_f: layernorm(d, eps=eps)
+        # gpt2.par:59 ln_f: layernorm(d, eps=eps)
         self.ln_f = nnx.Dict(
             scale=nnx.Param(params["ln_f.scale"]),
             bias=nnx.Param(params["ln_f.bias"]),
         )
-        # gpt2.par:56 lm_head: linear(d, vocab, bias=false)
+        # gpt2.par:60 lm_head: linear(d, vocab, bias=false) tie kernel = wte.table.T
         self.lm_head = nnx.Dict(
-            kernel=nnx.Param(params["lm_head.kernel"]),
+            kernel=nnx.Param(params["wte.table"]),
         )
 
     def __call__(self, x: jax.Array, inputs: dict[str, jax.Array], key: jax.Array | None) -> jax.Array:
-        # gpt2.par:53 h: repeat layers gpt2_block(d, heads, ffn, eps)
+        # gpt2.par:57 h: repeat layers gpt2_block(d, heads, ffn, eps)
         x = scan_layers(self.h, 6, x, inputs, key)
-        # gpt2.par:55 ln_f: layernorm(d, eps=eps)
+        # gpt2.par:59 ln_f: layernorm(d, eps=eps)
         x = layernorm(
             x,
             scale=weight(self.ln_f["scale"]),
@@ -1233,13 +1223,13 @@ class Stage1(nnx.Module):
             dtype=COMPUTE_DTYPE,
         )
         x = checkpoint_name(constrain(x, P("data", None, None)), "ln_f")
-        # gpt2.par:56 lm_head: linear(d, vocab, bias=false)
+        # gpt2.par:60 lm_head: linear(d, vocab, bias=false) tie kernel = wte.table.T
         x = linear(
             x,
-            kernel=weight(self.lm_head["kernel"]),
+            kernel=weight(self.lm_head["kernel"]).T,
             dtype=COMPUTE_DTYPE,
         )
-        x = checkpoint_name(constrain(x, P("data", None, None)), "lm_head")
+        x = checkpoint_name(constrain(x, P("data", None, "model")), "lm_head")
         return x
 
 
@@ -1268,7 +1258,7 @@ STAGES = (
 # Each chunk's weights: its share of the stored arrays, by the names its class reads.
 CHUNK_WEIGHTS = (
     {
-        "wte.table": Share("wte.table|lm_head.kernel", (0,), shape=(50257, 768)),
+        "wte.table": Share("wte.table"),
         "wpe.table": Share("wpe.table"),
         "h.*.ln_1.scale": Share("h.*.ln_1.scale", ((0, 6),)),
         "h.*.ln_1.bias": Share("h.*.ln_1.bias", ((0, 6),)),
@@ -1306,7 +1296,7 @@ CHUNK_WEIGHTS = (
         "h.*.proj.bias": Share("h.*.proj.bias", ((6, 12),)),
         "ln_f.scale": Share("ln_f.scale"),
         "ln_f.bias": Share("ln_f.bias"),
-        "lm_head.kernel": Share("wte.table|lm_head.kernel", (1,), shape=(768, 50257)),
+        "wte.table": Share("wte.table"),
     },
 )
 
@@ -1329,11 +1319,12 @@ def forward(params: dict[str, jax.Array], inputs: dict[str, jax.Array], key: jax
 
 
 def loss_of(x: jax.Array, inputs: dict[str, jax.Array]) -> jax.Array:
-    # gpt2.par:57 loss: cross_entropy(targets)
+    # gpt2.par:61 loss: cross_entropy(targets)
     return cross_entropy(
         x,
         targets=inputs["targets"],
         ignore_index=-100,
+        classes=50257,
     )
 
 
@@ -1502,6 +1493,7 @@ def loss_count(batch: dict[str, jax.Array]) -> jax.Array:
     return cross_entropy_count(
         targets=batch["targets"],
         ignore_index=-100,
+        classes=50257,
     )
 
 
