@@ -311,12 +311,12 @@ def _check(args: argparse.Namespace) -> int:
 def _summary(result: Analysis) -> str:
     from collections import Counter
 
-    from dslc.ir.nodes import Block, counted, counted_layers, weights_by_path
+    from dslc.ir.nodes import Block, counted, counted_layers, parameter_count
 
     program = result.program
     if program is None:
         return ""
-    params = sum(w.type.numel for w in weights_by_path(program).values())
+    params = parameter_count(program)
     layers = sum(times for _, times in counted_layers(program.nodes))
     # The layers are every call in the model, activations included (a repeat's once per
     # copy); the blocks say how they group, which is how a model is usually counted ("a

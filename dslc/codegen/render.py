@@ -222,6 +222,7 @@ def _parameters(program: ir.Program, placement: Placement) -> list[dict[str, obj
                 "rows": array.rows,
                 "stage_rows": array.stage_dim,
                 "stage_split": array.split_dim,
+                "padding": array.padding,
             }
         )
     return out

@@ -64,6 +64,18 @@ class WeightSpec:
                 return self.init
 
 
+@dataclass(frozen=True, slots=True)
+class Vocabulary:
+    """A vocabulary a layer's weights index: `size` entries along each `dims` (weight name,
+    dimension). The compiler pads those dimensions to split evenly over their mesh axes: an
+    embedding's extra rows are never looked up; a head's extra outputs (`logits`: its output's
+    last dimension is the vocabulary) are masked out by the loss that reads them."""
+
+    size: int
+    dims: tuple[tuple[str, int], ...]
+    logits: bool = False
+
+
 @dataclass
 class Context:
     """What a rule sees while typing one use of its layer."""
@@ -138,6 +150,15 @@ class LayerRule:
             if arg.type == "bool":
                 names |= {w.name for w in self.weights({**a, arg.name: not a[arg.name]})}
         return names
+
+    def vocabulary(self, a: Attrs, feeds_masking_loss: bool) -> Vocabulary | None:
+        """The vocabulary this use's weights index, if any; `feeds_masking_loss` says its output
+        goes straight to a loss that masks padded logits out (`masks_padding`)."""
+        return None
+
+    # A loss that takes `classes` and masks the logits past them out of its softmax: the layer
+    # before it may pad its outputs (a vocabulary split over a tensor axis it does not divide).
+    masks_padding: ClassVar[bool] = False
 
     def validate(self, a: Attrs, ctx: Context) -> bool:
         """Checks among the arguments themselves; report and return False when they clash."""

@@ -277,11 +277,19 @@ class Program:
 
     @functools.cached_property
     def _run(self) -> Any:
-        """(output, auxiliary values) of the forward pass, dropout off."""
+        """(output, auxiliary values) of the forward pass, dropout off; logits a padded
+        vocabulary widened are cut back to the spec's classes."""
         module = self.module
-        if hasattr(module, "run"):
-            return jax.jit(lambda params, inputs: module.run(params, inputs))
-        return jax.jit(lambda params, inputs: (module.forward(params, inputs), {}))
+        run = module.run if hasattr(module, "run") else lambda params, inputs: (module.forward(params, inputs), {})
+        loss = self.ir.loss
+        classes = loss.attr("classes") if loss is not None and "classes" in dict(loss.attrs) else 0
+        assert isinstance(classes, int)
+
+        def output(params: Params, inputs: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
+            y, aux = run(params, inputs)
+            return (y[..., :classes] if classes else y), aux
+
+        return jax.jit(output)
 
     @functools.cached_property
     def _loss(self) -> Any:
