@@ -51,7 +51,13 @@ def make_mesh() -> jax.sharding.Mesh:
 
 
 def constrain(x: jax.Array, spec: P) -> jax.Array:
-    """Pin an array to a sharding of the current mesh; XLA inserts the collectives it implies."""
+    """Pin an array to a sharding of the current mesh; XLA inserts the collectives it implies.
+    Inside `shard_map` (data parallelism, the pipeline's stages) the spec's manual axes are
+    left out: along them each device holds only its own piece already."""
+    manual = jax.sharding.get_abstract_mesh().manual_axes
+    if manual:
+        names = [(entry,) if isinstance(entry, str) else tuple(entry or ()) for entry in spec]
+        spec = P(*(tuple(a for a in axes if a not in manual) or None for axes in names))
     return lax.with_sharding_constraint(x, spec)
 
 
@@ -538,14 +544,16 @@ def _shard_map_with_inner_vjp(
 
 def _split_axes(axes: tuple[str, ...]) -> tuple[str, ...]:
     """The axes among `axes` of more than one device, on the mesh set with `jax.set_mesh`
-    (XLA's partitioner rejects a manual axis of one device next to automatic ones)."""
+    (XLA's partitioner rejects a manual axis of one device next to automatic ones), less
+    those an enclosing `shard_map` made manual already (data parallelism's: the tokens
+    here are this device's rows)."""
     if not axes:
         return ()
     mesh = jax.sharding.get_abstract_mesh()
     missing = [a for a in axes if a not in mesh.axis_names]
     if missing:
         raise ValueError(f"mixture of experts over {missing} needs the mesh: call it under `jax.set_mesh(mesh)`")
-    return tuple(a for a in axes if mesh.shape[a] > 1)
+    return tuple(a for a in axes if mesh.shape[a] > 1 and a not in mesh.manual_axes)
 
 
 def _moe_groups(

@@ -51,7 +51,13 @@ def make_mesh() -> jax.sharding.Mesh:
 
 
 def constrain(x: jax.Array, spec: P) -> jax.Array:
-    """Pin an array to a sharding of the current mesh; XLA inserts the collectives it implies."""
+    """Pin an array to a sharding of the current mesh; XLA inserts the collectives it implies.
+    Inside `shard_map` (data parallelism, the pipeline's stages) the spec's manual axes are
+    left out: along them each device holds only its own piece already."""
+    manual = jax.sharding.get_abstract_mesh().manual_axes
+    if manual:
+        names = [(entry,) if isinstance(entry, str) else tuple(entry or ()) for entry in spec]
+        spec = P(*(tuple(a for a in axes if a not in manual) or None for axes in names))
     return lax.with_sharding_constraint(x, spec)
 
 
@@ -450,6 +456,11 @@ def pipeline_value_and_grad(
     M = microbatches
     # Microbatch i takes rows i, i+M, i+2M, ...: each keeps rows from every data shard.
     micro = {k: v.reshape(v.shape[0] // M, M, *v.shape[1:]).swapaxes(0, 1) for k, v in batch.items()}
+    # Under data parallelism (`data_parallel`) the batch is this device's rows, and so is
+    # every microbatch the buffers hold (their first dimension).
+    rows = batch[stream].shape[0] // M
+    chunk_inputs = [(rows, *shape[1:]) for shape in chunk_inputs]
+    boundary = ((rows, *boundary[0][1:]), boundary[1])
     tables = {
         name: jnp.asarray(np.asarray(table[name], np.int32))
         for name in (*TABLE_ENTRIES, *OTHER_DIRECTIONS)
@@ -505,9 +516,12 @@ def pipeline_value_and_grad(
         return lax.psum(loss, axis), grads
 
     key_given = key is not None
+    # Inside data parallelism's own `shard_map` (`data_parallel`), the mesh in context has its
+    # data axes manual already, and a nested map must say so.
+    context = jax.sharding.get_abstract_mesh()
     run = jax.shard_map(
         body,
-        mesh=mesh,
+        mesh=context if context.manual_axes else mesh,
         in_specs=(in_specs, PartitionSpec(), PartitionSpec(), PartitionSpec(), PartitionSpec()),
         out_specs=(PartitionSpec(), out_specs),
         axis_names={axis},

@@ -17,6 +17,7 @@ from dslc.codegen.names import class_name, global_namer, safe_identifier
 from dslc.codegen.view import Builder, ModuleClass, Statement
 from dslc.ir import nodes as ir
 from dslc.ir.boundaries import boundary_of, chunk_input
+from dslc.ir.data_parallel import data_parallel_axes
 from dslc.ir.inputs import integer_bounds
 from dslc.ir.placement import Placement, place
 from dslc.ir.signature import chunk_signature
@@ -51,6 +52,7 @@ _MODULE_NAMES = {
     "CHUNK_INPUTS",
     "BOUNDARY",
     "ACCUMULATE",
+    "DATA_AXES",
     "OPTIMIZER",
     "argparse",
 }
@@ -141,7 +143,8 @@ def generate(
     # A loss that averages over the positions it counts (cross-entropy's ignored targets):
     # slices of the batch (accumulation steps, microbatches) weigh by their count.
     count = RULES[program.loss.kind].count_kernel if program.loss is not None else None
-    kernels = _kernels(program, count)
+    data_axes = data_parallel_axes(program)
+    kernels = _kernels(program, count, data_axes)
     mesh_axes = program.mesh.names or ("replica",)
     mesh_shape = program.mesh.shape or (1,)
     context = {
@@ -173,6 +176,7 @@ def generate(
         "loss": loss,
         "schedule": _schedule(program) if program.pipelined else None,
         "accumulate": program.train.accumulate,
+        "data_axes": data_axes,
         "count": count,
         "optimizer": {"name": program.train.optimizer.name, "hyper": dict(program.train.optimizer.hyper)},
     }
@@ -295,7 +299,7 @@ def _schedule(program: ir.Program) -> dict[str, object]:
     }
 
 
-def _kernels(program: ir.Program, count: str | None) -> list[source.Definition]:
+def _kernels(program: ir.Program, count: str | None, data_axes: ir.Axes) -> list[source.Definition]:
     layers = ir.all_layers(program)
     wanted = ["named_key", "initial_array", "make_optimizer", "accumulate_gradients", "step_metrics"]
     wanted += ["to_weights", "from_weights"]
@@ -306,6 +310,8 @@ def _kernels(program: ir.Program, count: str | None) -> list[source.Definition]:
         wanted += ["AUX_LOSS", "add_aux"]
     if program.pipelined:
         wanted += ["pipeline_value_and_grad", "Share", "take_share"]
+    if data_axes:
+        wanted.append("data_parallel")
     return source.closure(wanted)
 
 

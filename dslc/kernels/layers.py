@@ -614,14 +614,16 @@ def _shard_map_with_inner_vjp(
 
 def _split_axes(axes: tuple[str, ...]) -> tuple[str, ...]:
     """The axes among `axes` of more than one device, on the mesh set with `jax.set_mesh`
-    (XLA's partitioner rejects a manual axis of one device next to automatic ones)."""
+    (XLA's partitioner rejects a manual axis of one device next to automatic ones), less
+    those an enclosing `shard_map` made manual already (data parallelism's: the tokens
+    here are this device's rows)."""
     if not axes:
         return ()
     mesh = jax.sharding.get_abstract_mesh()
     missing = [a for a in axes if a not in mesh.axis_names]
     if missing:
         raise ValueError(f"mixture of experts over {missing} needs the mesh: call it under `jax.set_mesh(mesh)`")
-    return tuple(a for a in axes if mesh.shape[a] > 1)
+    return tuple(a for a in axes if mesh.shape[a] > 1 and a not in mesh.manual_axes)
 
 
 def _moe_groups(
