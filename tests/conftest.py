@@ -6,12 +6,19 @@ process, so it is set here, at collection time.
 `compiled(...)` is a session-wide cache of compiled programs and what they computed: the
 numerics, codegen, pipeline and lowering tests that look at one spec on one mesh share one
 compilation of it.
+
+Below it, JAX's persistent compilation cache, in a folder of this run's own, shares every
+compiled XLA program across tests and across the `dslc` processes tests start: many tests
+train or run the same spec on the same mesh through the CLI, and each would otherwise compile
+it again. Measured: tests/test_train.py 210 s without, 112 s with. The folder is new for each
+run, so no run reads another's programs.
 """
 
 from __future__ import annotations
 
 import functools
 import os
+import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +27,11 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=16")
+# Environment, not jax.config: the processes tests start inherit it.
+_COMPILATION_CACHE = tempfile.TemporaryDirectory(prefix="dslc-tests-xla-")
+os.environ["JAX_COMPILATION_CACHE_DIR"] = _COMPILATION_CACHE.name
+os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 
 ROOT = Path(__file__).resolve().parent.parent
 SPECS = ROOT / "specs"
