@@ -117,7 +117,7 @@ def test_gpt3_on_1024_devices_of_80_gib(gpt3: tuple[Analysis, AutoPlanner, AutoP
     mesh = heuristic_mesh(search.roles, strategy)
     assert mesh == (1024, 1, 1)
     assert any(d.code == "E014" for d in dslc.check(GPT3, mesh=mesh))
-    assert search.training_state(search._mesh(mesh), 1) > 1000 * GIB
+    assert search.training_state(mesh, 1) > 1000 * GIB
     assert search.search(meshes={mesh}).chosen is None
     # Each stage keeps only its own layers' state, so eight stages divide it by eight, and
     # 8-way tensor parallelism stays inside a node; 32-way (which alone shrank the weights
@@ -127,9 +127,8 @@ def test_gpt3_on_1024_devices_of_80_gib(gpt3: tuple[Analysis, AutoPlanner, AutoP
     assert wide.time is not None and best.time is not None and wide.time.total > 5 * best.time.total
 
 
-def test_gpt3_search_takes_seconds(gpt3: tuple[Analysis, AutoPlanner, AutoPlan, float]) -> None:
-    _, search, found, seconds = gpt3
-    assert seconds < 10, f"{seconds:.1f} s"  # about 2 s alone on a laptop core
+def test_gpt3_search_elaborates_few_groups(gpt3: tuple[Analysis, AutoPlanner, AutoPlan, float]) -> None:
+    _, search, found, _ = gpt3
     # Stage-local state makes many pipelined groups fit, so more are elaborated (117) before
     # the fastest that fits is known; each takes milliseconds.
     assert search.elaborated < 150 and found.costed > 100
@@ -198,7 +197,7 @@ def test_a_pipeline_pick_that_does_not_fit(tmp_path: Path) -> None:
     spec.write_text(ZERO3_MLP)
     analysis, search = planner(spec, 16, 0.14)
     strategy = select_parallelism_strategy(parameters(analysis), 16, 0.14)
-    assert search.training_state(search._mesh((1, 16, 1)), 1) < 0.1 * GIB
+    assert search.training_state((1, 16, 1), 1) < 0.1 * GIB
     assert strategy["strategy"] == "hybrid_3d"
     mesh = heuristic_mesh(search.roles, strategy)
     assert mesh == (2, 4, 2)
@@ -249,7 +248,7 @@ def test_training_state_is_the_planners() -> None:
         assert program is not None
         m = plan(program).memory
         expected = m.params + m.grads + m.grad_accumulator + m.optimizer + m.inputs
-        assert search.training_state(program.mesh, 1) == expected
+        assert search.training_state(sizes, 1) == expected
 
 
 @pytest.mark.parametrize(
@@ -261,7 +260,7 @@ def test_training_state_of_a_pipeline_never_exceeds_the_planners(spec: str, mesh
     program = dslc.analyze(SPECS / f"{spec}.par", mesh=mesh).program
     assert program is not None and program.pipelined
     m = plan(program).memory
-    bound = search.training_state(program.mesh, mesh[2])
+    bound = search.training_state(mesh, mesh[2])
     # The temporaries hold the weight gradients a backward tick returns.
     assert bound <= m.params + m.grads + m.grad_accumulator + m.optimizer + m.inputs + m.temporaries
 

@@ -40,13 +40,37 @@ def test_check_counts_layers_and_the_blocks_they_form(capsys: pytest.CaptureFixt
     assert code == 0 and "model tiny, 16 layers (2 `decoder` blocks), 132,352 parameters" in out
 
 
-def test_version_and_help_for_every_flag(capsys: pytest.CaptureFixture[str]) -> None:
+def help_entries(text: str) -> dict[str, str]:
+    """Each argument of an argparse help text (its invocation, as the help lists it) and its
+    description ('' for none): an entry starts two spaces in, and its description follows
+    the invocation on the line or on deeper-indented lines below it."""
+    entries: dict[str, str] = {}
+    invocation = None
+    for line in text.splitlines():
+        if line.startswith("  ") and not line.startswith("   "):
+            invocation, _, description = line.strip().partition("  ")
+            entries[invocation] = description.strip()
+        elif line.startswith("   ") and invocation is not None:
+            entries[invocation] = (entries[invocation] + " " + line.strip()).strip()
+        else:
+            invocation = None
+    return entries
+
+
+def test_version_and_help_for_every_flag(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     from importlib.metadata import version
 
     code, out, _ = run(capsys, "--version")
     assert code == 0 and out == f"dslc {version('dslc')}\n"
-    for name, command in cli._parser()._subparsers._group_actions[0].choices.items():  # type: ignore[union-attr]
-        undocumented = [a.dest for a in command._actions if not a.help]
+    monkeypatch.setenv("COLUMNS", "200")
+    _, top, _ = run(capsys, "--help")
+    listed = top.split("positional arguments:\n", 1)[1].split("\n\n")[0]
+    commands = [line.split()[0] for line in listed.splitlines() if line.startswith("    ") and line.strip()]
+    assert {"check", "compile", "train", "plan", "schedule"} <= set(commands)
+    for name in commands:
+        code, out, _ = run(capsys, name, "--help")
+        assert code == 0, name
+        undocumented = [flag for flag, description in help_entries(out).items() if not description]
         assert not undocumented, (name, undocumented)
 
 

@@ -368,19 +368,21 @@ class AutoPlanner:
             figures(cast(Kind, k), stages, m, virtual).bubble_fraction if staged and k and m else 0.0
             for k, m in options
         )
-        return _Group(sizes, virtual, options, self.training_state(self._mesh(sizes), stages if staged else 1), floor)
+        return _Group(sizes, virtual, options, self.training_state(sizes, stages if staged else 1), floor)
 
     def _stages(self, sizes: Sequence[int]) -> int:
         p = self.roles.pipeline
         return sizes[self.roles.names.index(p)] if p else 1
 
-    def training_state(self, mesh: Mesh, stages: int) -> int:
-        """Parameters, gradients, accumulators, optimizer state and inputs per device before a
-        group is elaborated: on one stage exactly as `dslc.plan.memory` counts them (the
-        weights as stored without a pipeline), on more a lower bound — each stage holds at
+    def training_state(self, sizes: Sequence[int], stages: int) -> int:
+        """Parameters, gradients, accumulators, optimizer state and inputs per device on the mesh
+        of axis sizes `sizes`, before a group is elaborated: on one stage exactly as
+        `dslc.plan.memory` counts them (the weights as stored without a pipeline), on more a
+        lower bound — each stage holds at
         least its 1/P share of everything, and the weight gradients a backward tick returns,
         as large as its gradients — so that a group whose state alone does not fit is ruled
         out safely."""
+        mesh = self._mesh(sizes)
         program = replace(self.reference, mesh=mesh, pipeline=None)
         state = memory_state(program)
         inputs = sum(inp.type.local_nbytes(mesh) for inp in program.inputs)
