@@ -504,7 +504,7 @@ def test_no_mesh_the_checker_accepts_exits_1(capsys: pytest.CaptureFixture[str])
         capsys, "plan", str(SPECS / "gpt_small.par"), "--mesh", "auto", "--devices", "3", "--device-memory", "1"
     )
     assert code == 1 and "no mesh of 3 devices passes the checker" in out
-    assert "no mesh of 3 devices passes the checker: E014: dimension 0 of weight `embed.table`" in err
+    assert "no mesh of 3 devices passes the checker: E014: dimension 1 of weight `blocks.attn.q`" in err
     assert "E014 x1, E019 x2" in out
 
 
