@@ -51,7 +51,13 @@ def make_mesh() -> jax.sharding.Mesh:
 
 
 def constrain(x: jax.Array, spec: P) -> jax.Array:
-    """Pin an array to a sharding of the current mesh; XLA inserts the collectives it implies."""
+    """Pin an array to a sharding of the current mesh; XLA inserts the collectives it implies.
+    Inside `shard_map` (data parallelism, the pipeline's stages) the spec's manual axes are
+    left out: along them each device holds only its own piece already."""
+    manual = jax.sharding.get_abstract_mesh().manual_axes
+    if manual:
+        names = [(entry,) if isinstance(entry, str) else tuple(entry or ()) for entry in spec]
+        spec = P(*(tuple(a for a in axes if a not in manual) or None for axes in names))
     return lax.with_sharding_constraint(x, spec)
 
 
@@ -100,6 +106,9 @@ class Parameter(NamedTuple):
     # between steps (the step gathers it for the stages).
     stage_rows: int | None = None
     stage_split: int | None = None
+    # Elements of padding at the end of each of a weight's own dimensions (a vocabulary padded
+    # to split evenly): stored, zero, and left out when weights are exported one by one.
+    padding: tuple[int, ...] = ()
 
 
 def expand_names(pattern: str, lengths: tuple[int, ...], first: int = 0) -> list[str]:
@@ -154,6 +163,8 @@ def weight_names(name: str, p: Parameter) -> list[Held]:
         lengths.append(math.prod(dims[at : at + span]))
         at += span
     inner = p.shape[len(dims) :]
+    if p.padding:
+        inner = tuple(n - pad for n, pad in zip(inner, p.padding, strict=True))
     return [
         Held(layer, unravel(flat, dims), inner, p.init) for flat, layer in enumerate(expand_names(name, tuple(lengths)))
     ]
@@ -207,9 +218,10 @@ def initial_value(init: str, shape: tuple[int, ...], dtype: str, key: jax.Array)
 
 def initial_array(name: str, p: Parameter, key: jax.Array) -> jax.Array:
     """A stored array's first value: each weight it holds drawn from the key of its own
-    per-layer name (`blocks.3.attn.q`), so how weights are stored changes no value."""
+    per-layer name (`blocks.3.attn.q`) in its own shape, so how weights are stored (stacked,
+    in rows, padded) changes no value; padding is zero."""
     held = weight_names(name, p)
-    if not p.rows and len(held) == 1:
+    if not p.rows and len(held) == 1 and held[0].shape == p.shape:
         return initial_value(p.init, p.shape, p.dtype, named_key(key, name))
     value = jnp.zeros(p.shape, p.dtype)
     for h in held:
@@ -509,6 +521,11 @@ def pipeline_value_and_grad(
     M = microbatches
     # Microbatch i takes rows i, i+M, i+2M, ...: each keeps rows from every data shard.
     micro = {k: v.reshape(v.shape[0] // M, M, *v.shape[1:]).swapaxes(0, 1) for k, v in batch.items()}
+    # Under data parallelism (`data_parallel`) the batch is this device's rows, and so is
+    # every microbatch the buffers hold (their first dimension).
+    rows = batch[stream].shape[0] // M
+    chunk_inputs = [(rows, *shape[1:]) for shape in chunk_inputs]
+    boundary = ((rows, *boundary[0][1:]), boundary[1])
     tables = {
         name: jnp.asarray(np.asarray(table[name], np.int32))
         for name in (*TABLE_ENTRIES, *OTHER_DIRECTIONS)
@@ -564,9 +581,12 @@ def pipeline_value_and_grad(
         return lax.psum(loss, axis), grads
 
     key_given = key is not None
+    # Inside data parallelism's own `shard_map` (`data_parallel`), the mesh in context has its
+    # data axes manual already, and a nested map must say so.
+    context = jax.sharding.get_abstract_mesh()
     run = jax.shard_map(
         body,
-        mesh=mesh,
+        mesh=context if context.manual_axes else mesh,
         in_specs=(in_specs, PartitionSpec(), PartitionSpec(), PartitionSpec(), PartitionSpec()),
         out_specs=(PartitionSpec(), out_specs),
         axis_names={axis},
@@ -955,6 +975,83 @@ def accumulate_gradients(
     if total_count is not None:
         return value, total
     return value / steps, jax.tree.map(lambda g: g / steps, total)
+
+
+def data_parallel(
+    value_and_grad: Callable[[Any, dict[str, jax.Array], jax.Array | None], tuple[jax.Array, Any]],
+    params: dict[str, jax.Array],
+    batch: dict[str, jax.Array],
+    key: jax.Array | None,
+    *,
+    mesh: jax.sharding.Mesh,
+    axes: tuple[str, ...],
+    grad_specs: dict[str, PartitionSpec],
+    count: Callable[[dict[str, jax.Array]], jax.Array] | None = None,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Mean loss and gradients over the batch, each device working through its own rows of
+    it, the gradients summed over the data-parallel `axes` once, at the end.
+
+    `value_and_grad(params, rows, key)` runs in `jax.shard_map`, manual over `axes` (every
+    other mesh axis stays automatic): it sees the rows of every input this device holds
+    (their first dimension is split over `axes`) and the parameters, whole along `axes`,
+    and returns its rows' mean loss and gradients. However many slices it cuts its rows
+    into (microbatches, accumulation steps), their gradients stay partial sums on each
+    device until one all-reduce per array sums them (a reduce-scatter where the gradient
+    is kept split over `axes`, ZeRO-2), instead of one per slice as XLA's partitioner
+    would insert where each slice's gradient is made.
+
+    Each device's loss and gradients weigh by its share of the batch: one over the devices,
+    or, for a loss that averages over the positions it counts (`count`), its share of the
+    batch's counted positions, so the result is the whole batch's mean. Each device draws
+    its own random numbers (its key folded with its index along `axes`).
+    """
+    devices = math.prod(mesh.shape[a] for a in axes)
+    scattered = {name: _scatter_dim(spec, axes) for name, spec in grad_specs.items()}
+
+    def body(
+        params: dict[str, jax.Array], rows: dict[str, jax.Array], key: jax.Array
+    ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        mine = jax.random.fold_in(key, lax.axis_index(axes)) if key_given else None
+        loss, grads = value_and_grad(params, rows, mine)
+        if count is None:
+            share = jnp.asarray(1.0 / devices, jnp.float32)
+        else:
+            counted = count(rows).astype(jnp.float32)
+            share = counted / jnp.maximum(lax.psum(counted, axes), 1.0)
+        summed = {}
+        for name, g in grads.items():
+            g = g * share.astype(g.dtype)
+            dim = scattered[name]
+            summed[name] = (
+                lax.psum(g, axes) if dim is None else lax.psum_scatter(g, axes, scatter_dimension=dim, tiled=True)
+            )
+        return lax.psum(loss * share, axes), summed
+
+    key_given = key is not None
+    whole = PartitionSpec()
+    out_specs = {name: whole if dim is None else PartitionSpec(*(None,) * dim, axes) for name, dim in scattered.items()}
+    run = jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=({name: whole for name in params}, {name: PartitionSpec(axes) for name in batch}, whole),
+        out_specs=(whole, out_specs),
+        axis_names=set(axes),
+        # Gradients are taken inside, per device: replication needs no tracking here (with
+        # it, jax would sum every slice's gradient over `axes` as it is made).
+        check_vma=False,
+    )
+    return run(params, batch, key if key is not None else jax.random.key(0))  # type: ignore[no-any-return]
+
+
+def _scatter_dim(spec: PartitionSpec, axes: tuple[str, ...]) -> int | None:
+    """The dimension a gradient kept split over `axes` between steps (ZeRO-2) is split along,
+    when they lead its entry in that order (a reduce-scatter then leaves each device its
+    piece); None for a gradient whole along them, which an all-reduce sums."""
+    for dim, entry in enumerate(spec):
+        names = (entry,) if isinstance(entry, str) else tuple(entry or ())
+        if names[: len(axes)] == axes:
+            return dim
+    return None
 
 
 def step_metrics(grads: Any) -> dict[str, jax.Array]:
@@ -1384,12 +1481,20 @@ ACCUMULATE = 1  # gradient accumulation steps per optimizer step
 OPTIMIZER = ("adamw", {})
 
 
+# Each device works through its own rows of the batch along these axes, and the gradients
+# are summed over them once per step, not once per microbatch.
+DATA_AXES = ("data",)
+
+
 def gradients(
     params: dict[str, jax.Array], batch: dict[str, jax.Array], key: jax.Array | None, mesh: jax.sharding.Mesh
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """The mean loss and its gradients over the batch, in `ACCUMULATE` slices of it."""
+    """The mean loss and its gradients over the batch, in `ACCUMULATE` slices of each device's
+    rows (split over `DATA_AXES`), summed over the devices at the end."""
     once = functools.partial(value_and_grad, mesh=mesh)
-    return accumulate_gradients(once, params, batch, key, ACCUMULATE)
+    rows = functools.partial(accumulate_gradients, once, steps=ACCUMULATE)
+    grad_specs = {name: p.sharding if p.grad_sharding is None else p.grad_sharding for name, p in PARAMETERS.items()}
+    return data_parallel(rows, params, batch, key, mesh=mesh, axes=DATA_AXES, grad_specs=grad_specs)
 
 
 def optimizer_shardings(state: Any, mesh: jax.sharding.Mesh) -> Any:

@@ -51,7 +51,13 @@ def make_mesh() -> jax.sharding.Mesh:
 
 
 def constrain(x: jax.Array, spec: P) -> jax.Array:
-    """Pin an array to a sharding of the current mesh; XLA inserts the collectives it implies."""
+    """Pin an array to a sharding of the current mesh; XLA inserts the collectives it implies.
+    Inside `shard_map` (data parallelism, the pipeline's stages) the spec's manual axes are
+    left out: along them each device holds only its own piece already."""
+    manual = jax.sharding.get_abstract_mesh().manual_axes
+    if manual:
+        names = [(entry,) if isinstance(entry, str) else tuple(entry or ()) for entry in spec]
+        spec = P(*(tuple(a for a in axes if a not in manual) or None for axes in names))
     return lax.with_sharding_constraint(x, spec)
 
 
@@ -100,6 +106,9 @@ class Parameter(NamedTuple):
     # between steps (the step gathers it for the stages).
     stage_rows: int | None = None
     stage_split: int | None = None
+    # Elements of padding at the end of each of a weight's own dimensions (a vocabulary padded
+    # to split evenly): stored, zero, and left out when weights are exported one by one.
+    padding: tuple[int, ...] = ()
 
 
 def expand_names(pattern: str, lengths: tuple[int, ...], first: int = 0) -> list[str]:
@@ -154,6 +163,8 @@ def weight_names(name: str, p: Parameter) -> list[Held]:
         lengths.append(math.prod(dims[at : at + span]))
         at += span
     inner = p.shape[len(dims) :]
+    if p.padding:
+        inner = tuple(n - pad for n, pad in zip(inner, p.padding, strict=True))
     return [
         Held(layer, unravel(flat, dims), inner, p.init) for flat, layer in enumerate(expand_names(name, tuple(lengths)))
     ]
@@ -207,9 +218,10 @@ def initial_value(init: str, shape: tuple[int, ...], dtype: str, key: jax.Array)
 
 def initial_array(name: str, p: Parameter, key: jax.Array) -> jax.Array:
     """A stored array's first value: each weight it holds drawn from the key of its own
-    per-layer name (`blocks.3.attn.q`), so how weights are stored changes no value."""
+    per-layer name (`blocks.3.attn.q`) in its own shape, so how weights are stored (stacked,
+    in rows, padded) changes no value; padding is zero."""
     held = weight_names(name, p)
-    if not p.rows and len(held) == 1:
+    if not p.rows and len(held) == 1 and held[0].shape == p.shape:
         return initial_value(p.init, p.shape, p.dtype, named_key(key, name))
     value = jnp.zeros(p.shape, p.dtype)
     for h in held:

@@ -51,7 +51,13 @@ def make_mesh() -> jax.sharding.Mesh:
 
 
 def constrain(x: jax.Array, spec: P) -> jax.Array:
-    """Pin an array to a sharding of the current mesh; XLA inserts the collectives it implies."""
+    """Pin an array to a sharding of the current mesh; XLA inserts the collectives it implies.
+    Inside `shard_map` (data parallelism, the pipeline's stages) the spec's manual axes are
+    left out: along them each device holds only its own piece already."""
+    manual = jax.sharding.get_abstract_mesh().manual_axes
+    if manual:
+        names = [(entry,) if isinstance(entry, str) else tuple(entry or ()) for entry in spec]
+        spec = P(*(tuple(a for a in axes if a not in manual) or None for axes in names))
     return lax.with_sharding_constraint(x, spec)
 
 
@@ -100,6 +106,9 @@ class Parameter(NamedTuple):
     # between steps (the step gathers it for the stages).
     stage_rows: int | None = None
     stage_split: int | None = None
+    # Elements of padding at the end of each of a weight's own dimensions (a vocabulary padded
+    # to split evenly): stored, zero, and left out when weights are exported one by one.
+    padding: tuple[int, ...] = ()
 
 
 def expand_names(pattern: str, lengths: tuple[int, ...], first: int = 0) -> list[str]:
@@ -154,6 +163,8 @@ def weight_names(name: str, p: Parameter) -> list[Held]:
         lengths.append(math.prod(dims[at : at + span]))
         at += span
     inner = p.shape[len(dims) :]
+    if p.padding:
+        inner = tuple(n - pad for n, pad in zip(inner, p.padding, strict=True))
     return [
         Held(layer, unravel(flat, dims), inner, p.init) for flat, layer in enumerate(expand_names(name, tuple(lengths)))
     ]
@@ -207,9 +218,10 @@ def initial_value(init: str, shape: tuple[int, ...], dtype: str, key: jax.Array)
 
 def initial_array(name: str, p: Parameter, key: jax.Array) -> jax.Array:
     """A stored array's first value: each weight it holds drawn from the key of its own
-    per-layer name (`blocks.3.attn.q`), so how weights are stored changes no value."""
+    per-layer name (`blocks.3.attn.q`) in its own shape, so how weights are stored (stacked,
+    in rows, padded) changes no value; padding is zero."""
     held = weight_names(name, p)
-    if not p.rows and len(held) == 1:
+    if not p.rows and len(held) == 1 and held[0].shape == p.shape:
         return initial_value(p.init, p.shape, p.dtype, named_key(key, name))
     value = jnp.zeros(p.shape, p.dtype)
     for h in held:
@@ -413,10 +425,16 @@ def gelu(x: jax.Array, *, approximate: bool) -> jax.Array:
 
 
 def cross_entropy(
-    logits: jax.Array, *, targets: jax.Array, mask: jax.Array | None = None, ignore_index: int
+    logits: jax.Array, *, targets: jax.Array, mask: jax.Array | None = None, ignore_index: int, classes: int = 0
 ) -> jax.Array:
-    """The mean over the positions counted (see `cross_entropy_count`); 0 when none is."""
+    """The mean over the positions counted (see `cross_entropy_count`); 0 when none is.
+    Logits past the first `classes` (when given) are a padded vocabulary's, out of the softmax."""
     logits = logits.astype(jnp.float32)
+    if classes:
+        # The lowest finite f32 rather than -inf: it adds nothing to the softmax, and the
+        # one-hot product below multiplies it by zero without making a NaN.
+        real = jnp.arange(logits.shape[-1]) < classes
+        logits = jnp.where(real, logits, jnp.finfo(jnp.float32).min)
     # The target logit picked by a one-hot product: over vocab-split logits this is a local
     # partial sum and one all-reduce (Megatron's vocab-parallel cross-entropy). An ignored
     # target outside the vocabulary picks nothing.
@@ -426,9 +444,12 @@ def cross_entropy(
     return jnp.sum(losses) / jnp.maximum(jnp.sum(counted), 1).astype(jnp.float32)
 
 
-def cross_entropy_count(*, targets: jax.Array, mask: jax.Array | None = None, ignore_index: int) -> jax.Array:
+def cross_entropy_count(
+    *, targets: jax.Array, mask: jax.Array | None = None, ignore_index: int, classes: int = 0
+) -> jax.Array:
     """How many positions `cross_entropy` averages over: those whose target is not
-    `ignore_index` and whose mask, when given, is not zero (f32)."""
+    `ignore_index` and whose mask, when given, is not zero (f32). `classes` is the loss's own
+    argument, which the count does not need."""
     return jnp.sum(_counted(targets, mask, ignore_index)).astype(jnp.float32)
 
 

@@ -42,6 +42,9 @@ class Parameter(NamedTuple):
     # between steps (the step gathers it for the stages).
     stage_rows: int | None = None
     stage_split: int | None = None
+    # Elements of padding at the end of each of a weight's own dimensions (a vocabulary padded
+    # to split evenly): stored, zero, and left out when weights are exported one by one.
+    padding: tuple[int, ...] = ()
 
 
 def expand_names(pattern: str, lengths: tuple[int, ...], first: int = 0) -> list[str]:
@@ -96,6 +99,8 @@ def weight_names(name: str, p: Parameter) -> list[Held]:
         lengths.append(math.prod(dims[at : at + span]))
         at += span
     inner = p.shape[len(dims) :]
+    if p.padding:
+        inner = tuple(n - pad for n, pad in zip(inner, p.padding, strict=True))
     return [
         Held(layer, unravel(flat, dims), inner, p.init) for flat, layer in enumerate(expand_names(name, tuple(lengths)))
     ]

@@ -1,13 +1,17 @@
-"""The optimizer and gradient accumulation: the parts of a training step both backends share."""
+"""The optimizer, gradient accumulation and data parallelism: the parts of a training step
+both backends share."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
+from jax import lax
+from jax.sharding import PartitionSpec
 
 OPTIMIZER_DEFAULTS = {
     "lr": 1e-3,
@@ -86,3 +90,80 @@ def accumulate_gradients(
     if total_count is not None:
         return value, total
     return value / steps, jax.tree.map(lambda g: g / steps, total)
+
+
+def data_parallel(
+    value_and_grad: Callable[[Any, dict[str, jax.Array], jax.Array | None], tuple[jax.Array, Any]],
+    params: dict[str, jax.Array],
+    batch: dict[str, jax.Array],
+    key: jax.Array | None,
+    *,
+    mesh: jax.sharding.Mesh,
+    axes: tuple[str, ...],
+    grad_specs: dict[str, PartitionSpec],
+    count: Callable[[dict[str, jax.Array]], jax.Array] | None = None,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Mean loss and gradients over the batch, each device working through its own rows of
+    it, the gradients summed over the data-parallel `axes` once, at the end.
+
+    `value_and_grad(params, rows, key)` runs in `jax.shard_map`, manual over `axes` (every
+    other mesh axis stays automatic): it sees the rows of every input this device holds
+    (their first dimension is split over `axes`) and the parameters, whole along `axes`,
+    and returns its rows' mean loss and gradients. However many slices it cuts its rows
+    into (microbatches, accumulation steps), their gradients stay partial sums on each
+    device until one all-reduce per array sums them (a reduce-scatter where the gradient
+    is kept split over `axes`, ZeRO-2), instead of one per slice as XLA's partitioner
+    would insert where each slice's gradient is made.
+
+    Each device's loss and gradients weigh by its share of the batch: one over the devices,
+    or, for a loss that averages over the positions it counts (`count`), its share of the
+    batch's counted positions, so the result is the whole batch's mean. Each device draws
+    its own random numbers (its key folded with its index along `axes`).
+    """
+    devices = math.prod(mesh.shape[a] for a in axes)
+    scattered = {name: _scatter_dim(spec, axes) for name, spec in grad_specs.items()}
+
+    def body(
+        params: dict[str, jax.Array], rows: dict[str, jax.Array], key: jax.Array
+    ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        mine = jax.random.fold_in(key, lax.axis_index(axes)) if key_given else None
+        loss, grads = value_and_grad(params, rows, mine)
+        if count is None:
+            share = jnp.asarray(1.0 / devices, jnp.float32)
+        else:
+            counted = count(rows).astype(jnp.float32)
+            share = counted / jnp.maximum(lax.psum(counted, axes), 1.0)
+        summed = {}
+        for name, g in grads.items():
+            g = g * share.astype(g.dtype)
+            dim = scattered[name]
+            summed[name] = (
+                lax.psum(g, axes) if dim is None else lax.psum_scatter(g, axes, scatter_dimension=dim, tiled=True)
+            )
+        return lax.psum(loss * share, axes), summed
+
+    key_given = key is not None
+    whole = PartitionSpec()
+    out_specs = {name: whole if dim is None else PartitionSpec(*(None,) * dim, axes) for name, dim in scattered.items()}
+    run = jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=({name: whole for name in params}, {name: PartitionSpec(axes) for name in batch}, whole),
+        out_specs=(whole, out_specs),
+        axis_names=set(axes),
+        # Gradients are taken inside, per device: replication needs no tracking here (with
+        # it, jax would sum every slice's gradient over `axes` as it is made).
+        check_vma=False,
+    )
+    return run(params, batch, key if key is not None else jax.random.key(0))  # type: ignore[no-any-return]
+
+
+def _scatter_dim(spec: PartitionSpec, axes: tuple[str, ...]) -> int | None:
+    """The dimension a gradient kept split over `axes` between steps (ZeRO-2) is split along,
+    when they lead its entry in that order (a reduce-scatter then leaves each device its
+    piece); None for a gradient whole along them, which an all-reduce sums."""
+    for dim, entry in enumerate(spec):
+        names = (entry,) if isinstance(entry, str) else tuple(entry or ())
+        if names[: len(axes)] == axes:
+            return dim
+    return None

@@ -21,7 +21,8 @@ Rules:
   recomputes its forward exchange once more in its backward
   (`moe.pipeline_recompute_collectives`);
 * gradients: data-parallel reduction over the batch axes of every gradient the device holds
-  (under a pipeline, its own stage's) once per step —
+  (under a pipeline, its own stage's) once per step — once per slice of the batch over an
+  axis that splits parameters (ZeRO-3, experts; see `ir.data_parallel`) —
   an all-reduce, or a reduce-scatter where ZeRO >= 2 splits that gradient; ZeRO 1 and 2 then
   all-gather the updated parameters, ZeRO 3 all-gathers them before the forward and again
   before the backward. Where attention rings over context axes, every layer saw only its
@@ -37,6 +38,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from dslc.ir.data_parallel import data_parallel_axes
 from dslc.ir.nodes import (
     DTYPE_BYTES,
     Axes,
@@ -181,9 +183,13 @@ def batch_axes(program: Program) -> Axes:
 
 def _gradient_sync(program: Program, totals: Totals) -> None:
     """Once per step, for every array of the stage's: its gradient reduced over the batch axes
-    (and over the context axes where attention rings), as ZeRO says."""
+    (and over the context axes where attention rings), as ZeRO says. Over batch axes a step
+    does not run data-parallel by hand (`data_parallel_axes`: ZeRO-3's, experts'), XLA
+    reduces each slice's gradient (microbatch, accumulation step) as it is made."""
     mesh, zero = program.mesh, program.train.zero
     data = batch_axes(program)
+    once = data_parallel_axes(program)
+    slices = microbatch_slices(program)
     context = tuple(dict.fromkeys(a for layer in all_layers(program) for a in context_axes(layer, mesh)))
     for array in place(program).arrays:
         t = array.type
@@ -196,7 +202,8 @@ def _gradient_sync(program: Program, totals: Totals) -> None:
             continue
         state = array.state(program)
         split = state.spread_ok and zero >= 1
-        _add(totals, mesh, "reduce-scatter" if split and zero >= 2 else "all-reduce", axes, "gradients", size)
+        times = 1 if set(axes) <= set(once) else slices
+        _add(totals, mesh, "reduce-scatter" if split and zero >= 2 else "all-reduce", axes, "gradients", size, times)
         if split:
             _add(totals, mesh, "all-gather", axes, "gradients", size, 2 if zero >= 3 else 1)
 
