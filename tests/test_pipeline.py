@@ -132,15 +132,6 @@ def test_schedule_is_one_word_on_the_command_line() -> None:
         dslc.compile(text, schedule="interleaved-1f1b")  # needs virtual >= 2
 
 
-def test_executor_speaks_the_planners_op_codes() -> None:
-    # The executor and the kernel that makes its tables each spell the op codes; they must agree.
-    from dslc.kernels import pipeline as executor
-    from dslc.kernels import schedule
-
-    names = ("IDLE", "FORWARD", "BACKWARD", "INPUT_GRAD", "WEIGHT_GRAD", "TABLE_ENTRIES", "OTHER_DIRECTIONS")
-    assert [getattr(executor, n) for n in names] == [getattr(schedule, n) for n in names]
-
-
 def test_a_table_of_ones_own_runs_with_the_numbers_of_autodiff(tmp_path: Path) -> None:
     """A user's table from a file, not a built-in one: zb-h1's order with every stage's weight
     gradients moved after all its other actions. The executor runs what the file says."""
