@@ -1260,10 +1260,7 @@ class Gpt2Block(nnx.Module):
     def __init__(self, params: dict[str, jax.Array], path: str) -> None:
         self.path = path
         # gpt2.par:39 ln_1: layernorm(d, eps=eps)
-        self.ln_1 = nnx.Dict(
-            scale=nnx.Param(params["ln_1.scale"]),
-            bias=nnx.Param(params["ln_1.bias"]),
-        )
+        self.ln_1 = nnx.Dict(scale=nnx.Param(params["ln_1.scale"]), bias=nnx.Param(params["ln_1.bias"]))
         # gpt2.par:40 attn: attention(d, heads, bias=true) shard q[_, model], q_bias[model], k[_, model], k...
         self.attn = nnx.Dict(
             q=nnx.Param(params["attn.q"]),
@@ -1276,20 +1273,11 @@ class Gpt2Block(nnx.Module):
             o_bias=nnx.Param(params["attn.o_bias"]),
         )
         # gpt2.par:44 ln_2: layernorm(d, eps=eps)
-        self.ln_2 = nnx.Dict(
-            scale=nnx.Param(params["ln_2.scale"]),
-            bias=nnx.Param(params["ln_2.bias"]),
-        )
+        self.ln_2 = nnx.Dict(scale=nnx.Param(params["ln_2.scale"]), bias=nnx.Param(params["ln_2.bias"]))
         # gpt2.par:45 fc: linear(d, ffn) shard kernel[_, model], bias[model]
-        self.fc = nnx.Dict(
-            kernel=nnx.Param(params["fc.kernel"]),
-            bias=nnx.Param(params["fc.bias"]),
-        )
+        self.fc = nnx.Dict(kernel=nnx.Param(params["fc.kernel"]), bias=nnx.Param(params["fc.bias"]))
         # gpt2.par:47 proj: linear(ffn, d) shard kernel[model, _]
-        self.proj = nnx.Dict(
-            kernel=nnx.Param(params["proj.kernel"]),
-            bias=nnx.Param(params["proj.bias"]),
-        )
+        self.proj = nnx.Dict(kernel=nnx.Param(params["proj.kernel"]), bias=nnx.Param(params["proj.bias"]))
 
     def __call__(self, x: jax.Array, inputs: dict[str, jax.Array], key: jax.Array | None) -> jax.Array:
         # gpt2.par:38: residual
@@ -1323,11 +1311,7 @@ class Gpt2Block(nnx.Module):
         )
         h = checkpoint_name(constrain(h, P("data", None, None)), self.path + ".attn")
         # gpt2.par:41 dropout(0.1)
-        h = dropout(
-            h,
-            key=layer_key(key, self.path + ".dropout_0"),
-            rate=0.1,
-        )
+        h = dropout(h, key=layer_key(key, self.path + ".dropout_0"), rate=0.1)
         h = checkpoint_name(constrain(h, P("data", None, None)), self.path + ".dropout_0")
         x = x + h
         # gpt2.par:43: residual
@@ -1342,33 +1326,16 @@ class Gpt2Block(nnx.Module):
         )
         h = checkpoint_name(constrain(h, P("data", None, None)), self.path + ".ln_2")
         # gpt2.par:45 fc: linear(d, ffn) shard kernel[_, model], bias[model]
-        h = linear(
-            h,
-            kernel=weight(self.fc["kernel"]),
-            bias=weight(self.fc["bias"]),
-            dtype=COMPUTE_DTYPE,
-        )
+        h = linear(h, kernel=weight(self.fc["kernel"]), bias=weight(self.fc["bias"]), dtype=COMPUTE_DTYPE)
         h = checkpoint_name(constrain(h, P("data", None, "model")), self.path + ".fc")
         # gpt2.par:46 gelu()
-        h = gelu(
-            h,
-            approximate=True,
-        )
+        h = gelu(h, approximate=True)
         h = checkpoint_name(constrain(h, P("data", None, "model")), self.path + ".gelu")
         # gpt2.par:47 proj: linear(ffn, d) shard kernel[model, _]
-        h = linear(
-            h,
-            kernel=weight(self.proj["kernel"]),
-            bias=weight(self.proj["bias"]),
-            dtype=COMPUTE_DTYPE,
-        )
+        h = linear(h, kernel=weight(self.proj["kernel"]), bias=weight(self.proj["bias"]), dtype=COMPUTE_DTYPE)
         h = checkpoint_name(constrain(h, P("data", None, None)), self.path + ".proj")
         # gpt2.par:48 dropout(0.1)
-        h = dropout(
-            h,
-            key=layer_key(key, self.path + ".dropout_1"),
-            rate=0.1,
-        )
+        h = dropout(h, key=layer_key(key, self.path + ".dropout_1"), rate=0.1)
         h = checkpoint_name(constrain(h, P("data", None, None)), self.path + ".dropout_1")
         x = x + h
         return x
@@ -1379,36 +1346,21 @@ class Stage0(nnx.Module):
 
     def __init__(self, params: dict[str, jax.Array]) -> None:
         # gpt2.par:53 wte: embed(vocab, d) shard table[model, _]
-        self.wte = nnx.Dict(
-            table=nnx.Param(params["wte.table"]),
-        )
+        self.wte = nnx.Dict(table=nnx.Param(params["wte.table"]))
         # gpt2.par:54 wpe: position_embed(positions, d)
-        self.wpe = nnx.Dict(
-            table=nnx.Param(params["wpe.table"]),
-        )
+        self.wpe = nnx.Dict(table=nnx.Param(params["wpe.table"]))
         # gpt2.par:57 h: repeat layers gpt2_block(d, heads, ffn, eps)
         self.h = Gpt2Block(layers_of(params, "h.*."), "h")
 
     def __call__(self, x: jax.Array, inputs: dict[str, jax.Array], key: jax.Array | None) -> jax.Array:
         # gpt2.par:53 wte: embed(vocab, d) shard table[model, _]
-        x = embed(
-            x,
-            table=weight(self.wte["table"]),
-            dtype=COMPUTE_DTYPE,
-        )
+        x = embed(x, table=weight(self.wte["table"]), dtype=COMPUTE_DTYPE)
         x = checkpoint_name(constrain(x, P("data", None, None)), "wte")
         # gpt2.par:54 wpe: position_embed(positions, d)
-        x = position_embed(
-            x,
-            table=weight(self.wpe["table"]),
-        )
+        x = position_embed(x, table=weight(self.wpe["table"]))
         x = checkpoint_name(constrain(x, P("data", None, None)), "wpe")
         # gpt2.par:55 dropout(0.1)
-        x = dropout(
-            x,
-            key=layer_key(key, "dropout"),
-            rate=0.1,
-        )
+        x = dropout(x, key=layer_key(key, "dropout"), rate=0.1)
         x = checkpoint_name(constrain(x, P("data", None, None)), "dropout")
         # gpt2.par:57 h: repeat layers gpt2_block(d, heads, ffn, eps)
         x = scan_layers(self.h, 6, x, inputs, key)
@@ -1422,14 +1374,9 @@ class Stage1(nnx.Module):
         # gpt2.par:57 h: repeat layers gpt2_block(d, heads, ffn, eps)
         self.h = Gpt2Block(layers_of(params, "h.*."), "h")
         # gpt2.par:59 ln_f: layernorm(d, eps=eps)
-        self.ln_f = nnx.Dict(
-            scale=nnx.Param(params["ln_f.scale"]),
-            bias=nnx.Param(params["ln_f.bias"]),
-        )
+        self.ln_f = nnx.Dict(scale=nnx.Param(params["ln_f.scale"]), bias=nnx.Param(params["ln_f.bias"]))
         # gpt2.par:60 lm_head: linear(d, vocab, bias=false) tie kernel = wte.table.T
-        self.lm_head = nnx.Dict(
-            kernel=nnx.Param(params["wte.table"]),
-        )
+        self.lm_head = nnx.Dict(kernel=nnx.Param(params["wte.table"]))
 
     def __call__(self, x: jax.Array, inputs: dict[str, jax.Array], key: jax.Array | None) -> jax.Array:
         # gpt2.par:57 h: repeat layers gpt2_block(d, heads, ffn, eps)
@@ -1444,11 +1391,7 @@ class Stage1(nnx.Module):
         )
         x = checkpoint_name(constrain(x, P("data", None, None)), "ln_f")
         # gpt2.par:60 lm_head: linear(d, vocab, bias=false) tie kernel = wte.table.T
-        x = linear(
-            x,
-            kernel=weight(self.lm_head["kernel"]).T,
-            dtype=COMPUTE_DTYPE,
-        )
+        x = linear(x, kernel=weight(self.lm_head["kernel"]).T, dtype=COMPUTE_DTYPE)
         x = checkpoint_name(constrain(x, P("data", None, "model")), "lm_head")
         return x
 

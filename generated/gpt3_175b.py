@@ -1325,10 +1325,7 @@ class GptBlock(nnx.Module):
     def __init__(self, params: dict[str, jax.Array], path: str) -> None:
         self.path = path
         # gpt3_175b.par:32 ln1: layernorm(d)
-        self.ln1 = nnx.Dict(
-            scale=nnx.Param(params["ln1.scale"]),
-            bias=nnx.Param(params["ln1.bias"]),
-        )
+        self.ln1 = nnx.Dict(scale=nnx.Param(params["ln1.scale"]), bias=nnx.Param(params["ln1.bias"]))
         # gpt3_175b.par:33 attn: attention(d, heads, causal=true) shard q[_, model], k[_, model], v[_, mode...
         self.attn = nnx.Dict(
             q=nnx.Param(params["attn.q"]),
@@ -1337,20 +1334,11 @@ class GptBlock(nnx.Module):
             o=nnx.Param(params["attn.o"]),
         )
         # gpt3_175b.par:36 ln2: layernorm(d)
-        self.ln2 = nnx.Dict(
-            scale=nnx.Param(params["ln2.scale"]),
-            bias=nnx.Param(params["ln2.bias"]),
-        )
+        self.ln2 = nnx.Dict(scale=nnx.Param(params["ln2.scale"]), bias=nnx.Param(params["ln2.bias"]))
         # gpt3_175b.par:37 up: linear(d, ffn) shard kernel[_, model], bias[model]
-        self.up = nnx.Dict(
-            kernel=nnx.Param(params["up.kernel"]),
-            bias=nnx.Param(params["up.bias"]),
-        )
+        self.up = nnx.Dict(kernel=nnx.Param(params["up.kernel"]), bias=nnx.Param(params["up.bias"]))
         # gpt3_175b.par:39 down: linear(ffn, d) shard kernel[model, _]
-        self.down = nnx.Dict(
-            kernel=nnx.Param(params["down.kernel"]),
-            bias=nnx.Param(params["down.bias"]),
-        )
+        self.down = nnx.Dict(kernel=nnx.Param(params["down.kernel"]), bias=nnx.Param(params["down.bias"]))
 
     def __call__(self, x: jax.Array, inputs: dict[str, jax.Array], key: jax.Array | None) -> jax.Array:
         # Checkpointed: the backward pass recomputes this block's activations from its input.
@@ -1360,13 +1348,7 @@ class GptBlock(nnx.Module):
         # gpt3_175b.par:31: residual
         h = x
         # gpt3_175b.par:32 ln1: layernorm(d)
-        h = layernorm(
-            h,
-            scale=weight(self.ln1["scale"]),
-            bias=weight(self.ln1["bias"]),
-            eps=1e-05,
-            dtype=COMPUTE_DTYPE,
-        )
+        h = layernorm(h, scale=weight(self.ln1["scale"]), bias=weight(self.ln1["bias"]), eps=1e-05, dtype=COMPUTE_DTYPE)
         h = checkpoint_name(constrain(h, P("data", None, None)), self.path + ".ln1")
         # gpt3_175b.par:33 attn: attention(d, heads, causal=true) shard q[_, model], k[_, model], v[_, mode...
         h = attention(
@@ -1387,35 +1369,16 @@ class GptBlock(nnx.Module):
         # gpt3_175b.par:35: residual
         h = x
         # gpt3_175b.par:36 ln2: layernorm(d)
-        h = layernorm(
-            h,
-            scale=weight(self.ln2["scale"]),
-            bias=weight(self.ln2["bias"]),
-            eps=1e-05,
-            dtype=COMPUTE_DTYPE,
-        )
+        h = layernorm(h, scale=weight(self.ln2["scale"]), bias=weight(self.ln2["bias"]), eps=1e-05, dtype=COMPUTE_DTYPE)
         h = checkpoint_name(constrain(h, P("data", None, None)), self.path + ".ln2")
         # gpt3_175b.par:37 up: linear(d, ffn) shard kernel[_, model], bias[model]
-        h = linear(
-            h,
-            kernel=weight(self.up["kernel"]),
-            bias=weight(self.up["bias"]),
-            dtype=COMPUTE_DTYPE,
-        )
+        h = linear(h, kernel=weight(self.up["kernel"]), bias=weight(self.up["bias"]), dtype=COMPUTE_DTYPE)
         h = checkpoint_name(constrain(h, P("data", None, "model")), self.path + ".up")
         # gpt3_175b.par:38 gelu()
-        h = gelu(
-            h,
-            approximate=True,
-        )
+        h = gelu(h, approximate=True)
         h = checkpoint_name(constrain(h, P("data", None, "model")), self.path + ".gelu")
         # gpt3_175b.par:39 down: linear(ffn, d) shard kernel[model, _]
-        h = linear(
-            h,
-            kernel=weight(self.down["kernel"]),
-            bias=weight(self.down["bias"]),
-            dtype=COMPUTE_DTYPE,
-        )
+        h = linear(h, kernel=weight(self.down["kernel"]), bias=weight(self.down["bias"]), dtype=COMPUTE_DTYPE)
         h = checkpoint_name(constrain(h, P("data", None, None)), self.path + ".down")
         x = x + h
         return x
@@ -1426,19 +1389,13 @@ class Stage0(nnx.Module):
 
     def __init__(self, params: dict[str, jax.Array]) -> None:
         # gpt3_175b.par:44 embed: embed(vocab, d) shard table[model, _]
-        self.embed = nnx.Dict(
-            table=nnx.Param(params["embed.table"]),
-        )
+        self.embed = nnx.Dict(table=nnx.Param(params["embed.table"]))
         # gpt3_175b.par:46 blocks: repeat n_layers gpt_block(d, heads, ffn)
         self.blocks = GptBlock(layers_of(params, "blocks.*."), "blocks")
 
     def __call__(self, x: jax.Array, inputs: dict[str, jax.Array], key: jax.Array | None) -> jax.Array:
         # gpt3_175b.par:44 embed: embed(vocab, d) shard table[model, _]
-        x = embed(
-            x,
-            table=weight(self.embed["table"]),
-            dtype=COMPUTE_DTYPE,
-        )
+        x = embed(x, table=weight(self.embed["table"]), dtype=COMPUTE_DTYPE)
         x = checkpoint_name(constrain(x, P("data", None, None)), "embed")
         # gpt3_175b.par:46 blocks: repeat n_layers gpt_block(d, heads, ffn)
         x = scan_layers(self.blocks, 6, x, inputs, key)
@@ -1465,14 +1422,9 @@ class Stage15(nnx.Module):
         # gpt3_175b.par:46 blocks: repeat n_layers gpt_block(d, heads, ffn)
         self.blocks = GptBlock(layers_of(params, "blocks.*."), "blocks")
         # gpt3_175b.par:48 ln_f: layernorm(d)
-        self.ln_f = nnx.Dict(
-            scale=nnx.Param(params["ln_f.scale"]),
-            bias=nnx.Param(params["ln_f.bias"]),
-        )
+        self.ln_f = nnx.Dict(scale=nnx.Param(params["ln_f.scale"]), bias=nnx.Param(params["ln_f.bias"]))
         # gpt3_175b.par:49 head: linear(d, vocab, bias=false) shard kernel[_, model]
-        self.head = nnx.Dict(
-            kernel=nnx.Param(params["head.kernel"]),
-        )
+        self.head = nnx.Dict(kernel=nnx.Param(params["head.kernel"]))
 
     def __call__(self, x: jax.Array, inputs: dict[str, jax.Array], key: jax.Array | None) -> jax.Array:
         # gpt3_175b.par:46 blocks: repeat n_layers gpt_block(d, heads, ffn)
@@ -1487,11 +1439,7 @@ class Stage15(nnx.Module):
         )
         x = checkpoint_name(constrain(x, P("data", None, None)), "ln_f")
         # gpt3_175b.par:49 head: linear(d, vocab, bias=false) shard kernel[_, model]
-        x = linear(
-            x,
-            kernel=weight(self.head["kernel"]),
-            dtype=COMPUTE_DTYPE,
-        )
+        x = linear(x, kernel=weight(self.head["kernel"]), dtype=COMPUTE_DTYPE)
         x = checkpoint_name(constrain(x, P("data", None, "model")), "head")
         return x
 

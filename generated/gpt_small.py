@@ -1251,10 +1251,7 @@ class GptBlock(nnx.Module):
     def __init__(self, params: dict[str, jax.Array], path: str) -> None:
         self.path = path
         # gpt_small.par:23 ln1: layernorm(d)
-        self.ln1 = nnx.Dict(
-            scale=nnx.Param(params["ln1.scale"]),
-            bias=nnx.Param(params["ln1.bias"]),
-        )
+        self.ln1 = nnx.Dict(scale=nnx.Param(params["ln1.scale"]), bias=nnx.Param(params["ln1.bias"]))
         # gpt_small.par:24 attn: attention(d, heads, causal=true) shard q[_, model], k[_, model], v[_, mode...
         self.attn = nnx.Dict(
             q=nnx.Param(params["attn.q"]),
@@ -1263,20 +1260,11 @@ class GptBlock(nnx.Module):
             o=nnx.Param(params["attn.o"]),
         )
         # gpt_small.par:28 ln2: layernorm(d)
-        self.ln2 = nnx.Dict(
-            scale=nnx.Param(params["ln2.scale"]),
-            bias=nnx.Param(params["ln2.bias"]),
-        )
+        self.ln2 = nnx.Dict(scale=nnx.Param(params["ln2.scale"]), bias=nnx.Param(params["ln2.bias"]))
         # gpt_small.par:29 up: linear(d, ffn) shard kernel[_, model], bias[model]
-        self.up = nnx.Dict(
-            kernel=nnx.Param(params["up.kernel"]),
-            bias=nnx.Param(params["up.bias"]),
-        )
+        self.up = nnx.Dict(kernel=nnx.Param(params["up.kernel"]), bias=nnx.Param(params["up.bias"]))
         # gpt_small.par:31 down: linear(ffn, d) shard kernel[model, _]
-        self.down = nnx.Dict(
-            kernel=nnx.Param(params["down.kernel"]),
-            bias=nnx.Param(params["down.bias"]),
-        )
+        self.down = nnx.Dict(kernel=nnx.Param(params["down.kernel"]), bias=nnx.Param(params["down.bias"]))
 
     def __call__(self, x: jax.Array, inputs: dict[str, jax.Array], key: jax.Array | None) -> jax.Array:
         # Checkpointed, keeping only these outputs; the backward pass recomputes the rest.
@@ -1289,13 +1277,7 @@ class GptBlock(nnx.Module):
         # gpt_small.par:22: residual
         h = x
         # gpt_small.par:23 ln1: layernorm(d)
-        h = layernorm(
-            h,
-            scale=weight(self.ln1["scale"]),
-            bias=weight(self.ln1["bias"]),
-            eps=1e-05,
-            dtype=COMPUTE_DTYPE,
-        )
+        h = layernorm(h, scale=weight(self.ln1["scale"]), bias=weight(self.ln1["bias"]), eps=1e-05, dtype=COMPUTE_DTYPE)
         h = checkpoint_name(constrain(h, P("data", None, None)), self.path + ".ln1")
         # gpt_small.par:24 attn: attention(d, heads, causal=true) shard q[_, model], k[_, model], v[_, mode...
         h = attention(
@@ -1313,52 +1295,25 @@ class GptBlock(nnx.Module):
         )
         h = checkpoint_name(constrain(h, P("data", None, None)), self.path + ".attn")
         # gpt_small.par:25 dropout(0.1)
-        h = dropout(
-            h,
-            key=layer_key(key, self.path + ".dropout_0"),
-            rate=0.1,
-        )
+        h = dropout(h, key=layer_key(key, self.path + ".dropout_0"), rate=0.1)
         h = checkpoint_name(constrain(h, P("data", None, None)), self.path + ".dropout_0")
         x = x + h
         # gpt_small.par:27: residual
         h = x
         # gpt_small.par:28 ln2: layernorm(d)
-        h = layernorm(
-            h,
-            scale=weight(self.ln2["scale"]),
-            bias=weight(self.ln2["bias"]),
-            eps=1e-05,
-            dtype=COMPUTE_DTYPE,
-        )
+        h = layernorm(h, scale=weight(self.ln2["scale"]), bias=weight(self.ln2["bias"]), eps=1e-05, dtype=COMPUTE_DTYPE)
         h = checkpoint_name(constrain(h, P("data", None, None)), self.path + ".ln2")
         # gpt_small.par:29 up: linear(d, ffn) shard kernel[_, model], bias[model]
-        h = linear(
-            h,
-            kernel=weight(self.up["kernel"]),
-            bias=weight(self.up["bias"]),
-            dtype=COMPUTE_DTYPE,
-        )
+        h = linear(h, kernel=weight(self.up["kernel"]), bias=weight(self.up["bias"]), dtype=COMPUTE_DTYPE)
         h = checkpoint_name(constrain(h, P("data", None, "model")), self.path + ".up")
         # gpt_small.par:30 gelu()
-        h = gelu(
-            h,
-            approximate=True,
-        )
+        h = gelu(h, approximate=True)
         h = checkpoint_name(constrain(h, P("data", None, "model")), self.path + ".gelu")
         # gpt_small.par:31 down: linear(ffn, d) shard kernel[model, _]
-        h = linear(
-            h,
-            kernel=weight(self.down["kernel"]),
-            bias=weight(self.down["bias"]),
-            dtype=COMPUTE_DTYPE,
-        )
+        h = linear(h, kernel=weight(self.down["kernel"]), bias=weight(self.down["bias"]), dtype=COMPUTE_DTYPE)
         h = checkpoint_name(constrain(h, P("data", None, None)), self.path + ".down")
         # gpt_small.par:32 dropout(0.1)
-        h = dropout(
-            h,
-            key=layer_key(key, self.path + ".dropout_1"),
-            rate=0.1,
-        )
+        h = dropout(h, key=layer_key(key, self.path + ".dropout_1"), rate=0.1)
         h = checkpoint_name(constrain(h, P("data", None, None)), self.path + ".dropout_1")
         x = x + h
         return x
@@ -1369,19 +1324,13 @@ class Stage0(nnx.Module):
 
     def __init__(self, params: dict[str, jax.Array]) -> None:
         # gpt_small.par:37 embed: embed(vocab, d) shard table[model, _]
-        self.embed = nnx.Dict(
-            table=nnx.Param(params["embed.table"]),
-        )
+        self.embed = nnx.Dict(table=nnx.Param(params["embed.table"]))
         # gpt_small.par:39 blocks: repeat n_layers gpt_block(d, heads, ffn)
         self.blocks = GptBlock(layers_of(params, "blocks.*."), "blocks")
 
     def __call__(self, x: jax.Array, inputs: dict[str, jax.Array], key: jax.Array | None) -> jax.Array:
         # gpt_small.par:37 embed: embed(vocab, d) shard table[model, _]
-        x = embed(
-            x,
-            table=weight(self.embed["table"]),
-            dtype=COMPUTE_DTYPE,
-        )
+        x = embed(x, table=weight(self.embed["table"]), dtype=COMPUTE_DTYPE)
         x = checkpoint_name(constrain(x, P("data", None, None)), "embed")
         # gpt_small.par:39 blocks: repeat n_layers gpt_block(d, heads, ffn)
         x = scan_layers(self.blocks, 2, x, inputs, key)
@@ -1395,14 +1344,9 @@ class Stage1(nnx.Module):
         # gpt_small.par:39 blocks: repeat n_layers gpt_block(d, heads, ffn)
         self.blocks = GptBlock(layers_of(params, "blocks.*."), "blocks")
         # gpt_small.par:41 ln_f: layernorm(d)
-        self.ln_f = nnx.Dict(
-            scale=nnx.Param(params["ln_f.scale"]),
-            bias=nnx.Param(params["ln_f.bias"]),
-        )
+        self.ln_f = nnx.Dict(scale=nnx.Param(params["ln_f.scale"]), bias=nnx.Param(params["ln_f.bias"]))
         # gpt_small.par:42 head: linear(d, vocab, bias=false) shard kernel[_, model]
-        self.head = nnx.Dict(
-            kernel=nnx.Param(params["head.kernel"]),
-        )
+        self.head = nnx.Dict(kernel=nnx.Param(params["head.kernel"]))
 
     def __call__(self, x: jax.Array, inputs: dict[str, jax.Array], key: jax.Array | None) -> jax.Array:
         # gpt_small.par:39 blocks: repeat n_layers gpt_block(d, heads, ffn)
@@ -1417,11 +1361,7 @@ class Stage1(nnx.Module):
         )
         x = checkpoint_name(constrain(x, P("data", None, None)), "ln_f")
         # gpt_small.par:42 head: linear(d, vocab, bias=false) shard kernel[_, model]
-        x = linear(
-            x,
-            kernel=weight(self.head["kernel"]),
-            dtype=COMPUTE_DTYPE,
-        )
+        x = linear(x, kernel=weight(self.head["kernel"]), dtype=COMPUTE_DTYPE)
         x = checkpoint_name(constrain(x, P("data", None, "model")), "head")
         return x
 

@@ -1288,9 +1288,7 @@ class LlamaBlock(nnx.Module):
     def __init__(self, params: dict[str, jax.Array], path: str) -> None:
         self.path = path
         # llama.par:38 attn_norm: rmsnorm(d, eps=eps)
-        self.attn_norm = nnx.Dict(
-            scale=nnx.Param(params["attn_norm.scale"]),
-        )
+        self.attn_norm = nnx.Dict(scale=nnx.Param(params["attn_norm.scale"]))
         # llama.par:39 attn: attention(d, heads, kv_heads=kv_heads, rope=true, rope_base=rope_base, qkv_bia...
         self.attn = nnx.Dict(
             q=nnx.Param(params["attn.q"]),
@@ -1299,18 +1297,11 @@ class LlamaBlock(nnx.Module):
             o=nnx.Param(params["attn.o"]),
         )
         # llama.par:42 mlp_norm: rmsnorm(d, eps=eps)
-        self.mlp_norm = nnx.Dict(
-            scale=nnx.Param(params["mlp_norm.scale"]),
-        )
+        self.mlp_norm = nnx.Dict(scale=nnx.Param(params["mlp_norm.scale"]))
         # llama.par:43 gate_up: swiglu(d, ffn) shard gate[_, model], up[_, model]
-        self.gate_up = nnx.Dict(
-            gate=nnx.Param(params["gate_up.gate"]),
-            up=nnx.Param(params["gate_up.up"]),
-        )
+        self.gate_up = nnx.Dict(gate=nnx.Param(params["gate_up.gate"]), up=nnx.Param(params["gate_up.up"]))
         # llama.par:44 down: linear(ffn, d, bias=false) shard kernel[model, _]
-        self.down = nnx.Dict(
-            kernel=nnx.Param(params["down.kernel"]),
-        )
+        self.down = nnx.Dict(kernel=nnx.Param(params["down.kernel"]))
 
     def __call__(self, x: jax.Array, inputs: dict[str, jax.Array], key: jax.Array | None) -> jax.Array:
         # Checkpointed: the backward pass recomputes this block's activations from its input.
@@ -1320,12 +1311,7 @@ class LlamaBlock(nnx.Module):
         # llama.par:37: residual
         h = x
         # llama.par:38 attn_norm: rmsnorm(d, eps=eps)
-        h = rmsnorm(
-            h,
-            scale=weight(self.attn_norm["scale"]),
-            eps=1e-05,
-            dtype=COMPUTE_DTYPE,
-        )
+        h = rmsnorm(h, scale=weight(self.attn_norm["scale"]), eps=1e-05, dtype=COMPUTE_DTYPE)
         h = checkpoint_name(constrain(h, P("data", None, None)), self.path + ".attn_norm")
         # llama.par:39 attn: attention(d, heads, kv_heads=kv_heads, rope=true, rope_base=rope_base, qkv_bia...
         h = attention(
@@ -1346,27 +1332,13 @@ class LlamaBlock(nnx.Module):
         # llama.par:41: residual
         h = x
         # llama.par:42 mlp_norm: rmsnorm(d, eps=eps)
-        h = rmsnorm(
-            h,
-            scale=weight(self.mlp_norm["scale"]),
-            eps=1e-05,
-            dtype=COMPUTE_DTYPE,
-        )
+        h = rmsnorm(h, scale=weight(self.mlp_norm["scale"]), eps=1e-05, dtype=COMPUTE_DTYPE)
         h = checkpoint_name(constrain(h, P("data", None, None)), self.path + ".mlp_norm")
         # llama.par:43 gate_up: swiglu(d, ffn) shard gate[_, model], up[_, model]
-        h = swiglu(
-            h,
-            gate=weight(self.gate_up["gate"]),
-            up=weight(self.gate_up["up"]),
-            dtype=COMPUTE_DTYPE,
-        )
+        h = swiglu(h, gate=weight(self.gate_up["gate"]), up=weight(self.gate_up["up"]), dtype=COMPUTE_DTYPE)
         h = checkpoint_name(constrain(h, P("data", None, "model")), self.path + ".gate_up")
         # llama.par:44 down: linear(ffn, d, bias=false) shard kernel[model, _]
-        h = linear(
-            h,
-            kernel=weight(self.down["kernel"]),
-            dtype=COMPUTE_DTYPE,
-        )
+        h = linear(h, kernel=weight(self.down["kernel"]), dtype=COMPUTE_DTYPE)
         h = checkpoint_name(constrain(h, P("data", None, None)), self.path + ".down")
         x = x + h
         return x
@@ -1377,19 +1349,13 @@ class Stage0(nnx.Module):
 
     def __init__(self, params: dict[str, jax.Array]) -> None:
         # llama.par:49 embed: embed(vocab, d) shard table[model, _]
-        self.embed = nnx.Dict(
-            table=nnx.Param(params["embed.table"]),
-        )
+        self.embed = nnx.Dict(table=nnx.Param(params["embed.table"]))
         # llama.par:51 layers: repeat layers llama_block(d, heads, kv_heads, ffn, eps, rope_base, qkv_bias)
         self.layers = LlamaBlock(layers_of(params, "layers.*."), "layers")
 
     def __call__(self, x: jax.Array, inputs: dict[str, jax.Array], key: jax.Array | None) -> jax.Array:
         # llama.par:49 embed: embed(vocab, d) shard table[model, _]
-        x = embed(
-            x,
-            table=weight(self.embed["table"]),
-            dtype=COMPUTE_DTYPE,
-        )
+        x = embed(x, table=weight(self.embed["table"]), dtype=COMPUTE_DTYPE)
         x = checkpoint_name(constrain(x, P("data", None, None)), "embed")
         # llama.par:51 layers: repeat layers llama_block(d, heads, kv_heads, ffn, eps, rope_base, qkv_bias)
         x = scan_layers(self.layers, 11, x, inputs, key)
@@ -1403,31 +1369,18 @@ class Stage1(nnx.Module):
         # llama.par:51 layers: repeat layers llama_block(d, heads, kv_heads, ffn, eps, rope_base, qkv_bias)
         self.layers = LlamaBlock(layers_of(params, "layers.*."), "layers")
         # llama.par:53 norm: rmsnorm(d, eps=eps)
-        self.norm = nnx.Dict(
-            scale=nnx.Param(params["norm.scale"]),
-        )
+        self.norm = nnx.Dict(scale=nnx.Param(params["norm.scale"]))
         # llama.par:54 head: linear(d, vocab, bias=false) shard kernel[_, model]
-        self.head = nnx.Dict(
-            kernel=nnx.Param(params["head.kernel"]),
-        )
+        self.head = nnx.Dict(kernel=nnx.Param(params["head.kernel"]))
 
     def __call__(self, x: jax.Array, inputs: dict[str, jax.Array], key: jax.Array | None) -> jax.Array:
         # llama.par:51 layers: repeat layers llama_block(d, heads, kv_heads, ffn, eps, rope_base, qkv_bias)
         x = scan_layers(self.layers, 11, x, inputs, key)
         # llama.par:53 norm: rmsnorm(d, eps=eps)
-        x = rmsnorm(
-            x,
-            scale=weight(self.norm["scale"]),
-            eps=1e-05,
-            dtype=COMPUTE_DTYPE,
-        )
+        x = rmsnorm(x, scale=weight(self.norm["scale"]), eps=1e-05, dtype=COMPUTE_DTYPE)
         x = checkpoint_name(constrain(x, P("data", None, None)), "norm")
         # llama.par:54 head: linear(d, vocab, bias=false) shard kernel[_, model]
-        x = linear(
-            x,
-            kernel=weight(self.head["kernel"]),
-            dtype=COMPUTE_DTYPE,
-        )
+        x = linear(x, kernel=weight(self.head["kernel"]), dtype=COMPUTE_DTYPE)
         x = checkpoint_name(constrain(x, P("data", None, "model")), "head")
         return x
 

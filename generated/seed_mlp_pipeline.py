@@ -1060,35 +1060,19 @@ class Stage0(nnx.Module):
 
     def __init__(self, params: dict[str, jax.Array]) -> None:
         # seed_mlp_pipeline.par:21 fc1: linear(784, 512)
-        self.fc1 = nnx.Dict(
-            kernel=nnx.Param(params["fc1.kernel"]),
-            bias=nnx.Param(params["fc1.bias"]),
-        )
+        self.fc1 = nnx.Dict(kernel=nnx.Param(params["fc1.kernel"]), bias=nnx.Param(params["fc1.bias"]))
         # seed_mlp_pipeline.par:23 fc2: linear(512, 512)
-        self.fc2 = nnx.Dict(
-            kernel=nnx.Param(params["fc2.kernel"]),
-            bias=nnx.Param(params["fc2.bias"]),
-        )
+        self.fc2 = nnx.Dict(kernel=nnx.Param(params["fc2.kernel"]), bias=nnx.Param(params["fc2.bias"]))
 
     def __call__(self, x: jax.Array, inputs: dict[str, jax.Array], key: jax.Array | None) -> jax.Array:
         # seed_mlp_pipeline.par:21 fc1: linear(784, 512)
-        x = linear(
-            x,
-            kernel=weight(self.fc1["kernel"]),
-            bias=weight(self.fc1["bias"]),
-            dtype=COMPUTE_DTYPE,
-        )
+        x = linear(x, kernel=weight(self.fc1["kernel"]), bias=weight(self.fc1["bias"]), dtype=COMPUTE_DTYPE)
         x = checkpoint_name(constrain(x, P("data", None)), "fc1")
         # seed_mlp_pipeline.par:22 relu()
         x = relu(x)
         x = checkpoint_name(constrain(x, P("data", None)), "relu_0")
         # seed_mlp_pipeline.par:23 fc2: linear(512, 512)
-        x = linear(
-            x,
-            kernel=weight(self.fc2["kernel"]),
-            bias=weight(self.fc2["bias"]),
-            dtype=COMPUTE_DTYPE,
-        )
+        x = linear(x, kernel=weight(self.fc2["kernel"]), bias=weight(self.fc2["bias"]), dtype=COMPUTE_DTYPE)
         x = checkpoint_name(constrain(x, P("data", None)), "fc2")
         # seed_mlp_pipeline.par:24 relu()
         x = relu(x)
@@ -1101,35 +1085,19 @@ class Stage1(nnx.Module):
 
     def __init__(self, params: dict[str, jax.Array]) -> None:
         # seed_mlp_pipeline.par:27 fc3: linear(512, 256)
-        self.fc3 = nnx.Dict(
-            kernel=nnx.Param(params["fc3.kernel"]),
-            bias=nnx.Param(params["fc3.bias"]),
-        )
+        self.fc3 = nnx.Dict(kernel=nnx.Param(params["fc3.kernel"]), bias=nnx.Param(params["fc3.bias"]))
         # seed_mlp_pipeline.par:29 fc4: linear(256, 256)
-        self.fc4 = nnx.Dict(
-            kernel=nnx.Param(params["fc4.kernel"]),
-            bias=nnx.Param(params["fc4.bias"]),
-        )
+        self.fc4 = nnx.Dict(kernel=nnx.Param(params["fc4.kernel"]), bias=nnx.Param(params["fc4.bias"]))
 
     def __call__(self, x: jax.Array, inputs: dict[str, jax.Array], key: jax.Array | None) -> jax.Array:
         # seed_mlp_pipeline.par:27 fc3: linear(512, 256)
-        x = linear(
-            x,
-            kernel=weight(self.fc3["kernel"]),
-            bias=weight(self.fc3["bias"]),
-            dtype=COMPUTE_DTYPE,
-        )
+        x = linear(x, kernel=weight(self.fc3["kernel"]), bias=weight(self.fc3["bias"]), dtype=COMPUTE_DTYPE)
         x = checkpoint_name(constrain(x, P("data", None)), "fc3")
         # seed_mlp_pipeline.par:28 relu()
         x = relu(x)
         x = checkpoint_name(constrain(x, P("data", None)), "relu_2")
         # seed_mlp_pipeline.par:29 fc4: linear(256, 256)
-        x = linear(
-            x,
-            kernel=weight(self.fc4["kernel"]),
-            bias=weight(self.fc4["bias"]),
-            dtype=COMPUTE_DTYPE,
-        )
+        x = linear(x, kernel=weight(self.fc4["kernel"]), bias=weight(self.fc4["bias"]), dtype=COMPUTE_DTYPE)
         x = checkpoint_name(constrain(x, P("data", None)), "fc4")
         # seed_mlp_pipeline.par:30 relu()
         x = relu(x)
@@ -1142,35 +1110,19 @@ class Stage2(nnx.Module):
 
     def __init__(self, params: dict[str, jax.Array]) -> None:
         # seed_mlp_pipeline.par:33 fc5: linear(256, 128)
-        self.fc5 = nnx.Dict(
-            kernel=nnx.Param(params["fc5.kernel"]),
-            bias=nnx.Param(params["fc5.bias"]),
-        )
+        self.fc5 = nnx.Dict(kernel=nnx.Param(params["fc5.kernel"]), bias=nnx.Param(params["fc5.bias"]))
         # seed_mlp_pipeline.par:35 fc6: linear(128, 10)
-        self.fc6 = nnx.Dict(
-            kernel=nnx.Param(params["fc6.kernel"]),
-            bias=nnx.Param(params["fc6.bias"]),
-        )
+        self.fc6 = nnx.Dict(kernel=nnx.Param(params["fc6.kernel"]), bias=nnx.Param(params["fc6.bias"]))
 
     def __call__(self, x: jax.Array, inputs: dict[str, jax.Array], key: jax.Array | None) -> jax.Array:
         # seed_mlp_pipeline.par:33 fc5: linear(256, 128)
-        x = linear(
-            x,
-            kernel=weight(self.fc5["kernel"]),
-            bias=weight(self.fc5["bias"]),
-            dtype=COMPUTE_DTYPE,
-        )
+        x = linear(x, kernel=weight(self.fc5["kernel"]), bias=weight(self.fc5["bias"]), dtype=COMPUTE_DTYPE)
         x = checkpoint_name(constrain(x, P("data", None)), "fc5")
         # seed_mlp_pipeline.par:34 relu()
         x = relu(x)
         x = checkpoint_name(constrain(x, P("data", None)), "relu_4")
         # seed_mlp_pipeline.par:35 fc6: linear(128, 10)
-        x = linear(
-            x,
-            kernel=weight(self.fc6["kernel"]),
-            bias=weight(self.fc6["bias"]),
-            dtype=COMPUTE_DTYPE,
-        )
+        x = linear(x, kernel=weight(self.fc6["kernel"]), bias=weight(self.fc6["bias"]), dtype=COMPUTE_DTYPE)
         x = checkpoint_name(constrain(x, P("data", None)), "fc6")
         return x
 
