@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import functools
 import math
+import re
 import zlib
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -511,20 +512,143 @@ def _counted(targets: jax.Array, mask: jax.Array | None, ignore_index: int) -> j
 IDLE, FORWARD, BACKWARD, INPUT_GRAD, WEIGHT_GRAD = 0, 1, 2, 3, 4
 
 
+OP_CODES = {"F": FORWARD, "B": BACKWARD, "I": INPUT_GRAD, "W": WEIGHT_GRAD}
+
+
+# The executor's tables, each [tick][stage]:
 TABLE_ENTRIES = (
-    "op",
-    "microbatch",
-    "chunk",
-    "stash_slot",
-    "activation_slot",
-    "gradient_slot",
-    "receive_activation",
-    "receive_gradient",
+    "op",  # what to do: IDLE, FORWARD, BACKWARD, INPUT_GRAD or WEIGHT_GRAD
+    "microbatch",  # on which microbatch
+    "chunk",  # of which chunk
+    "stash_slot",  # F writes the chunk's input here; B / I / W read it
+    "activation_slot",  # F reads the activation it received here (every chunk but the first)
+    "gradient_slot",  # B / I / W read the output gradient they received here (all but the last)
+    "receive_activation",  # after the tick, store the activation arriving from stage - 1 here
+    "receive_gradient",  # and the gradient arriving from stage + 1 here (-1: nothing arrives)
 )
 
 
-# A table whose placement is not a ring also has these.
+# Arrivals that only a placement other than a ring has (a V): from the other neighbour, or
+# made by the stage for its own next (or previous) chunk.
 OTHER_DIRECTIONS = ("activation_from_next", "gradient_from_previous", "keep_activation", "keep_gradient")
+
+
+# Where a value is stored, by what it is and which way it went.
+RECEIVED_IN = {
+    ("activation", "next"): "receive_activation",
+    ("input gradient", "previous"): "receive_gradient",
+    ("activation", "previous"): "activation_from_next",
+    ("input gradient", "next"): "gradient_from_previous",
+    ("activation", "same"): "keep_activation",
+    ("input gradient", "same"): "keep_gradient",
+}
+
+
+# One tick of a stage's timeline: (op, microbatch, chunk), or None when the stage is idle.
+Tick = tuple[str, int, int] | None
+
+
+def direction(result: str, source: int, target: int, stages: int) -> str | None:
+    """How `result` goes from stage `source` to `target` round the ring of stages: "next",
+    "previous" or "same"; None when they are not neighbours. Where a stage is both (on one
+    or two stages), an activation goes to the next and a gradient to the previous one."""
+    reaches = {"next": (source + 1) % stages, "previous": (source - 1) % stages, "same": source}
+    order = ("next", "previous", "same") if result == "activation" else ("previous", "next", "same")
+    return next((way for way in order if reaches[way] == target), None)
+
+
+def slot_tables(timelines: Sequence[Sequence[Tick]]) -> dict[str, list[list[int]]]:
+    """The executor's tables, `TABLE_ENTRIES` and `OTHER_DIRECTIONS`, [tick][stage], for a
+    valid schedule given as each stage's timeline."""
+    when = {tick: t for timeline in timelines for t, tick in enumerate(timeline) if tick is not None}
+    holder = {tick[2]: stage for stage, timeline in enumerate(timelines) for tick in timeline if tick is not None}
+    P, C, T = len(timelines), len(holder), max(map(len, timelines))
+
+    def first(*ticks: Tick) -> int:
+        return next((when[tick] for tick in ticks if tick in when), -1)
+
+    # When each buffer holds a value for (c, m), per stage: [first tick, last tick].
+    live: dict[str, list[dict[tuple[int, int], tuple[int, int]]]] = {
+        buffer: [{} for _ in range(P)] for buffer in ("stash_slot", "activation_slot", "gradient_slot")
+    }
+    for (op, m, c), t in when.items():
+        done = first(("W", m, c), ("B", m, c))  # the backward's last tick
+        if op == "F":
+            live["stash_slot"][holder[c]][c, m] = (t, done)
+            if c > 0:
+                live["activation_slot"][holder[c]][c, m] = (when["F", m, c - 1], t)
+        elif op != "W" and c < C - 1:
+            live["gradient_slot"][holder[c]][c, m] = (first(("I", m, c + 1), ("B", m, c + 1)), done)
+    slots = {buffer: _allocate(intervals) for buffer, intervals in live.items()}
+
+    tables = {name: [[-1] * P for _ in range(T)] for name in (*TABLE_ENTRIES, *OTHER_DIRECTIONS)}
+    for name in ("op", "microbatch", "chunk"):
+        tables[name] = [[0] * P for _ in range(T)]
+    for (op, m, c), t in when.items():
+        s = holder[c]
+        tables["op"][t][s], tables["microbatch"][t][s], tables["chunk"][t][s] = OP_CODES[op], m, c
+        tables["stash_slot"][t][s] = slots["stash_slot"][s][c, m]
+        read = "activation_slot" if op == "F" else "gradient_slot"
+        tables[read][t][s] = slots[read][s].get((c, m), -1)
+        # What the tick makes arrives at the stage of the chunk that reads it (into that
+        # buffer), at the end of the tick.
+        if op == "F" and c < C - 1:
+            result, reader = "activation", c + 1
+        elif op in ("B", "I") and c > 0:
+            result, reader = "input gradient", c - 1
+        else:
+            continue
+        way = direction(result, s, holder[reader], P)
+        assert way is not None, "a valid schedule puts consecutive chunks on neighbouring stages"
+        tables[RECEIVED_IN[result, way]][t][holder[reader]] = slots[read][holder[reader]][reader, m]
+    return tables
+
+
+def _allocate(per_stage: list[dict[tuple[int, int], tuple[int, int]]]) -> list[dict[tuple[int, int], int]]:
+    """Greedy interval colouring per stage: a slot is reused once its last value is dead."""
+    slots = []
+    for intervals in per_stage:
+        free_after: list[int] = []  # slot -> the last tick it is busy
+        chosen = {}
+        for key, (start, end) in sorted(intervals.items(), key=lambda kv: (kv[1][0], kv[0])):
+            slot = next((i for i, busy in enumerate(free_after) if busy < start), len(free_after))
+            free_after[slot : slot + 1] = [end]  # a slot used again, or a new one at the end
+            chosen[key] = slot
+        slots.append(chosen)
+    return slots
+
+
+def read_timeline(text: str, stage: int) -> list[Tick]:
+    """Stage `stage`'s timeline from its notation (`F0..F3 .x3 (B0 F4)..(B3 F7) B4..B7`; see
+    the module's docstring): a chunk not named is the stage's own."""
+
+    def ticks(words: str) -> list[Tick]:
+        found = [(word, re.fullmatch(r"([FBIW])(\d+)(?:c(\d+))?", word)) for word in words.strip("()").split()]
+        assert all(action or word == "." for word, action in found), f"not a timeline: {text!r}"
+        return [(action[1], int(action[2]), int(action[3] or stage)) if action else None for _, action in found]
+
+    timeline: list[Tick] = []
+    for piece in re.findall(r"\([^()]*\)\.\.\([^()]*\)|\S+", text):
+        if piece.startswith(".x") or piece == ".":
+            timeline += [None] * int(piece[2:] or 1)
+            continue
+        first, _, last = piece.partition("..")
+        group, end = ticks(first), ticks(last or first)
+        # Each repetition of the group is one microbatch on, up to the last one written.
+        start, stop = (next(tick[1] for tick in run if tick is not None) for run in (group, end))
+        for k in range(1 + stop - start):
+            timeline += [None if tick is None else (tick[0], tick[1] + k, tick[2]) for tick in group]
+        assert timeline[-len(end) :] == end, f"not a timeline: {text!r}"
+    return timeline
+
+
+def schedule_tables(*timelines: str) -> dict[str, list[list[int]]]:
+    """The executor's tables for a schedule given as each stage's timeline (stage 0 first);
+    without the `OTHER_DIRECTIONS` when nothing arrives those ways (a ring placement), which
+    spares the executor their sends."""
+    tables = slot_tables([read_timeline(text, stage) for stage, text in enumerate(timelines)])
+    ring = all(cell < 0 for name in OTHER_DIRECTIONS for row in tables[name] for cell in row)
+    return {name: rows for name, rows in tables.items() if name in TABLE_ENTRIES or not ring}
 
 
 # chunk(weights, x, inputs, key) -> the chunk's output; the last chunk returns its f32 loss.
@@ -928,6 +1052,11 @@ class Share(NamedTuple):
     shape: tuple[int, ...] | None = None
 
 
+def layer_shares(parameters: dict[str, Any], prefix: str, layers: tuple[int, int]) -> dict[str, Share]:
+    """A chunk's layers [start, stop) of every array a repeat stores under `prefix` (`blocks.*.`)."""
+    return {name: Share(name, (layers,)) for name in parameters if name.startswith(prefix)}
+
+
 def take_share(
     arrays: dict[str, jax.Array], share: Share, stage_rows: int | None, local: bool, dtype: Any
 ) -> jax.Array:
@@ -1122,10 +1251,7 @@ class GptBlock(nnx.Module):
     def __init__(self, params: dict[str, jax.Array], path: str) -> None:
         self.path = path
         # gpt_small.par:23 ln1: layernorm(d)
-        self.ln1 = nnx.Dict(
-            scale=nnx.Param(params["ln1.scale"]),
-            bias=nnx.Param(params["ln1.bias"]),
-        )
+        self.ln1 = nnx.Dict(scale=nnx.Param(params["ln1.scale"]), bias=nnx.Param(params["ln1.bias"]))
         # gpt_small.par:24 attn: attention(d, heads, causal=true) shard q[_, model], k[_, model], v[_, mode...
         self.attn = nnx.Dict(
             q=nnx.Param(params["attn.q"]),
@@ -1134,20 +1260,11 @@ class GptBlock(nnx.Module):
             o=nnx.Param(params["attn.o"]),
         )
         # gpt_small.par:28 ln2: layernorm(d)
-        self.ln2 = nnx.Dict(
-            scale=nnx.Param(params["ln2.scale"]),
-            bias=nnx.Param(params["ln2.bias"]),
-        )
+        self.ln2 = nnx.Dict(scale=nnx.Param(params["ln2.scale"]), bias=nnx.Param(params["ln2.bias"]))
         # gpt_small.par:29 up: linear(d, ffn) shard kernel[_, model], bias[model]
-        self.up = nnx.Dict(
-            kernel=nnx.Param(params["up.kernel"]),
-            bias=nnx.Param(params["up.bias"]),
-        )
+        self.up = nnx.Dict(kernel=nnx.Param(params["up.kernel"]), bias=nnx.Param(params["up.bias"]))
         # gpt_small.par:31 down: linear(ffn, d) shard kernel[model, _]
-        self.down = nnx.Dict(
-            kernel=nnx.Param(params["down.kernel"]),
-            bias=nnx.Param(params["down.bias"]),
-        )
+        self.down = nnx.Dict(kernel=nnx.Param(params["down.kernel"]), bias=nnx.Param(params["down.bias"]))
 
     def __call__(self, x: jax.Array, inputs: dict[str, jax.Array], key: jax.Array | None) -> jax.Array:
         # Checkpointed, keeping only these outputs; the backward pass recomputes the rest.
@@ -1160,13 +1277,7 @@ class GptBlock(nnx.Module):
         # gpt_small.par:22: residual
         h = x
         # gpt_small.par:23 ln1: layernorm(d)
-        h = layernorm(
-            h,
-            scale=weight(self.ln1["scale"]),
-            bias=weight(self.ln1["bias"]),
-            eps=1e-05,
-            dtype=COMPUTE_DTYPE,
-        )
+        h = layernorm(h, scale=weight(self.ln1["scale"]), bias=weight(self.ln1["bias"]), eps=1e-05, dtype=COMPUTE_DTYPE)
         h = checkpoint_name(constrain(h, P("data", None, None)), self.path + ".ln1")
         # gpt_small.par:24 attn: attention(d, heads, causal=true) shard q[_, model], k[_, model], v[_, mode...
         h = attention(
@@ -1184,52 +1295,25 @@ class GptBlock(nnx.Module):
         )
         h = checkpoint_name(constrain(h, P("data", None, None)), self.path + ".attn")
         # gpt_small.par:25 dropout(0.1)
-        h = dropout(
-            h,
-            key=layer_key(key, self.path + ".dropout_0"),
-            rate=0.1,
-        )
+        h = dropout(h, key=layer_key(key, self.path + ".dropout_0"), rate=0.1)
         h = checkpoint_name(constrain(h, P("data", None, None)), self.path + ".dropout_0")
         x = x + h
         # gpt_small.par:27: residual
         h = x
         # gpt_small.par:28 ln2: layernorm(d)
-        h = layernorm(
-            h,
-            scale=weight(self.ln2["scale"]),
-            bias=weight(self.ln2["bias"]),
-            eps=1e-05,
-            dtype=COMPUTE_DTYPE,
-        )
+        h = layernorm(h, scale=weight(self.ln2["scale"]), bias=weight(self.ln2["bias"]), eps=1e-05, dtype=COMPUTE_DTYPE)
         h = checkpoint_name(constrain(h, P("data", None, None)), self.path + ".ln2")
         # gpt_small.par:29 up: linear(d, ffn) shard kernel[_, model], bias[model]
-        h = linear(
-            h,
-            kernel=weight(self.up["kernel"]),
-            bias=weight(self.up["bias"]),
-            dtype=COMPUTE_DTYPE,
-        )
+        h = linear(h, kernel=weight(self.up["kernel"]), bias=weight(self.up["bias"]), dtype=COMPUTE_DTYPE)
         h = checkpoint_name(constrain(h, P("data", None, "model")), self.path + ".up")
         # gpt_small.par:30 gelu()
-        h = gelu(
-            h,
-            approximate=True,
-        )
+        h = gelu(h, approximate=True)
         h = checkpoint_name(constrain(h, P("data", None, "model")), self.path + ".gelu")
         # gpt_small.par:31 down: linear(ffn, d) shard kernel[model, _]
-        h = linear(
-            h,
-            kernel=weight(self.down["kernel"]),
-            bias=weight(self.down["bias"]),
-            dtype=COMPUTE_DTYPE,
-        )
+        h = linear(h, kernel=weight(self.down["kernel"]), bias=weight(self.down["bias"]), dtype=COMPUTE_DTYPE)
         h = checkpoint_name(constrain(h, P("data", None, None)), self.path + ".down")
         # gpt_small.par:32 dropout(0.1)
-        h = dropout(
-            h,
-            key=layer_key(key, self.path + ".dropout_1"),
-            rate=0.1,
-        )
+        h = dropout(h, key=layer_key(key, self.path + ".dropout_1"), rate=0.1)
         h = checkpoint_name(constrain(h, P("data", None, None)), self.path + ".dropout_1")
         x = x + h
         return x
@@ -1240,19 +1324,13 @@ class Stage0(nnx.Module):
 
     def __init__(self, params: dict[str, jax.Array]) -> None:
         # gpt_small.par:37 embed: embed(vocab, d) shard table[model, _]
-        self.embed = nnx.Dict(
-            table=nnx.Param(params["embed.table"]),
-        )
+        self.embed = nnx.Dict(table=nnx.Param(params["embed.table"]))
         # gpt_small.par:39 blocks: repeat n_layers gpt_block(d, heads, ffn)
         self.blocks = GptBlock(layers_of(params, "blocks.*."), "blocks")
 
     def __call__(self, x: jax.Array, inputs: dict[str, jax.Array], key: jax.Array | None) -> jax.Array:
         # gpt_small.par:37 embed: embed(vocab, d) shard table[model, _]
-        x = embed(
-            x,
-            table=weight(self.embed["table"]),
-            dtype=COMPUTE_DTYPE,
-        )
+        x = embed(x, table=weight(self.embed["table"]), dtype=COMPUTE_DTYPE)
         x = checkpoint_name(constrain(x, P("data", None, None)), "embed")
         # gpt_small.par:39 blocks: repeat n_layers gpt_block(d, heads, ffn)
         x = scan_layers(self.blocks, 2, x, inputs, key)
@@ -1266,14 +1344,9 @@ class Stage1(nnx.Module):
         # gpt_small.par:39 blocks: repeat n_layers gpt_block(d, heads, ffn)
         self.blocks = GptBlock(layers_of(params, "blocks.*."), "blocks")
         # gpt_small.par:41 ln_f: layernorm(d)
-        self.ln_f = nnx.Dict(
-            scale=nnx.Param(params["ln_f.scale"]),
-            bias=nnx.Param(params["ln_f.bias"]),
-        )
+        self.ln_f = nnx.Dict(scale=nnx.Param(params["ln_f.scale"]), bias=nnx.Param(params["ln_f.bias"]))
         # gpt_small.par:42 head: linear(d, vocab, bias=false) shard kernel[_, model]
-        self.head = nnx.Dict(
-            kernel=nnx.Param(params["head.kernel"]),
-        )
+        self.head = nnx.Dict(kernel=nnx.Param(params["head.kernel"]))
 
     def __call__(self, x: jax.Array, inputs: dict[str, jax.Array], key: jax.Array | None) -> jax.Array:
         # gpt_small.par:39 blocks: repeat n_layers gpt_block(d, heads, ffn)
@@ -1288,11 +1361,7 @@ class Stage1(nnx.Module):
         )
         x = checkpoint_name(constrain(x, P("data", None, None)), "ln_f")
         # gpt_small.par:42 head: linear(d, vocab, bias=false) shard kernel[_, model]
-        x = linear(
-            x,
-            kernel=weight(self.head["kernel"]),
-            dtype=COMPUTE_DTYPE,
-        )
+        x = linear(x, kernel=weight(self.head["kernel"]), dtype=COMPUTE_DTYPE)
         x = checkpoint_name(constrain(x, P("data", None, "model")), "head")
         return x
 
@@ -1323,32 +1392,10 @@ STAGES = (
 CHUNK_WEIGHTS = (
     {
         "embed.table": Share("embed.table"),
-        "blocks.*.ln1.scale": Share("blocks.*.ln1.scale", ((0, 2),)),
-        "blocks.*.ln1.bias": Share("blocks.*.ln1.bias", ((0, 2),)),
-        "blocks.*.attn.q": Share("blocks.*.attn.q", ((0, 2),)),
-        "blocks.*.attn.k": Share("blocks.*.attn.k", ((0, 2),)),
-        "blocks.*.attn.v": Share("blocks.*.attn.v", ((0, 2),)),
-        "blocks.*.attn.o": Share("blocks.*.attn.o", ((0, 2),)),
-        "blocks.*.ln2.scale": Share("blocks.*.ln2.scale", ((0, 2),)),
-        "blocks.*.ln2.bias": Share("blocks.*.ln2.bias", ((0, 2),)),
-        "blocks.*.up.kernel": Share("blocks.*.up.kernel", ((0, 2),)),
-        "blocks.*.up.bias": Share("blocks.*.up.bias", ((0, 2),)),
-        "blocks.*.down.kernel": Share("blocks.*.down.kernel", ((0, 2),)),
-        "blocks.*.down.bias": Share("blocks.*.down.bias", ((0, 2),)),
+        **layer_shares(PARAMETERS, "blocks.*.", (0, 2)),
     },
     {
-        "blocks.*.ln1.scale": Share("blocks.*.ln1.scale", ((2, 4),)),
-        "blocks.*.ln1.bias": Share("blocks.*.ln1.bias", ((2, 4),)),
-        "blocks.*.attn.q": Share("blocks.*.attn.q", ((2, 4),)),
-        "blocks.*.attn.k": Share("blocks.*.attn.k", ((2, 4),)),
-        "blocks.*.attn.v": Share("blocks.*.attn.v", ((2, 4),)),
-        "blocks.*.attn.o": Share("blocks.*.attn.o", ((2, 4),)),
-        "blocks.*.ln2.scale": Share("blocks.*.ln2.scale", ((2, 4),)),
-        "blocks.*.ln2.bias": Share("blocks.*.ln2.bias", ((2, 4),)),
-        "blocks.*.up.kernel": Share("blocks.*.up.kernel", ((2, 4),)),
-        "blocks.*.up.bias": Share("blocks.*.up.bias", ((2, 4),)),
-        "blocks.*.down.kernel": Share("blocks.*.down.kernel", ((2, 4),)),
-        "blocks.*.down.bias": Share("blocks.*.down.bias", ((2, 4),)),
+        **layer_shares(PARAMETERS, "blocks.*.", (2, 4)),
         "ln_f.scale": Share("ln_f.scale"),
         "ln_f.bias": Share("ln_f.bias"),
         "head.kernel": Share("head.kernel"),
@@ -1389,112 +1436,21 @@ def loss(params: dict[str, jax.Array], batch: dict[str, jax.Array], key: jax.Arr
 
 # ---- loss, gradients and the training step -----------------------------------------------------
 
-# The 1f1b schedule on 2 stages x 4 microbatches, as a table: one row per tick,
-# one column per stage (see `pipeline_value_and_grad` for what each entry means):
+# The 1f1b schedule on 2 stages x 4 microbatches: what each stage does, tick after tick,
+# stage 0 first (`F3` the forward of microbatch 3, `B3` its backward, `.` an idle tick;
+# `read_timeline` says the rest). `schedule_tables` makes the executor's table of it: one row
+# per tick, one column per stage (`pipeline_value_and_grad` says what each entry means).
 #
 #   1f1b: 2 stages, 4 microbatches, 1 chunk per stage
 #   tick     0  1  2  3  4  5  6  7  8  9
 #   stage 0  F0 F1 .  B0 F2 B1 F3 B2 .  B3
 #   stage 1  .  F0 B0 F1 B1 F2 B2 F3 B3 .
 #   10 ticks, bubble fraction 0.200, peak in flight [2, 1]
-SCHEDULE = {
-    "op": [
-        [1, 0],
-        [1, 1],
-        [0, 2],
-        [2, 1],
-        [1, 2],
-        [2, 1],
-        [1, 2],
-        [2, 1],
-        [0, 2],
-        [2, 0],
-    ],
-    "microbatch": [
-        [0, 0],
-        [1, 0],
-        [0, 0],
-        [0, 1],
-        [2, 1],
-        [1, 2],
-        [3, 2],
-        [2, 3],
-        [0, 3],
-        [3, 0],
-    ],
-    "chunk": [
-        [0, 0],
-        [0, 1],
-        [0, 1],
-        [0, 1],
-        [0, 1],
-        [0, 1],
-        [0, 1],
-        [0, 1],
-        [0, 1],
-        [0, 0],
-    ],
-    "stash_slot": [
-        [0, -1],
-        [1, 0],
-        [-1, 0],
-        [0, 0],
-        [0, 0],
-        [1, 0],
-        [1, 0],
-        [0, 0],
-        [-1, 0],
-        [1, -1],
-    ],
-    "activation_slot": [
-        [-1, -1],
-        [-1, 0],
-        [-1, -1],
-        [-1, 1],
-        [-1, -1],
-        [-1, 0],
-        [-1, -1],
-        [-1, 0],
-        [-1, -1],
-        [-1, -1],
-    ],
-    "gradient_slot": [
-        [-1, -1],
-        [-1, -1],
-        [-1, -1],
-        [0, -1],
-        [-1, -1],
-        [0, -1],
-        [-1, -1],
-        [0, -1],
-        [-1, -1],
-        [0, -1],
-    ],
-    "receive_activation": [
-        [-1, 0],
-        [-1, 1],
-        [-1, -1],
-        [-1, -1],
-        [-1, 0],
-        [-1, -1],
-        [-1, 0],
-        [-1, -1],
-        [-1, -1],
-        [-1, -1],
-    ],
-    "receive_gradient": [
-        [-1, -1],
-        [-1, -1],
-        [0, -1],
-        [-1, -1],
-        [0, -1],
-        [-1, -1],
-        [0, -1],
-        [-1, -1],
-        [0, -1],
-        [-1, -1],
-    ],
-}
+TIMELINES = (
+    "F0 F1 . B0 F2 B1 F3 B2 . B3",
+    ". (F0 B0)..(F3 B3)",
+)
+SCHEDULE = schedule_tables(*TIMELINES)
 # One microbatch of each chunk's input.
 CHUNK_INPUTS = [
     (4, 32),

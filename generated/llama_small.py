@@ -626,9 +626,7 @@ class LlamaBlock(nnx.Module):
     def __init__(self, params: dict[str, jax.Array], path: str) -> None:
         self.path = path
         # llama_small.par:24 attn_norm: rmsnorm(d)
-        self.attn_norm = nnx.Dict(
-            scale=nnx.Param(params["attn_norm.scale"]),
-        )
+        self.attn_norm = nnx.Dict(scale=nnx.Param(params["attn_norm.scale"]))
         # llama_small.par:25 attn: attention(d, heads, kv_heads=kv_heads, rope=true) shard q[_, model], k[_...
         self.attn = nnx.Dict(
             q=nnx.Param(params["attn.q"]),
@@ -637,18 +635,11 @@ class LlamaBlock(nnx.Module):
             o=nnx.Param(params["attn.o"]),
         )
         # llama_small.par:28 mlp_norm: rmsnorm(d)
-        self.mlp_norm = nnx.Dict(
-            scale=nnx.Param(params["mlp_norm.scale"]),
-        )
+        self.mlp_norm = nnx.Dict(scale=nnx.Param(params["mlp_norm.scale"]))
         # llama_small.par:29 gate_up: swiglu(d, ffn) shard gate[_, model], up[_, model]
-        self.gate_up = nnx.Dict(
-            gate=nnx.Param(params["gate_up.gate"]),
-            up=nnx.Param(params["gate_up.up"]),
-        )
+        self.gate_up = nnx.Dict(gate=nnx.Param(params["gate_up.gate"]), up=nnx.Param(params["gate_up.up"]))
         # llama_small.par:30 down: linear(ffn, d, bias=false) shard kernel[model, _]
-        self.down = nnx.Dict(
-            kernel=nnx.Param(params["down.kernel"]),
-        )
+        self.down = nnx.Dict(kernel=nnx.Param(params["down.kernel"]))
 
     def __call__(self, x: jax.Array, inputs: dict[str, jax.Array], key: jax.Array | None) -> jax.Array:
         # Checkpointed: the backward pass recomputes this block's activations from its input.
@@ -658,12 +649,7 @@ class LlamaBlock(nnx.Module):
         # llama_small.par:23: residual
         h = x
         # llama_small.par:24 attn_norm: rmsnorm(d)
-        h = rmsnorm(
-            h,
-            scale=weight(self.attn_norm["scale"]),
-            eps=1e-06,
-            dtype=COMPUTE_DTYPE,
-        )
+        h = rmsnorm(h, scale=weight(self.attn_norm["scale"]), eps=1e-06, dtype=COMPUTE_DTYPE)
         h = checkpoint_name(constrain(h, P("data", None, None)), self.path + ".attn_norm")
         # llama_small.par:25 attn: attention(d, heads, kv_heads=kv_heads, rope=true) shard q[_, model], k[_...
         h = attention(
@@ -684,27 +670,13 @@ class LlamaBlock(nnx.Module):
         # llama_small.par:27: residual
         h = x
         # llama_small.par:28 mlp_norm: rmsnorm(d)
-        h = rmsnorm(
-            h,
-            scale=weight(self.mlp_norm["scale"]),
-            eps=1e-06,
-            dtype=COMPUTE_DTYPE,
-        )
+        h = rmsnorm(h, scale=weight(self.mlp_norm["scale"]), eps=1e-06, dtype=COMPUTE_DTYPE)
         h = checkpoint_name(constrain(h, P("data", None, None)), self.path + ".mlp_norm")
         # llama_small.par:29 gate_up: swiglu(d, ffn) shard gate[_, model], up[_, model]
-        h = swiglu(
-            h,
-            gate=weight(self.gate_up["gate"]),
-            up=weight(self.gate_up["up"]),
-            dtype=COMPUTE_DTYPE,
-        )
+        h = swiglu(h, gate=weight(self.gate_up["gate"]), up=weight(self.gate_up["up"]), dtype=COMPUTE_DTYPE)
         h = checkpoint_name(constrain(h, P("data", None, "model")), self.path + ".gate_up")
         # llama_small.par:30 down: linear(ffn, d, bias=false) shard kernel[model, _]
-        h = linear(
-            h,
-            kernel=weight(self.down["kernel"]),
-            dtype=COMPUTE_DTYPE,
-        )
+        h = linear(h, kernel=weight(self.down["kernel"]), dtype=COMPUTE_DTYPE)
         h = checkpoint_name(constrain(h, P("data", None, None)), self.path + ".down")
         x = x + h
         return x
@@ -715,44 +687,25 @@ class LlamaSmall(nnx.Module):
 
     def __init__(self, params: dict[str, jax.Array]) -> None:
         # llama_small.par:35 embed: embed(vocab, d) shard table[model, _]
-        self.embed = nnx.Dict(
-            table=nnx.Param(params["embed.table"]),
-        )
+        self.embed = nnx.Dict(table=nnx.Param(params["embed.table"]))
         # llama_small.par:36 layers: repeat n_layers llama_block(d, heads, kv_heads, ffn)
         self.layers = LlamaBlock(layers_of(params, "layers.*."), "layers")
         # llama_small.par:37 norm: rmsnorm(d)
-        self.norm = nnx.Dict(
-            scale=nnx.Param(params["norm.scale"]),
-        )
+        self.norm = nnx.Dict(scale=nnx.Param(params["norm.scale"]))
         # llama_small.par:38 head: linear(d, vocab, bias=false) shard kernel[_, model]
-        self.head = nnx.Dict(
-            kernel=nnx.Param(params["head.kernel"]),
-        )
+        self.head = nnx.Dict(kernel=nnx.Param(params["head.kernel"]))
 
     def __call__(self, x: jax.Array, inputs: dict[str, jax.Array], key: jax.Array | None) -> jax.Array:
         # llama_small.par:35 embed: embed(vocab, d) shard table[model, _]
-        x = embed(
-            x,
-            table=weight(self.embed["table"]),
-            dtype=COMPUTE_DTYPE,
-        )
+        x = embed(x, table=weight(self.embed["table"]), dtype=COMPUTE_DTYPE)
         x = checkpoint_name(constrain(x, P("data", None, None)), "embed")
         # llama_small.par:36 layers: repeat n_layers llama_block(d, heads, kv_heads, ffn)
         x = scan_layers(self.layers, 4, x, inputs, key)
         # llama_small.par:37 norm: rmsnorm(d)
-        x = rmsnorm(
-            x,
-            scale=weight(self.norm["scale"]),
-            eps=1e-06,
-            dtype=COMPUTE_DTYPE,
-        )
+        x = rmsnorm(x, scale=weight(self.norm["scale"]), eps=1e-06, dtype=COMPUTE_DTYPE)
         x = checkpoint_name(constrain(x, P("data", None, None)), "norm")
         # llama_small.par:38 head: linear(d, vocab, bias=false) shard kernel[_, model]
-        x = linear(
-            x,
-            kernel=weight(self.head["kernel"]),
-            dtype=COMPUTE_DTYPE,
-        )
+        x = linear(x, kernel=weight(self.head["kernel"]), dtype=COMPUTE_DTYPE)
         x = checkpoint_name(constrain(x, P("data", None, "model")), "head")
         return x
 

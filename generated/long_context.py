@@ -923,9 +923,7 @@ class Decoder(nnx.Module):
     def __init__(self, params: dict[str, jax.Array], path: str) -> None:
         self.path = path
         # long_context.par:26 attn_norm: rmsnorm(d)
-        self.attn_norm = nnx.Dict(
-            scale=nnx.Param(params["attn_norm.scale"]),
-        )
+        self.attn_norm = nnx.Dict(scale=nnx.Param(params["attn_norm.scale"]))
         # long_context.par:27 attn: attention(d, heads, kv_heads=kv_heads, rope=true) shard q[_, model], k[...
         self.attn = nnx.Dict(
             q=nnx.Param(params["attn.q"]),
@@ -934,29 +932,17 @@ class Decoder(nnx.Module):
             o=nnx.Param(params["attn.o"]),
         )
         # long_context.par:30 mlp_norm: rmsnorm(d)
-        self.mlp_norm = nnx.Dict(
-            scale=nnx.Param(params["mlp_norm.scale"]),
-        )
+        self.mlp_norm = nnx.Dict(scale=nnx.Param(params["mlp_norm.scale"]))
         # long_context.par:31 gate_up: swiglu(d, ffn) shard gate[_, model], up[_, model]
-        self.gate_up = nnx.Dict(
-            gate=nnx.Param(params["gate_up.gate"]),
-            up=nnx.Param(params["gate_up.up"]),
-        )
+        self.gate_up = nnx.Dict(gate=nnx.Param(params["gate_up.gate"]), up=nnx.Param(params["gate_up.up"]))
         # long_context.par:32 down: linear(ffn, d, bias=false) shard kernel[model, _]
-        self.down = nnx.Dict(
-            kernel=nnx.Param(params["down.kernel"]),
-        )
+        self.down = nnx.Dict(kernel=nnx.Param(params["down.kernel"]))
 
     def __call__(self, x: jax.Array, inputs: dict[str, jax.Array], key: jax.Array | None) -> jax.Array:
         # long_context.par:25: residual
         h = x
         # long_context.par:26 attn_norm: rmsnorm(d)
-        h = rmsnorm(
-            h,
-            scale=weight(self.attn_norm["scale"]),
-            eps=1e-06,
-            dtype=COMPUTE_DTYPE,
-        )
+        h = rmsnorm(h, scale=weight(self.attn_norm["scale"]), eps=1e-06, dtype=COMPUTE_DTYPE)
         h = checkpoint_name(constrain(h, P("data", "context", None)), self.path + ".attn_norm")
         # long_context.par:27 attn: attention(d, heads, kv_heads=kv_heads, rope=true) shard q[_, model], k[...
         h = ring_attention(
@@ -978,27 +964,13 @@ class Decoder(nnx.Module):
         # long_context.par:29: residual
         h = x
         # long_context.par:30 mlp_norm: rmsnorm(d)
-        h = rmsnorm(
-            h,
-            scale=weight(self.mlp_norm["scale"]),
-            eps=1e-06,
-            dtype=COMPUTE_DTYPE,
-        )
+        h = rmsnorm(h, scale=weight(self.mlp_norm["scale"]), eps=1e-06, dtype=COMPUTE_DTYPE)
         h = checkpoint_name(constrain(h, P("data", "context", None)), self.path + ".mlp_norm")
         # long_context.par:31 gate_up: swiglu(d, ffn) shard gate[_, model], up[_, model]
-        h = swiglu(
-            h,
-            gate=weight(self.gate_up["gate"]),
-            up=weight(self.gate_up["up"]),
-            dtype=COMPUTE_DTYPE,
-        )
+        h = swiglu(h, gate=weight(self.gate_up["gate"]), up=weight(self.gate_up["up"]), dtype=COMPUTE_DTYPE)
         h = checkpoint_name(constrain(h, P("data", "context", "model")), self.path + ".gate_up")
         # long_context.par:32 down: linear(ffn, d, bias=false) shard kernel[model, _]
-        h = linear(
-            h,
-            kernel=weight(self.down["kernel"]),
-            dtype=COMPUTE_DTYPE,
-        )
+        h = linear(h, kernel=weight(self.down["kernel"]), dtype=COMPUTE_DTYPE)
         h = checkpoint_name(constrain(h, P("data", "context", None)), self.path + ".down")
         x = x + h
         return x
@@ -1009,44 +981,25 @@ class LongContext(nnx.Module):
 
     def __init__(self, params: dict[str, jax.Array]) -> None:
         # long_context.par:37 embed: embed(vocab, d) shard table[model, _]
-        self.embed = nnx.Dict(
-            table=nnx.Param(params["embed.table"]),
-        )
+        self.embed = nnx.Dict(table=nnx.Param(params["embed.table"]))
         # long_context.par:38 layers: repeat n_layers decoder(d, heads, kv_heads, ffn)
         self.layers = Decoder(layers_of(params, "layers.*."), "layers")
         # long_context.par:39 norm: rmsnorm(d)
-        self.norm = nnx.Dict(
-            scale=nnx.Param(params["norm.scale"]),
-        )
+        self.norm = nnx.Dict(scale=nnx.Param(params["norm.scale"]))
         # long_context.par:40 head: linear(d, vocab, bias=false) shard kernel[_, model]
-        self.head = nnx.Dict(
-            kernel=nnx.Param(params["head.kernel"]),
-        )
+        self.head = nnx.Dict(kernel=nnx.Param(params["head.kernel"]))
 
     def __call__(self, x: jax.Array, inputs: dict[str, jax.Array], key: jax.Array | None) -> jax.Array:
         # long_context.par:37 embed: embed(vocab, d) shard table[model, _]
-        x = embed(
-            x,
-            table=weight(self.embed["table"]),
-            dtype=COMPUTE_DTYPE,
-        )
+        x = embed(x, table=weight(self.embed["table"]), dtype=COMPUTE_DTYPE)
         x = checkpoint_name(constrain(x, P("data", "context", None)), "embed")
         # long_context.par:38 layers: repeat n_layers decoder(d, heads, kv_heads, ffn)
         x = scan_layers(self.layers, 2, x, inputs, key)
         # long_context.par:39 norm: rmsnorm(d)
-        x = rmsnorm(
-            x,
-            scale=weight(self.norm["scale"]),
-            eps=1e-06,
-            dtype=COMPUTE_DTYPE,
-        )
+        x = rmsnorm(x, scale=weight(self.norm["scale"]), eps=1e-06, dtype=COMPUTE_DTYPE)
         x = checkpoint_name(constrain(x, P("data", "context", None)), "norm")
         # long_context.par:40 head: linear(d, vocab, bias=false) shard kernel[_, model]
-        x = linear(
-            x,
-            kernel=weight(self.head["kernel"]),
-            dtype=COMPUTE_DTYPE,
-        )
+        x = linear(x, kernel=weight(self.head["kernel"]), dtype=COMPUTE_DTYPE)
         x = checkpoint_name(constrain(x, P("data", "context", "model")), "head")
         return x
 

@@ -770,10 +770,7 @@ class Decoder(nnx.Module):
     def __init__(self, params: dict[str, jax.Array], path: str) -> None:
         self.path = path
         # moe_small.par:25 ln1: layernorm(d)
-        self.ln1 = nnx.Dict(
-            scale=nnx.Param(params["ln1.scale"]),
-            bias=nnx.Param(params["ln1.bias"]),
-        )
+        self.ln1 = nnx.Dict(scale=nnx.Param(params["ln1.scale"]), bias=nnx.Param(params["ln1.bias"]))
         # moe_small.par:26 attn: attention(d, heads, causal=true)
         self.attn = nnx.Dict(
             q=nnx.Param(params["attn.q"]),
@@ -782,10 +779,7 @@ class Decoder(nnx.Module):
             o=nnx.Param(params["attn.o"]),
         )
         # moe_small.par:29 ln2: layernorm(d)
-        self.ln2 = nnx.Dict(
-            scale=nnx.Param(params["ln2.scale"]),
-            bias=nnx.Param(params["ln2.bias"]),
-        )
+        self.ln2 = nnx.Dict(scale=nnx.Param(params["ln2.scale"]), bias=nnx.Param(params["ln2.bias"]))
         # moe_small.par:30 moe: moe(d, hidden, experts, top_k=2, capacity=1.25) shard w_in[expert, _, _], w...
         self.moe = nnx.Dict(
             router=nnx.Param(params["moe.router"]),
@@ -802,13 +796,7 @@ class Decoder(nnx.Module):
         # moe_small.par:24: residual
         h = x
         # moe_small.par:25 ln1: layernorm(d)
-        h = layernorm(
-            h,
-            scale=weight(self.ln1["scale"]),
-            bias=weight(self.ln1["bias"]),
-            eps=1e-05,
-            dtype=COMPUTE_DTYPE,
-        )
+        h = layernorm(h, scale=weight(self.ln1["scale"]), bias=weight(self.ln1["bias"]), eps=1e-05, dtype=COMPUTE_DTYPE)
         h = checkpoint_name(constrain(h, P(("data", "expert"), None, None)), self.path + ".ln1")
         # moe_small.par:26 attn: attention(d, heads, causal=true)
         h = attention(
@@ -829,13 +817,7 @@ class Decoder(nnx.Module):
         # moe_small.par:28: residual
         h = x
         # moe_small.par:29 ln2: layernorm(d)
-        h = layernorm(
-            h,
-            scale=weight(self.ln2["scale"]),
-            bias=weight(self.ln2["bias"]),
-            eps=1e-05,
-            dtype=COMPUTE_DTYPE,
-        )
+        h = layernorm(h, scale=weight(self.ln2["scale"]), bias=weight(self.ln2["bias"]), eps=1e-05, dtype=COMPUTE_DTYPE)
         h = checkpoint_name(constrain(h, P(("data", "expert"), None, None)), self.path + ".ln2")
         # moe_small.par:30 moe: moe(d, hidden, experts, top_k=2, capacity=1.25) shard w_in[expert, _, _], w...
         h, more = moe(
@@ -861,29 +843,18 @@ class MoeSmall(nnx.Module):
 
     def __init__(self, params: dict[str, jax.Array]) -> None:
         # moe_small.par:35 embed: embed(vocab, d)
-        self.embed = nnx.Dict(
-            table=nnx.Param(params["embed.table"]),
-        )
+        self.embed = nnx.Dict(table=nnx.Param(params["embed.table"]))
         # moe_small.par:36 layers: repeat 2 decoder(d, heads)
         self.layers = Decoder(layers_of(params, "layers.*."), "layers")
         # moe_small.par:37 ln_f: layernorm(d)
-        self.ln_f = nnx.Dict(
-            scale=nnx.Param(params["ln_f.scale"]),
-            bias=nnx.Param(params["ln_f.bias"]),
-        )
+        self.ln_f = nnx.Dict(scale=nnx.Param(params["ln_f.scale"]), bias=nnx.Param(params["ln_f.bias"]))
         # moe_small.par:38 head: linear(d, vocab, bias=false)
-        self.head = nnx.Dict(
-            kernel=nnx.Param(params["head.kernel"]),
-        )
+        self.head = nnx.Dict(kernel=nnx.Param(params["head.kernel"]))
 
     def __call__(self, x: jax.Array, inputs: dict[str, jax.Array], key: jax.Array | None) -> tuple[jax.Array, Aux]:
         aux: Aux = {}  # the layers' auxiliary values, summed
         # moe_small.par:35 embed: embed(vocab, d)
-        x = embed(
-            x,
-            table=weight(self.embed["table"]),
-            dtype=COMPUTE_DTYPE,
-        )
+        x = embed(x, table=weight(self.embed["table"]), dtype=COMPUTE_DTYPE)
         x = checkpoint_name(constrain(x, P(("data", "expert"), None, None)), "embed")
         # moe_small.par:36 layers: repeat 2 decoder(d, heads)
         x, more = scan_layers(self.layers, 2, x, inputs, key)
@@ -898,11 +869,7 @@ class MoeSmall(nnx.Module):
         )
         x = checkpoint_name(constrain(x, P(("data", "expert"), None, None)), "ln_f")
         # moe_small.par:38 head: linear(d, vocab, bias=false)
-        x = linear(
-            x,
-            kernel=weight(self.head["kernel"]),
-            dtype=COMPUTE_DTYPE,
-        )
+        x = linear(x, kernel=weight(self.head["kernel"]), dtype=COMPUTE_DTYPE)
         x = checkpoint_name(constrain(x, P(("data", "expert"), None, None)), "head")
         return x, aux
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import functools
 import math
+import re
 import zlib
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -398,20 +399,143 @@ def _counted(targets: jax.Array, mask: jax.Array | None, ignore_index: int) -> j
 IDLE, FORWARD, BACKWARD, INPUT_GRAD, WEIGHT_GRAD = 0, 1, 2, 3, 4
 
 
+OP_CODES = {"F": FORWARD, "B": BACKWARD, "I": INPUT_GRAD, "W": WEIGHT_GRAD}
+
+
+# The executor's tables, each [tick][stage]:
 TABLE_ENTRIES = (
-    "op",
-    "microbatch",
-    "chunk",
-    "stash_slot",
-    "activation_slot",
-    "gradient_slot",
-    "receive_activation",
-    "receive_gradient",
+    "op",  # what to do: IDLE, FORWARD, BACKWARD, INPUT_GRAD or WEIGHT_GRAD
+    "microbatch",  # on which microbatch
+    "chunk",  # of which chunk
+    "stash_slot",  # F writes the chunk's input here; B / I / W read it
+    "activation_slot",  # F reads the activation it received here (every chunk but the first)
+    "gradient_slot",  # B / I / W read the output gradient they received here (all but the last)
+    "receive_activation",  # after the tick, store the activation arriving from stage - 1 here
+    "receive_gradient",  # and the gradient arriving from stage + 1 here (-1: nothing arrives)
 )
 
 
-# A table whose placement is not a ring also has these.
+# Arrivals that only a placement other than a ring has (a V): from the other neighbour, or
+# made by the stage for its own next (or previous) chunk.
 OTHER_DIRECTIONS = ("activation_from_next", "gradient_from_previous", "keep_activation", "keep_gradient")
+
+
+# Where a value is stored, by what it is and which way it went.
+RECEIVED_IN = {
+    ("activation", "next"): "receive_activation",
+    ("input gradient", "previous"): "receive_gradient",
+    ("activation", "previous"): "activation_from_next",
+    ("input gradient", "next"): "gradient_from_previous",
+    ("activation", "same"): "keep_activation",
+    ("input gradient", "same"): "keep_gradient",
+}
+
+
+# One tick of a stage's timeline: (op, microbatch, chunk), or None when the stage is idle.
+Tick = tuple[str, int, int] | None
+
+
+def direction(result: str, source: int, target: int, stages: int) -> str | None:
+    """How `result` goes from stage `source` to `target` round the ring of stages: "next",
+    "previous" or "same"; None when they are not neighbours. Where a stage is both (on one
+    or two stages), an activation goes to the next and a gradient to the previous one."""
+    reaches = {"next": (source + 1) % stages, "previous": (source - 1) % stages, "same": source}
+    order = ("next", "previous", "same") if result == "activation" else ("previous", "next", "same")
+    return next((way for way in order if reaches[way] == target), None)
+
+
+def slot_tables(timelines: Sequence[Sequence[Tick]]) -> dict[str, list[list[int]]]:
+    """The executor's tables, `TABLE_ENTRIES` and `OTHER_DIRECTIONS`, [tick][stage], for a
+    valid schedule given as each stage's timeline."""
+    when = {tick: t for timeline in timelines for t, tick in enumerate(timeline) if tick is not None}
+    holder = {tick[2]: stage for stage, timeline in enumerate(timelines) for tick in timeline if tick is not None}
+    P, C, T = len(timelines), len(holder), max(map(len, timelines))
+
+    def first(*ticks: Tick) -> int:
+        return next((when[tick] for tick in ticks if tick in when), -1)
+
+    # When each buffer holds a value for (c, m), per stage: [first tick, last tick].
+    live: dict[str, list[dict[tuple[int, int], tuple[int, int]]]] = {
+        buffer: [{} for _ in range(P)] for buffer in ("stash_slot", "activation_slot", "gradient_slot")
+    }
+    for (op, m, c), t in when.items():
+        done = first(("W", m, c), ("B", m, c))  # the backward's last tick
+        if op == "F":
+            live["stash_slot"][holder[c]][c, m] = (t, done)
+            if c > 0:
+                live["activation_slot"][holder[c]][c, m] = (when["F", m, c - 1], t)
+        elif op != "W" and c < C - 1:
+            live["gradient_slot"][holder[c]][c, m] = (first(("I", m, c + 1), ("B", m, c + 1)), done)
+    slots = {buffer: _allocate(intervals) for buffer, intervals in live.items()}
+
+    tables = {name: [[-1] * P for _ in range(T)] for name in (*TABLE_ENTRIES, *OTHER_DIRECTIONS)}
+    for name in ("op", "microbatch", "chunk"):
+        tables[name] = [[0] * P for _ in range(T)]
+    for (op, m, c), t in when.items():
+        s = holder[c]
+        tables["op"][t][s], tables["microbatch"][t][s], tables["chunk"][t][s] = OP_CODES[op], m, c
+        tables["stash_slot"][t][s] = slots["stash_slot"][s][c, m]
+        read = "activation_slot" if op == "F" else "gradient_slot"
+        tables[read][t][s] = slots[read][s].get((c, m), -1)
+        # What the tick makes arrives at the stage of the chunk that reads it (into that
+        # buffer), at the end of the tick.
+        if op == "F" and c < C - 1:
+            result, reader = "activation", c + 1
+        elif op in ("B", "I") and c > 0:
+            result, reader = "input gradient", c - 1
+        else:
+            continue
+        way = direction(result, s, holder[reader], P)
+        assert way is not None, "a valid schedule puts consecutive chunks on neighbouring stages"
+        tables[RECEIVED_IN[result, way]][t][holder[reader]] = slots[read][holder[reader]][reader, m]
+    return tables
+
+
+def _allocate(per_stage: list[dict[tuple[int, int], tuple[int, int]]]) -> list[dict[tuple[int, int], int]]:
+    """Greedy interval colouring per stage: a slot is reused once its last value is dead."""
+    slots = []
+    for intervals in per_stage:
+        free_after: list[int] = []  # slot -> the last tick it is busy
+        chosen = {}
+        for key, (start, end) in sorted(intervals.items(), key=lambda kv: (kv[1][0], kv[0])):
+            slot = next((i for i, busy in enumerate(free_after) if busy < start), len(free_after))
+            free_after[slot : slot + 1] = [end]  # a slot used again, or a new one at the end
+            chosen[key] = slot
+        slots.append(chosen)
+    return slots
+
+
+def read_timeline(text: str, stage: int) -> list[Tick]:
+    """Stage `stage`'s timeline from its notation (`F0..F3 .x3 (B0 F4)..(B3 F7) B4..B7`; see
+    the module's docstring): a chunk not named is the stage's own."""
+
+    def ticks(words: str) -> list[Tick]:
+        found = [(word, re.fullmatch(r"([FBIW])(\d+)(?:c(\d+))?", word)) for word in words.strip("()").split()]
+        assert all(action or word == "." for word, action in found), f"not a timeline: {text!r}"
+        return [(action[1], int(action[2]), int(action[3] or stage)) if action else None for _, action in found]
+
+    timeline: list[Tick] = []
+    for piece in re.findall(r"\([^()]*\)\.\.\([^()]*\)|\S+", text):
+        if piece.startswith(".x") or piece == ".":
+            timeline += [None] * int(piece[2:] or 1)
+            continue
+        first, _, last = piece.partition("..")
+        group, end = ticks(first), ticks(last or first)
+        # Each repetition of the group is one microbatch on, up to the last one written.
+        start, stop = (next(tick[1] for tick in run if tick is not None) for run in (group, end))
+        for k in range(1 + stop - start):
+            timeline += [None if tick is None else (tick[0], tick[1] + k, tick[2]) for tick in group]
+        assert timeline[-len(end) :] == end, f"not a timeline: {text!r}"
+    return timeline
+
+
+def schedule_tables(*timelines: str) -> dict[str, list[list[int]]]:
+    """The executor's tables for a schedule given as each stage's timeline (stage 0 first);
+    without the `OTHER_DIRECTIONS` when nothing arrives those ways (a ring placement), which
+    spares the executor their sends."""
+    tables = slot_tables([read_timeline(text, stage) for stage, text in enumerate(timelines)])
+    ring = all(cell < 0 for name in OTHER_DIRECTIONS for row in tables[name] for cell in row)
+    return {name: rows for name, rows in tables.items() if name in TABLE_ENTRIES or not ring}
 
 
 # chunk(weights, x, inputs, key) -> the chunk's output; the last chunk returns its f32 loss.
@@ -815,6 +939,11 @@ class Share(NamedTuple):
     shape: tuple[int, ...] | None = None
 
 
+def layer_shares(parameters: dict[str, Any], prefix: str, layers: tuple[int, int]) -> dict[str, Share]:
+    """A chunk's layers [start, stop) of every array a repeat stores under `prefix` (`blocks.*.`)."""
+    return {name: Share(name, (layers,)) for name in parameters if name.startswith(prefix)}
+
+
 def take_share(
     arrays: dict[str, jax.Array], share: Share, stage_rows: int | None, local: bool, dtype: Any
 ) -> jax.Array:
@@ -931,35 +1060,19 @@ class Stage0(nnx.Module):
 
     def __init__(self, params: dict[str, jax.Array]) -> None:
         # seed_mlp_pipeline.par:21 fc1: linear(784, 512)
-        self.fc1 = nnx.Dict(
-            kernel=nnx.Param(params["fc1.kernel"]),
-            bias=nnx.Param(params["fc1.bias"]),
-        )
+        self.fc1 = nnx.Dict(kernel=nnx.Param(params["fc1.kernel"]), bias=nnx.Param(params["fc1.bias"]))
         # seed_mlp_pipeline.par:23 fc2: linear(512, 512)
-        self.fc2 = nnx.Dict(
-            kernel=nnx.Param(params["fc2.kernel"]),
-            bias=nnx.Param(params["fc2.bias"]),
-        )
+        self.fc2 = nnx.Dict(kernel=nnx.Param(params["fc2.kernel"]), bias=nnx.Param(params["fc2.bias"]))
 
     def __call__(self, x: jax.Array, inputs: dict[str, jax.Array], key: jax.Array | None) -> jax.Array:
         # seed_mlp_pipeline.par:21 fc1: linear(784, 512)
-        x = linear(
-            x,
-            kernel=weight(self.fc1["kernel"]),
-            bias=weight(self.fc1["bias"]),
-            dtype=COMPUTE_DTYPE,
-        )
+        x = linear(x, kernel=weight(self.fc1["kernel"]), bias=weight(self.fc1["bias"]), dtype=COMPUTE_DTYPE)
         x = checkpoint_name(constrain(x, P("data", None)), "fc1")
         # seed_mlp_pipeline.par:22 relu()
         x = relu(x)
         x = checkpoint_name(constrain(x, P("data", None)), "relu_0")
         # seed_mlp_pipeline.par:23 fc2: linear(512, 512)
-        x = linear(
-            x,
-            kernel=weight(self.fc2["kernel"]),
-            bias=weight(self.fc2["bias"]),
-            dtype=COMPUTE_DTYPE,
-        )
+        x = linear(x, kernel=weight(self.fc2["kernel"]), bias=weight(self.fc2["bias"]), dtype=COMPUTE_DTYPE)
         x = checkpoint_name(constrain(x, P("data", None)), "fc2")
         # seed_mlp_pipeline.par:24 relu()
         x = relu(x)
@@ -972,35 +1085,19 @@ class Stage1(nnx.Module):
 
     def __init__(self, params: dict[str, jax.Array]) -> None:
         # seed_mlp_pipeline.par:27 fc3: linear(512, 256)
-        self.fc3 = nnx.Dict(
-            kernel=nnx.Param(params["fc3.kernel"]),
-            bias=nnx.Param(params["fc3.bias"]),
-        )
+        self.fc3 = nnx.Dict(kernel=nnx.Param(params["fc3.kernel"]), bias=nnx.Param(params["fc3.bias"]))
         # seed_mlp_pipeline.par:29 fc4: linear(256, 256)
-        self.fc4 = nnx.Dict(
-            kernel=nnx.Param(params["fc4.kernel"]),
-            bias=nnx.Param(params["fc4.bias"]),
-        )
+        self.fc4 = nnx.Dict(kernel=nnx.Param(params["fc4.kernel"]), bias=nnx.Param(params["fc4.bias"]))
 
     def __call__(self, x: jax.Array, inputs: dict[str, jax.Array], key: jax.Array | None) -> jax.Array:
         # seed_mlp_pipeline.par:27 fc3: linear(512, 256)
-        x = linear(
-            x,
-            kernel=weight(self.fc3["kernel"]),
-            bias=weight(self.fc3["bias"]),
-            dtype=COMPUTE_DTYPE,
-        )
+        x = linear(x, kernel=weight(self.fc3["kernel"]), bias=weight(self.fc3["bias"]), dtype=COMPUTE_DTYPE)
         x = checkpoint_name(constrain(x, P("data", None)), "fc3")
         # seed_mlp_pipeline.par:28 relu()
         x = relu(x)
         x = checkpoint_name(constrain(x, P("data", None)), "relu_2")
         # seed_mlp_pipeline.par:29 fc4: linear(256, 256)
-        x = linear(
-            x,
-            kernel=weight(self.fc4["kernel"]),
-            bias=weight(self.fc4["bias"]),
-            dtype=COMPUTE_DTYPE,
-        )
+        x = linear(x, kernel=weight(self.fc4["kernel"]), bias=weight(self.fc4["bias"]), dtype=COMPUTE_DTYPE)
         x = checkpoint_name(constrain(x, P("data", None)), "fc4")
         # seed_mlp_pipeline.par:30 relu()
         x = relu(x)
@@ -1013,35 +1110,19 @@ class Stage2(nnx.Module):
 
     def __init__(self, params: dict[str, jax.Array]) -> None:
         # seed_mlp_pipeline.par:33 fc5: linear(256, 128)
-        self.fc5 = nnx.Dict(
-            kernel=nnx.Param(params["fc5.kernel"]),
-            bias=nnx.Param(params["fc5.bias"]),
-        )
+        self.fc5 = nnx.Dict(kernel=nnx.Param(params["fc5.kernel"]), bias=nnx.Param(params["fc5.bias"]))
         # seed_mlp_pipeline.par:35 fc6: linear(128, 10)
-        self.fc6 = nnx.Dict(
-            kernel=nnx.Param(params["fc6.kernel"]),
-            bias=nnx.Param(params["fc6.bias"]),
-        )
+        self.fc6 = nnx.Dict(kernel=nnx.Param(params["fc6.kernel"]), bias=nnx.Param(params["fc6.bias"]))
 
     def __call__(self, x: jax.Array, inputs: dict[str, jax.Array], key: jax.Array | None) -> jax.Array:
         # seed_mlp_pipeline.par:33 fc5: linear(256, 128)
-        x = linear(
-            x,
-            kernel=weight(self.fc5["kernel"]),
-            bias=weight(self.fc5["bias"]),
-            dtype=COMPUTE_DTYPE,
-        )
+        x = linear(x, kernel=weight(self.fc5["kernel"]), bias=weight(self.fc5["bias"]), dtype=COMPUTE_DTYPE)
         x = checkpoint_name(constrain(x, P("data", None)), "fc5")
         # seed_mlp_pipeline.par:34 relu()
         x = relu(x)
         x = checkpoint_name(constrain(x, P("data", None)), "relu_4")
         # seed_mlp_pipeline.par:35 fc6: linear(128, 10)
-        x = linear(
-            x,
-            kernel=weight(self.fc6["kernel"]),
-            bias=weight(self.fc6["bias"]),
-            dtype=COMPUTE_DTYPE,
-        )
+        x = linear(x, kernel=weight(self.fc6["kernel"]), bias=weight(self.fc6["bias"]), dtype=COMPUTE_DTYPE)
         x = checkpoint_name(constrain(x, P("data", None)), "fc6")
         return x
 
@@ -1125,8 +1206,10 @@ def loss(params: dict[str, jax.Array], batch: dict[str, jax.Array], key: jax.Arr
 
 # ---- loss, gradients and the training step -----------------------------------------------------
 
-# The gpipe schedule on 3 stages x 4 microbatches, as a table: one row per tick,
-# one column per stage (see `pipeline_value_and_grad` for what each entry means):
+# The gpipe schedule on 3 stages x 4 microbatches: what each stage does, tick after tick,
+# stage 0 first (`F3` the forward of microbatch 3, `B3` its backward, `.` an idle tick;
+# `read_timeline` says the rest). `schedule_tables` makes the executor's table of it: one row
+# per tick, one column per stage (`pipeline_value_and_grad` says what each entry means).
 #
 #   gpipe: 3 stages, 4 microbatches, 1 chunk per stage
 #   tick     0  1  2  3  4  5  6  7  8  9  10 11
@@ -1134,120 +1217,12 @@ def loss(params: dict[str, jax.Array], batch: dict[str, jax.Array], key: jax.Arr
 #   stage 1  .  F0 F1 F2 F3 .  .  B0 B1 B2 B3 .
 #   stage 2  .  .  F0 F1 F2 F3 B0 B1 B2 B3 .  .
 #   12 ticks, bubble fraction 0.333, peak in flight [4, 4, 4]
-SCHEDULE = {
-    "op": [
-        [1, 0, 0],
-        [1, 1, 0],
-        [1, 1, 1],
-        [1, 1, 1],
-        [0, 1, 1],
-        [0, 0, 1],
-        [0, 0, 2],
-        [0, 2, 2],
-        [2, 2, 2],
-        [2, 2, 2],
-        [2, 2, 0],
-        [2, 0, 0],
-    ],
-    "microbatch": [
-        [0, 0, 0],
-        [1, 0, 0],
-        [2, 1, 0],
-        [3, 2, 1],
-        [0, 3, 2],
-        [0, 0, 3],
-        [0, 0, 0],
-        [0, 0, 1],
-        [0, 1, 2],
-        [1, 2, 3],
-        [2, 3, 0],
-        [3, 0, 0],
-    ],
-    "chunk": [
-        [0, 0, 0],
-        [0, 1, 0],
-        [0, 1, 2],
-        [0, 1, 2],
-        [0, 1, 2],
-        [0, 0, 2],
-        [0, 0, 2],
-        [0, 1, 2],
-        [0, 1, 2],
-        [0, 1, 2],
-        [0, 1, 0],
-        [0, 0, 0],
-    ],
-    "stash_slot": [
-        [0, -1, -1],
-        [1, 0, -1],
-        [2, 1, 0],
-        [3, 2, 1],
-        [-1, 3, 2],
-        [-1, -1, 3],
-        [-1, -1, 0],
-        [-1, 0, 1],
-        [0, 1, 2],
-        [1, 2, 3],
-        [2, 3, -1],
-        [3, -1, -1],
-    ],
-    "activation_slot": [
-        [-1, -1, -1],
-        [-1, 0, -1],
-        [-1, 1, 0],
-        [-1, 0, 1],
-        [-1, 1, 0],
-        [-1, -1, 1],
-        [-1, -1, -1],
-        [-1, -1, -1],
-        [-1, -1, -1],
-        [-1, -1, -1],
-        [-1, -1, -1],
-        [-1, -1, -1],
-    ],
-    "gradient_slot": [
-        [-1, -1, -1],
-        [-1, -1, -1],
-        [-1, -1, -1],
-        [-1, -1, -1],
-        [-1, -1, -1],
-        [-1, -1, -1],
-        [-1, -1, -1],
-        [-1, 0, -1],
-        [0, 1, -1],
-        [1, 0, -1],
-        [0, 1, -1],
-        [1, -1, -1],
-    ],
-    "receive_activation": [
-        [-1, 0, -1],
-        [-1, 1, 0],
-        [-1, 0, 1],
-        [-1, 1, 0],
-        [-1, -1, 1],
-        [-1, -1, -1],
-        [-1, -1, -1],
-        [-1, -1, -1],
-        [-1, -1, -1],
-        [-1, -1, -1],
-        [-1, -1, -1],
-        [-1, -1, -1],
-    ],
-    "receive_gradient": [
-        [-1, -1, -1],
-        [-1, -1, -1],
-        [-1, -1, -1],
-        [-1, -1, -1],
-        [-1, -1, -1],
-        [-1, -1, -1],
-        [-1, 0, -1],
-        [0, 1, -1],
-        [1, 0, -1],
-        [0, 1, -1],
-        [1, -1, -1],
-        [-1, -1, -1],
-    ],
-}
+TIMELINES = (
+    "F0..F3 .x4 B0..B3",
+    ". F0..F3 . . B0..B3",
+    ". . F0..F3 B0..B3",
+)
+SCHEDULE = schedule_tables(*TIMELINES)
 # One microbatch of each chunk's input.
 CHUNK_INPUTS = [
     (8, 784),

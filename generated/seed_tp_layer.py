@@ -516,10 +516,7 @@ class SeedTpLayer(nnx.Module):
 
     def __init__(self, params: dict[str, jax.Array]) -> None:
         # seed_tp_layer.par:22 ln1: layernorm(hidden)
-        self.ln1 = nnx.Dict(
-            scale=nnx.Param(params["ln1.scale"]),
-            bias=nnx.Param(params["ln1.bias"]),
-        )
+        self.ln1 = nnx.Dict(scale=nnx.Param(params["ln1.scale"]), bias=nnx.Param(params["ln1.bias"]))
         # seed_tp_layer.par:23 attn: attention(hidden, heads, causal=false) shard q[_, model], k[_, model],...
         self.attn = nnx.Dict(
             q=nnx.Param(params["attn.q"]),
@@ -528,32 +525,17 @@ class SeedTpLayer(nnx.Module):
             o=nnx.Param(params["attn.o"]),
         )
         # seed_tp_layer.par:26 ln2: layernorm(hidden)
-        self.ln2 = nnx.Dict(
-            scale=nnx.Param(params["ln2.scale"]),
-            bias=nnx.Param(params["ln2.bias"]),
-        )
+        self.ln2 = nnx.Dict(scale=nnx.Param(params["ln2.scale"]), bias=nnx.Param(params["ln2.bias"]))
         # seed_tp_layer.par:27 up: linear(hidden, ffn) shard kernel[_, model], bias[model]
-        self.up = nnx.Dict(
-            kernel=nnx.Param(params["up.kernel"]),
-            bias=nnx.Param(params["up.bias"]),
-        )
+        self.up = nnx.Dict(kernel=nnx.Param(params["up.kernel"]), bias=nnx.Param(params["up.bias"]))
         # seed_tp_layer.par:29 down: linear(ffn, hidden) shard kernel[model, _]
-        self.down = nnx.Dict(
-            kernel=nnx.Param(params["down.kernel"]),
-            bias=nnx.Param(params["down.bias"]),
-        )
+        self.down = nnx.Dict(kernel=nnx.Param(params["down.kernel"]), bias=nnx.Param(params["down.bias"]))
 
     def __call__(self, x: jax.Array, inputs: dict[str, jax.Array], key: jax.Array | None) -> jax.Array:
         # seed_tp_layer.par:21: residual
         h = x
         # seed_tp_layer.par:22 ln1: layernorm(hidden)
-        h = layernorm(
-            h,
-            scale=weight(self.ln1["scale"]),
-            bias=weight(self.ln1["bias"]),
-            eps=1e-05,
-            dtype=COMPUTE_DTYPE,
-        )
+        h = layernorm(h, scale=weight(self.ln1["scale"]), bias=weight(self.ln1["bias"]), eps=1e-05, dtype=COMPUTE_DTYPE)
         h = checkpoint_name(constrain(h, P("data", None, None)), "ln1")
         # seed_tp_layer.par:23 attn: attention(hidden, heads, causal=false) shard q[_, model], k[_, model],...
         h = attention(
@@ -574,35 +556,16 @@ class SeedTpLayer(nnx.Module):
         # seed_tp_layer.par:25: residual
         h = x
         # seed_tp_layer.par:26 ln2: layernorm(hidden)
-        h = layernorm(
-            h,
-            scale=weight(self.ln2["scale"]),
-            bias=weight(self.ln2["bias"]),
-            eps=1e-05,
-            dtype=COMPUTE_DTYPE,
-        )
+        h = layernorm(h, scale=weight(self.ln2["scale"]), bias=weight(self.ln2["bias"]), eps=1e-05, dtype=COMPUTE_DTYPE)
         h = checkpoint_name(constrain(h, P("data", None, None)), "ln2")
         # seed_tp_layer.par:27 up: linear(hidden, ffn) shard kernel[_, model], bias[model]
-        h = linear(
-            h,
-            kernel=weight(self.up["kernel"]),
-            bias=weight(self.up["bias"]),
-            dtype=COMPUTE_DTYPE,
-        )
+        h = linear(h, kernel=weight(self.up["kernel"]), bias=weight(self.up["bias"]), dtype=COMPUTE_DTYPE)
         h = checkpoint_name(constrain(h, P("data", None, "model")), "up")
         # seed_tp_layer.par:28 gelu()
-        h = gelu(
-            h,
-            approximate=True,
-        )
+        h = gelu(h, approximate=True)
         h = checkpoint_name(constrain(h, P("data", None, "model")), "gelu")
         # seed_tp_layer.par:29 down: linear(ffn, hidden) shard kernel[model, _]
-        h = linear(
-            h,
-            kernel=weight(self.down["kernel"]),
-            bias=weight(self.down["bias"]),
-            dtype=COMPUTE_DTYPE,
-        )
+        h = linear(h, kernel=weight(self.down["kernel"]), bias=weight(self.down["bias"]), dtype=COMPUTE_DTYPE)
         h = checkpoint_name(constrain(h, P("data", None, None)), "down")
         x = x + h
         return x

@@ -557,10 +557,7 @@ class Decoder(nnx.Module):
     def __init__(self, params: dict[str, jax.Array], path: str) -> None:
         self.path = path
         # tiny.par:21 ln1: layernorm(d)
-        self.ln1 = nnx.Dict(
-            scale=nnx.Param(params["ln1.scale"]),
-            bias=nnx.Param(params["ln1.bias"]),
-        )
+        self.ln1 = nnx.Dict(scale=nnx.Param(params["ln1.scale"]), bias=nnx.Param(params["ln1.bias"]))
         # tiny.par:22 attn: attention(d, heads) shard q[_, model], k[_, model], v[_, model], o[model, _]
         self.attn = nnx.Dict(
             q=nnx.Param(params["attn.q"]),
@@ -569,32 +566,17 @@ class Decoder(nnx.Module):
             o=nnx.Param(params["attn.o"]),
         )
         # tiny.par:25 ln2: layernorm(d)
-        self.ln2 = nnx.Dict(
-            scale=nnx.Param(params["ln2.scale"]),
-            bias=nnx.Param(params["ln2.bias"]),
-        )
+        self.ln2 = nnx.Dict(scale=nnx.Param(params["ln2.scale"]), bias=nnx.Param(params["ln2.bias"]))
         # tiny.par:26 up: linear(d, ffn) shard kernel[_, model], bias[model] # column parallel
-        self.up = nnx.Dict(
-            kernel=nnx.Param(params["up.kernel"]),
-            bias=nnx.Param(params["up.bias"]),
-        )
+        self.up = nnx.Dict(kernel=nnx.Param(params["up.kernel"]), bias=nnx.Param(params["up.bias"]))
         # tiny.par:28 down: linear(ffn, d) shard kernel[model, _] # row parallel: one all-reduce
-        self.down = nnx.Dict(
-            kernel=nnx.Param(params["down.kernel"]),
-            bias=nnx.Param(params["down.bias"]),
-        )
+        self.down = nnx.Dict(kernel=nnx.Param(params["down.kernel"]), bias=nnx.Param(params["down.bias"]))
 
     def __call__(self, x: jax.Array, inputs: dict[str, jax.Array], key: jax.Array | None) -> jax.Array:
         # tiny.par:20: residual
         h = x
         # tiny.par:21 ln1: layernorm(d)
-        h = layernorm(
-            h,
-            scale=weight(self.ln1["scale"]),
-            bias=weight(self.ln1["bias"]),
-            eps=1e-05,
-            dtype=COMPUTE_DTYPE,
-        )
+        h = layernorm(h, scale=weight(self.ln1["scale"]), bias=weight(self.ln1["bias"]), eps=1e-05, dtype=COMPUTE_DTYPE)
         h = checkpoint_name(constrain(h, P("data", None, None)), self.path + ".ln1")
         # tiny.par:22 attn: attention(d, heads) shard q[_, model], k[_, model], v[_, model], o[model, _]
         h = attention(
@@ -615,35 +597,16 @@ class Decoder(nnx.Module):
         # tiny.par:24: residual
         h = x
         # tiny.par:25 ln2: layernorm(d)
-        h = layernorm(
-            h,
-            scale=weight(self.ln2["scale"]),
-            bias=weight(self.ln2["bias"]),
-            eps=1e-05,
-            dtype=COMPUTE_DTYPE,
-        )
+        h = layernorm(h, scale=weight(self.ln2["scale"]), bias=weight(self.ln2["bias"]), eps=1e-05, dtype=COMPUTE_DTYPE)
         h = checkpoint_name(constrain(h, P("data", None, None)), self.path + ".ln2")
         # tiny.par:26 up: linear(d, ffn) shard kernel[_, model], bias[model] # column parallel
-        h = linear(
-            h,
-            kernel=weight(self.up["kernel"]),
-            bias=weight(self.up["bias"]),
-            dtype=COMPUTE_DTYPE,
-        )
+        h = linear(h, kernel=weight(self.up["kernel"]), bias=weight(self.up["bias"]), dtype=COMPUTE_DTYPE)
         h = checkpoint_name(constrain(h, P("data", None, "model")), self.path + ".up")
         # tiny.par:27 gelu()
-        h = gelu(
-            h,
-            approximate=True,
-        )
+        h = gelu(h, approximate=True)
         h = checkpoint_name(constrain(h, P("data", None, "model")), self.path + ".gelu")
         # tiny.par:28 down: linear(ffn, d) shard kernel[model, _] # row parallel: one all-reduce
-        h = linear(
-            h,
-            kernel=weight(self.down["kernel"]),
-            bias=weight(self.down["bias"]),
-            dtype=COMPUTE_DTYPE,
-        )
+        h = linear(h, kernel=weight(self.down["kernel"]), bias=weight(self.down["bias"]), dtype=COMPUTE_DTYPE)
         h = checkpoint_name(constrain(h, P("data", None, None)), self.path + ".down")
         x = x + h
         return x
@@ -654,28 +617,17 @@ class Tiny(nnx.Module):
 
     def __init__(self, params: dict[str, jax.Array]) -> None:
         # tiny.par:33 embed: embed(vocab, d) shard table[model, _] # vocab parallel
-        self.embed = nnx.Dict(
-            table=nnx.Param(params["embed.table"]),
-        )
+        self.embed = nnx.Dict(table=nnx.Param(params["embed.table"]))
         # tiny.par:34 layers: repeat 2 decoder(d, heads, ffn)
         self.layers = Decoder(layers_of(params, "layers.*."), "layers")
         # tiny.par:35 ln_f: layernorm(d)
-        self.ln_f = nnx.Dict(
-            scale=nnx.Param(params["ln_f.scale"]),
-            bias=nnx.Param(params["ln_f.bias"]),
-        )
+        self.ln_f = nnx.Dict(scale=nnx.Param(params["ln_f.scale"]), bias=nnx.Param(params["ln_f.bias"]))
         # tiny.par:36 head: linear(d, vocab, bias=false) shard kernel[_, model]
-        self.head = nnx.Dict(
-            kernel=nnx.Param(params["head.kernel"]),
-        )
+        self.head = nnx.Dict(kernel=nnx.Param(params["head.kernel"]))
 
     def __call__(self, x: jax.Array, inputs: dict[str, jax.Array], key: jax.Array | None) -> jax.Array:
         # tiny.par:33 embed: embed(vocab, d) shard table[model, _] # vocab parallel
-        x = embed(
-            x,
-            table=weight(self.embed["table"]),
-            dtype=COMPUTE_DTYPE,
-        )
+        x = embed(x, table=weight(self.embed["table"]), dtype=COMPUTE_DTYPE)
         x = checkpoint_name(constrain(x, P("data", None, None)), "embed")
         # tiny.par:34 layers: repeat 2 decoder(d, heads, ffn)
         x = scan_layers(self.layers, 2, x, inputs, key)
@@ -689,11 +641,7 @@ class Tiny(nnx.Module):
         )
         x = checkpoint_name(constrain(x, P("data", None, None)), "ln_f")
         # tiny.par:36 head: linear(d, vocab, bias=false) shard kernel[_, model]
-        x = linear(
-            x,
-            kernel=weight(self.head["kernel"]),
-            dtype=COMPUTE_DTYPE,
-        )
+        x = linear(x, kernel=weight(self.head["kernel"]), dtype=COMPUTE_DTYPE)
         x = checkpoint_name(constrain(x, P("data", None, "model")), "head")
         return x
 

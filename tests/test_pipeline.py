@@ -132,17 +132,6 @@ def test_schedule_is_one_word_on_the_command_line() -> None:
         dslc.compile(text, schedule="interleaved-1f1b")  # needs virtual >= 2
 
 
-def test_executor_speaks_the_planners_op_codes() -> None:
-    # The executor (copied into generated code, so it cannot import the planner) and the
-    # buffer planner (which imports no jax) each spell the op codes; they must agree.
-    from dslc.kernels import pipeline as executor
-    from dslc.schedules import buffers
-
-    names = ("IDLE", "FORWARD", "BACKWARD", "INPUT_GRAD", "WEIGHT_GRAD")
-    assert [getattr(executor, n) for n in names] == [getattr(buffers, n) for n in names]
-    assert set(executor.TABLE_ENTRIES) <= set(buffers.ExecutionPlan.__dataclass_fields__)
-
-
 def test_a_table_of_ones_own_runs_with_the_numbers_of_autodiff(tmp_path: Path) -> None:
     """A user's table from a file, not a built-in one: zb-h1's order with every stage's weight
     gradients moved after all its other actions. The executor runs what the file says."""

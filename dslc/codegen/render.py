@@ -6,8 +6,9 @@ so it is byte-identical run to run and can be kept as a golden file.
 
 from __future__ import annotations
 
+import itertools
 import math
-from dataclasses import fields
+import sys
 from pathlib import PurePath
 
 import jinja2
@@ -19,11 +20,11 @@ from dslc.ir import nodes as ir
 from dslc.ir.boundaries import boundary_of, chunk_input
 from dslc.ir.data_parallel import data_parallel_axes
 from dslc.ir.inputs import integer_bounds
-from dslc.ir.placement import Placement, place
+from dslc.ir.placement import Placement, Share, place
 from dslc.ir.signature import chunk_signature
 from dslc.layers import RULES
 from dslc.plan.timetable import schedule_table
-from dslc.schedules.buffers import ExecutionPlan, allocate_slots
+from dslc.schedules.notation import timelines
 from dslc.schedules.render import to_text
 
 # The first line after the docstring of every generated module: `dslc compile` overwrites
@@ -46,6 +47,7 @@ _MODULE_NAMES = {
     "DEVICES",
     "COMPUTE_DTYPE",
     "SCHEDULE",
+    "TIMELINES",
     "STAGES",
     "CHUNK_WEIGHTS",
     "STAGE_DIMS",
@@ -97,8 +99,18 @@ def spec(sharding: ir.Sharding) -> str:
     return "P(" + ", ".join(dims) + ")"
 
 
+def runs(entries: list[str]) -> list[str]:
+    """The entries of a tuple or list, each run of three or more equal ones as `*[entry] * n`."""
+    out: list[str] = []
+    for entry, group in itertools.groupby(entries):
+        n = len(list(group))
+        out += [f"*[{entry}] * {n}"] if n >= 3 else [entry] * n
+    return out
+
+
 _ENV.filters["py"] = py
 _ENV.filters["spec"] = spec
+_ENV.filters["runs"] = runs
 
 
 def generate(
@@ -232,21 +244,45 @@ def _parameters(program: ir.Program, placement: Placement) -> list[dict[str, obj
     return out
 
 
-def _shares(placement: Placement) -> list[list[tuple[str, str]]]:
-    """Per chunk: each weight's name in the chunk and the `Share(...)` that says where it is."""
+def _shares(placement: Placement) -> list[list[str]]:
+    """Per chunk: the entries of its dict of weights, each name in the chunk and the
+    `Share(...)` that says where it is; a repeat's layers of all its arrays in one entry."""
     out = []
     for chunk in placement.shares:
         entries = []
-        for name, share in chunk.items():
+        items = list(chunk.items())
+        while items:
+            name, share = items[0]
+            layers = _layers_of_repeat(placement, items)
+            if layers is not None:
+                prefix, count = layers
+                entries.append(f"**layer_shares(PARAMETERS, {py(prefix)}, {py(share.rows[0])})")
+                del items[:count]
+                continue
             args = [py(share.stored)]
             if share.rows:
                 args.append(py(share.rows))
-            stored = placement.array(share.stored)
-            if stored.rows:
+            if placement.array(share.stored).rows:
                 args.append("shape=" + py(share.shape))
-            entries.append((name, f"Share({', '.join(args)})"))
+            entries.append(f"{py(name)}: Share({', '.join(args)})")
+            del items[0]
         out.append(entries)
     return out
+
+
+def _layers_of_repeat(placement: Placement, items: list[tuple[str, Share]]) -> tuple[str, int] | None:
+    """(prefix, count) where `items` start with what `layer_shares(PARAMETERS, prefix, rows)`
+    makes: the same layers of every array stored under a repeat's prefix (`blocks.*.`), in
+    the table's order; else None."""
+    name, share = items[0]
+    if ".*." not in name or len(share.rows) != 1 or isinstance(share.rows[0], int):
+        return None
+    prefix = name[: name.index(".*.") + 3]
+    arrays = [a for a in placement.arrays if a.name.startswith(prefix)]
+    made = [(a.name, a.name, share.rows) for a in arrays]
+    if any(a.rows for a in arrays) or [(n, s.stored, s.rows) for n, s in items[: len(made)]] != made:
+        return None
+    return prefix, len(arrays)
 
 
 def _inputs(program: ir.Program, builder: Builder) -> list[dict[str, object]]:
@@ -268,10 +304,8 @@ def _schedule(program: ir.Program) -> dict[str, object]:
     p = program.pipeline
     assert p is not None
     stages = program.stages
-    entries = [f.name for f in fields(ExecutionPlan) if f.type == "Table"]
     shape, dtype = boundary_of(program, p.microbatches)
     schedule = schedule_table(program)
-    table = allocate_slots(schedule)
     timeline = to_text(schedule).rstrip("\n").split("\n")
     command = f"dslc schedule --kind {p.schedule} --stages {stages} --microbatches {p.microbatches}"
     return {
@@ -284,19 +318,22 @@ def _schedule(program: ir.Program) -> dict[str, object]:
         "microbatches": p.microbatches,
         "virtual": p.virtual,
         "axis": p.axis,
-        "table": [(name, [list(row) for row in getattr(table, name)]) for name in entries]
-        + (
-            []
-            if table.ring_only
-            else [
-                (f.name, [list(row) for row in getattr(table.other_directions, f.name)])
-                for f in fields(table.other_directions)
-            ]
-        ),
+        "timelines": [_wrapped(pieces) for pieces in timelines(schedule)],
         "chunk_inputs": [chunk_input(chunk, p.microbatches) for chunk in program.chunks],
         "boundary_shape": shape,
         "boundary_dtype": ir.DTYPES[dtype or program.train.compute_dtype].jax,
     }
+
+
+def _wrapped(pieces: tuple[str, ...], width: int = 100) -> list[str]:
+    """A stage's timeline as string literals of at most about `width` characters that
+    concatenate to it, split between its pieces."""
+    lines: list[list[str]] = [[]]
+    for piece in pieces:
+        if lines[-1] and len(" ".join([*lines[-1], piece])) > width:
+            lines.append([])
+        lines[-1].append(piece)
+    return [py(" ".join(line) + " ") for line in lines[:-1]] + [py(" ".join(lines[-1]))]
 
 
 def _kernels(program: ir.Program, count: str | None, data_axes: ir.Axes) -> list[source.Definition]:
@@ -309,7 +346,7 @@ def _kernels(program: ir.Program, count: str | None, data_axes: ir.Axes) -> list
     if any(RULES[layer.kind].has_aux for layer in layers):
         wanted += ["AUX_LOSS", "add_aux"]
     if program.pipelined:
-        wanted += ["pipeline_value_and_grad", "Share", "take_share"]
+        wanted += ["pipeline_value_and_grad", "schedule_tables", "Share", "take_share", "layer_shares"]
     if data_axes:
         wanted.append("data_parallel")
     return source.closure(wanted)
@@ -337,7 +374,6 @@ def _sorted_imports(lines: set[str]) -> list[str]:
     """Imports as ruff's isort writes them: the standard library, then third parties, one
     blank line between; in each, `import x` lines before `from x import y` lines, by module;
     names of one `from` merged (constants, then classes, then the rest), `as` imports apart."""
-    stdlib = {"argparse", "functools", "math", "zlib", "typing", "collections"}
     merged: dict[str, set[str]] = {}
     kept: set[str] = set()
     for line in lines:
@@ -350,7 +386,7 @@ def _sorted_imports(lines: set[str]) -> list[str]:
         kept.add(f"from {module} import {', '.join(sorted(names, key=_name_order))}")
     sections: dict[bool, list[str]] = {True: [], False: []}
     for line in kept:
-        sections[line.split()[1].split(".")[0] in stdlib].append(line)
+        sections[line.split()[1].split(".")[0] in sys.stdlib_module_names].append(line)
     out: list[str] = []
     for in_stdlib in (True, False):
         entries = sorted(sections[in_stdlib], key=lambda line: (line.startswith("from "), line.split()[1], line))

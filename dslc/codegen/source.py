@@ -19,6 +19,7 @@ from dslc.kernels import SOURCES
 PRELUDE_IMPORTS = {
     "functools": "import functools",
     "math": "import math",
+    "re": "import re",
     "zlib": "import zlib",
     "np": "import numpy as np",
     "jax": "import jax",

@@ -15,5 +15,5 @@ from pathlib import Path
 # (Read as text by the code generator, which does not import jax.)
 SOURCES = {
     name: Path(__file__).with_name(f"{name}.py")
-    for name in ("storage", "params", "layers", "pipeline", "training", "metrics")
+    for name in ("storage", "params", "layers", "schedule", "pipeline", "training", "metrics")
 }

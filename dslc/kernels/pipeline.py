@@ -67,20 +67,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec
 
-IDLE, FORWARD, BACKWARD, INPUT_GRAD, WEIGHT_GRAD = 0, 1, 2, 3, 4
-
-TABLE_ENTRIES = (
-    "op",
-    "microbatch",
-    "chunk",
-    "stash_slot",
-    "activation_slot",
-    "gradient_slot",
-    "receive_activation",
-    "receive_gradient",
-)
-# A table whose placement is not a ring also has these.
-OTHER_DIRECTIONS = ("activation_from_next", "gradient_from_previous", "keep_activation", "keep_gradient")
+from dslc.kernels.schedule import BACKWARD, FORWARD, INPUT_GRAD, OTHER_DIRECTIONS, TABLE_ENTRIES, WEIGHT_GRAD
 
 # chunk(weights, x, inputs, key) -> the chunk's output; the last chunk returns its f32 loss.
 # With `has_aux`, every chunk returns (that, aux), aux an f32 scalar added to the loss.
@@ -479,6 +466,11 @@ class Share(NamedTuple):
     stored: str
     rows: tuple[int | tuple[int, int], ...] = ()
     shape: tuple[int, ...] | None = None
+
+
+def layer_shares(parameters: dict[str, Any], prefix: str, layers: tuple[int, int]) -> dict[str, Share]:
+    """A chunk's layers [start, stop) of every array a repeat stores under `prefix` (`blocks.*.`)."""
+    return {name: Share(name, (layers,)) for name in parameters if name.startswith(prefix)}
 
 
 def take_share(

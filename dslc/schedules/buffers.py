@@ -1,17 +1,8 @@
 """The buffers a schedule needs, and the slot every value lives in: the executor's tables.
 
-A stage keeps three kinds of values between ticks:
-
-* the input of each chunk it has run forward, until that chunk's backward no longer needs it
-  (its `B`, or its `W` when the backward is split) — the *stash*;
-* activations received for one of its chunks, until that chunk's forward reads them;
-* gradients received for one of its chunks, until that chunk's backward (`B`, or `I` and then
-  `W`) is done with them.
-
-Each value occupies a slot from the tick it is written to its last use. Slots are handed
-out greedily by start tick, so a stage needs as many slots as values it holds at once: the
-schedule's own peak, not the number of microbatches. That is what makes 1F1B hold at most P
-microbatches of activations where GPipe holds M.
+`dslc.kernels.schedule.slot_tables` makes them (its docstring says what a stage keeps, and
+for how long), the very code the generated module makes its own tables with; `ExecutionPlan`
+is how dslc reads them.
 
 Where received values come from. In a tick a stage makes at most one value for another chunk:
 a forward's output (the next chunk's input activation) or a `B`'s or `I`'s input gradient (the
@@ -43,22 +34,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dslc.schedules.table import Direction, Op, Result, Schedule, direction
-
-IDLE, FORWARD, BACKWARD, INPUT_GRAD, WEIGHT_GRAD = 0, 1, 2, 3, 4
-OP_CODES = {Op.FORWARD: FORWARD, Op.BACKWARD: BACKWARD, Op.INPUT_GRAD: INPUT_GRAD, Op.WEIGHT_GRAD: WEIGHT_GRAD}
+from dslc.kernels.schedule import OTHER_DIRECTIONS, TABLE_ENTRIES, slot_tables
+from dslc.schedules.table import Schedule
 
 Table = tuple[tuple[int, ...], ...]  # [tick][stage]
-
-# The table that says where a value is stored, by what it is and which way it went.
-_RECEIVE_TABLE = {
-    (Result.ACTIVATION, Direction.NEXT): "receive_activation",
-    (Result.INPUT_GRADIENT, Direction.PREVIOUS): "receive_gradient",
-    (Result.ACTIVATION, Direction.PREVIOUS): "activation_from_next",
-    (Result.INPUT_GRADIENT, Direction.NEXT): "gradient_from_previous",
-    (Result.ACTIVATION, Direction.SAME): "keep_activation",
-    (Result.INPUT_GRADIENT, Direction.SAME): "keep_gradient",
-}
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,105 +83,25 @@ class ExecutionPlan:
         return all(cell < 0 for table in tables for row in table for cell in row)
 
 
-Key = tuple[int, int]  # (chunk, microbatch)
-
-
 def allocate_slots(schedule: Schedule) -> ExecutionPlan:
-    """The executor's tables for `schedule`, which must pass `validate`."""
-    P, C, T = schedule.stages, schedule.chunks, schedule.ticks
-    placement = schedule.placement
-    when: dict[tuple[Op, int, int], int] = {}
-    for row in schedule.actions_by_stage:
-        for a in row:
-            when[(a.op, a.chunk, a.microbatch)] = a.tick
-
-    def gradient_made(chunk: int, m: int) -> int:
-        """When (chunk, m)'s input gradient is made: by its I, or by its B."""
-        return when.get((Op.INPUT_GRAD, chunk, m), when.get((Op.BACKWARD, chunk, m), -1))
-
-    def last_use(chunk: int, m: int) -> int:
-        """The backward's last action on (chunk, m): its W, or its B."""
-        return when.get((Op.WEIGHT_GRAD, chunk, m), when.get((Op.BACKWARD, chunk, m), -1))
-
-    # Live intervals [first tick, last tick] per stage and buffer kind, keyed by (chunk, m).
-    stash: list[dict[Key, tuple[int, int]]] = [{} for _ in range(P)]
-    acts: list[dict[Key, tuple[int, int]]] = [{} for _ in range(P)]
-    grads: list[dict[Key, tuple[int, int]]] = [{} for _ in range(P)]
-    for (op, c, m), t in when.items():
-        s = placement[c]
-        if op is Op.FORWARD:
-            stash[s][(c, m)] = (t, last_use(c, m))
-            if c > 0:
-                acts[s][(c, m)] = (when[(Op.FORWARD, c - 1, m)], t)
-        elif op is not Op.WEIGHT_GRAD and c < C - 1:
-            grads[s][(c, m)] = (gradient_made(c + 1, m), last_use(c, m))
-
-    stash_slot, n_stash = _allocate(stash)
-    act_slot, n_act = _allocate(acts)
-    grad_slot, n_grad = _allocate(grads)
-
-    grid = [[(IDLE, 0, 0, -1, -1, -1) for _ in range(P)] for _ in range(T)]
-    receive = {name: [[-1] * P for _ in range(T)] for name in _RECEIVE_TABLE.values()}
-    for (op, c, m), t in when.items():
-        s = placement[c]
-        reads_act = act_slot[s].get((c, m), -1) if op is Op.FORWARD else -1
-        reads_grad = grad_slot[s].get((c, m), -1) if op is not Op.FORWARD else -1
-        grid[t][s] = (OP_CODES[op], m, c, stash_slot[s][(c, m)], reads_act, reads_grad)
-        # What this action makes arrives where its consumer lives at the end of the same tick.
-        if op is Op.FORWARD and c < C - 1:
-            target = placement[c + 1]
-            way = direction(Result.ACTIVATION, s, target, P)
-            assert way is not None, "validate checks that consecutive chunks are neighbours"
-            receive[_RECEIVE_TABLE[Result.ACTIVATION, way]][t][target] = act_slot[target][(c + 1, m)]
-        if op in (Op.BACKWARD, Op.INPUT_GRAD) and c > 0:
-            target = placement[c - 1]
-            way = direction(Result.INPUT_GRADIENT, s, target, P)
-            assert way is not None, "validate checks that consecutive chunks are neighbours"
-            receive[_RECEIVE_TABLE[Result.INPUT_GRADIENT, way]][t][target] = grad_slot[target][(c - 1, m)]
-
-    def column(i: int) -> Table:
-        return tuple(tuple(cell[i] for cell in row) for row in grid)
-
-    def frozen(name: str) -> Table:
-        return tuple(tuple(row) for row in receive[name])
-
-    return ExecutionPlan(
-        ticks=T,
-        stages=P,
-        op=column(0),
-        microbatch=column(1),
-        chunk=column(2),
-        stash_slot=column(3),
-        activation_slot=column(4),
-        gradient_slot=column(5),
-        receive_activation=frozen("receive_activation"),
-        receive_gradient=frozen("receive_gradient"),
-        other_directions=OtherDirections(
-            activation_from_next=frozen("activation_from_next"),
-            gradient_from_previous=frozen("gradient_from_previous"),
-            keep_activation=frozen("keep_activation"),
-            keep_gradient=frozen("keep_gradient"),
-        ),
-        stash_slots=n_stash,
-        activation_slots=n_act,
-        gradient_slots=n_grad,
+    """The executor's tables for `schedule`, which must pass `validate`: the ones the generated
+    module makes from its timelines, by the same code (`dslc.kernels.schedule.slot_tables`)."""
+    tables = slot_tables(
+        [[None if a is None else (a.op, a.microbatch, a.chunk) for a in row] for row in schedule.grid()]
     )
 
+    def table(name: str) -> Table:
+        return tuple(tuple(row) for row in tables[name])
 
-def _allocate(per_stage: list[dict[Key, tuple[int, int]]]) -> tuple[list[dict[Key, int]], int]:
-    """Greedy interval colouring per stage: a slot is reused once its last value is dead."""
-    slots: list[dict[Key, int]] = []
-    most = 0
-    for intervals in per_stage:
-        free_after: list[int] = []  # slot -> last tick it is busy
-        chosen: dict[Key, int] = {}
-        for key, (start, end) in sorted(intervals.items(), key=lambda kv: (kv[1][0], kv[0])):
-            slot = next((i for i, busy in enumerate(free_after) if busy < start), len(free_after))
-            if slot == len(free_after):
-                free_after.append(end)
-            else:
-                free_after[slot] = end
-            chosen[key] = slot
-        slots.append(chosen)
-        most = max(most, len(free_after))
-    return slots, most
+    def slots(name: str) -> int:
+        return 1 + max(max(row) for row in tables[name])
+
+    return ExecutionPlan(
+        ticks=schedule.ticks,
+        stages=schedule.stages,
+        **{name: table(name) for name in TABLE_ENTRIES},
+        other_directions=OtherDirections(**{name: table(name) for name in OTHER_DIRECTIONS}),
+        stash_slots=slots("stash_slot"),
+        activation_slots=slots("activation_slot"),
+        gradient_slots=slots("gradient_slot"),
+    )

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Final, assert_never
 
+from dslc.kernels import schedule as kernel
+
 # The largest table dslc builds or reads, in actions (stages x chunks per stage x microbatches
 # x 2 ops, or 3 with a split backward): making, checking and allocating one takes about 25 us
 # an action, so this is a few seconds. Bigger pipelines are planned from closed forms where
@@ -118,21 +120,9 @@ def v_placement(stages: int) -> tuple[int, ...]:
 
 def direction(result: Result, source: int, target: int, stages: int) -> Direction | None:
     """How `result` travels from stage `source` to stage `target`; None when they are not
-    neighbours.
-
-    On two stages the next stage is also the previous one, and on one stage the stage itself:
-    an activation then goes to the next stage and a gradient to the previous one, the way they
-    travel in a ring placement.
-    """
-    reaches = {
-        Direction.NEXT: (source + 1) % stages,
-        Direction.PREVIOUS: (source - 1) % stages,
-        Direction.SAME: source,
-    }
-    order = (
-        (Direction.NEXT, Direction.PREVIOUS) if result is Result.ACTIVATION else (Direction.PREVIOUS, Direction.NEXT)
-    )
-    return next((way for way in (*order, Direction.SAME) if reaches[way] == target), None)
+    neighbours (`dslc.kernels.schedule.direction`, which the executor's tables follow)."""
+    way = kernel.direction(result, source, target, stages)
+    return None if way is None else Direction(way)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,12 +1,25 @@
 """The executor's buffer plan: every value is where the plan says when it is read, and no
-slot is reused while its value is still needed."""
+slot is reused while its value is still needed; and the timelines a generated module states
+give back the very tables."""
 
 from __future__ import annotations
 
 import pytest
 
-from dslc.schedules import KINDS, V_KINDS, ScheduleError, build
-from dslc.schedules.buffers import BACKWARD, FORWARD, IDLE, INPUT_GRAD, ExecutionPlan, allocate_slots
+from dslc.kernels.schedule import (
+    BACKWARD,
+    FORWARD,
+    IDLE,
+    INPUT_GRAD,
+    OTHER_DIRECTIONS,
+    TABLE_ENTRIES,
+    WEIGHT_GRAD,
+    schedule_tables,
+)
+from dslc.schedules import KINDS, V_KINDS, Schedule, ScheduleError, build, to_json
+from dslc.schedules.buffers import ExecutionPlan, allocate_slots
+from dslc.schedules.from_json import table_from_json
+from dslc.schedules.notation import timelines
 
 
 def replay(p: ExecutionPlan, placement: tuple[int, ...]) -> None:
@@ -124,3 +137,58 @@ def test_a_v_turns_on_the_last_stage_and_climbs_back(kind: str) -> None:
     assert stages_with(plan.receive_gradient) == {0, 1}
     assert stages_with(others.keep_gradient) == {2}
     assert stages_with(others.gradient_from_previous) == {1, 2}
+
+
+def tables_of(plan: ExecutionPlan) -> dict[str, list[list[int]]]:
+    """The plan's tables as a generated module holds them: the other directions only where
+    something arrives that way."""
+    names = TABLE_ENTRIES + (() if plan.ring_only else OTHER_DIRECTIONS)
+    others = plan.other_directions
+    return {name: [list(row) for row in getattr(others if name in OTHER_DIRECTIONS else plan, name)] for name in names}
+
+
+def read_back(schedule: Schedule) -> dict[str, list[list[int]]]:
+    """The tables a generated module derives from the timelines it states for `schedule`."""
+    return schedule_tables(*(" ".join(pieces) for pieces in timelines(schedule)))
+
+
+@pytest.mark.parametrize(("kind", "stages", "microbatches", "virtual"), CASES)
+def test_the_timelines_a_module_states_give_back_the_tables_of_the_schedule(
+    kind: str, stages: int, microbatches: int, virtual: int
+) -> None:
+    try:
+        schedule = build(kind, stages, microbatches, virtual)
+    except ScheduleError:
+        return
+    tables = read_back(schedule)
+    assert tables == tables_of(allocate_slots(schedule))
+    # What runs when, against the schedule's own actions (not through the kernel's reading).
+    codes = {"F": FORWARD, "B": BACKWARD, "I": INPUT_GRAD, "W": WEIGHT_GRAD}
+    own = {name: [[0] * stages for _ in range(schedule.ticks)] for name in ("op", "microbatch", "chunk")}
+    for stage, row in enumerate(schedule.actions_by_stage):
+        for a in row:
+            own["op"][a.tick][stage] = codes[a.op.value]
+            own["microbatch"][a.tick][stage], own["chunk"][a.tick][stage] = a.microbatch, a.chunk
+    assert {name: tables[name] for name in own} == own
+
+
+def test_a_table_with_idle_ticks_of_its_own_reads_back_tick_for_tick() -> None:
+    """A table from a file may start an action later than it could: its timeline says so."""
+    data = to_json(build("1f1b", 3, 4))
+    for action in data["actions"][0][-3:]:  # type: ignore[index]
+        action["tick"] += 5
+    data["ticks"] = 1 + max(a["tick"] for row in data["actions"] for a in row)  # type: ignore[attr-defined]
+    schedule = table_from_json(data)
+    assert any(".x" in piece for piece in timelines(schedule)[0])
+    assert read_back(schedule) == tables_of(allocate_slots(schedule))
+
+
+def test_a_long_steady_state_is_written_in_a_few_pieces() -> None:
+    """GPT-3's 1F1B on 16 stages and 192 microbatches: warm-up, steady state and cool-down,
+    with the idle ticks between them, whatever the number of microbatches."""
+    schedule = build("1f1b", 16, 192)
+    written = timelines(schedule)
+    assert [len(pieces) for pieces in written] == [len(pieces) for pieces in timelines(build("1f1b", 16, 48))]
+    assert max(len(pieces) for pieces in written) <= 10
+    assert written[0] == ("F0..F15", ".x15", "(B0 F16)..(B175 F191)", "(B176 .)..(B190 .)", "B191")
+    assert read_back(schedule) == tables_of(allocate_slots(schedule))
