@@ -30,8 +30,8 @@ from pathlib import Path
 import pytest
 
 import dslc
+from dslc import elaborate
 from dslc.diagnostics import Diagnostic, Severity, render_json, render_text
-from dslc.ir import elaborate
 
 ROOT = Path(__file__).resolve().parent.parent
 SPECS = sorted((ROOT / "specs").glob("*.par"))

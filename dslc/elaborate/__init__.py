@@ -14,13 +14,13 @@ from dataclasses import dataclass, field, replace
 from typing import cast
 
 from dslc.diagnostics import NO_SPAN, Diagnostic, Diagnostics, Label, Span
+from dslc.elaborate.ties import Declared, tied_weight
+from dslc.elaborate.vocabulary import feeding_masked_losses, pad
 from dslc.ir import nodes as ir
 from dslc.ir.evaluate import ScalarValue, eval_expr, eval_value
 from dslc.ir.names import closest, unknown_name
 from dslc.ir.settings import read_pipeline, read_train
 from dslc.ir.shardings import divisor_sizes, resolve
-from dslc.ir.ties import Declared, tied_weight
-from dslc.ir.vocabulary import feeding_masked_losses, pad
 from dslc.layers import LOSS_KINDS, RULES
 from dslc.layers.base import REQUIRED, ArgSpec, Context, LayerRule, Vocabulary, input_args
 from dslc.schedules import ScheduleError, placement
