@@ -3,6 +3,8 @@ output, the collectives it implies, its FLOPs."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from dslc.diagnostics import Span
 from dslc.elaborate.arguments import bind_arguments
 from dslc.elaborate.flow import UNKNOWN, Flow, Scope, Walk
@@ -16,7 +18,7 @@ from dslc.syntax import ast
 
 def infer_layer(
     walk: Walk,
-    rule: LayerRule,
+    rule: LayerRule[Any],
     call: ast.Call,
     shards: tuple[ast.WeightShard, ...],
     ties: tuple[ast.WeightTie, ...],
@@ -30,6 +32,12 @@ def infer_layer(
     after reporting arguments the rule refuses."""
     arg_spans: dict[str, Span] = {}
     attrs = bind_arguments(rule.args, call, scope, f"`{rule.kind}`", walk.header.inputs, walk.diags, spans=arg_spans)
+    takes_classes = "classes" in {arg.name for arg in rule.args}
+    if attrs is not None and flow.classes is not None and takes_classes and "classes" not in arg_spans:
+        # The loss after a padded head counts only the real classes.
+        attrs["classes"] = flow.classes
+    # Parsed once, for every question put to the rule about this use.
+    a = rule.parse(attrs) if attrs is not None else None
     ctx = Context(
         mesh=walk.header.mesh,
         path=path,
@@ -40,15 +48,12 @@ def infer_layer(
         diags=walk.diags,
         arg_spans=arg_spans,
     )
-    if attrs is None or not rule.validate(attrs, ctx):
+    if attrs is None or a is None or not rule.validate(a, ctx):
         check_shard_axes(shards, path, walk.header, walk.diags)
         flow.type, flow.span = UNKNOWN, span
         return None
-    if flow.classes is not None and "classes" in {a.name for a in rule.args} and "classes" not in arg_spans:
-        # The loss after a padded head counts only the real classes.
-        attrs["classes"] = flow.classes
-    vocab = rule.vocabulary(attrs, id(call) in walk.heads)
-    weights = declare_weights(walk, rule, attrs, shards, ties, vocab, path, call.span, ctx)
+    vocab = rule.vocabulary(a, id(call) in walk.heads)
+    weights = declare_weights(walk, rule, a, attrs, shards, ties, vocab, path, call.span, ctx)
     for w in weights or ():
         walk.declared[f"{path}.{w.name}"] = Declared(w, walk.repeats > 0)
     x = flow.type
@@ -60,7 +65,7 @@ def infer_layer(
     if reads and (reads | {walk.stream}) & walk.header.broken_inputs:
         ctx.shardings_as_written = False
     if x is not UNKNOWN and weights is not None and not reads & walk.header.untyped_inputs:
-        typed = rule.infer(attrs, x, {w.name: w.type for w in weights}, ctx)
+        typed = rule.infer(a, x, {w.name: w.type for w in weights}, ctx)
         y = typed if typed is not None else UNKNOWN
     node = ir.Layer(
         path=path,
@@ -70,7 +75,7 @@ def infer_layer(
         input=x,
         output=y,
         collectives=tuple(ctx.collectives),
-        flops=rule.flops(attrs, x, y) if y is not UNKNOWN else 0,
+        flops=rule.flops(a, x, y) if y is not UNKNOWN else 0,
         operand=ctx.operand if ctx.operand is not None else x.sharding,
         span=span,
     )

@@ -4,6 +4,7 @@ from another layer's as its `tie` clauses say, a vocabulary padded to split even
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 from dslc.diagnostics import Diagnostics, Label, Span
 from dslc.elaborate.flow import Walk
@@ -19,7 +20,8 @@ from dslc.syntax import ast
 
 def declare_weights(
     walk: Walk,
-    rule: LayerRule,
+    rule: LayerRule[Any],
+    a: object,
     attrs: dict[str, object],
     shards: tuple[ast.WeightShard, ...],
     ties: tuple[ast.WeightTie, ...],
@@ -31,7 +33,7 @@ def declare_weights(
     """The weights of one use of `rule` at `path`: declared by the rule, split as its `shard`
     clauses say, read from another layer where `tie` clauses say, a vocabulary padded. None
     after reporting a clause that names no weight, or gives one twice or at the wrong rank."""
-    specs = {w.name: w for w in rule.weights(attrs)}
+    specs = {w.name: w for w in rule.weights(a)}
     # A vocabulary's dimensions are padded to split evenly rather than refused (below).
     padded = dict(vocab.dims) if vocab is not None else {}
     given: dict[str, ast.WeightShard] = {}
@@ -44,7 +46,7 @@ def declare_weights(
             # applies where it exists, so one spec can switch it with a constant.
             continue
         if wname not in specs:
-            _no_such_weight(walk.diags, rule, attrs, shard.weight, "E027", f"`{rule.kind}` has no weight `{wname}`")
+            _no_such_weight(walk.diags, rule, a, attrs, shard.weight, "E027", f"`{rule.kind}` has no weight `{wname}`")
             ok = False
         elif wname in given:
             _twice(walk.diags, "E027", f"weight `{wname}` is sharded twice", shard.span, given[wname].span, "sharded")
@@ -62,7 +64,7 @@ def declare_weights(
             ok = False
         else:
             given[wname] = shard
-    tied = _ties(rule, attrs, ties, given, walk.diags)
+    tied = _ties(rule, a, attrs, ties, given, walk.diags)
     ok = ok and tied is not None
     out = []
     reported = len(walk.diags.items)
@@ -93,7 +95,8 @@ def declare_weights(
 
 
 def _ties(
-    rule: LayerRule,
+    rule: LayerRule[Any],
+    a: object,
     attrs: dict[str, object],
     ties: tuple[ast.WeightTie, ...],
     given: Mapping[str, ast.WeightShard],
@@ -101,7 +104,7 @@ def _ties(
 ) -> dict[str, ast.WeightTie] | None:
     """The `tie` clauses by weight name; None after reporting a clause that names a weight
     the layer lacks, ties one twice, or ties one also sharded (E032)."""
-    specs = {w.name for w in rule.weights(attrs)}
+    specs = {w.name for w in rule.weights(a)}
     out: dict[str, ast.WeightTie] = {}
     ok = True
     for tie in ties:
@@ -109,7 +112,7 @@ def _ties(
         if wname not in specs and wname in rule.possible_weights(attrs):
             continue  # as for `shard`: a weight another setting would give this use
         if wname not in specs:
-            _no_such_weight(diags, rule, attrs, tie.weight, "E032", f"`{rule.kind}` has no weight `{wname}` to tie")
+            _no_such_weight(diags, rule, a, attrs, tie.weight, "E032", f"`{rule.kind}` has no weight `{wname}` to tie")
             ok = False
         elif wname in out:
             _twice(diags, "E032", f"weight `{wname}` is tied twice", tie.span, out[wname].span, "tied")
@@ -133,9 +136,15 @@ def _twice(diags: Diagnostics, code: str, message: str, span: Span, first: Span,
 
 
 def _no_such_weight(
-    diags: Diagnostics, rule: LayerRule, attrs: dict[str, object], name: ast.Ident, code: str, message: str
+    diags: Diagnostics,
+    rule: LayerRule[Any],
+    a: object,
+    attrs: dict[str, object],
+    name: ast.Ident,
+    code: str,
+    message: str,
 ) -> None:
-    known = ", ".join(f"`{w.name}`" for w in rule.weights(attrs)) or "none"
+    known = ", ".join(f"`{w.name}`" for w in rule.weights(a)) or "none"
     guess = closest(name.text, sorted(rule.possible_weights(attrs)))
     diags.error(
         code,
