@@ -103,7 +103,7 @@ def _weights(rule: LayerRule) -> list[tuple[str, str, str, str]]:
     base = _symbolic_args(rule)
     seen: dict[str, tuple[str, str]] = {}
     present_by_default = set()
-    for w in rule.weights(base):
+    for w in rule.weights(rule.parse(base)):
         seen[w.name] = ("[" + ", ".join(map(str, w.shape)) + "]", w.init)
         present_by_default.add(w.name)
     # A weight present by default stays while every flag that removes it keeps its default; one
@@ -115,7 +115,7 @@ def _weights(rule: LayerRule) -> list[tuple[str, str, str, str]]:
             continue
         flipped = {**base, a.name: not a.default}
         names = set()
-        for w in rule.weights(flipped):
+        for w in rule.weights(rule.parse(flipped)):
             names.add(w.name)
             seen.setdefault(w.name, ("[" + ", ".join(map(str, w.shape)) + "]", w.init))
         for name in present_by_default - names:

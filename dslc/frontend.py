@@ -14,7 +14,7 @@ from pathlib import Path
 
 from dslc.check import check_program
 from dslc.diagnostics import NO_SPAN, Diagnostic, Diagnostics, Span, error, has_errors, render_text, sort_key
-from dslc.ir.elaborate import elaborate, read_constants
+from dslc.elaborate import elaborate, read_constants
 from dslc.ir.evaluate import ScalarValue
 from dslc.ir.names import closest
 from dslc.ir.nodes import Program

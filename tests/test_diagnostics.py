@@ -31,7 +31,7 @@ import pytest
 
 import dslc
 from dslc.diagnostics import Diagnostic, Severity, render_json, render_text
-from dslc.ir import elaborate
+from dslc.elaborate import body as instantiation
 
 ROOT = Path(__file__).resolve().parent.parent
 SPECS = sorted((ROOT / "specs").glob("*.par"))
@@ -867,7 +867,7 @@ def test_e025_too_many_layers(monkeypatch: pytest.MonkeyPatch) -> None:
     # A repeat whose block changes its input's type (here its sharding, on the first copy)
     # cannot loop: its copies are elaborated one by one, and so are bounded. The real limit
     # (200,000) takes seconds to reach; the check is the same at 10.
-    monkeypatch.setattr(elaborate, "MAX_NODES", 10)
+    monkeypatch.setattr(instantiation, "MAX_NODES", 10)
     d = only(spec("repeat 40 {", "  layout [_, model]", "  relu()", "}", "loss: mse(y)"))
     assert (d.code, d.message) == ("E025", "the model expands to more than 10 layers")
     assert at(d) == (8, 5, 8, 11)  # the layer that crossed the limit

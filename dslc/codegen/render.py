@@ -340,7 +340,9 @@ def _kernels(program: ir.Program, count: str | None, data_axes: ir.Axes) -> list
     layers = ir.all_layers(program)
     wanted = ["named_key", "initial_array", "make_optimizer", "accumulate_gradients", "step_metrics"]
     wanted += ["to_weights", "from_weights"]
-    wanted += sorted({RULES[layer.kind].kernel(dict(layer.attrs), layer.operand) for layer in layers})
+    wanted += sorted(
+        {RULES[layer.kind].kernel(RULES[layer.kind].parse(dict(layer.attrs)), layer.operand) for layer in layers}
+    )
     if count is not None:
         wanted.append(count)
     if any(RULES[layer.kind].has_aux for layer in layers):

@@ -206,7 +206,7 @@ class Builder:
                 )
                 for w in layer.weights
             )
-        a = dict(layer.attrs)
+        a = rule.parse(dict(layer.attrs))
         dtype = ir.DTYPES[self.program.train.compute_dtype].jax
         static = rule.kernel_args(a, dtype, layer.operand, {w.name: w.type.sharding for w in layer.weights})
         return Statement(
@@ -216,7 +216,7 @@ class Builder:
             kernel=rule.kernel(a, layer.operand),
             operand=layer.operand if layer.operand != layer.input.sharding else None,
             weights=weights,
-            inputs=tuple(input_args(rule, a).items()),
+            inputs=tuple(input_args(rule, dict(layer.attrs)).items()),
             key=self.path(layer.path, base) if rule.random else None,
             static=tuple(static.items()),
             output=layer.output.sharding if layer.output.rank else None,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from dslc.layers.attention import Attention
 from dslc.layers.base import LayerRule
 from dslc.layers.conv import Conv
@@ -11,7 +13,7 @@ from dslc.layers.loss import CrossEntropy, MeanSquaredError
 from dslc.layers.moe import MoE
 from dslc.layers.norm import LayerNorm, RmsNorm
 
-RULES: dict[str, LayerRule] = {
+RULES: dict[str, LayerRule[Any]] = {
     rule.kind: rule
     for rule in (
         Linear(),

@@ -32,7 +32,7 @@ def _divisors_note(n: int, what: str) -> str:
     return f"{what} = {n} splits evenly over an axis of size {_divisors(n)}"
 
 
-class Attention(LayerRule):
+class Attention(LayerRule[Attrs]):
     kind = "attention"
     doc = (
         "Self-attention on [batch, seq, dim]. q, k, v: [dim, heads*head_dim] column parallel "
@@ -50,6 +50,7 @@ class Attention(LayerRule):
         ArgSpec("bias", "bool", False, "add a bias to q, k, v and o (GPT-2)"),
         ArgSpec("qkv_bias", "bool", False, "add a bias to q, k and v only (Qwen2)"),
     )
+    Args = Attrs
 
     def weights(self, a: Attrs) -> tuple[WeightSpec, ...]:
         # Integers when elaborating; docs/gen_layers.py passes symbols to print the shapes.

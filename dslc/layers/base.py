@@ -8,10 +8,11 @@ with which static arguments). Nothing about a layer kind lives anywhere else.
 
 from __future__ import annotations
 
+import keyword
 import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Generic, Literal, TypeVar
 
 from dslc.diagnostics import Diagnostics, Label, Span
 from dslc.ir.nodes import DTYPE_BYTES, Axes, Collective, CollectiveKind, Input, Layer, Mesh, Sharding, TensorType
@@ -132,26 +133,43 @@ class Context:
             self.collectives.append(Collective(kind, axes, t.numel, t.dtype, why))
 
 
-class LayerRule:
-    """Base of the layer kinds. Subclasses fill in the class variables and `infer`."""
+A = TypeVar("A")
+
+
+def arg_field(name: str) -> str:
+    """The field of a rule's `Args` that holds argument `name`: the name itself, or, for a
+    Python keyword, the name with a trailing underscore (`in_`)."""
+    return name + "_" if keyword.iskeyword(name) else name
+
+
+class LayerRule(Generic[A]):
+    """Base of the layer kinds, generic in `A`, the type of one use's arguments. Subclasses
+    fill in the class variables, `Args` and `infer`."""
 
     kind: ClassVar[str]
     doc: ClassVar[str]
     args: ClassVar[tuple[ArgSpec, ...]] = ()
+    # A frozen dataclass with one field per argument (named by `arg_field`): what every method
+    # taking `a` reads, built by `parse` once a use's arguments are bound and checked.
+    Args: type[A]
 
-    def weights(self, a: Attrs) -> tuple[WeightSpec, ...]:
+    def parse(self, attrs: Mapping[str, object]) -> A:
+        """One use's arguments, as elaboration bound them (`Layer.attrs`), as an `Args`."""
+        return self.Args(**{arg_field(name): value for name, value in attrs.items()})
+
+    def weights(self, a: A) -> tuple[WeightSpec, ...]:
         return ()
 
-    def possible_weights(self, a: Attrs) -> set[str]:
-        """The names of the weights this use has, and of those a boolean argument set the other
-        way would give it (a bias)."""
-        names = {w.name for w in self.weights(a)}
+    def possible_weights(self, attrs: Mapping[str, object]) -> set[str]:
+        """The names of the weights the use with arguments `attrs` has, and of those a boolean
+        argument set the other way would give it (a bias)."""
+        names = {w.name for w in self.weights(self.parse(attrs))}
         for arg in self.args:
             if arg.type == "bool":
-                names |= {w.name for w in self.weights({**a, arg.name: not a[arg.name]})}
+                names |= {w.name for w in self.weights(self.parse({**attrs, arg.name: not attrs[arg.name]}))}
         return names
 
-    def vocabulary(self, a: Attrs, feeds_masking_loss: bool) -> Vocabulary | None:
+    def vocabulary(self, a: A, feeds_masking_loss: bool) -> Vocabulary | None:
         """The vocabulary this use's weights index, if any; `feeds_masking_loss` says its output
         goes straight to a loss that masks padded logits out (`masks_padding`)."""
         return None
@@ -160,14 +178,14 @@ class LayerRule:
     # before it may pad its outputs (a vocabulary split over a tensor axis it does not divide).
     masks_padding: ClassVar[bool] = False
 
-    def validate(self, a: Attrs, ctx: Context) -> bool:
+    def validate(self, a: A, ctx: Context) -> bool:
         """Checks among the arguments themselves; report and return False when they clash."""
         return True
 
-    def infer(self, a: Attrs, x: TensorType, w: dict[str, TensorType], ctx: Context) -> TensorType | None:
+    def infer(self, a: A, x: TensorType, w: dict[str, TensorType], ctx: Context) -> TensorType | None:
         raise NotImplementedError
 
-    def flops(self, a: Attrs, x: TensorType, y: TensorType) -> int:
+    def flops(self, a: A, x: TensorType, y: TensorType) -> int:
         """Forward FLOPs for the whole (global) batch; a multiply-add counts two."""
         return 0
 
@@ -196,7 +214,7 @@ class LayerRule:
         default their gradients, which live next to the residuals themselves: the same size."""
         return self.residual_bytes(layer, mesh, compute, slices)
 
-    def kernel(self, a: Attrs, operand: Sharding) -> str:
+    def kernel(self, a: A, operand: Sharding) -> str:
         """The function in `dslc.kernels.layers` that computes this use of the layer (both
         backends call it the same way, see that module's conventions): by default the
         kind's own name; a rule may choose by sharding (attention over a split sequence is
@@ -218,9 +236,7 @@ class LayerRule:
     # dropped tokens).
     has_aux: ClassVar[bool] = False
 
-    def kernel_args(
-        self, a: Attrs, dtype: str, operand: Sharding, weights: Mapping[str, Sharding]
-    ) -> dict[str, object]:
+    def kernel_args(self, a: A, dtype: str, operand: Sharding, weights: Mapping[str, Sharding]) -> dict[str, object]:
         """The kernel's static keyword arguments; `dtype` names the compute dtype ("bfloat16"),
         `operand` is the sharding of the input as the layer computes on it, `weights` the
         sharding of each of its weights.
@@ -231,7 +247,7 @@ class LayerRule:
         return {}
 
 
-def input_args(rule: LayerRule, attrs: Mapping[str, object]) -> dict[str, str]:
+def input_args(rule: LayerRule[Any], attrs: Mapping[str, object]) -> dict[str, str]:
     """The declared inputs one use of a layer reads, by argument name (an optional input
     argument left out, such as a loss's `mask`, is not listed)."""
     return {arg.name: str(attrs[arg.name]) for arg in rule.args if arg.type == "input" and attrs[arg.name] is not None}

@@ -3,13 +3,25 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 from dslc.diagnostics import Label
 from dslc.ir.nodes import DTYPE_BYTES, Layer, Mesh, Sharding, TensorType
-from dslc.layers.base import ArgSpec, Attrs, Context, LayerRule, WeightSpec, contract, expect_features, same_sharding
+from dslc.layers.base import ArgSpec, Context, LayerRule, WeightSpec, contract, expect_features, same_sharding
 
 
-class Conv(LayerRule):
+@dataclass(frozen=True, slots=True)
+class ConvArgs:
+    """The arguments of one use of `Conv`."""
+
+    in_: int
+    out: int
+    kernel: int
+    stride: int
+    bias: bool
+
+
+class Conv(LayerRule[ConvArgs]):
     kind = "conv"
     doc = "2-D convolution, NHWC, 'same' padding. Split output channels: kernel[_, _, _, tp]."
     args = (
@@ -19,13 +31,14 @@ class Conv(LayerRule):
         ArgSpec("stride", "int", 1, "step between windows"),
         ArgSpec("bias", "bool", True, "add a bias"),
     )
+    Args = ConvArgs
 
-    def weights(self, a: Attrs) -> tuple[WeightSpec, ...]:
-        k = a["kernel"]
-        kernel = WeightSpec("kernel", (k, k, a["in"], a["out"]), "fan_in")  # type: ignore[arg-type]
-        return (kernel, WeightSpec("bias", (a["out"],), "zeros")) if a["bias"] else (kernel,)  # type: ignore[arg-type]
+    def weights(self, a: ConvArgs) -> tuple[WeightSpec, ...]:
+        k = a.kernel
+        kernel = WeightSpec("kernel", (k, k, a.in_, a.out), "fan_in")
+        return (kernel, WeightSpec("bias", (a.out,), "zeros")) if a.bias else (kernel,)
 
-    def infer(self, a: Attrs, x: TensorType, w: dict[str, TensorType], ctx: Context) -> TensorType | None:
+    def infer(self, a: ConvArgs, x: TensorType, w: dict[str, TensorType], ctx: Context) -> TensorType | None:
         if x.rank != 4:
             ctx.error(
                 "E016",
@@ -33,7 +46,7 @@ class Conv(LayerRule):
                 labels=[Label(ctx.input_span, "input produced here")],
             )
             return None
-        if not expect_features(ctx, x, a["in"], "input channels"):  # type: ignore[arg-type]
+        if not expect_features(ctx, x, a.in_, "input channels"):
             return None
         kernel = w["kernel"]
         for d in (0, 1):
@@ -48,26 +61,24 @@ class Conv(LayerRule):
                     help="split the batch or the channels instead",
                 )
                 return None
-        as_matrix = TensorType(kernel.dtype, (a["in"], a["out"]), kernel.sharding[2:])  # type: ignore[arg-type]
+        as_matrix = TensorType(kernel.dtype, (a.in_, a.out), kernel.sharding[2:])
         y = contract(ctx, x, as_matrix, "kernel", ctx.compute_dtype)
         if y is None:
             return None
-        stride = a["stride"]
-        assert isinstance(stride, int)
+        stride = a.stride
         h, wd = (-(-x.shape[1] // stride), -(-x.shape[2] // stride))
         if "bias" in w:
             same_sharding(ctx, "bias", w["bias"], 0, kernel.sharding[3], "it is added to the output channels")
         return TensorType(y.dtype, (x.shape[0], h, wd, y.shape[3]), y.sharding)
 
-    def flops(self, a: Attrs, x: TensorType, y: TensorType) -> int:
-        k = a["kernel"]
-        assert isinstance(k, int)
+    def flops(self, a: ConvArgs, x: TensorType, y: TensorType) -> int:
+        k = a.kernel
         return 2 * y.numel * k * k * x.shape[3]
 
     def residual_bytes(self, layer: Layer, mesh: Mesh, compute: str, slices: int) -> int:
         return layer.input.slice_numel(mesh, slices) * DTYPE_BYTES[compute]  # the operand, for the kernel's gradient
 
     def kernel_args(
-        self, a: Attrs, dtype: str, operand: Sharding, weights: Mapping[str, Sharding]
+        self, a: ConvArgs, dtype: str, operand: Sharding, weights: Mapping[str, Sharding]
     ) -> dict[str, object]:
-        return {"stride": a["stride"], "dtype": dtype}
+        return {"stride": a.stride, "dtype": dtype}

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 from dslc.diagnostics import Label
 from dslc.ir.nodes import DTYPE_BYTES, FLOAT_DTYPES, INT_DTYPES, Layer, Mesh, Sharding, TensorType
 from dslc.layers.base import (
     ArgSpec,
-    Attrs,
     Context,
     LayerRule,
     Vocabulary,
@@ -20,7 +20,16 @@ from dslc.layers.base import (
 )
 
 
-class Linear(LayerRule):
+@dataclass(frozen=True, slots=True)
+class LinearArgs:
+    """The arguments of one use of `Linear`."""
+
+    in_: int
+    out: int
+    bias: bool
+
+
+class Linear(LayerRule[LinearArgs]):
     kind = "linear"
     doc = "y = x @ kernel + bias over the last dimension. Column parallel: kernel[_, tp]; row parallel: kernel[tp, _]."
     args = (
@@ -28,46 +37,56 @@ class Linear(LayerRule):
         ArgSpec("out", "int", doc="output features"),
         ArgSpec("bias", "bool", True, "add a bias"),
     )
+    Args = LinearArgs
 
-    def weights(self, a: Attrs) -> tuple[WeightSpec, ...]:
-        kernel = WeightSpec("kernel", (a["in"], a["out"]), "fan_in")  # type: ignore[arg-type]
-        return (kernel, WeightSpec("bias", (a["out"],), "zeros")) if a["bias"] else (kernel,)  # type: ignore[arg-type]
+    def weights(self, a: LinearArgs) -> tuple[WeightSpec, ...]:
+        kernel = WeightSpec("kernel", (a.in_, a.out), "fan_in")
+        return (kernel, WeightSpec("bias", (a.out,), "zeros")) if a.bias else (kernel,)
 
-    def vocabulary(self, a: Attrs, feeds_masking_loss: bool) -> Vocabulary | None:
+    def vocabulary(self, a: LinearArgs, feeds_masking_loss: bool) -> Vocabulary | None:
         # A head: its outputs are the loss's classes.
-        return Vocabulary(a["out"], (("kernel", 1), ("bias", 0)), logits=True) if feeds_masking_loss else None  # type: ignore[arg-type]
+        return Vocabulary(a.out, (("kernel", 1), ("bias", 0)), logits=True) if feeds_masking_loss else None
 
-    def infer(self, a: Attrs, x: TensorType, w: dict[str, TensorType], ctx: Context) -> TensorType | None:
-        if not expect_features(ctx, x, a["in"], "input features"):  # type: ignore[arg-type]
+    def infer(self, a: LinearArgs, x: TensorType, w: dict[str, TensorType], ctx: Context) -> TensorType | None:
+        if not expect_features(ctx, x, a.in_, "input features"):
             return None
         y = contract(ctx, x, w["kernel"], "kernel", ctx.compute_dtype)
         if y is not None and "bias" in w:
             same_sharding(ctx, "bias", w["bias"], 0, w["kernel"].sharding[1], "it is added to the kernel's output")
         return y
 
-    def flops(self, a: Attrs, x: TensorType, y: TensorType) -> int:
-        return 2 * y.numel * a["in"]  # type: ignore[operator]
+    def flops(self, a: LinearArgs, x: TensorType, y: TensorType) -> int:
+        return 2 * y.numel * a.in_
 
     def residual_bytes(self, layer: Layer, mesh: Mesh, compute: str, slices: int) -> int:
         return layer.input.slice_numel(mesh, slices) * DTYPE_BYTES[compute]  # the operand, for the kernel's gradient
 
     def kernel_args(
-        self, a: Attrs, dtype: str, operand: Sharding, weights: Mapping[str, Sharding]
+        self, a: LinearArgs, dtype: str, operand: Sharding, weights: Mapping[str, Sharding]
     ) -> dict[str, object]:
         return {"dtype": dtype}
 
 
-class SwiGLU(LayerRule):
+@dataclass(frozen=True, slots=True)
+class SwiGLUArgs:
+    """The arguments of one use of `SwiGLU`."""
+
+    in_: int
+    hidden: int
+
+
+class SwiGLU(LayerRule[SwiGLUArgs]):
     kind = "swiglu"
     doc = "silu(x @ gate) * (x @ up): the gated half of a Llama MLP. Shard gate and up alike."
     args = (ArgSpec("in", "int", doc="input features"), ArgSpec("hidden", "int", doc="hidden features"))
+    Args = SwiGLUArgs
 
-    def weights(self, a: Attrs) -> tuple[WeightSpec, ...]:
-        shape = (a["in"], a["hidden"])
-        return (WeightSpec("gate", shape, "fan_in"), WeightSpec("up", shape, "fan_in"))  # type: ignore[arg-type]
+    def weights(self, a: SwiGLUArgs) -> tuple[WeightSpec, ...]:
+        shape = (a.in_, a.hidden)
+        return (WeightSpec("gate", shape, "fan_in"), WeightSpec("up", shape, "fan_in"))
 
-    def infer(self, a: Attrs, x: TensorType, w: dict[str, TensorType], ctx: Context) -> TensorType | None:
-        if not expect_features(ctx, x, a["in"], "input features"):  # type: ignore[arg-type]
+    def infer(self, a: SwiGLUArgs, x: TensorType, w: dict[str, TensorType], ctx: Context) -> TensorType | None:
+        if not expect_features(ctx, x, a.in_, "input features"):
             return None
         for d in (0, 1):
             if not same_sharding(
@@ -76,8 +95,8 @@ class SwiGLU(LayerRule):
                 return None
         return contract(ctx, x, w["gate"], "gate", ctx.compute_dtype)
 
-    def flops(self, a: Attrs, x: TensorType, y: TensorType) -> int:
-        return 4 * y.numel * a["in"] + 4 * y.numel  # type: ignore[operator]
+    def flops(self, a: SwiGLUArgs, x: TensorType, y: TensorType) -> int:
+        return 4 * y.numel * a.in_ + 4 * y.numel
 
     def residual_bytes(self, layer: Layer, mesh: Mesh, compute: str, slices: int) -> int:
         # The operand, and four hidden-sized values: the gate, its sigmoid, silu(gate), up.
@@ -85,23 +104,32 @@ class SwiGLU(LayerRule):
         return (x + 4 * y) * DTYPE_BYTES[compute]
 
     def kernel_args(
-        self, a: Attrs, dtype: str, operand: Sharding, weights: Mapping[str, Sharding]
+        self, a: SwiGLUArgs, dtype: str, operand: Sharding, weights: Mapping[str, Sharding]
     ) -> dict[str, object]:
         return {"dtype": dtype}
 
 
-class Embed(LayerRule):
+@dataclass(frozen=True, slots=True)
+class EmbedArgs:
+    """The arguments of one use of `Embed`."""
+
+    vocab: int
+    dim: int
+
+
+class Embed(LayerRule[EmbedArgs]):
     kind = "embed"
     doc = "Token ids to vectors. Vocab parallel: table[tp, _] (masked lookup, then all-reduce)."
     args = (ArgSpec("vocab", "int", doc="vocabulary size"), ArgSpec("dim", "int", doc="vector size"))
+    Args = EmbedArgs
 
-    def weights(self, a: Attrs) -> tuple[WeightSpec, ...]:
-        return (WeightSpec("table", (a["vocab"], a["dim"]), "normal"),)  # type: ignore[arg-type]
+    def weights(self, a: EmbedArgs) -> tuple[WeightSpec, ...]:
+        return (WeightSpec("table", (a.vocab, a.dim), "normal"),)
 
-    def vocabulary(self, a: Attrs, feeds_masking_loss: bool) -> Vocabulary | None:
-        return Vocabulary(a["vocab"], (("table", 0),))  # type: ignore[arg-type]
+    def vocabulary(self, a: EmbedArgs, feeds_masking_loss: bool) -> Vocabulary | None:
+        return Vocabulary(a.vocab, (("table", 0),))
 
-    def infer(self, a: Attrs, x: TensorType, w: dict[str, TensorType], ctx: Context) -> TensorType | None:
+    def infer(self, a: EmbedArgs, x: TensorType, w: dict[str, TensorType], ctx: Context) -> TensorType | None:
         if x.dtype not in INT_DTYPES:
             ctx.error(
                 "E016",
@@ -113,7 +141,7 @@ class Embed(LayerRule):
         table = w["table"]
         x = gather_dims(ctx, x, table.sharding[0] + table.sharding[1], x.rank, f"`{ctx.path}`: gather token ids")
         ctx.operand = x.sharding
-        y = TensorType(ctx.compute_dtype, (*x.shape, a["dim"]), (*x.sharding, table.sharding[1]))  # type: ignore[arg-type]
+        y = TensorType(ctx.compute_dtype, (*x.shape, a.dim), (*x.sharding, table.sharding[1]))
         ctx.collective("all-reduce", table.sharding[0], y, f"`{ctx.path}`: combine vocab-parallel lookups")
         return y
 
@@ -124,12 +152,20 @@ class Embed(LayerRule):
         return layer.input.slice_numel(mesh, slices) * vocab * DTYPE_BYTES[compute]
 
     def kernel_args(
-        self, a: Attrs, dtype: str, operand: Sharding, weights: Mapping[str, Sharding]
+        self, a: EmbedArgs, dtype: str, operand: Sharding, weights: Mapping[str, Sharding]
     ) -> dict[str, object]:
         return {"dtype": dtype}
 
 
-class PositionEmbed(LayerRule):
+@dataclass(frozen=True, slots=True)
+class PositionEmbedArgs:
+    """The arguments of one use of `PositionEmbed`."""
+
+    positions: int
+    dim: int
+
+
+class PositionEmbed(LayerRule[PositionEmbedArgs]):
     kind = "position_embed"
     doc = (
         "Learned position embeddings: adds row i of table to the vector at position i of [..., seq, dim] "
@@ -140,11 +176,12 @@ class PositionEmbed(LayerRule):
         ArgSpec("positions", "int", doc="positions the table holds (the longest sequence)"),
         ArgSpec("dim", "int", doc="vector size"),
     )
+    Args = PositionEmbedArgs
 
-    def weights(self, a: Attrs) -> tuple[WeightSpec, ...]:
-        return (WeightSpec("table", (a["positions"], a["dim"]), "normal"),)  # type: ignore[arg-type]
+    def weights(self, a: PositionEmbedArgs) -> tuple[WeightSpec, ...]:
+        return (WeightSpec("table", (a.positions, a.dim), "normal"),)
 
-    def infer(self, a: Attrs, x: TensorType, w: dict[str, TensorType], ctx: Context) -> TensorType | None:
+    def infer(self, a: PositionEmbedArgs, x: TensorType, w: dict[str, TensorType], ctx: Context) -> TensorType | None:
         if x.dtype not in FLOAT_DTYPES or x.rank < 2:
             ctx.error(
                 "E016",
@@ -152,10 +189,9 @@ class PositionEmbed(LayerRule):
                 labels=[Label(ctx.input_span, "input produced here")],
             )
             return None
-        if not expect_features(ctx, x, a["dim"], "features"):  # type: ignore[arg-type]
+        if not expect_features(ctx, x, a.dim, "features"):
             return None
-        positions, seq = a["positions"], x.shape[-2]
-        assert isinstance(positions, int)
+        positions, seq = a.positions, x.shape[-2]
         if seq > positions:
             ctx.error(
                 "E016",
@@ -172,7 +208,7 @@ class PositionEmbed(LayerRule):
             return None
         return x
 
-    def flops(self, a: Attrs, x: TensorType, y: TensorType) -> int:
+    def flops(self, a: PositionEmbedArgs, x: TensorType, y: TensorType) -> int:
         return x.numel
 
     def residual_bytes(self, layer: Layer, mesh: Mesh, compute: str, slices: int) -> int:

@@ -9,7 +9,9 @@ from dslc.ir.nodes import DTYPE_BYTES, FLOAT_DTYPES, Layer, Mesh, Sharding, Tens
 from dslc.layers.base import ArgSpec, Attrs, Context, LayerRule
 
 
-class Elementwise(LayerRule):
+class Elementwise(LayerRule[Attrs]):
+    # Arguments as bound, a dict: each kind reads its own.
+    Args = Attrs
     cost = 1
     kept = 1  # input-sized values autodiff keeps (the input, and the function's own terms)
 

@@ -3,13 +3,24 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 from dslc.diagnostics import Label
 from dslc.ir.nodes import INT_DTYPES, Input, Layer, Mesh, Sharding, TensorType, replicated
-from dslc.layers.base import F32, ArgSpec, Attrs, Context, LayerRule
+from dslc.layers.base import F32, ArgSpec, Context, LayerRule
 
 
-class CrossEntropy(LayerRule):
+@dataclass(frozen=True, slots=True)
+class CrossEntropyArgs:
+    """The arguments of one use of `CrossEntropy`."""
+
+    targets: str
+    ignore_index: int
+    mask: str | None
+    classes: int
+
+
+class CrossEntropy(LayerRule[CrossEntropyArgs]):
     kind = "cross_entropy"
     doc = (
         "Softmax cross-entropy of logits [..., classes] against integer targets [...], averaged over the "
@@ -23,19 +34,18 @@ class CrossEntropy(LayerRule):
         ArgSpec("mask", "input", None, "a declared input shaped like the targets: 0 (false) where not counted"),
         ArgSpec("classes", "int", 0, "the real classes, the rest of the logits padding; 0: all", positive=False),
     )
+    Args = CrossEntropyArgs
     count_kernel = "cross_entropy_count"
     masks_padding = True
 
-    def validate(self, a: Attrs, ctx: Context) -> bool:
-        if int(a["classes"]) < 0:  # type: ignore[call-overload]
-            ctx.error(
-                "E024", f"`classes` of `cross_entropy` is a count, got {a['classes']}", at=ctx.arg_span("classes")
-            )
+    def validate(self, a: CrossEntropyArgs, ctx: Context) -> bool:
+        if a.classes < 0:
+            ctx.error("E024", f"`classes` of `cross_entropy` is a count, got {a.classes}", at=ctx.arg_span("classes"))
             return False
         return True
 
-    def infer(self, a: Attrs, x: TensorType, w: dict[str, TensorType], ctx: Context) -> TensorType | None:
-        target = ctx.inputs[a["targets"]]  # type: ignore[index]
+    def infer(self, a: CrossEntropyArgs, x: TensorType, w: dict[str, TensorType], ctx: Context) -> TensorType | None:
+        target = ctx.inputs[a.targets]
         t = target.type
         if t.dtype not in INT_DTYPES:
             ctx.error(
@@ -58,9 +68,9 @@ class CrossEntropy(LayerRule):
                 help="shard the targets' dimensions like the logits' leading dimensions",
             )
             return None
-        if a["mask"] is not None and not _mask_fits(ctx.inputs[a["mask"]], target, ctx):  # type: ignore[index]
+        if a.mask is not None and not _mask_fits(ctx.inputs[a.mask], target, ctx):
             return None
-        classes = int(a["classes"])  # type: ignore[call-overload]
+        classes = a.classes
         if classes > x.shape[-1]:
             ctx.error(
                 "E016",
@@ -79,17 +89,18 @@ class CrossEntropy(LayerRule):
         )
         return scalar
 
-    def flops(self, a: Attrs, x: TensorType, y: TensorType) -> int:
+    def flops(self, a: CrossEntropyArgs, x: TensorType, y: TensorType) -> int:
         return 6 * x.numel
 
     def residual_bytes(self, layer: Layer, mesh: Mesh, compute: str, slices: int) -> int:
         return 2 * layer.input.slice_numel(mesh, slices) * F32  # the f32 one-hot targets and exp(logits)
 
     def kernel_args(
-        self, a: Attrs, dtype: str, operand: Sharding, weights: Mapping[str, Sharding]
+        self, a: CrossEntropyArgs, dtype: str, operand: Sharding, weights: Mapping[str, Sharding]
     ) -> dict[str, object]:
         # Only padded logits need the mask: others are left as they were.
-        return {"ignore_index": a["ignore_index"]} | ({"classes": a["classes"]} if a["classes"] else {})
+        static: dict[str, object] = {"ignore_index": a.ignore_index}
+        return static | ({"classes": a.classes} if a.classes else {})
 
 
 def _mask_fits(mask: Input, target: Input, ctx: Context) -> bool:
@@ -115,13 +126,23 @@ def _mask_fits(mask: Input, target: Input, ctx: Context) -> bool:
     return True
 
 
-class MeanSquaredError(LayerRule):
+@dataclass(frozen=True, slots=True)
+class MeanSquaredErrorArgs:
+    """The arguments of one use of `MeanSquaredError`."""
+
+    targets: str
+
+
+class MeanSquaredError(LayerRule[MeanSquaredErrorArgs]):
     kind = "mse"
     doc = "Mean squared error of the activation against a float target input of the same shape."
     args = (ArgSpec("targets", "input", doc="the declared input holding the targets"),)
+    Args = MeanSquaredErrorArgs
 
-    def infer(self, a: Attrs, x: TensorType, w: dict[str, TensorType], ctx: Context) -> TensorType | None:
-        target = ctx.inputs[a["targets"]]  # type: ignore[index]
+    def infer(
+        self, a: MeanSquaredErrorArgs, x: TensorType, w: dict[str, TensorType], ctx: Context
+    ) -> TensorType | None:
+        target = ctx.inputs[a.targets]
         t = target.type
         if t.shape != x.shape:
             ctx.error(
@@ -140,7 +161,7 @@ class MeanSquaredError(LayerRule):
             return None
         return replicated("f32", ())
 
-    def flops(self, a: Attrs, x: TensorType, y: TensorType) -> int:
+    def flops(self, a: MeanSquaredErrorArgs, x: TensorType, y: TensorType) -> int:
         return 3 * x.numel
 
     def residual_bytes(self, layer: Layer, mesh: Mesh, compute: str, slices: int) -> int:

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 from dslc.diagnostics import Label
 from dslc.ir.nodes import DTYPE_BYTES, Axes, Collective, Layer, Mesh, Sharding, TensorType
 from dslc.layers.base import (
     F32,
     ArgSpec,
-    Attrs,
     Context,
     LayerRule,
     WeightSpec,
@@ -27,7 +27,19 @@ from dslc.layers.base import (
 )
 
 
-class MoE(LayerRule):
+@dataclass(frozen=True, slots=True)
+class MoEArgs:
+    """The arguments of one use of `MoE`."""
+
+    dim: int
+    hidden: int
+    experts: int
+    top_k: int
+    capacity: float
+    aux_weight: float
+
+
+class MoE(LayerRule[MoEArgs]):
     kind = "moe"
     doc = (
         "Top-k routed GELU MLP experts. Each sequence is a routing group: every expert takes "
@@ -46,19 +58,19 @@ class MoE(LayerRule):
         ArgSpec("capacity", "float", 1.25, "capacity factor: slots per expert, as a multiple of the even share"),
         ArgSpec("aux_weight", "float", 0.01, "weight of the load-balancing loss", positive=False),
     )
+    Args = MoEArgs
     has_aux = True
 
-    def weights(self, a: Attrs) -> tuple[WeightSpec, ...]:
-        d, f, e = a["dim"], a["hidden"], a["experts"]
+    def weights(self, a: MoEArgs) -> tuple[WeightSpec, ...]:
+        d, f, e = a.dim, a.hidden, a.experts
         return (
-            WeightSpec("router", (d, e), "fan_in"),  # type: ignore[arg-type]
-            WeightSpec("w_in", (e, d, f), "fan_in", fan_in=d),  # type: ignore[arg-type]
-            WeightSpec("w_out", (e, f, d), "fan_in", fan_in=f),  # type: ignore[arg-type]
+            WeightSpec("router", (d, e), "fan_in"),
+            WeightSpec("w_in", (e, d, f), "fan_in", fan_in=d),
+            WeightSpec("w_out", (e, f, d), "fan_in", fan_in=f),
         )
 
-    def validate(self, a: Attrs, ctx: Context) -> bool:
-        k, e, c, w = a["top_k"], a["experts"], a["capacity"], a["aux_weight"]
-        assert isinstance(k, int) and isinstance(e, int) and isinstance(c, float) and isinstance(w, float)
+    def validate(self, a: MoEArgs, ctx: Context) -> bool:
+        k, e, c, w = a.top_k, a.experts, a.capacity, a.aux_weight
         if k > e:
             ctx.error(
                 "E024",
@@ -83,8 +95,8 @@ class MoE(LayerRule):
             return False
         return True
 
-    def infer(self, a: Attrs, x: TensorType, w: dict[str, TensorType], ctx: Context) -> TensorType | None:
-        if not expect_features(ctx, x, a["dim"], "features"):  # type: ignore[arg-type]
+    def infer(self, a: MoEArgs, x: TensorType, w: dict[str, TensorType], ctx: Context) -> TensorType | None:
+        if not expect_features(ctx, x, a.dim, "features"):
             return None
         if x.sharding[-1]:
             ctx.error(
@@ -115,8 +127,7 @@ class MoE(LayerRule):
             )
             return None
         _check_capacity(a, x, ctx)
-        d, e = a["dim"], a["experts"]
-        assert isinstance(d, int) and isinstance(e, int)
+        d, e = a.dim, a.experts
         if experts and set(experts) <= set(tokens):
             shape = (x.shape[0], e, capacity_slots(a, group_tokens(x)), d)
             slots = TensorType(ctx.compute_dtype, shape, (x.sharding[0], (), (), ()))
@@ -136,11 +147,10 @@ class MoE(LayerRule):
             )
         return TensorType(ctx.compute_dtype, x.shape, x.sharding)
 
-    def flops(self, a: Attrs, x: TensorType, y: TensorType) -> int:
+    def flops(self, a: MoEArgs, x: TensorType, y: TensorType) -> int:
         """The router, the one-hot dispatch and combine products and the experts on every slot
         (empty slots included: the kernel computes them)."""
-        d, f, e = a["dim"], a["hidden"], a["experts"]
-        assert isinstance(d, int) and isinstance(f, int) and isinstance(e, int)
+        d, f, e = a.dim, a.hidden, a.experts
         groups, per_group = x.shape[0], group_tokens(x)
         tokens, c = groups * per_group, capacity_slots(a, per_group)
         router = 2 * tokens * d * e
@@ -166,12 +176,12 @@ class MoE(LayerRule):
         return (x + computed * width) * DTYPE_BYTES[compute]
 
     def kernel_args(
-        self, a: Attrs, dtype: str, operand: Sharding, weights: Mapping[str, Sharding]
+        self, a: MoEArgs, dtype: str, operand: Sharding, weights: Mapping[str, Sharding]
     ) -> dict[str, object]:
         return {
-            "top_k": a["top_k"],
-            "capacity": a["capacity"],
-            "aux_weight": a["aux_weight"],
+            "top_k": a.top_k,
+            "capacity": a.capacity,
+            "aux_weight": a.aux_weight,
             "expert_axes": weights["w_in"][0],
             "token_axes": operand[0],
             "dtype": dtype,
@@ -184,10 +194,11 @@ def _moe_sizes(layer: Layer, mesh: Mesh, slices: int) -> tuple[int, int, int, in
     width of a slot's activations (dim + hidden)."""
     operand = TensorType(layer.input.dtype, layer.input.shape, layer.operand or layer.input.sharding)
     x = operand_numel(layer, mesh, slices)
-    d, f, e = (int(layer.attr(n)) for n in ("dim", "hidden", "experts"))  # type: ignore[call-overload]
+    a = MoE().parse(dict(layer.attrs))
+    d, f, e = a.dim, a.hidden, a.experts
     per_group = group_tokens(layer.input)
     tokens = x // d
-    slots = capacity_slots(dict(layer.attrs), per_group)
+    slots = capacity_slots(a, per_group)
     # Split tokens reach their experts by all-to-all, and a device computes as many slots as
     # its own groups fill; tokens whole along the expert axes fill only its experts' slots.
     axes = expert_axes(layer, mesh)
@@ -201,11 +212,9 @@ def group_tokens(x: TensorType) -> int:
     return math.prod(x.shape[1:-1])
 
 
-def capacity_slots(a: Attrs, tokens: int) -> int:
+def capacity_slots(a: MoEArgs, tokens: int) -> int:
     """Slots each expert has in a routing group of `tokens` tokens: the kernel's formula."""
-    capacity, top_k, experts = a["capacity"], a["top_k"], a["experts"]
-    assert isinstance(capacity, float) and isinstance(top_k, int) and isinstance(experts, int)
-    return min(tokens, math.ceil(capacity * tokens * top_k / experts))
+    return min(tokens, math.ceil(a.capacity * tokens * a.top_k / a.experts))
 
 
 def split_axes(axes: Axes, mesh: Mesh) -> Axes:
@@ -231,12 +240,11 @@ def pipeline_recompute_collectives(layer: Layer, pipelined: bool) -> tuple[Colle
     return exchange_collectives(layer) if pipelined and layer.kind == MoE.kind else ()
 
 
-def _check_capacity(a: Attrs, x: TensorType, ctx: Context) -> None:
+def _check_capacity(a: MoEArgs, x: TensorType, ctx: Context) -> None:
     """A capacity "cannot hold" a sequence when its experts' slots together are fewer than the
     sequence's choices: then tokens are dropped at every step, however evenly the router
     spreads them. (A capacity factor of 1 or more always holds.)"""
-    k, e, c = a["top_k"], a["experts"], a["capacity"]
-    assert isinstance(k, int) and isinstance(e, int)
+    k, e, c = a.top_k, a.experts, a.capacity
     tokens = group_tokens(x)
     slots = capacity_slots(a, tokens)
     if e * slots >= tokens * k:

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 from dslc.diagnostics import Label
 from dslc.ir.nodes import FLOAT_DTYPES, Layer, Mesh, Sharding, TensorType
 from dslc.layers.base import (
     F32,
     ArgSpec,
-    Attrs,
     Context,
     LayerRule,
     WeightSpec,
@@ -19,8 +19,19 @@ from dslc.layers.base import (
 )
 
 
-class _Norm(LayerRule):
-    def infer(self, a: Attrs, x: TensorType, w: dict[str, TensorType], ctx: Context) -> TensorType | None:
+@dataclass(frozen=True, slots=True)
+class NormArgs:
+    """The arguments of one use of a norm (an rmsnorm has no bias)."""
+
+    dim: int
+    eps: float
+    bias: bool = False
+
+
+class _Norm(LayerRule[NormArgs]):
+    Args = NormArgs
+
+    def infer(self, a: NormArgs, x: TensorType, w: dict[str, TensorType], ctx: Context) -> TensorType | None:
         if x.dtype not in FLOAT_DTYPES:
             ctx.error(
                 "E016",
@@ -28,7 +39,7 @@ class _Norm(LayerRule):
                 labels=[Label(ctx.input_span, "input produced here")],
             )
             return None
-        if not expect_features(ctx, x, a["dim"], "features"):  # type: ignore[arg-type]
+        if not expect_features(ctx, x, a.dim, "features"):
             return None
         if x.sharding[-1]:
             ctx.error(
@@ -42,7 +53,7 @@ class _Norm(LayerRule):
             same_sharding(ctx, name, t, 0, (), "a norm's parameters are replicated")
         return x
 
-    def flops(self, a: Attrs, x: TensorType, y: TensorType) -> int:
+    def flops(self, a: NormArgs, x: TensorType, y: TensorType) -> int:
         return 8 * x.numel
 
     kept_f32 = 2  # input-sized f32 values kept: x and the normalised value (rmsnorm)
@@ -61,14 +72,14 @@ class LayerNorm(_Norm):
         ArgSpec("bias", "bool", True, "learn a bias"),
     )
 
-    def weights(self, a: Attrs) -> tuple[WeightSpec, ...]:
-        scale = WeightSpec("scale", (a["dim"],), "ones")  # type: ignore[arg-type]
-        return (scale, WeightSpec("bias", (a["dim"],), "zeros")) if a["bias"] else (scale,)  # type: ignore[arg-type]
+    def weights(self, a: NormArgs) -> tuple[WeightSpec, ...]:
+        scale = WeightSpec("scale", (a.dim,), "ones")
+        return (scale, WeightSpec("bias", (a.dim,), "zeros")) if a.bias else (scale,)
 
     def kernel_args(
-        self, a: Attrs, dtype: str, operand: Sharding, weights: Mapping[str, Sharding]
+        self, a: NormArgs, dtype: str, operand: Sharding, weights: Mapping[str, Sharding]
     ) -> dict[str, object]:
-        return {"eps": a["eps"], "dtype": dtype}
+        return {"eps": a.eps, "dtype": dtype}
 
 
 class RmsNorm(_Norm):
@@ -76,10 +87,10 @@ class RmsNorm(_Norm):
     doc = "x / rms(x) * scale over the last dimension."
     args = (ArgSpec("dim", "int", doc="features"), ArgSpec("eps", "float", 1e-6, "added to the mean square"))
 
-    def weights(self, a: Attrs) -> tuple[WeightSpec, ...]:
-        return (WeightSpec("scale", (a["dim"],), "ones"),)  # type: ignore[arg-type]
+    def weights(self, a: NormArgs) -> tuple[WeightSpec, ...]:
+        return (WeightSpec("scale", (a.dim,), "ones"),)
 
     def kernel_args(
-        self, a: Attrs, dtype: str, operand: Sharding, weights: Mapping[str, Sharding]
+        self, a: NormArgs, dtype: str, operand: Sharding, weights: Mapping[str, Sharding]
     ) -> dict[str, object]:
-        return {"eps": a["eps"], "dtype": dtype}
+        return {"eps": a.eps, "dtype": dtype}

@@ -42,7 +42,7 @@ from typing import cast
 
 from dslc.check import check_program
 from dslc.diagnostics import Diagnostic, Diagnostics, Span
-from dslc.ir.elaborate import elaborate
+from dslc.elaborate import elaborate
 from dslc.ir.evaluate import ScalarValue
 from dslc.ir.nodes import Mesh, MeshAxis, Program, TensorType, weights_by_path
 from dslc.plan.activations import tensor_bytes

@@ -58,8 +58,8 @@ def experts(program: Program) -> tuple[ExpertLayer, ...]:
                 sent += ring_bytes(TRANSPOSE[c.kind], mesh.size(c.axes), size)
                 kinds.add(c.kind)
             axes = expert_axes(layer, mesh)
-            attrs = dict(layer.attrs)
-            experts_ = int(layer.attr("experts"))  # type: ignore[call-overload]
+            args = MoE().parse(dict(layer.attrs))
+            experts_ = args.experts
             stored = (state_sharding(layer.weight(n).type, program).params for n in ("w_in", "w_out"))
             params = sum(
                 TensorType(layer.weight(n).type.dtype, layer.weight(n).type.shape, s).local_nbytes(mesh)
@@ -72,7 +72,7 @@ def experts(program: Program) -> tuple[ExpertLayer, ...]:
                     expert_axes=axes,
                     experts_per_device=experts_ // mesh.size(axes),
                     tokens_per_group=group_tokens(layer.input),
-                    slots=capacity_slots(attrs, group_tokens(layer.input)),
+                    slots=capacity_slots(args, group_tokens(layer.input)),
                     exchange=kinds.pop() if kinds else "none",
                     parameter_bytes=params,
                     exchange_bytes=sent,

@@ -1,4 +1,4 @@
-"""What padding a vocabulary costs (`dslc.ir.vocabulary`): the planner says so in every plan."""
+"""What padding a vocabulary costs (`dslc.elaborate.vocabulary`): the planner says so in every plan."""
 
 from __future__ import annotations
 

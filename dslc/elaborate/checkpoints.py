@@ -1,0 +1,47 @@
+"""Resolve checkpoints: a block's `checkpoint` clause as the remat policy of its uses, the
+layers `selective(...)` saves named by their resolved paths."""
+
+from __future__ import annotations
+
+from dslc.diagnostics import Diagnostics
+from dslc.ir import nodes as ir
+from dslc.ir.names import unknown_name
+from dslc.syntax import ast
+
+
+def resolve_checkpoint(block: ast.BlockDef, body: list[ir.Node], path: str, diags: Diagnostics) -> ir.Remat:
+    """The remat policy of the use of `block` at `path`, whose elaborated layers are `body`."""
+    cp = block.checkpoint
+    if cp is None:
+        return ir.Remat()
+    policy = cp.policy.text
+    if policy not in ("none", "full", "selective"):
+        diags.add(unknown_name("checkpoint policy", policy, cp.policy.span, ("none", "full", "selective"), code="E026"))
+        return ir.Remat()
+    if policy != "selective":
+        if cp.saved:
+            diags.error(
+                "E026",
+                f"`checkpoint {policy}` takes no list of saved layers",
+                cp.span,
+                help=f"use `checkpoint selective({', '.join(i.text for i in cp.saved)})`",
+            )
+        return ir.Remat(policy)  # type: ignore[arg-type]
+    inside = [n.path for n in ir.walk(tuple(body)) if isinstance(n, ir.Layer)]
+    short = {p.rsplit(".", 1)[-1] for p in inside}
+    saved: list[str] = []
+    for ident in cp.saved:
+        # A name is a layer's path below the block (`mlp.up`) or the last part of it (`up`).
+        matches = [p for p in inside if p[len(path) + 1 :] == ident.text or p.rsplit(".", 1)[-1] == ident.text]
+        if not matches:
+            message = f"block `{block.name.text}` has no layer `{ident.text}` to save"
+            diags.add(unknown_name("layer", ident.text, ident.span, short, message=message))
+        saved.extend(p for p in matches if p not in saved)
+    if not cp.saved:
+        diags.error(
+            "E026",
+            "`checkpoint selective(...)` needs the layers whose outputs are saved",
+            cp.span,
+            help="for example `checkpoint selective(attn)`",
+        )
+    return ir.Remat("selective", tuple(saved))
