@@ -6,7 +6,8 @@ Builds a 96-layer GPT from specs/gpt_small.par (4 pipeline stages of 24 blocks, 
 microbatches, on a 2x4x4 data x model x stage mesh), then prints: the time of the first
 `dslc.check` in this process (grammar compilation included) and the median of the next N,
 the time `dslc plan` takes on specs/gpt3_175b.par, the import time of `dslc` in fresh
-interpreters, and whether the front end imported jax (it must not). `--profile` adds the top of a cProfile of one warm check.
+interpreters, and whether the front end imported jax (it must not). `--profile` adds the top
+of a cProfile of one warm check.
 """
 
 from __future__ import annotations
