@@ -85,7 +85,7 @@ def main() -> None:
         print(log.read_text().strip())
         print(
             f"import: {seconds:.2f} s, peak resident memory {peak / 2**20:,.1f} MiB = {peak / size:.2f}x the "
-            f"checkpoint (wrote {written / 2**20:,.1f} MiB: the untied head is a second copy of wte)"
+            f"checkpoint (wrote {written / 2**20:,.1f} MiB)"
         )
 
 
