@@ -298,6 +298,10 @@ class Train:
     accumulate: int = 1
     param_dtype: str = "f32"
     compute_dtype: str = "f32"
+    # The dtype of a master copy of the parameters kept with the optimizer state (mixed
+    # precision: 16-bit parameters and gradients, the update on the master); None: the
+    # parameters are their own master.
+    master_dtype: str | None = None
     optimizer: Optimizer = Optimizer("adamw", ())
     span: Span = field(default=NO_SPAN, compare=False, repr=False)
 
