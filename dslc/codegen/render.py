@@ -52,6 +52,7 @@ _MODULE_NAMES = {
     "BOUNDARY",
     "ACCUMULATE",
     "OPTIMIZER",
+    "MASTER_DTYPE",
     "argparse",
 }
 
@@ -167,6 +168,7 @@ def generate(program: ir.Program, spec_text: str, spec_name: str, mesh_size: str
         "accumulate": program.train.accumulate,
         "count": count,
         "optimizer": {"name": program.train.optimizer.name, "hyper": dict(program.train.optimizer.hyper)},
+        "master": ir.DTYPES[program.train.master_dtype].jax if program.train.master_dtype else None,
     }
     return _ENV.get_template("module.py.j2").render(context)
 
@@ -289,6 +291,8 @@ def _schedule(program: ir.Program) -> dict[str, object]:
 def _kernels(program: ir.Program, count: str | None) -> list[source.Definition]:
     layers = ir.all_layers(program)
     wanted = ["named_key", "initial_array", "make_optimizer", "accumulate_gradients", "step_metrics"]
+    if program.train.master_dtype:
+        wanted += ["master_state", "master_update"]
     wanted += ["to_weights", "from_weights"]
     wanted += sorted({RULES[layer.kind].kernel(dict(layer.attrs), layer.operand) for layer in layers})
     if count is not None:

@@ -48,6 +48,28 @@ def make_optimizer(name: str, hyper: dict[str, float]) -> optax.GradientTransfor
     return optax.chain(optax.clip_by_global_norm(h["clip"]), core) if "clip" in h else core
 
 
+def master_state(optimizer: optax.GradientTransformation, params: Any, dtype: str) -> dict[str, Any]:
+    """The optimizer state of mixed-precision training: a `dtype` (f32) master copy of the
+    16-bit parameters and the optimizer's own state of it (its moments in that dtype too), as
+    ZeRO and Megatron's distributed optimizer keep them. The master starts as the parameters'
+    exact value."""
+    master = jax.tree.map(lambda p: p.astype(dtype), params)
+    return {"master": master, "optimizer": optimizer.init(master)}
+
+
+def master_update(
+    optimizer: optax.GradientTransformation, grads: Any, state: dict[str, Any], params: Any
+) -> tuple[Any, dict[str, Any]]:
+    """One optimizer step on the master copy (`master_state`): the 16-bit gradients widened to
+    the master's dtype, the update applied there, and the parameters written back as the new
+    master rounded to their own dtype. Returns (parameters, state)."""
+    master = state["master"]
+    grads = jax.tree.map(lambda g, m: g.astype(m.dtype), grads, master)
+    updates, inner = optimizer.update(grads, state["optimizer"], master)
+    master = optax.apply_updates(master, updates)
+    return jax.tree.map(lambda m, p: m.astype(p.dtype), master, params), {"master": master, "optimizer": inner}
+
+
 def accumulate_gradients(
     value_and_grad: Callable[[Any, dict[str, jax.Array], jax.Array | None], tuple[jax.Array, Any]],
     params: Any,
