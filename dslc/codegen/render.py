@@ -20,6 +20,7 @@ from dslc.ir.boundaries import boundary_of, chunk_input
 from dslc.ir.inputs import integer_bounds
 from dslc.ir.placement import Placement, place
 from dslc.ir.signature import chunk_signature
+from dslc.ir.state import reduce_scatters_gradients, zero_axes
 from dslc.layers import RULES
 from dslc.plan.timetable import schedule_table
 from dslc.schedules.buffers import ExecutionPlan, allocate_slots
@@ -53,6 +54,7 @@ _MODULE_NAMES = {
     "ACCUMULATE",
     "OPTIMIZER",
     "MASTER_DTYPE",
+    "DATA_AXES",
     "argparse",
 }
 
@@ -169,6 +171,7 @@ def generate(program: ir.Program, spec_text: str, spec_name: str, mesh_size: str
         "count": count,
         "optimizer": {"name": program.train.optimizer.name, "hyper": dict(program.train.optimizer.hyper)},
         "master": ir.DTYPES[program.train.master_dtype].jax if program.train.master_dtype else None,
+        "scatter": zero_axes(program) if reduce_scatters_gradients(program) else None,
     }
     return _ENV.get_template("module.py.j2").render(context)
 
@@ -293,6 +296,8 @@ def _kernels(program: ir.Program, count: str | None) -> list[source.Definition]:
     wanted = ["named_key", "initial_array", "make_optimizer", "accumulate_gradients", "step_metrics"]
     if program.train.master_dtype:
         wanted += ["master_state", "master_update"]
+    if reduce_scatters_gradients(program):
+        wanted += ["data_parallel_gradients", "spec_axes"]
     wanted += ["to_weights", "from_weights"]
     wanted += sorted({RULES[layer.kind].kernel(dict(layer.attrs), layer.operand) for layer in layers})
     if count is not None:

@@ -8,6 +8,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
+from jax import lax
+from jax.sharding import PartitionSpec
 
 OPTIMIZER_DEFAULTS = {
     "lr": 1e-3,
@@ -108,3 +110,98 @@ def accumulate_gradients(
     if total_count is not None:
         return value, total
     return value / steps, jax.tree.map(lambda g: g / steps, total)
+
+
+def _axes_of(dim: Any) -> tuple[str, ...]:
+    """The mesh axes one entry of a PartitionSpec names."""
+    return (dim,) if isinstance(dim, str) else tuple(dim or ())
+
+
+def spec_axes(spec: PartitionSpec, axes: Any, *, keep: bool) -> PartitionSpec:
+    """`spec` with only the mesh axes in `axes` (`keep`), or with all but them."""
+
+    def entry(dim: Any) -> Any:
+        kept = tuple(a for a in _axes_of(dim) if (a in axes) == keep)
+        return None if not kept else kept[0] if len(kept) == 1 else kept
+
+    return PartitionSpec(*(entry(dim) for dim in spec))
+
+
+def data_parallel_gradients(
+    value_and_grad: Callable[[Any, dict[str, jax.Array], jax.Array | None], tuple[jax.Array, Any]],
+    params: dict[str, jax.Array],
+    batch: dict[str, jax.Array],
+    key: jax.Array | None,
+    *,
+    axes: tuple[str, ...],
+    param_specs: dict[str, PartitionSpec],
+    grad_specs: dict[str, PartitionSpec],
+    batch_specs: dict[str, PartitionSpec],
+    count: Callable[[dict[str, jax.Array]], jax.Array] | None = None,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """`value_and_grad` over the whole batch with the data-parallel sum written out, as ZeRO
+    does it: each data shard differentiates its own rows, and each gradient is
+    reduce-scattered over the data `axes` to the piece `grad_specs` gives it (all-reduced
+    where that splits it over none of them) — one collective per gradient, with half an
+    all-reduce's traffic, instead of all-reducing it whole and slicing.
+
+    Two maps: the first is manual over `axes` alone (every other axis stays with XLA's
+    partitioner, which splits the model as the spec says) and returns each shard's gradients
+    unsummed, stacked along a new leading dimension; the second is manual over the whole
+    mesh and reduce-scatters each device's own block (a collective in a map that leaves some
+    axes automatic is first gathered whole over them). Each shard's mean loss weighs 1/N,
+    or, for a loss that averages over the positions it counts (`count`), its share of the
+    batch's counted positions. Each shard draws its own random numbers (dropout), from `key`
+    folded with its index.
+    """
+    stacked = PartitionSpec(axes)
+
+    def shard(params: dict[str, jax.Array], batch: dict[str, jax.Array], key: jax.Array | None) -> Any:
+        if key is not None:
+            key = jax.random.fold_in(key, lax.axis_index(axes))
+        value, grads = value_and_grad(params, batch, key)
+        if count is None:
+            share = jnp.float32(1.0 / lax.axis_size(axes))
+        else:
+            mine = count(batch).astype(jnp.float32)
+            share = mine / jnp.maximum(lax.psum(mine, axes), 1.0)
+        grads = {
+            name: lax.with_sharding_constraint(
+                (g * share.astype(g.dtype))[None], PartitionSpec(None, *param_specs[name])
+            )
+            for name, g in grads.items()
+        }
+        return lax.psum(value * share, axes), grads
+
+    def reduce(grads: dict[str, jax.Array]) -> dict[str, jax.Array]:
+        out = {}
+        for name, g in grads.items():
+            scatter = [d for d, where in enumerate(grad_specs[name]) if set(_axes_of(where)) & set(axes)]
+            if scatter:
+                where = tuple(a for a in _axes_of(grad_specs[name][scatter[0]]) if a in axes)
+                out[name] = lax.psum_scatter(g[0], where, scatter_dimension=scatter[0], tiled=True)
+            else:
+                out[name] = lax.psum(g[0], axes)
+        return out
+
+    value, local = jax.shard_map(
+        shard,
+        in_specs=(
+            {name: PartitionSpec() for name in params},
+            {name: spec_axes(batch_specs[name], axes, keep=True) for name in batch},
+            PartitionSpec(),
+        ),
+        out_specs=(PartitionSpec(), {name: stacked for name in params}),
+        axis_names=set(axes),
+        # The gradients are taken inside, per shard, and summed explicitly: nothing
+        # differentiates through these maps, so replication needs no tracking.
+        check_vma=False,
+    )(params, batch, key)
+    grads = jax.shard_map(
+        reduce,
+        in_specs=({name: PartitionSpec(axes, *spec) for name, spec in param_specs.items()},),
+        out_specs={name: grad_specs[name] for name in params},
+        axis_names=set(jax.sharding.get_abstract_mesh().axis_names),
+        check_vma=False,
+    )(local)
+    return value, grads  # type: ignore[return-value]

@@ -175,6 +175,11 @@ class LayerRule:
         ring attention)."""
         return self.kind
 
+    def manual_axes(self, layer: Layer, mesh: Mesh) -> Axes:
+        """The mesh axes this use's kernel runs manual over (inside `jax.shard_map`), which no
+        enclosing `shard_map` may hold manual: none by default."""
+        return ()
+
     # True when the kernel draws random numbers: it then takes `key` (None when evaluating).
     random: ClassVar[bool] = False
 
