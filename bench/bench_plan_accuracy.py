@@ -1,17 +1,22 @@
 """The planner's bytes per device against XLA's compiled memory analysis, spec by spec.
 
-For each spec at its default mesh (or `--mesh`), prints the planned bytes of the gradient
-step (`Plan.memory.grads_step`) and of the whole training step (`Plan.memory.total`) next to
-XLA's argument + output + temp - alias for the same compiled functions, and their ratios.
-This is the table in docs/plan.md; tests/test_plan.py asserts the gradient-step ratios.
+For each case, prints the planned bytes of the gradient step (`Plan.memory.grads_step`) and
+of the whole training step (`Plan.memory.total`) next to XLA's argument + output + temp -
+alias for the same compiled functions, and their ratios. The cases: every spec in specs/ at
+its default mesh, every pipelined spec on a second mesh (another stage count), and a
+repeated-block MLP under each ZeRO stage and FSDP. This is the table in docs/plan.md;
+tests/test_plan.py asserts a few of its rows.
 
-    python bench/bench_plan_accuracy.py [SPEC ...] [--mesh 2x4x2] [--set seq=512 --set d=64]
+    python bench/bench_plan_accuracy.py                      # the whole table
+    python bench/bench_plan_accuracy.py gpt_small [--mesh 2x2x4] [--set n_layers=8]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=16")
@@ -23,46 +28,108 @@ from dslc.plan import plan
 
 SPECS = Path(__file__).resolve().parent.parent / "specs"
 # Compiled at a reduced size: at full size seed_hybrid_3d, gpt2 and llama are too large for a
-# CPU host, and
-# gpt3_175b is planned on paper only.
-REDUCED = {
+# CPU host, and gpt3_175b is planned on paper only.
+REDUCED: dict[str, dict[str, ScalarValue]] = {
     "seed_hybrid_3d": {"layers": 4, "seq": 64, "hidden": 128},
     "gpt2": {"vocab": 128, "positions": 32, "d": 64, "heads": 4, "layers": 4, "seq": 32, "batch": 16},
     "llama": {"vocab": 128, "d": 64, "heads": 4, "kv_heads": 2, "ffn": 176, "layers": 4, "seq": 32, "batch": 16},
 }
 SKIPPED = {"gpt3_175b"}
+# Each pipelined spec on a second mesh: another number of stages (seed_mlp_pipeline's three
+# stages are written out, so it doubles the data axis instead).
+SECOND_MESH = {
+    "gpt_small": "2x2x4",
+    "gpt2": "1x2x4",
+    "llama": "1x2x4",
+    "seed_hybrid_3d": "2x2x4",
+    "seed_mlp_pipeline": "2x3",
+}
+# Issue 16's repeated-block MLP: ZeRO-3 and FSDP split the scan's stacked weights too.
+RESIDUAL_MLP = """model residual_mlp
+mesh data=8
+const d = 512
+const n_layers = 8
+const batch = 64
+input x: f32[batch @ data, d]
+input y: f32[batch @ data, d]
+block mlp(d) checkpoint full {
+  residual {
+    up: linear(d, 4 * d)
+    gelu()
+    down: linear(4 * d, d)
+  }
+}
+forward(x) {
+  blocks: repeat n_layers mlp(d)
+  loss: mse(y)
+}
+train {
+  SETTING
+  optimizer adamw(lr=1e-3)
+}
+"""
+STATE_SETTINGS = ("zero 0", "zero 1", "zero 2", "zero 3", "fsdp data")
 
 
-def measure(path: Path, mesh: str | None, overrides: dict[str, ScalarValue] | None) -> tuple[int, int, int, int]:
+@dataclass(frozen=True)
+class Case:
+    """One row of the table: a spec (a path or its text) on a mesh, with overrides."""
+
+    name: str
+    source: str | Path
+    mesh: str | None = None
+    overrides: dict[str, ScalarValue] = field(default_factory=dict)
+
+
+def cases() -> list[Case]:
+    """Every spec at its default mesh, the pipelined ones on a second mesh, the ZeRO stages."""
+    rows = []
+    for path in sorted(SPECS.glob("*.par")):
+        if path.stem in SKIPPED:
+            continue
+        reduced = REDUCED.get(path.stem, {})
+        rows.append(Case(path.stem, path, None, reduced))
+        if path.stem in SECOND_MESH:
+            rows.append(Case(path.stem, path, SECOND_MESH[path.stem], reduced))
+    rows += [Case(f"residual_mlp {s}", RESIDUAL_MLP.replace("SETTING", s)) for s in STATE_SETTINGS]
+    return rows
+
+
+def measure(case: Case) -> tuple[int, int, int, int]:
     """(planned gradient step, XLA's, planned training step, XLA's), bytes per device."""
-    analysis = dslc.analyze(path, mesh=mesh, overrides=overrides)
+    overrides = case.overrides or None
+    analysis = dslc.analyze(case.source, mesh=case.mesh, overrides=overrides)
     assert analysis.program is not None, [d.message for d in analysis.diagnostics]
     memory = plan(analysis.program).memory
-    program = dslc.compile(path, mesh=mesh, overrides=overrides)
+    program = dslc.compile(case.source, mesh=case.mesh, overrides=overrides)
     grads, step = program.compiled_memory("grads"), program.compiled_memory("train")
     return memory.grads_step, grads.total, memory.total, step.total
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("specs", nargs="*", help="spec names or paths (default: every spec in specs/)")
+    parser.add_argument("specs", nargs="*", help="spec names or paths (default: the whole table)")
     parser.add_argument("--mesh", help="mesh sizes instead of each spec's default")
     parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="override a const")
     args = parser.parse_args()
-    paths = [Path(s) if s.endswith(".par") else SPECS / f"{s}.par" for s in args.specs] or [
-        p for p in sorted(SPECS.glob("*.par")) if p.stem not in SKIPPED
-    ]
     given = parse_overrides(args.set)
-    header = f"{'spec':<20} {'grads planned':>14} {'XLA':>12} {'ratio':>6}"
+    if args.specs:
+        paths = [Path(s) if s.endswith(".par") else SPECS / f"{s}.par" for s in args.specs]
+        rows = [Case(p.stem, p, args.mesh, {**REDUCED.get(p.stem, {}), **given}) for p in paths]
+    else:
+        rows = cases()
+    header = f"{'case':<22} {'mesh':<8} {'grads planned':>14} {'XLA':>12} {'ratio':>6}"
     print(f"{header}   {'step planned':>13} {'XLA':>12} {'ratio':>6}")
-    for path in paths:
-        overrides = {**REDUCED.get(path.stem, {}), **given} or None
-        planned, measured, planned_step, measured_step = measure(path, args.mesh, overrides)
+    worst = 0.0
+    for case in rows:
+        planned, measured, planned_step, measured_step = measure(case)
+        worst = max(worst, abs(planned / measured - 1), abs(planned_step / measured_step - 1))
         print(
-            f"{path.stem:<20} {planned:>14,} {measured:>12,} {planned / measured:>6.3f}   "
+            f"{case.name:<22} {case.mesh or 'default':<8} {planned:>14,} {measured:>12,} {planned / measured:>6.3f}   "
             f"{planned_step:>13,} {measured_step:>12,} {planned_step / measured_step:>6.3f}",
             flush=True,
         )
+    print(f"largest error: {worst:.1%}", file=sys.stderr)
 
 
 if __name__ == "__main__":

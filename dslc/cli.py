@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
 import traceback
 from collections.abc import Callable, Sequence
@@ -310,12 +311,12 @@ def _check(args: argparse.Namespace) -> int:
 def _summary(result: Analysis) -> str:
     from collections import Counter
 
-    from dslc.ir.nodes import Block, counted, counted_layers, weights_by_path
+    from dslc.ir.nodes import Block, counted, counted_layers, parameter_count
 
     program = result.program
     if program is None:
         return ""
-    params = sum(w.type.numel for w in weights_by_path(program).values())
+    params = parameter_count(program)
     layers = sum(times for _, times in counted_layers(program.nodes))
     # The layers are every call in the model, activations included (a repeat's once per
     # copy); the blocks say how they group, which is how a model is usually counted ("a
@@ -374,10 +375,25 @@ def _compile_to_python(args: argparse.Namespace) -> int:
         raise UsageError(f"{path} is a folder; give the module's file name, e.g. {path / default}")
     if path.exists() and not args.force and not _written_by_dslc(path, MARKER):
         raise UsageError(f"{path} exists and was not written by `dslc compile`; use --force to overwrite it")
-    text = module_for(result)
+    text = module_for(result, _regeneration_command(args, program.mesh.shape, path))
     write_atomic(path, text)
     print(f"{path}: model {program.name} on mesh {program.mesh.describe()}, {text.count(chr(10))} lines")
     return EXIT_OK
+
+
+def _regeneration_command(args: argparse.Namespace, mesh: tuple[int, ...], output: Path) -> tuple[str, str] | None:
+    """The `dslc compile` command that writes this module again (the spec's path, mesh,
+    settings and output as given) and the module's file name. None (the module then shows the
+    spec's base name) when a path or setting holds characters a docstring would not show as
+    typed."""
+    words = ["dslc", "compile", *([args.spec] if args.spec else []), "--mesh", "x".join(map(str, mesh))]
+    words += [part for setting in args.set or () for part in ("--set", setting)]
+    words += ["--schedule", args.schedule] if args.schedule else []
+    words += ["-o", str(output)] if args.output else []
+    command = " ".join(shlex.quote(word) for word in [*words, "--force"])
+    shown = f"{command} {output.name}"
+    readable = shown.isprintable() and "\\" not in shown and '"""' not in shown
+    return (command, shlex.quote(output.name)) if readable else None
 
 
 def _written_by_dslc(path: Path, marker: str) -> bool:

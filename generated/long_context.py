@@ -51,7 +51,13 @@ def make_mesh() -> jax.sharding.Mesh:
 
 
 def constrain(x: jax.Array, spec: P) -> jax.Array:
-    """Pin an array to a sharding of the current mesh; XLA inserts the collectives it implies."""
+    """Pin an array to a sharding of the current mesh; XLA inserts the collectives it implies.
+    Inside `shard_map` (data parallelism, the pipeline's stages) the spec's manual axes are
+    left out: along them each device holds only its own piece already."""
+    manual = jax.sharding.get_abstract_mesh().manual_axes
+    if manual:
+        names = [(entry,) if isinstance(entry, str) else tuple(entry or ()) for entry in spec]
+        spec = P(*(tuple(a for a in axes if a not in manual) or None for axes in names))
     return lax.with_sharding_constraint(x, spec)
 
 
@@ -100,6 +106,15 @@ class Parameter(NamedTuple):
     # between steps (the step gathers it for the stages).
     stage_rows: int | None = None
     stage_split: int | None = None
+    # Elements of padding at the end of each of a weight's own dimensions (a vocabulary padded
+    # to split evenly): stored, zero, and left out when weights are exported one by one.
+    padding: tuple[int, ...] = ()
+
+    @property
+    def update_sharding(self) -> Any:
+        """Where the optimizer updates it: where its optimizer state lives (its piece of it
+        under ZeRO), which is where the step's sum over the data axes leaves its gradient."""
+        return self.sharding if self.optimizer_sharding is None else self.optimizer_sharding
 
 
 def expand_names(pattern: str, lengths: tuple[int, ...], first: int = 0) -> list[str]:
@@ -154,6 +169,8 @@ def weight_names(name: str, p: Parameter) -> list[Held]:
         lengths.append(math.prod(dims[at : at + span]))
         at += span
     inner = p.shape[len(dims) :]
+    if p.padding:
+        inner = tuple(n - pad for n, pad in zip(inner, p.padding, strict=True))
     return [
         Held(layer, unravel(flat, dims), inner, p.init) for flat, layer in enumerate(expand_names(name, tuple(lengths)))
     ]
@@ -207,9 +224,10 @@ def initial_value(init: str, shape: tuple[int, ...], dtype: str, key: jax.Array)
 
 def initial_array(name: str, p: Parameter, key: jax.Array) -> jax.Array:
     """A stored array's first value: each weight it holds drawn from the key of its own
-    per-layer name (`blocks.3.attn.q`), so how weights are stored changes no value."""
+    per-layer name (`blocks.3.attn.q`) in its own shape, so how weights are stored (stacked,
+    in rows, padded) changes no value; padding is zero."""
     held = weight_names(name, p)
-    if not p.rows and len(held) == 1:
+    if not p.rows and len(held) == 1 and held[0].shape == p.shape:
         return initial_value(p.init, p.shape, p.dtype, named_key(key, name))
     value = jnp.zeros(p.shape, p.dtype)
     for h in held:
@@ -779,10 +797,16 @@ def _ring_backward(
 
 
 def cross_entropy(
-    logits: jax.Array, *, targets: jax.Array, mask: jax.Array | None = None, ignore_index: int
+    logits: jax.Array, *, targets: jax.Array, mask: jax.Array | None = None, ignore_index: int, classes: int = 0
 ) -> jax.Array:
-    """The mean over the positions counted (see `cross_entropy_count`); 0 when none is."""
+    """The mean over the positions counted (see `cross_entropy_count`); 0 when none is.
+    Logits past the first `classes` (when given) are a padded vocabulary's, out of the softmax."""
     logits = logits.astype(jnp.float32)
+    if classes:
+        # The lowest finite f32 rather than -inf: it adds nothing to the softmax, and the
+        # one-hot product below multiplies it by zero without making a NaN.
+        real = jnp.arange(logits.shape[-1]) < classes
+        logits = jnp.where(real, logits, jnp.finfo(jnp.float32).min)
     # The target logit picked by a one-hot product: over vocab-split logits this is a local
     # partial sum and one all-reduce (Megatron's vocab-parallel cross-entropy). An ignored
     # target outside the vocabulary picks nothing.
@@ -792,9 +816,12 @@ def cross_entropy(
     return jnp.sum(losses) / jnp.maximum(jnp.sum(counted), 1).astype(jnp.float32)
 
 
-def cross_entropy_count(*, targets: jax.Array, mask: jax.Array | None = None, ignore_index: int) -> jax.Array:
+def cross_entropy_count(
+    *, targets: jax.Array, mask: jax.Array | None = None, ignore_index: int, classes: int = 0
+) -> jax.Array:
     """How many positions `cross_entropy` averages over: those whose target is not
-    `ignore_index` and whose mask, when given, is not zero (f32)."""
+    `ignore_index` and whose mask, when given, is not zero (f32). `classes` is the loss's own
+    argument, which the count does not need."""
     return jnp.sum(_counted(targets, mask, ignore_index)).astype(jnp.float32)
 
 
@@ -1098,6 +1125,11 @@ def gradients(
     return accumulate_gradients(once, params, batch, key, ACCUMULATE, loss_count)
 
 
+def optimizer_state(optimizer: optax.GradientTransformation, params: dict[str, jax.Array]) -> Any:
+    """The optimizer state: the optimizer's own state of the parameters."""
+    return optimizer.init(params)
+
+
 def optimizer_shardings(state: Any, mesh: jax.sharding.Mesh) -> Any:
     """Optimizer-state leaves shaped like a parameter follow its optimizer sharding."""
 
@@ -1105,8 +1137,7 @@ def optimizer_shardings(state: Any, mesh: jax.sharding.Mesh) -> Any:
         for entry in path:
             name = getattr(entry, "key", None)
             if name in PARAMETERS and tuple(leaf.shape) == PARAMETERS[name].shape:
-                where = PARAMETERS[name].optimizer_sharding
-                return NamedSharding(mesh, PARAMETERS[name].sharding if where is None else where)
+                return NamedSharding(mesh, PARAMETERS[name].update_sharding)
         return NamedSharding(mesh, P())
 
     return jax.tree_util.tree_map_with_path(pick, state)
@@ -1115,13 +1146,11 @@ def optimizer_shardings(state: Any, mesh: jax.sharding.Mesh) -> Any:
 def make_train_step(mesh: jax.sharding.Mesh, optimizer: optax.GradientTransformation) -> Callable[..., Any]:
     """One jitted optimizer step: (params, optimizer state, batch, key) -> the new two, the loss
     and the step's figures (`step_metrics`)."""
-    grad_shardings = {
-        name: NamedSharding(mesh, p.sharding if p.grad_sharding is None else p.grad_sharding)
-        for name, p in PARAMETERS.items()
-    }
+    # Each gradient where its optimizer state lives: its piece of it under ZeRO.
+    grad_shardings = {name: NamedSharding(mesh, p.update_sharding) for name, p in PARAMETERS.items()}
     param_shardings = {name: NamedSharding(mesh, p.sharding) for name, p in PARAMETERS.items()}
     abstract = {name: jax.ShapeDtypeStruct(p.shape, p.dtype) for name, p in PARAMETERS.items()}
-    state_shardings = optimizer_shardings(jax.eval_shape(optimizer.init, abstract), mesh)
+    state_shardings = optimizer_shardings(jax.eval_shape(functools.partial(optimizer_state, optimizer), abstract), mesh)
 
     def step(
         params: dict[str, jax.Array], opt_state: Any, batch: dict[str, jax.Array], key: jax.Array
@@ -1141,8 +1170,8 @@ def init_optimizer(
     params: dict[str, jax.Array], optimizer: optax.GradientTransformation, mesh: jax.sharding.Mesh
 ) -> Any:
     """The optimizer state, split as the spec's ZeRO stage says."""
-    abstract = jax.eval_shape(optimizer.init, params)
-    return jax.jit(optimizer.init, out_shardings=optimizer_shardings(abstract, mesh))(params)
+    init = functools.partial(optimizer_state, optimizer)
+    return jax.jit(init, out_shardings=optimizer_shardings(jax.eval_shape(init, params), mesh))(params)
 
 
 # ---- running it --------------------------------------------------------------------------------

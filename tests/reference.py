@@ -146,8 +146,7 @@ def _run(
         match node:
             case ir.Layer():
                 w = {
-                    weight.name: params[f"{name(node.path)}.{weight.name}"].astype(ctx.compute)
-                    for weight in node.weights
+                    weight.name: _weight(weight, params, name(node.path)).astype(ctx.compute) for weight in node.weights
                 }
                 if node.kind in WITH_AUX:
                     x, more = WITH_AUX[node.kind](node, w, x, ctx)
@@ -169,6 +168,14 @@ def _run(
                 pass
         aux = {name: aux.get(name, 0.0) + more.get(name, 0.0) for name in {*aux, *more}}
     return x, aux
+
+
+def _weight(weight: ir.Weight, params: Weights, path: str) -> Array:
+    """A layer's weight by its per-layer name; a tied one is the weight it reads (turned)."""
+    if weight.tie is None:
+        return params[f"{path}.{weight.name}"]
+    value = params[weight.tie.name]
+    return value.T if weight.tie.transposed else value
 
 
 def _indexed(prefix: str, i: int, outer: Callable[[str], str]) -> Callable[[str], str]:

@@ -119,16 +119,20 @@ def test_gpt3_on_1024_devices_of_80_gib(gpt3: tuple[Analysis, AutoPlanner, AutoP
     assert any(d.code == "E014" for d in dslc.check(GPT3, mesh=mesh))
     assert search.training_state(search._mesh(mesh), 1) > 1000 * GIB
     assert search.search(meshes={mesh}).chosen is None
-    # Under the lowering's memory model (every stage keeps every stage's weights) only 32-way
-    # tensor parallelism shrinks the weights enough; the pipeline then halves the scan's
-    # stacked weights per chunk.
-    assert best.mesh == (16, 32, 2) and best.memory < 80 * GIB
+    # Each stage keeps only its own layers' state, so eight stages divide it by eight, and
+    # 8-way tensor parallelism stays inside a node; 32-way (which alone shrank the weights
+    # enough while every stage kept every stage's weights) fits too but is six times slower.
+    assert best.mesh == (16, 8, 8) and best.memory < 80 * GIB
+    wide = chosen(search.search(meshes={(16, 32, 2)}))
+    assert wide.time is not None and best.time is not None and wide.time.total > 5 * best.time.total
 
 
 def test_gpt3_search_takes_seconds(gpt3: tuple[Analysis, AutoPlanner, AutoPlan, float]) -> None:
     _, search, found, seconds = gpt3
     assert seconds < 10, f"{seconds:.1f} s"  # about 2 s alone on a laptop core
-    assert search.elaborated < 60 and found.costed > 100
+    # Stage-local state makes many pipelined groups fit, so more are elaborated (117) before
+    # the fastest that fits is known; each takes milliseconds.
+    assert search.elaborated < 150 and found.costed > 100
 
 
 def test_a_data_parallel_pick_that_does_not_fit() -> None:
@@ -140,20 +144,22 @@ def test_a_data_parallel_pick_that_does_not_fit() -> None:
     assert mesh == (16, 1, 1)
     theirs = search.search(meshes={mesh})
     assert theirs.chosen is None and theirs.closest is not None and theirs.closest[1] > 4 * GIB
-    assert chosen(search.search()).mesh == (2, 4, 2)
+    # Four stages divide the training state by four and leave less tensor-parallel traffic.
+    assert chosen(search.search()).mesh == (2, 2, 4)
 
 
 def test_a_data_parallel_pick_that_is_slower() -> None:
     """gpt_small widened to d=512 (12.7M parameters) on 16 devices of 80 GiB: data parallelism
-    fits, but reducing every gradient over two nodes costs more than auto's 4-way tensor
-    parallelism inside a node. (At its own width, 64, gpt_small is so small that the
-    collectives' latency decides, and there data parallelism is the right call.)"""
+    fits, but reducing every gradient over two nodes costs more than auto's data parallelism
+    inside a node over two pipeline stages, each reducing only its own half of the gradients.
+    (At its own width, 64, gpt_small is so small that the collectives' latency decides, and
+    there data parallelism is the right call.)"""
     analysis, search = planner(SPECS / "gpt_small.par", 16, 80, {"d": 512})
     mesh = heuristic_mesh(search.roles, select_parallelism_strategy(parameters(analysis), 16, 80))
     assert mesh == (16, 1, 1)
     theirs = chosen(search.search(meshes={mesh}))
     ours = chosen(search.search())
-    assert ours.mesh == (4, 4, 1)
+    assert ours.mesh == (8, 1, 2)
     assert theirs.time is not None and ours.time is not None
     assert theirs.time.total > 3 * ours.time.total
 
@@ -256,7 +262,8 @@ def test_training_state_of_a_pipeline_never_exceeds_the_planners(spec: str, mesh
     assert program is not None and program.pipelined
     m = plan(program).memory
     bound = search.training_state(program.mesh, mesh[2])
-    assert bound <= m.params + m.grads + m.grad_accumulator + m.optimizer + m.inputs
+    # The temporaries hold the weight gradients a backward tick returns.
+    assert bound <= m.params + m.grads + m.grad_accumulator + m.optimizer + m.inputs + m.temporaries
 
 
 @pytest.mark.parametrize("kind", ["gpipe", "1f1b", "zb-h1", "interleaved-1f1b", "zb-v", "v-half"])
@@ -311,8 +318,8 @@ def test_the_bubble_is_work_stretched_by_the_schedule(gpt3: tuple[Analysis, Auto
     candidate's bubble over its compute is at least b / (1 - b)."""
     _, _, found, _ = gpt3
     best = chosen(found)
-    assert best.time is not None and best.microbatches is not None and best.schedule == "interleaved-1f1b"
-    b = figures("interleaved-1f1b", best.mesh[2], best.microbatches, best.virtual).bubble_fraction
+    assert best.time is not None and best.microbatches is not None and best.schedule == "1f1b"
+    b = figures("1f1b", best.mesh[2], best.microbatches, best.virtual).bubble_fraction
     assert best.time.bubble >= best.time.compute * b / (1 - b)
     assert best.time.total == best.time.compute + best.time.communication + best.time.bubble
 
@@ -355,18 +362,18 @@ def test_step_time_splits_compute_communication_and_bubble() -> None:
 
 
 def test_latency_makes_more_microbatches_cost_something() -> None:
-    """seed_hybrid_3d on 16 devices of 4 GiB: without latency every microbatch is free, and the
-    search takes the most it can keep in memory; with it, every microbatch runs each layer's
+    """seed_hybrid_3d on its 2x4x2 mesh: without latency every microbatch is free, and the
+    search takes the most the batch allows; with it, every microbatch runs each layer's
     tensor-parallel collectives and every tick sends, and fewer win."""
     analysis = dslc.analyze(SPECS / "seed_hybrid_3d.par")
     assert analysis.module is not None and analysis.program is not None
 
     def best(hardware: Hardware) -> Candidate:
-        return chosen(AutoPlanner(analysis.module, analysis.program, 16, 4 * GIB, hardware).search())
+        return chosen(AutoPlanner(analysis.module, analysis.program, 16, 80 * GIB, hardware).search(meshes={(2, 4, 2)}))
 
     free = best(Hardware(intra_latency=0.0, inter_latency=0.0))
     paid = best(Hardware())
-    assert free.mesh == paid.mesh == (2, 4, 2)
+    assert free.microbatches == 8  # one row of each data shard's 8 per microbatch
     assert free.microbatches is not None and paid.microbatches is not None
     assert paid.microbatches < free.microbatches
 
@@ -387,7 +394,7 @@ def test_auto_text(capsys: pytest.CaptureFixture[str]) -> None:
         *("--mesh", "auto", "--devices", "16", "--device-memory", "1"),
     )
     assert code == 0 and err == ""
-    assert "chosen: mesh 4x4x1 (data=4, model=4, stage=1), no pipeline" in out, out
+    assert "chosen: mesh 8x1x2 (data=8, model=1, stage=2), 1f1b, 1 microbatches" in out, out
     assert "= compute" in out and "exposed communication" in out and "bubble" in out
     assert "of 1.00 GiB per device" in out and "% slower" in out
 
@@ -452,7 +459,7 @@ def test_auto_json_has_the_choice_and_the_ranking(capsys: pytest.CaptureFixture[
     assert all(set(c) == candidate_keys for c in result["candidates"])
     picked = result["chosen"]
     assert set(picked) == candidate_keys - {"rank"} | {"memory_parts"}
-    assert picked["mesh"] == {"data": 2, "model": 4, "pipeline": 2} and picked["verdict"] == "chosen"
+    assert picked["mesh"] == {"data": 2, "model": 2, "pipeline": 4} and picked["verdict"] == "chosen"
     assert picked["memory"] == picked["memory_parts"]["total"] <= result["device_memory"] == 4 * GIB
     assert set(picked["step_time"]) == {"total", "compute", "communication", "bubble"}
     ranks = [c["step_time"]["total"] for c in result["candidates"]]
@@ -467,7 +474,7 @@ def test_the_chosen_plan_passes_dslc_check(
     _, _, found, _ = gpt3
     best = chosen(found)
     section = found.section(best)
-    assert section == "pipeline stage { schedule interleaved-1f1b  microbatches 96  virtual 2 }"
+    assert section == "pipeline stage { schedule 1f1b  microbatches 96 }"
     spec = tmp_path / "gpt3.par"
     spec.write_text(with_pipeline(GPT3.read_text(), section))
     code, out, err = run(capsys, "check", str(spec), "--mesh", found.mesh_text(best.mesh))
@@ -480,14 +487,14 @@ def test_the_chosen_plan_passes_dslc_check(
 
 def test_too_little_memory_exits_1_with_the_closest_plan(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = run(
-        capsys, "plan", str(SPECS / "gpt_small.par"), "--mesh", "auto", "--devices", "16", "--device-memory", "0.001"
+        capsys, "plan", str(SPECS / "gpt_small.par"), "--mesh", "auto", "--devices", "16", "--device-memory", "0.0002"
     )
     assert code == 1
-    assert "no plan fits in 1.02 MiB per device" in out
+    assert "no plan fits in 209.71 KiB per device" in out
     # Every plan's memory without activations is over the limit, so the figure is that lower bound.
-    match = re.search(r"the closest plan found, on mesh (\S+), needs at least ([0-9.]+ MiB)", err)
+    match = re.search(r"the closest plan found, on mesh (\S+), needs at least ([0-9.]+ KiB)", err)
     assert match and "dslc: error:" in err and "help:" in err, err
-    assert match.group(1) == "2x4x2" and match.group(2) == "1.05 MiB"
+    assert match.group(1) == "1x4x4" and match.group(2) == "272.12 KiB"
     assert "Traceback" not in err
 
 
@@ -499,7 +506,7 @@ def test_no_mesh_the_checker_accepts_exits_1(capsys: pytest.CaptureFixture[str])
     )
     assert code == 1 and "no mesh of 3 devices passes the checker" in out
     assert "no mesh of 3 devices passes the checker: E014: dimension 0 of weight `embed.table`" in err
-    assert "E014 x1, E019 x1" in out
+    assert "E014 x1, E019 x2" in out
 
 
 @pytest.mark.parametrize(
@@ -585,4 +592,4 @@ def test_a_fixed_mesh_plan_estimates_the_step_time_auto_ranks_it_by(capsys: pyte
     assert code == 0 and slow["hardware"]["device_flops"] == 30e12
     assert slow["compute_s"] == pytest.approx(10 * estimate.compute) and slow["total_s"] > estimate.total
     code, out, _ = run(capsys, "plan", str(SPECS / "gpt_small.par"))
-    assert "estimated step time 1.41 ms: compute 217 ns, communication 1.22 ms, bubble 192 µs" in out
+    assert "estimated step time 1.29 ms: compute 181 ns, communication 1.15 ms, bubble 141 µs" in out

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -34,9 +35,9 @@ RUNNABLE: dict[str, dict[str, int]] = {
     "seed_mlp_pipeline": {},
     "seed_tp_layer": {},
     "seed_hybrid_3d": {"layers": 4, "seq": 64, "hidden": 128},
-    # GPT-2 small at its declared size is 163M parameters; this keeps every layer kind, the
-    # mesh and the pipeline.
-    "gpt2": {"vocab": 96, "positions": 32, "d": 32, "heads": 4, "layers": 2, "seq": 16, "batch": 8},
+    # GPT-2 small at its declared size is 124M parameters; this keeps every layer kind, the
+    # mesh and the pipeline, and an odd vocabulary (as GPT-2's 50257) that `model` pads.
+    "gpt2": {"vocab": 95, "positions": 32, "d": 32, "heads": 4, "layers": 2, "seq": 16, "batch": 8},
 }
 # gpt3_175b is planned, never run: 175B parameters do not fit a test machine. Its module is
 # still generated and kept as a golden file, and checked by ruff and by Python's compiler.
@@ -153,8 +154,12 @@ def test_the_golden_numerics(name: str, update_goldens: bool) -> None:
     rtol = GOLDEN_RTOL[got.program.ir.train.compute_dtype]
     assert figures["loss"] == pytest.approx(want["loss"], rel=rtol)
     assert set(figures["grad_norms"]) == set(want["grad_norms"])
+    # A gradient that is zero in exact arithmetic (attention's key bias: softmax ignores a
+    # constant shift of the scores) is rounding noise, which is relative to the model's
+    # gradients as a whole, not to its own size: it gets the same tolerance at their scale.
+    noise = rtol * max(want["grad_norms"].values())
     for param, norm in want["grad_norms"].items():
-        assert figures["grad_norms"][param] == pytest.approx(norm, rel=rtol, abs=1e-12), param
+        assert figures["grad_norms"][param] == pytest.approx(norm, rel=rtol, abs=noise), param
 
 
 def test_every_spec_is_run_or_declared_plan_only() -> None:
@@ -186,10 +191,12 @@ def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
 
 def test_compile_writes_a_marked_module_and_refuses_to_overwrite_other_files(tmp_path: Path) -> None:
     spec = str(SPECS / "tiny.par")
-    first = run_cli("compile", spec, cwd=tmp_path)
+    (tmp_path / "tiny.par").write_text((SPECS / "tiny.par").read_text())
+    first = run_cli("compile", "tiny.par", cwd=tmp_path)
     assert first.returncode == 0, first.stderr
     written = tmp_path / "tiny.py"
     assert written.read_text() == (GENERATED / "tiny.py").read_text()
+    (tmp_path / "tiny.par").unlink()
     assert run_cli("compile", spec, cwd=tmp_path).returncode == 0  # its own output: regenerated
 
     mine = tmp_path / "mine.py"
@@ -199,8 +206,26 @@ def test_compile_writes_a_marked_module_and_refuses_to_overwrite_other_files(tmp
     assert "was not written by `dslc compile`" in refused.stderr and "--force" in refused.stderr
     assert mine.read_text() == "print('my own code')\n"
     forced = run_cli("compile", spec, "-o", str(mine), "--force", cwd=tmp_path)
-    assert forced.returncode == 0 and mine.read_text() == written.read_text()
+    assert forced.returncode == 0 and "python mine.py --steps 3" in mine.read_text()
+    code_of = lambda path: path.read_text().split('"""', 2)[2]  # noqa: E731  the module after its docstring
+    assert code_of(mine) == code_of(written)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mine.py", "tiny.py"]  # no temporary files left
+
+
+def test_the_module_says_the_command_that_writes_it_again(tmp_path: Path) -> None:
+    # The spec's path, its settings and the output as the user gave them: rerunning the
+    # command the docstring shows, from the same folder, writes the same file.
+    (tmp_path / "specs").mkdir()
+    (tmp_path / "out").mkdir()
+    (tmp_path / "specs" / "tiny.par").write_text((SPECS / "tiny.par").read_text())
+    argv = ("compile", "specs/tiny.par", "--set", "seq=16", "-o", "out/small tiny.py")
+    assert run_cli(*argv, cwd=tmp_path).returncode == 0
+    written = (tmp_path / "out" / "small tiny.py").read_text()
+    command = "dslc compile specs/tiny.par --mesh 2x2 --set seq=16 -o 'out/small tiny.py' --force"
+    assert f"    {command}\n" in written and "python 'small tiny.py' --steps 3" in written
+    (tmp_path / "out" / "small tiny.py").unlink()
+    assert run_cli(*shlex.split(command)[1:], cwd=tmp_path).returncode == 0
+    assert (tmp_path / "out" / "small tiny.py").read_text() == written
 
 
 def test_compile_reports_bad_input_without_a_traceback(tmp_path: Path) -> None:

@@ -837,11 +837,13 @@ def test_e025_division_by_zero() -> None:
     assert (d.code, d.severity, at(d), d.message) == ("E025", ERROR, (2, 17, 2, 22), "division by zero")
 
 
-def test_e025_a_constant_with_a_fraction() -> None:
-    d = only(spec(header=HEADER + "const rate = 0.1\n"))
-    assert (d.code, at(d)) == ("E025", (5, 14, 5, 17))
-    assert d.message == "constants are integers, but `rate` is given `0.1`"
-    assert d.help is not None and "dropout(0.1)" in d.help
+def test_e025_a_fractional_constant_where_an_integer_is_needed() -> None:
+    # A constant may hold a fraction (a dropout rate, an epsilon); it is refused only where a
+    # dimension needs an integer, at the use, naming the constant.
+    assert diagnose(spec(header=HEADER + "const rate = 0.1\n")) == []
+    d = only("model m\nconst rate = 0.1\ninput x: f32[8, rate]\nforward(x) {\n  relu()\n}\n")
+    assert (d.code, at(d)) == ("E025", (3, 17, 3, 21))
+    assert d.message == "`rate` is a number with a fraction, but an integer is needed here"
 
 
 def test_e025_number_too_large() -> None:
@@ -976,6 +978,106 @@ def test_e027_shard_on_a_block() -> None:
     d = only(spec("b(16) shard kernel[_, model]", "loss: mse(y)", header=header))
     assert (d.code, at(d)) == ("E027", (9, 15, 9, 31))
     assert d.message == "`shard` applies to the weights of a built-in layer, not to a block"
+
+
+# ---- E032, E033: tied weights ------------------------------------------------------------------
+
+
+def test_tied_weights_check_clean() -> None:
+    """A square kernel read transposed by a later layer: column parallel there, row parallel
+    here, so the two chain like a Megatron MLP."""
+    text = spec(
+        "a: linear(16, 16, bias=false) shard kernel[_, model]",
+        "b: linear(16, 16, bias=false) tie kernel = a.kernel.T",
+        "loss: mse(y)",
+    )
+    assert diagnose(text) == []
+
+
+def test_e032_tie_to_an_unknown_weight_suggests_the_closest() -> None:
+    d = only(spec("a: linear(16, 16)", "b: linear(16, 16) tie kernel = a.kernal", "loss: mse(y)"))
+    assert (d.code, d.severity, at(d)) == ("E032", ERROR, (7, 34, 7, 42))
+    assert d.message == "`b.kernel` is tied to `a.kernal`, but no weight `a.kernal` is declared above it"
+    assert d.help == "did you mean `a.kernel`?"
+    # A weight declared further down is not above it either.
+    d = only(spec("b: linear(16, 16) tie kernel = a.kernel", "a: linear(16, 16)", "loss: mse(y)"))
+    assert (d.code, d.message) == (
+        "E032",
+        "`b.kernel` is tied to `a.kernel`, but no weight `a.kernel` is declared above it",
+    )
+
+
+def test_e032_tie_inside_a_block_and_to_a_repeat() -> None:
+    header = HEADER + "block blk(d) {\n  inner: linear(d, d) tie kernel = a.kernel\n}\n"
+    d = only(spec("a: linear(16, 16)", "u: blk(16)", "loss: mse(y)", header=header))
+    assert (d.code, at(d)) == ("E032", (6, 27, 6, 44))
+    assert d.message == "`u.inner.kernel` is tied inside a block or repeat, whose layers read only their own weights"
+    d = only(spec("r: repeat 2 linear(16, 16)", "b: linear(16, 16) tie kernel = r.kernel", "loss: mse(y)"))
+    assert (d.code, at(d)) == ("E032", (7, 34, 7, 42))
+    assert d.message == "`b.kernel` is tied to `r.kernel`, a weight of a repeat: each of its layers has its own"
+    assert labels(d) == [((6, 15, 6, 29), "declared here, inside a repeat")]
+
+
+def test_e032_bad_tie_clauses() -> None:
+    d = only(spec("a: linear(16, 16)", "b: linear(16, 16) tie kernal = a.kernel", "loss: mse(y)"))
+    assert (d.code, at(d), d.message, d.help) == (
+        "E032",
+        (7, 25, 7, 31),
+        "`linear` has no weight `kernal` to tie",
+        "did you mean `kernel`?",
+    )
+    d = only(spec("a: linear(16, 16)", "b: linear(16, 16) tie kernel = a.kernel shard kernel[_, _]", "loss: mse(y)"))
+    assert (d.code, at(d)) == ("E032", (7, 49, 7, 61))
+    assert d.message == "weight `kernel` is tied and sharded: a tied weight is split as the weight it reads"
+    assert labels(d) == [((7, 25, 7, 42), "tied here")]
+    d = only(spec("a: linear(16, 16)", "b: linear(16, 16) tie kernel = a.kernel, kernel = a.kernel", "loss: mse(y)"))
+    assert (d.code, at(d), d.message) == ("E032", (7, 44, 7, 61), "weight `kernel` is tied twice")
+    header = HEADER + "block blk(d) {\n  linear(d, d)\n}\n"
+    d = only(spec("a: linear(16, 16)", "blk(16) tie kernel = a.kernel", "loss: mse(y)", header=header))
+    assert (d.code, d.message) == ("E032", "`tie` applies to the weights of a built-in layer, not to a block")
+
+
+def test_e033_tied_shapes_differ_and_say_whether_to_transpose() -> None:
+    d = only(spec("a: linear(16, 32)", "b: linear(32, 16, bias=false) tie kernel = a.kernel", "loss: mse(y)"))
+    assert (d.code, d.severity, at(d)) == ("E033", ERROR, (7, 46, 7, 54))
+    assert d.message == "`b.kernel` is [32, 16], but `a.kernel` it is tied to is [16, 32]"
+    assert labels(d) == [((6, 6, 6, 20), "`a.kernel` declared here: [16, 32]")]
+    assert d.help == "read it transposed: `a.kernel.T`"
+    d = only(spec("a: linear(16, 32)", "b: linear(16, 32) tie kernel = a.kernel.T", "loss: mse(y)"))
+    assert (d.code, d.help) == ("E033", "read it as it is: drop the `.T`")
+    d = only(spec("a: linear(16, 16)", "b: linear(16, 32) tie kernel = a.kernel.T", "loss: mse(y)"))
+    assert (d.code, d.help) == ("E033", "make the two layers' sizes agree")
+    d = only(spec("a: linear(16, 16)", "b: layernorm(16) tie scale = a.bias.T", "loss: mse(y)"))
+    assert (d.code, d.message) == ("E033", "`b.scale` reads `a.bias` transposed, but only a matrix can be: it is [16]")
+
+
+TOKENS = "model m\nmesh data=2, model=2\ninput t: i32[8 @ data, 4]\ninput y: i32[8 @ data, 4]\n"
+
+
+def test_e033_a_padded_vocabulary_read_where_its_padding_cannot_be_masked() -> None:
+    """63 tokens over model=2 are padded to 64: a head right before cross_entropy may read the
+    table (the loss masks the extra logit); a layer feeding anything else may not."""
+    fine = (
+        "forward(t) {\n  wte: embed(63, 16) shard table[model, _]\n"
+        "  head: linear(16, 63, bias=false) tie kernel = wte.table.T\n  loss: cross_entropy(y)\n}\n"
+    )
+    assert diagnose(TOKENS + fine) == []
+    text = TOKENS + fine.replace("  loss:", "  gelu()\n  loss:")
+    d = only(text)
+    assert (d.code, at(d)) == ("E033", (7, 40, 7, 60))
+    assert d.message == (
+        "`head.kernel` reads `wte.table`, whose vocabulary is padded to 64, "
+        "where this layer cannot leave the padding out"
+    )
+
+
+def test_cross_entropy_classes_must_fit_the_logits() -> None:
+    body = "forward(t) {\n  wte: embed(16, 8)\n  head: linear(8, 16)\n  loss: cross_entropy(y, classes=17)\n}\n"
+    d = only(TOKENS + body)
+    assert (d.code, at(d)) == ("E016", (8, 26, 8, 36))
+    assert d.message == "`loss` counts 17 classes, but its logits have 16: f32[8@data, 4, 16]"
+    d = only(TOKENS + body.replace("classes=17", "classes=-1"))
+    assert (d.code, d.message) == ("E024", "`classes` of `cross_entropy` is a count, got -1")
 
 
 # ---- E028: structure -------------------------------------------------------------------------

@@ -18,6 +18,7 @@ import pytest
 
 import dslc
 from dslc.cli import main
+from dslc.interop import CheckpointError
 from dslc.train.data import dataset_for
 from dslc.train.weights import initial_weights, trained_weights
 from tests.conftest import SPECS
@@ -83,6 +84,13 @@ def test_a_checkpoint_folder_gives_the_weights_import_writes(tmp_path: Path) -> 
     with np.load(tmp_path / "w.npz") as want:
         assert sorted(got) == sorted(want.files)
         assert all(np.array_equal(got[n], want[n]) for n in want.files)
+
+
+def test_a_run_of_another_shape_is_refused_for_export(run: Path) -> None:
+    # The checkpoint holds stacked storage (`layers.*.attn.q`); a wider model's differs in shape.
+    wider = dslc.compile(TINY, overrides={"d": 128})
+    with pytest.raises(CheckpointError, match="does not fit the spec"):
+        trained_weights(wider, run / "run")
 
 
 @pytest.mark.parametrize(

@@ -130,7 +130,9 @@ def llama(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 def test_imported_gpt2_computes_the_reference_logits(
     gpt2: dict[str, Any], mesh: str | None, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
-    inputs = batch(96)
+    """On 2x2x2 the head is tied to the embedding through the pipeline and the vocabulary of
+    95 padded to 96 over `model`: the logits are still the checkpoint's, 95 wide."""
+    inputs = batch(GPT2_SET["vocab"])
     got = logits_of(capsys, GPT2, gpt2["weights"], inputs, GPT2_SET, mesh, tmp_path)
     want = gpt2_logits(GPT2_CONFIG, gpt2["tensors"], inputs["tokens"])
     assert relative_error(got, want) <= TOLERANCE
@@ -244,8 +246,8 @@ REFUSED: dict[str, tuple[dict[str, object], Any, Any, int, list[str]]] = {
         None,
         1,
         [
-            "gpt2.par:23:1: error[C001]: config.json's `n_head` is 8, but the spec's number of attention heads is 4",
-            " 23 | const heads = 12",
+            "gpt2.par:27:1: error[C001]: config.json's `n_head` is 8, but the spec's number of attention heads is 4",
+            " 27 | const heads = 12",
             "used by `h.0.attn`",
             "= note: `heads` is 4 here, set on the command line",
             "= help: --set heads=8",
@@ -307,6 +309,27 @@ REFUSED: dict[str, tuple[dict[str, object], Any, Any, int, list[str]]] = {
         3,
         ["model.safetensors.index.json: error[C005]: names files that are not in the folder"],
     ),
+    "tied head stored apart": (
+        {},
+        lambda t: {**t, "lm_head.weight": t["transformer.wte.weight"] + 1},
+        None,
+        1,
+        [
+            "model.safetensors: error[C006]: `lm_head.weight` differs from the embedding `transformer.wte.weight`, "
+            "but config.json ties them (tie_word_embeddings)"
+        ],
+    ),
+    "untied checkpoint": (
+        {"tie_word_embeddings": False},
+        lambda t: {**t, "lm_head.weight": t["transformer.wte.weight"] + 1},
+        None,
+        1,
+        [
+            "error[C001]: config.json's `tie_word_embeddings` is false, but the spec's head, which reads the "
+            "embedding's table (`tie`), is true",
+            "= help: give the head a kernel of its own: drop its `tie`",
+        ],
+    ),
     "another family": (
         {**LLAMA_CONFIG, "n_head": None},
         lambda t: llama_tensors(LLAMA_CONFIG),
@@ -342,30 +365,69 @@ def test_a_checkpoint_that_does_not_fit_is_refused_and_nothing_is_written(
     assert list(out.iterdir()) == []  # neither the weights nor a temporary file
 
 
-def test_export_refuses_a_head_that_is_no_longer_its_embedding_unless_untied(
-    gpt2: dict[str, Any], capsys: pytest.CaptureFixture[str], tmp_path: Path
-) -> None:
-    with np.load(gpt2["weights"]) as w:
-        trained = {n: w[n] for n in w.files}
-    trained["lm_head.kernel"] = trained["lm_head.kernel"] + 0.5
-    np.savez(tmp_path / "trained.npz", **trained)
-    out = tmp_path / "exported"
-    code, _, err = run(capsys, "export", GPT2, "--weights", tmp_path / "trained.npz", "-o", out, *flags(GPT2_SET))
-    assert code == 1
-    assert "error[C007]: the head `lm_head.kernel` is no longer the embedding `wte.table` it is tied to" in err
-    assert "--untie" in err and not out.exists()
-    code, printed, err = run(
-        capsys, "export", GPT2, "--weights", tmp_path / "trained.npz", "-o", out, "--untie", *flags(GPT2_SET)
-    )
-    assert code == 0, err
-    assert "tied" not in printed
-    config = json.loads((out / "config.json").read_text())
-    assert config["tie_word_embeddings"] is False
+def _exported(folder: Path) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     from safetensors.numpy import load_file
 
-    written = load_file(str(out / "model.safetensors"))
-    assert np.array_equal(written["lm_head.weight"], trained["lm_head.kernel"].T)
-    assert np.array_equal(written["transformer.wte.weight"], trained["wte.table"])
+    return json.loads((folder / "config.json").read_text()), load_file(str(folder / "model.safetensors"))
+
+
+def test_a_tied_gpt2_exports_its_one_table_however_trained(
+    gpt2: dict[str, Any], capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """specs/gpt2.par's head reads the embedding's table: one weight, so a trained model is
+    still a tied checkpoint; `--untie` writes the table twice."""
+    with np.load(gpt2["weights"]) as w:
+        trained = {n: w[n] for n in w.files}
+    assert "lm_head.kernel" not in trained and trained["wte.table"].shape == (95, 32)
+    trained["wte.table"] = trained["wte.table"] + 0.5
+    np.savez(tmp_path / "trained.npz", **trained)
+    for untie in (False, True):
+        out = tmp_path / ("two" if untie else "one")
+        argv = ["export", GPT2, "--weights", tmp_path / "trained.npz", "-o", out, *flags(GPT2_SET)]
+        code, printed, err = run(capsys, *argv, *(["--untie"] if untie else []))
+        assert code == 0, err
+        config, written = _exported(out)
+        assert config["tie_word_embeddings"] is not untie and ("tied to the embedding" in printed) is not untie
+        assert np.array_equal(written["transformer.wte.weight"], trained["wte.table"])
+        assert ("lm_head.weight" in written) is untie
+        if untie:
+            assert np.array_equal(written["lm_head.weight"], trained["wte.table"])
+
+
+def test_export_refuses_a_head_copy_that_is_no_longer_its_embedding_unless_untied(
+    llama: dict[str, Any], capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """specs/llama.par's head is a weight of its own: with `tied=true` it holds a copy of the
+    table, which export writes as a tied checkpoint only while it still is one."""
+    sizes = {**LLAMA_SET, "tied": "true"}
+    out = tmp_path / "exported"
+    argv = ["export", llama["spec"], "--weights", llama["weights"], "-o", out, *flags(sizes)]
+    code, _, err = run(capsys, *argv)
+    assert code == 1
+    assert "error[C007]: the head `head.kernel` is no longer the embedding `embed.table` it is tied to" in err
+    assert "--untie" in err and not out.exists()
+    code, printed, err = run(capsys, *argv, "--untie")
+    assert code == 0, err
+    assert "tied" not in printed
+    config, written = _exported(out)
+    assert config["tie_word_embeddings"] is False
+    with np.load(llama["weights"]) as w:
+        assert np.array_equal(written["lm_head.weight"], w["head.kernel"].T)
+        assert np.array_equal(written["model.embed_tokens.weight"], w["embed.table"])
+
+
+def test_a_tied_checkpoint_may_store_its_head_as_the_embedding(
+    gpt2: dict[str, Any], capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    tensors = gpt2["tensors"]
+    both = write_checkpoint(
+        tmp_path / "both", GPT2_CONFIG, {**tensors, "lm_head.weight": tensors["transformer.wte.weight"]}
+    )
+    code, _, err = run(capsys, "import", GPT2, both, "-o", tmp_path / "w.npz", *flags(GPT2_SET))
+    assert code == 0, err
+    with np.load(gpt2["weights"]) as want, np.load(tmp_path / "w.npz") as got:
+        assert sorted(got.files) == sorted(want.files)
+        assert all(np.array_equal(got[n], want[n]) for n in want.files)
 
 
 def test_export_refuses_weights_of_another_spec(

@@ -1,6 +1,8 @@
 """A cross-entropy that leaves positions out (Hugging Face's -100 targets, a mask) is the mean
 over the positions it counts, over the whole batch: gradient accumulation weighs each slice of
-the batch by its count rather than averaging the slices' means.
+the batch by its count rather than averaging the slices' means, and so does data parallelism
+each device's rows (a step in slices sums its gradients over the data axis once, each device
+having worked through its own rows).
 
 The pipeline weighs its microbatches alike. Tolerances: f32 throughout, 3e-5 relative as in
 test_numerics (reordered f32 sums; measured here: loss 1e-7, worst gradient 6e-7).
@@ -36,6 +38,9 @@ train {
 }
 """
 TOLERANCE = 3e-5
+# Where most targets are ignored: in slice 0 of the accumulation (the even rows, on both
+# data shards), or on the first data shard (rows 0-3): its devices count far fewer positions.
+IGNORED = {"first_slice": np.s_[0::2, :6], "first_data_shard": np.s_[:4, :6]}
 
 
 @pytest.fixture(scope="module")
@@ -43,22 +48,26 @@ def compiled() -> tuple[Any, Any, dict[str, np.ndarray], dict[str, np.ndarray]]:
     program = dslc.compile(SPEC)
     model = program.init(0)
     batch = program.example_batch(0)
-    # Slice 0 of the accumulation takes the even rows: most of its targets are ignored, so
-    # it counts far fewer positions than slice 1.
-    batch["targets"][0::2, :6] = -100
+    batch["targets"][IGNORED["first_slice"]] = -100
     return program, model, program.export_weights(model), batch
 
 
+@pytest.mark.parametrize("where", sorted(IGNORED))
 def test_accumulated_loss_and_grads_are_the_whole_batch_mean_over_counted_targets(
-    compiled: tuple[Any, Any, dict[str, np.ndarray], dict[str, np.ndarray]],
+    compiled: tuple[Any, Any, dict[str, np.ndarray], dict[str, np.ndarray]], where: str
 ) -> None:
     program, model, weights, batch = compiled
+    batch = {**batch, "targets": program.example_batch(0)["targets"]}
+    batch["targets"][IGNORED[where]] = -100
     want = reference.evaluate(program.ir, weights, batch)
     loss, grads = float(program.loss(model, batch)), program.grads(model, batch)
     assert want.loss is not None and relative_error(loss, want.loss) <= TOLERANCE
     assert_grads_close(grads, want.grads, TOLERANCE)
-    # The mean of the two slices' means is another number: the test can tell them apart.
-    halves = [reference.evaluate(program.ir, weights, {k: v[j::2] for k, v in batch.items()}) for j in (0, 1)]
+    # The mean of the two parts' means is another number: the test can tell them apart.
+    parts = np.s_[0::2], np.s_[1::2]
+    if where == "first_data_shard":
+        parts = np.s_[:4], np.s_[4:]
+    halves = [reference.evaluate(program.ir, weights, {k: v[part] for k, v in batch.items()}) for part in parts]
     mean_of_means = (halves[0].loss + halves[1].loss) / 2  # type: ignore[operator]
     assert relative_error(mean_of_means, want.loss) > 30 * TOLERANCE
 
@@ -104,14 +113,21 @@ pipeline stage {
 """
 
 
-def test_pipeline_microbatches_weigh_by_their_counted_targets() -> None:
-    # Microbatch 0 takes the even rows, most of whose targets are ignored: the pipeline's
-    # loss and gradients are still the whole batch's mean over counted targets.
+@pytest.fixture(scope="module")
+def pipelined() -> Any:
     program = dslc.compile(PIPELINED)
     assert program.ir.pipelined
-    model = program.init(0)
+    return program, program.init(0)
+
+
+@pytest.mark.parametrize("where", sorted(IGNORED))
+def test_pipeline_microbatches_weigh_by_their_counted_targets(pipelined: Any, where: str) -> None:
+    # Microbatch 0 takes the even rows, most of whose targets are ignored (or the first data
+    # shard's devices count fewer): the pipeline's loss and gradients are still the whole
+    # batch's mean over counted targets.
+    program, model = pipelined
     batch = program.example_batch(0)
-    batch["targets"][0::2, :6] = -100
+    batch["targets"][IGNORED[where]] = -100
     weights = program.export_weights(model)
     want = reference.evaluate(program.ir, weights, batch)
     loss, _ = program.value_and_grad(model, batch)

@@ -158,45 +158,6 @@ def test_zero_stages_do_not_change_the_training_trajectory(zero_runs: dict[str, 
         np.testing.assert_allclose(run["losses"], reference, rtol=1e-5, err_msg=setting)
 
 
-def _local_shapes(program: dslc.Program, sharding: str) -> list[tuple[int, ...]]:
-    """Each stored array's shape on one device, split as PARAMETERS says (`sharding`,
-    `optimizer_sharding`)."""
-    sizes = dict(zip(program.mesh.axis_names, program.mesh.devices.shape, strict=True))
-    out = []
-    for p in program.module.PARAMETERS.values():
-        spec = getattr(p, sharding) or p.sharding
-        dims = [(d,) if isinstance(d, str) else tuple(d or ()) for d in spec]
-        out.append(tuple(n // int(np.prod([sizes[a] for a in axes])) for n, axes in zip(p.shape, dims, strict=True)))
-    return out
-
-
-def _results(text: str, op: str) -> list[tuple[int, ...]]:
-    """The shapes an op's instructions produce in compiled HLO text (every element of a tuple)."""
-    shapes = []
-    for line in text.splitlines():
-        match = re.match(rf"\s*(?:ROOT )?%\S+ = (.*?) {op}(?:-start)?\(", line)
-        if match:
-            shapes += [tuple(int(n) for n in dims.split(",") if n) for dims in re.findall(r"\w+\[([\d,]*)\]", match[1])]
-    return shapes
-
-
-def test_zero_1_reduce_scatters_the_gradients_and_all_reduces_no_weight() -> None:
-    """ZeRO 1 sums each gradient over the data axis with one reduce-scatter, to the piece
-    whose optimizer state the device holds, then all-gathers the updated parameters: what
-    travels is 2(N-1)/N of the weights, not an all-reduce's 2(N-1)/N and a gather on top."""
-    program = dslc.compile(_tiny_with("zero 1"))
-    text = program.lower("train").compile().as_text()
-    whole, pieces = _local_shapes(program, "sharding"), _local_shapes(program, "optimizer_sharding")
-    assert all(w != p for w, p in zip(whole, pieces, strict=True))  # tiny's arrays all split over `data`
-    # One reduce-scatter for each array's gradient, leaving the device its piece ...
-    assert sorted(_results(text, "reduce-scatter")) == sorted(pieces)
-    # ... the updated parameters gathered whole (so the matching finds weights where they are) ...
-    assert set(whole) <= set(_results(text, "all-gather"))
-    # ... and no all-reduce of anything weight-sized: those left are tensor-parallel
-    # activations, the loss and the gradient norm.
-    assert set(whole + pieces).isdisjoint(_results(text, "all-reduce"))
-
-
 # ---- activation checkpointing and precision -----------------------------------------------------
 
 

@@ -114,7 +114,8 @@ def check_replication(program: Program, diags: Diagnostics) -> None:
     uses: dict[Span, set[str]] = {}
     for sw in stacked_weights(program.nodes):
         w = sw.weight
-        if w.type.axes_used or w.type.nbytes < LARGE_TENSOR_BYTES:
+        # A tied weight is reported where the weight it reads was written.
+        if w.tie is not None or w.type.axes_used or w.type.nbytes < LARGE_TENSOR_BYTES:
             continue
         uses.setdefault(w.span, set()).add(sw.layer.path)
         if len(uses[w.span]) == 1 and all(other.name != sw.name for other in found.get(w.span, [])):

@@ -25,11 +25,13 @@ def generate_module(
     return module_for(analysis)
 
 
-def module_for(analysis: Analysis) -> str:
-    """The module for a spec that checked clean."""
+def module_for(analysis: Analysis, regenerate: tuple[str, str] | None = None) -> str:
+    """The module for a spec that checked clean; `regenerate` is (the command that wrote
+    it, the file it wrote)."""
     assert analysis.program is not None and analysis.source is not None
     program = analysis.program
-    return generate(program, analysis.source.text, analysis.source.name, "x".join(map(str, program.mesh.shape)))
+    mesh_size = "x".join(map(str, program.mesh.shape))
+    return generate(program, analysis.source.text, analysis.source.name, mesh_size, regenerate)
 
 
 __all__ = ["MARKER", "generate", "generate_module", "module_for"]

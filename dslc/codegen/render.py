@@ -17,10 +17,10 @@ from dslc.codegen.names import class_name, global_namer, safe_identifier
 from dslc.codegen.view import Builder, ModuleClass, Statement
 from dslc.ir import nodes as ir
 from dslc.ir.boundaries import boundary_of, chunk_input
+from dslc.ir.data_parallel import data_parallel_axes
 from dslc.ir.inputs import integer_bounds
 from dslc.ir.placement import Placement, place
 from dslc.ir.signature import chunk_signature
-from dslc.ir.state import reduce_scatters_gradients, zero_axes
 from dslc.layers import RULES
 from dslc.plan.timetable import schedule_table
 from dslc.schedules.buffers import ExecutionPlan, allocate_slots
@@ -52,9 +52,9 @@ _MODULE_NAMES = {
     "CHUNK_INPUTS",
     "BOUNDARY",
     "ACCUMULATE",
+    "DATA_AXES",
     "OPTIMIZER",
     "MASTER_DTYPE",
-    "DATA_AXES",
     "argparse",
 }
 
@@ -102,8 +102,16 @@ _ENV.filters["py"] = py
 _ENV.filters["spec"] = spec
 
 
-def generate(program: ir.Program, spec_text: str, spec_name: str, mesh_size: str) -> str:
-    """The module for `program`, checked from `spec_text` (named `spec_name`), at `mesh_size`."""
+def generate(
+    program: ir.Program,
+    spec_text: str,
+    spec_name: str,
+    mesh_size: str,
+    regenerate: tuple[str, str] | None = None,
+) -> str:
+    """The module for `program`, checked from `spec_text` (named `spec_name`), at `mesh_size`.
+    `regenerate` is (the command that writes it again, its file name), as its docstring shows
+    them (default: `dslc compile` of the spec's base name, and the model's name)."""
     file = _display_name(spec_name)
     taken = _MODULE_NAMES | set(source.PRELUDE_IMPORTS) | _kernel_names()
     builder = Builder(program, spec_text.split("\n"), file, global_namer(taken))
@@ -136,15 +144,16 @@ def generate(program: ir.Program, spec_text: str, spec_name: str, mesh_size: str
     # A loss that averages over the positions it counts (cross-entropy's ignored targets):
     # slices of the batch (accumulation steps, microbatches) weigh by their count.
     count = RULES[program.loss.kind].count_kernel if program.loss is not None else None
-    kernels = _kernels(program, count)
+    data_axes = data_parallel_axes(program)
+    kernels = _kernels(program, count, data_axes)
     mesh_axes = program.mesh.names or ("replica",)
     mesh_shape = program.mesh.shape or (1,)
     context = {
         "model": safe_identifier(program.name),
         "file": file,
-        "module_file": safe_identifier(program.name) + ".py",
+        "module_file": regenerate[1] if regenerate else safe_identifier(PurePath(file).stem) + ".py",
         "mesh_text": _mesh_text(mesh_axes, mesh_shape),
-        "mesh_size": mesh_size,
+        "regenerate": regenerate[0] if regenerate else f"dslc compile {file} --mesh {mesh_size} --force",
         "marker": MARKER,
         "imports": _imports(kernels),
         "mesh_axes": mesh_axes,
@@ -168,10 +177,10 @@ def generate(program: ir.Program, spec_text: str, spec_name: str, mesh_size: str
         "loss": loss,
         "schedule": _schedule(program) if program.pipelined else None,
         "accumulate": program.train.accumulate,
+        "data_axes": data_axes,
         "count": count,
         "optimizer": {"name": program.train.optimizer.name, "hyper": dict(program.train.optimizer.hyper)},
         "master": ir.DTYPES[program.train.master_dtype].jax if program.train.master_dtype else None,
-        "scatter": zero_axes(program) if reduce_scatters_gradients(program) else None,
     }
     return _ENV.get_template("module.py.j2").render(context)
 
@@ -219,6 +228,7 @@ def _parameters(program: ir.Program, placement: Placement) -> list[dict[str, obj
                 "rows": array.rows,
                 "stage_rows": array.stage_dim,
                 "stage_split": array.split_dim,
+                "padding": array.padding,
             }
         )
     return out
@@ -291,13 +301,11 @@ def _schedule(program: ir.Program) -> dict[str, object]:
     }
 
 
-def _kernels(program: ir.Program, count: str | None) -> list[source.Definition]:
+def _kernels(program: ir.Program, count: str | None, data_axes: ir.Axes) -> list[source.Definition]:
     layers = ir.all_layers(program)
     wanted = ["named_key", "initial_array", "make_optimizer", "accumulate_gradients", "step_metrics"]
     if program.train.master_dtype:
         wanted += ["master_state", "master_update"]
-    if reduce_scatters_gradients(program):
-        wanted += ["data_parallel_gradients", "spec_axes"]
     wanted += ["to_weights", "from_weights"]
     wanted += sorted({RULES[layer.kind].kernel(dict(layer.attrs), layer.operand) for layer in layers})
     if count is not None:
@@ -306,6 +314,8 @@ def _kernels(program: ir.Program, count: str | None) -> list[source.Definition]:
         wanted += ["AUX_LOSS", "add_aux"]
     if program.pipelined:
         wanted += ["pipeline_value_and_grad", "Share", "take_share"]
+    if data_axes:
+        wanted.append("data_parallel")
     return source.closure(wanted)
 
 

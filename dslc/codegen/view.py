@@ -39,6 +39,7 @@ class WeightArg:
     attribute: str
     name: str
     sharding: ir.Sharding | None  # the sharding it is gathered to, where it is stored split
+    transposed: bool = False  # a tied weight read the other way round (a head reading an embedding)
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,13 +186,26 @@ class Builder:
                     "weights",
                     attr,
                     self.where(layer.span),
-                    weights=tuple((w.name, f"{prefix}.{w.name}") for w in layer.weights),
+                    # A tied weight is the stored array it reads (ties are made at the top level,
+                    # where keys are the stored names).
+                    weights=tuple(
+                        (w.name, w.tie.name if w.tie is not None else f"{prefix}.{w.name}") for w in layer.weights
+                    ),
                 )
             )
             # Only parameters stored split over the data axes are gathered where they are used:
             # any other constraint would copy the weight, and autodiff would keep the copy.
             gather = self.program.train.zero >= 3
-            weights = tuple(WeightArg(w.name, attr, w.name, w.type.sharding if gather else None) for w in layer.weights)
+            weights = tuple(
+                WeightArg(
+                    w.name,
+                    attr,
+                    w.name,
+                    w.stored.type.sharding if gather else None,
+                    w.tie is not None and w.tie.transposed,
+                )
+                for w in layer.weights
+            )
         a = dict(layer.attrs)
         dtype = ir.DTYPES[self.program.train.compute_dtype].jax
         static = rule.kernel_args(a, dtype, layer.operand, {w.name: w.type.sharding for w in layer.weights})

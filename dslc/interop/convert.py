@@ -26,6 +26,7 @@ from dslc.interop.gpt2 import GPT2
 from dslc.interop.hf_config import CONFIG, GPT2Config, LlamaConfig, read_config
 from dslc.interop.llama import Llama
 from dslc.interop.mapping import (
+    HEAD,
     Fact,
     Matched,
     Requirement,
@@ -53,7 +54,8 @@ class Family(Protocol):
     def requirements(self, m: Matched) -> list[Requirement]: ...
     def facts(self, config: GPT2Config | LlamaConfig, m: Matched, program: ir.Program) -> list[Fact]: ...
     def unsupported(self, config: GPT2Config | LlamaConfig, program: ir.Program) -> list[tuple[str, str]]: ...
-    def tied(self, program: ir.Program) -> bool: ...
+    def ties(self, m: Matched) -> bool: ...
+    def tied(self, m: Matched, program: ir.Program) -> bool: ...
     def head_and_table(self, m: Matched) -> tuple[str, str]: ...
     def tensors(self, m: Matched, tied: bool) -> list[TensorMap]: ...
     def config(self, m: Matched, program: ir.Program, tied: bool, dtype: str) -> dict[str, object]: ...
@@ -96,21 +98,44 @@ class ImportPlan:
     maps: list[TensorMap]
     found: dict[str, str]  # each mapped tensor's name as save_pretrained writes it -> in the files
     shapes: dict[str, tuple[int, ...]]  # the spec's weights
-    tied: tuple[str, str] | None  # (head, table): the head is the table, transposed
+    table: str | None  # a tied checkpoint's: the embedding's table, which its head is
+    copy: str | None  # a spec's head that holds a copy of the tied table (transposed), not the table itself
+    stored_head: str | None  # a tied checkpoint's head, where it is stored anyway: it must be the table
     dtype: np.dtype
 
     def arrays(self) -> Iterator[tuple[str, np.ndarray]]:
         """Every weight of the spec by its dotted name, read one checkpoint tensor at a time."""
         for m in self.maps:
             tensor = self.files.read(self.found[m.name])
+            if m.parts == (self.table,):
+                self._same_head(tensor, m.name)
             if tensor.dtype != self.dtype:
                 tensor = tensor.astype(self.dtype)
             if m.transposed:
                 tensor = tensor.T
             widths = [self.shapes[p][-1] for p in m.parts]
             yield from zip(m.parts, np.split(tensor, np.cumsum(widths)[:-1], axis=-1), strict=True)
-            if self.tied is not None and m.parts == (self.tied[1],):
-                yield self.tied[0], tensor.T
+            if self.copy is not None and m.parts == (self.table,):
+                yield self.copy, tensor.T
+
+    def _same_head(self, table: np.ndarray, name: str) -> None:
+        """A tied checkpoint that stores its head too: the head must be the table (`name`)."""
+        if self.stored_head is None:
+            return
+        head = self.files.read(self.stored_head)
+        if not np.array_equal(head, table):
+            raise CheckpointError(
+                [
+                    error(
+                        "C006",
+                        f"`{self.stored_head}` differs from the embedding `{self.found[name]}`, "
+                        "but config.json ties them (tie_word_embeddings)",
+                        file_span(self.files.tensors[self.stored_head].file),
+                        help="set tie_word_embeddings false in config.json and import into a spec whose head "
+                        "is its own weight, or save the checkpoint again",
+                    )
+                ]
+            )
 
 
 @dataclass(frozen=True)
@@ -136,15 +161,20 @@ def plan_import(analysis: Analysis, folder: Path) -> ImportPlan:
         + unsupported(config_path, family.unsupported(config, program))
     )
     files = TensorFiles(folder)
-    tied = family.tied(program)
+    tied = family.tied(matched, program)
     maps = family.tensors(matched, tied)
-    shapes = {name: w.type.shape for name, w in ir.weights_by_path(program).items()}
+    shapes = {name: w.shape for name, w in ir.weights_by_path(program).items()}
     head, table = family.head_and_table(matched)
-    covered = {p for m in maps for p in m.parts} | ({head} if tied else set())
+    # A spec whose head is a weight of its own holds a copy of a tied checkpoint's table.
+    copy = head if tied and not family.ties(matched) else None
+    covered = {p for m in maps for p in m.parts} | ({copy} if copy else set())
     assert covered == set(shapes), f"the {family.name} mapping misses {sorted(set(shapes) ^ covered)}"
     found = _check_tensors(family, files, maps, shapes, tied)
+    stored_head = next((name for name in files.tensors if family.canonical(name) == HEAD), None) if tied else None
     dtype = np.dtype(np.float64) if program.train.param_dtype == "f64" else np.dtype(np.float32)
-    return ImportPlan(family, config.model_type, files, maps, found, shapes, (head, table) if tied else None, dtype)
+    return ImportPlan(
+        family, config.model_type, files, maps, found, shapes, table if tied else None, copy, stored_head, dtype
+    )
 
 
 def import_checkpoint(analysis: Analysis, folder: Path, out: Path) -> Imported:
@@ -298,15 +328,18 @@ def export_checkpoint(
     _raise_if(unmet(family.requirements(matched), family.name))
     where = source or folder
     _check_weights(weights, program, where)
-    tied = family.tied(program) and not untie
+    tied = family.tied(matched, program) and not untie
     head, table = family.head_and_table(matched)
-    if tied and not np.array_equal(weights[head], weights[table].T):
+    if tied and not family.ties(matched) and not np.array_equal(weights[head], weights[table].T):
         gap = float(np.max(np.abs(np.asarray(weights[head], np.float64) - np.asarray(weights[table], np.float64).T)))
         raise file_problem(
             where,
             "C007",
             f"the head `{head}` is no longer the embedding `{table}` it is tied to (largest difference {gap:.3g})",
-            notes=["training updates them apart until dslc ties weights: a tied checkpoint would drop the head"],
+            notes=[
+                "the spec's head is a weight of its own, which training moves apart from the embedding: "
+                "a tied checkpoint would drop it (a head written `tie kernel = TABLE.T` is the table itself)"
+            ],
             help="export with --untie to write both (tie_word_embeddings false), or declare `const tied = false`",
         )
     np_dtype, torch_dtype = EXPORT_DTYPES[dtype or _spec_dtype(program)]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 
 from dslc.interop.hf_config import GPT2Config, LlamaConfig
-from dslc.interop.mapping import HEAD, Fact, FamilyBase, Matched, Requirement, Structure, TensorMap, layer_weight
+from dslc.interop.mapping import Fact, FamilyBase, Matched, Requirement, Structure, TensorMap, layer_weight
 from dslc.ir import nodes as ir
 
 PREFIX = "transformer."
@@ -161,7 +161,7 @@ class GPT2(FamilyBase):
 
     def tensors(self, m: Matched, tied: bool) -> list[TensorMap]:
         wte, wpe = m.prefix
-        ln_f, head = m.suffix
+        ln_f = m.suffix[0]
         out = [
             TensorMap(PREFIX + "wte.weight", (layer_weight(wte, "table"),)),
             TensorMap(PREFIX + "wpe.weight", (layer_weight(wpe, "table"),)),
@@ -187,7 +187,7 @@ class GPT2(FamilyBase):
             TensorMap(PREFIX + "ln_f.bias", (layer_weight(ln_f, "bias"),)),
         ]
         if not tied:
-            out.append(TensorMap(HEAD, (layer_weight(head, "kernel"),), transposed=True, kernel=True))
+            out.append(self.head(m))
         return out
 
     def config(self, m: Matched, program: ir.Program, tied: bool, dtype: str) -> dict[str, object]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 
 from dslc.interop.hf_config import GPT2Config, LlamaConfig
-from dslc.interop.mapping import HEAD, Fact, FamilyBase, Matched, Requirement, Structure, TensorMap, layer_weight
+from dslc.interop.mapping import Fact, FamilyBase, Matched, Requirement, Structure, TensorMap, layer_weight
 from dslc.ir import nodes as ir
 
 PREFIX = "model."
@@ -148,7 +148,7 @@ class Llama(FamilyBase):
 
     def tensors(self, m: Matched, tied: bool) -> list[TensorMap]:
         (embed,) = m.prefix
-        norm, head = m.suffix
+        norm = m.suffix[0]
         out = [TensorMap(PREFIX + "embed_tokens.weight", (layer_weight(embed, "table"),))]
         for i, (attn_norm, attn, mlp_norm, gate_up, down) in enumerate(m.blocks):
             at = f"{PREFIX}layers.{i}."
@@ -167,7 +167,7 @@ class Llama(FamilyBase):
             ]
         out.append(TensorMap(PREFIX + "norm.weight", (layer_weight(norm, "scale"),)))
         if not tied:
-            out.append(TensorMap(HEAD, (layer_weight(head, "kernel"),), transposed=True, kernel=True))
+            out.append(self.head(m))
         return out
 
     def config(self, m: Matched, program: ir.Program, tied: bool, dtype: str) -> dict[str, object]:

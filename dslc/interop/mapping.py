@@ -258,8 +258,10 @@ class FamilyBase:
     """What the families share. Their tensors are named `save_pretrained`'s way, the body's
     under `prefix` (which older checkpoints leave out) and the head as HEAD; `buffer` matches
     the buffers older checkpoints carry, which dslc computes itself. The spec has an embedding
-    first and a head last, which a checkpoint ties (`tie_word_embeddings`) or not, as the
-    spec's `tied` constant says, or the family's default."""
+    first and a head last, which a checkpoint ties (`tie_word_embeddings`) or not: tied where
+    the spec ties them itself (`tie kernel = wte.table.T`, one weight), or else where the
+    spec's `tied` constant says so, or the family's default (a head of its own holding a copy
+    of the table)."""
 
     prefix: str
     buffer: re.Pattern[str]
@@ -284,18 +286,41 @@ class FamilyBase:
         head = m.suffix[-1]
         return Requirement(head, not head.attr("bias"), "its head has no bias", "write `bias=false` on the head")
 
-    def tied(self, program: ir.Program) -> bool:
-        return bool(constant(program, "tied", self.tied_by_default))
+    def ties(self, m: Matched) -> bool:
+        """Whether the spec's head reads the embedding's table itself: one weight, not a copy."""
+        tie = m.suffix[-1].weight("kernel").tie
+        return tie is not None and tie.transposed and tie.name == layer_weight(m.prefix[0], "table")
+
+    def tied(self, m: Matched, program: ir.Program) -> bool:
+        """Whether the checkpoint's head is its embedding (see the class)."""
+        return self.ties(m) or bool(constant(program, "tied", self.tied_by_default))
 
     def head_and_table(self, m: Matched) -> tuple[str, str]:
         """The head's kernel and the embedding's table, by their dotted names."""
         return layer_weight(m.suffix[-1], "kernel"), layer_weight(m.prefix[0], "table")
 
+    def head(self, m: Matched) -> TensorMap:
+        """The head's tensor of an untied checkpoint: the head's kernel turned, or for a spec
+        whose head reads the embedding's table, that table (as [vocab, d] either way)."""
+        if self.ties(m):
+            return TensorMap(HEAD, (layer_weight(m.prefix[0], "table"),))
+        return TensorMap(HEAD, (layer_weight(m.suffix[-1], "kernel"),), transposed=True, kernel=True)
+
     def tied_fact(self, tie_word_embeddings: bool, m: Matched, program: ir.Program) -> Fact:
+        if self.ties(m):
+            return Fact(
+                "tie_word_embeddings",
+                tie_word_embeddings,
+                True,
+                "head, which reads the embedding's table (`tie`),",
+                m.suffix[-1],
+                None,
+                "give the head a kernel of its own: drop its `tie`",
+            )
         return Fact(
             "tie_word_embeddings",
             tie_word_embeddings,
-            self.tied(program),
+            self.tied(m, program),
             "tying of the head to the embedding (`const tied`, or the family's default)",
             m.suffix[-1],
             "tied",

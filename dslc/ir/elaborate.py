@@ -19,8 +19,10 @@ from dslc.ir.evaluate import ScalarValue, eval_expr, eval_value
 from dslc.ir.names import closest, unknown_name
 from dslc.ir.settings import read_pipeline, read_train
 from dslc.ir.shardings import divisor_sizes, resolve
+from dslc.ir.ties import Declared, tied_weight
+from dslc.ir.vocabulary import feeding_masked_losses, pad
 from dslc.layers import LOSS_KINDS, RULES
-from dslc.layers.base import REQUIRED, ArgSpec, Context, LayerRule, input_args
+from dslc.layers.base import REQUIRED, ArgSpec, Context, LayerRule, Vocabulary, input_args
 from dslc.schedules import ScheduleError, placement
 from dslc.syntax import ast
 
@@ -370,6 +372,9 @@ class _Flow:
     type: ir.TensorType
     span: Span
     after_loss: Span | None = None
+    # The classes of logits whose last dimension a padded vocabulary widened (the loss masks
+    # the rest out); None where nothing is padded.
+    classes: int | None = None
 
 
 class _Builder:
@@ -381,6 +386,13 @@ class _Builder:
         self.too_big = False
         self.misplaced_stages = False
         self.stream = ""
+        # Every weight elaborated so far, by dotted name: what a `tie` may name.
+        self.declared: dict[str, Declared] = {}
+        # Blocks and repeats the statement being elaborated is inside, and of those repeats.
+        self.depth = 0
+        self.repeats = 0
+        # The calls of heads right before a loss that masks padded logits (by id).
+        self.heads: set[int] = set()
 
     # entry ---------------------------------------------------------------------------------------
 
@@ -392,6 +404,7 @@ class _Builder:
             return None
         src = self.h.inputs[stream]
         flow = _Flow(UNKNOWN if stream in self.h.untyped_inputs else src.type, src.span)
+        self.heads = feeding_masked_losses(fwd.body)
         names = self._names(fwd.body)
         segments: list[_Segment] = []
         scope: Scope = dict(self.h.constants)
@@ -493,7 +506,9 @@ class _Builder:
                 flow.after_loss = None
             match stmt:
                 case ast.LayerStmt():
-                    node = self._use(stmt.call, stmt.shards, names[id(stmt)], flow, scope, prefix, stmt.span)
+                    node = self._use(
+                        stmt.call, stmt.shards, names[id(stmt)], flow, scope, prefix, stmt.span, ties=stmt.ties
+                    )
                     if node is not None:
                         out.append(node)
                 case ast.ResidualStmt():
@@ -580,15 +595,21 @@ class _Builder:
         """One copy of a repeat's block at `path`: the block it calls, or its written body; a
         repeated built-in layer is wrapped in a block of its own."""
         x = flow.type
-        if stmt.call is not None:
-            node = self._use(stmt.call, (), name, flow, scope, prefix, stmt.span, quiet=quiet)
-            if node is None:
-                return None
-            if isinstance(node, ir.Block):
-                return node
-            return ir.Block(path, stmt.call.callee.text, ir.Remat(), (node,), x, flow.type, stmt.span)
-        body = self._seq(stmt.body, flow, scope, path + ".", self._names(stmt.body))
-        return ir.Block(path, "repeat", ir.Remat(), tuple(body), x, flow.type, stmt.span)
+        self.depth += 1
+        self.repeats += 1
+        try:
+            if stmt.call is not None:
+                node = self._use(stmt.call, (), name, flow, scope, prefix, stmt.span, quiet=quiet)
+                if node is None:
+                    return None
+                if isinstance(node, ir.Block):
+                    return node
+                return ir.Block(path, stmt.call.callee.text, ir.Remat(), (node,), x, flow.type, stmt.span)
+            body = self._seq(stmt.body, flow, scope, path + ".", self._names(stmt.body))
+            return ir.Block(path, "repeat", ir.Remat(), tuple(body), x, flow.type, stmt.span)
+        finally:
+            self.depth -= 1
+            self.repeats -= 1
 
     def _layout(self, stmt: ast.LayoutStmt, flow: _Flow, prefix: str) -> ir.Layout:
         x = flow.type
@@ -627,6 +648,7 @@ class _Builder:
         prefix: str,
         span: Span,
         quiet: bool = False,
+        ties: tuple[ast.WeightTie, ...] = (),
     ) -> ir.Node | None:
         self.count += 1
         if self.count > MAX_NODES:
@@ -638,15 +660,16 @@ class _Builder:
         callee = call.callee.text
         path = prefix + name
         if callee in RULES:
-            return self._layer(RULES[callee], call, shards, path, flow, scope, span)
+            return self._layer(RULES[callee], call, shards, ties, path, flow, scope, span)
         if callee in self.h.blocks:
-            if shards:
-                self.diags.error(
-                    "E027",
-                    "`shard` applies to the weights of a built-in layer, not to a block",
-                    shards[0].span,
-                    help="put the `shard` on the layers inside the block",
-                )
+            clauses: tuple[tuple[str, str, tuple[ast.WeightShard, ...] | tuple[ast.WeightTie, ...], str], ...] = (
+                ("E027", "shard", shards, "put the `shard` on the layers inside the block"),
+                ("E032", "tie", ties, "tie the weight of a layer written at the top of `forward`"),
+            )
+            for code, keyword, written, fix in clauses:
+                if written:
+                    message = f"`{keyword}` applies to the weights of a built-in layer, not to a block"
+                    self.diags.error(code, message, written[0].span, help=fix)
             return self._block(self.h.blocks[callee], call, path, flow, scope)
         if not quiet:
             self.diags.add(unknown_name("layer or block", callee, call.callee.span, (*RULES, *self.h.blocks)))
@@ -659,6 +682,7 @@ class _Builder:
         rule: LayerRule,
         call: ast.Call,
         shards: tuple[ast.WeightShard, ...],
+        ties: tuple[ast.WeightTie, ...],
         path: str,
         flow: _Flow,
         scope: Scope,
@@ -680,7 +704,13 @@ class _Builder:
             self._check_shard_axes(shards, path)
             flow.type, flow.span = UNKNOWN, span
             return None
-        weights = self._weights(rule, attrs, shards, path, call.span, ctx)
+        if flow.classes is not None and "classes" in {a.name for a in rule.args} and "classes" not in arg_spans:
+            # The loss after a padded head counts only the real classes.
+            attrs["classes"] = flow.classes
+        vocab = rule.vocabulary(attrs, id(call) in self.heads)
+        weights = self._weights(rule, attrs, shards, ties, vocab, path, call.span, ctx)
+        for w in weights or ():
+            self.declared[f"{path}.{w.name}"] = Declared(w, self.repeats > 0)
         x = flow.type
         y = UNKNOWN
         # A layer that reads a declared input (a loss's targets) compares it with the
@@ -705,6 +735,8 @@ class _Builder:
             span=span,
         )
         flow.type, flow.span = y, span
+        widened = vocab is not None and vocab.logits and y is not UNKNOWN and y.shape[-1] != vocab.size
+        flow.classes = vocab.size if vocab is not None and widened else None
         if rule.kind in LOSS_KINDS:
             flow.after_loss = span
         return node
@@ -714,11 +746,15 @@ class _Builder:
         rule: LayerRule,
         attrs: dict[str, object],
         shards: tuple[ast.WeightShard, ...],
+        ties: tuple[ast.WeightTie, ...],
+        vocab: Vocabulary | None,
         path: str,
         span: Span,
         ctx: Context,
     ) -> list[ir.Weight] | None:
         specs = {w.name: w for w in rule.weights(attrs)}
+        # A vocabulary's dimensions are padded to split evenly rather than refused (below).
+        padded = dict(vocab.dims) if vocab is not None else {}
         given: dict[str, ast.WeightShard] = {}
         ok = True
         for shard in shards:
@@ -729,23 +765,10 @@ class _Builder:
                 # applies where it exists, so one spec can switch it with a constant.
                 continue
             if wname not in specs:
-                known = ", ".join(f"`{n}`" for n in specs) or "none"
-                guess = closest(wname, sorted(possible))
-                self.diags.error(
-                    "E027",
-                    f"`{rule.kind}` has no weight `{wname}`",
-                    shard.weight.span,
-                    notes=[f"its weights: {known}"],
-                    help=f"did you mean `{guess}`?" if guess else None,
-                )
+                self._no_such_weight(rule, attrs, shard.weight, "E027", f"`{rule.kind}` has no weight `{wname}`")
                 ok = False
             elif wname in given:
-                self.diags.error(
-                    "E027",
-                    f"weight `{wname}` is sharded twice",
-                    shard.span,
-                    labels=[Label(given[wname].span, "first sharded here")],
-                )
+                self._twice("E027", f"weight `{wname}` is sharded twice", shard.span, given[wname].span, "sharded")
                 ok = False
             elif len(shard.dims) != len(specs[wname].shape):
                 dims = ", ".join(map(str, specs[wname].shape))
@@ -760,6 +783,8 @@ class _Builder:
                 ok = False
             else:
                 given[wname] = shard
+        tied = self._ties(rule, attrs, ties, given)
+        ok = ok and tied is not None
         out = []
         reported = len(self.diags.items)
         for spec in specs.values():
@@ -767,15 +792,76 @@ class _Builder:
             if any(n <= 0 for n in spec.shape):
                 ok = False
                 continue
+            if tied and spec.name in tied:
+                tie = tied[spec.name]
+                w = tied_weight(tie, spec.shape, path, self.declared, self.depth > 0, self.diags)
+                ctx.weight_spans[spec.name] = tie.span
+                if w is None:
+                    ok = False
+                else:
+                    out.append(w)
+                continue
             axis_sets = written.dims if written else tuple(ast.AxisSet((), span) for _ in spec.shape)
             what = f"weight `{path}.{spec.name}`"
-            sharding = resolve(axis_sets, spec.shape, what, self.h.mesh, self.h.pipeline_axis, self.diags)
+            sizes = [None if padded.get(spec.name) == d else n for d, n in enumerate(spec.shape)]
+            sharding = resolve(axis_sets, sizes, what, self.h.mesh, self.h.pipeline_axis, self.diags)
             ctx.weight_spans[spec.name] = written.span if written else span
             t = ir.TensorType(self.h.train.param_dtype, spec.shape, sharding)
             out.append(ir.Weight(spec.name, t, spec.initializer(), written.span if written else span))
         if len(self.diags.items) > reported:
             ctx.shardings_as_written = False
+        return pad(out, vocab, path, self.h.mesh, self.diags) if ok else None
+
+    def _ties(
+        self,
+        rule: LayerRule,
+        attrs: dict[str, object],
+        ties: tuple[ast.WeightTie, ...],
+        given: Mapping[str, ast.WeightShard],
+    ) -> dict[str, ast.WeightTie] | None:
+        """The `tie` clauses by weight name; None after reporting a clause that names a weight
+        the layer lacks, ties one twice, or ties one also sharded (E032)."""
+        specs = {w.name for w in rule.weights(attrs)}
+        out: dict[str, ast.WeightTie] = {}
+        ok = True
+        for tie in ties:
+            wname = tie.weight.text
+            if wname not in specs and wname in rule.possible_weights(attrs):
+                continue  # as for `shard`: a weight another setting would give this use
+            if wname not in specs:
+                self._no_such_weight(rule, attrs, tie.weight, "E032", f"`{rule.kind}` has no weight `{wname}` to tie")
+                ok = False
+            elif wname in out:
+                self._twice("E032", f"weight `{wname}` is tied twice", tie.span, out[wname].span, "tied")
+                ok = False
+            elif wname in given:
+                self.diags.error(
+                    "E032",
+                    f"weight `{wname}` is tied and sharded: a tied weight is split as the weight it reads",
+                    given[wname].span,
+                    labels=[Label(tie.span, "tied here")],
+                    help=f"drop `{wname}` from the `shard` clause, and shard the weight it is tied to",
+                )
+                ok = False
+            else:
+                out[wname] = tie
         return out if ok else None
+
+    def _twice(self, code: str, message: str, span: Span, first: Span, done: str) -> None:
+        self.diags.error(code, message, span, labels=[Label(first, f"first {done} here")])
+
+    def _no_such_weight(
+        self, rule: LayerRule, attrs: dict[str, object], name: ast.Ident, code: str, message: str
+    ) -> None:
+        known = ", ".join(f"`{w.name}`" for w in rule.weights(attrs)) or "none"
+        guess = closest(name.text, sorted(rule.possible_weights(attrs)))
+        self.diags.error(
+            code,
+            message,
+            name.span,
+            notes=[f"its weights: {known}"],
+            help=f"did you mean `{guess}`?" if guess else None,
+        )
 
     def _check_shard_axes(self, shards: tuple[ast.WeightShard, ...], path: str) -> None:
         """The axis names of a layer that could not be built: they need no shapes to check."""
@@ -806,9 +892,11 @@ class _Builder:
         inner: Scope = {**self.h.constants, **cast(Scope, bound)}
         x = flow.type
         self.block_stack.append(name)
+        self.depth += 1
         first = len(self.diags.items)
         body = self._seq(block.body, flow, inner, path + ".", self._names(block.body))
         self._point_at_use(first, call, name)
+        self.depth -= 1
         self.block_stack.pop()
         remat = self._remat(block, body, path)
         return ir.Block(path, name, remat, tuple(body), x, flow.type, call.span)

@@ -41,7 +41,8 @@ def id_ranges(program: ir.Program) -> dict[str, IdRange]:
             vocab = int(layer.attr("vocab"))  # type: ignore[call-overload]
             ranges[program.stream] = IdRange(vocab, f"`{layer.path}` takes token ids 0 .. {vocab - 1} (vocab {vocab})")
         if layer.kind == "cross_entropy":
-            classes = layer.input.shape[-1]
+            # Logits past `classes` are a padded vocabulary's: no target names them.
+            classes = int(layer.attr("classes")) or layer.input.shape[-1]  # type: ignore[call-overload]
             ignored = int(layer.attr("ignore_index"))  # type: ignore[call-overload]
             what = f"`{layer.path}` takes class ids 0 .. {classes - 1} ({classes} logits), or {ignored} (not counted)"
             ranges[str(layer.attr("targets"))] = IdRange(classes, what, ignored)

@@ -134,12 +134,39 @@ def replicated(dtype: str, shape: tuple[int, ...]) -> TensorType:
 
 @dataclass(frozen=True, slots=True)
 class Weight:
-    """A parameter of a layer: `name` is local to the layer (kernel, bias, q, ...)."""
+    """A parameter of a layer: `name` is local to the layer (kernel, bias, q, ...). A tied
+    weight (`tie`) is another layer's, stored once: `type` is how this layer reads it."""
 
     name: str
     type: TensorType
     init: str
     span: Span = field(default=NO_SPAN, compare=False, repr=False)
+    tie: Tie | None = None
+    # Elements added at the end of each dimension of `type` (a vocabulary padded to split
+    # evenly): stored and computed with, never exported. Empty: none.
+    padding: tuple[int, ...] = ()
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The shape the spec declares, as weights are exported and imported: without padding."""
+        if not self.padding:
+            return self.type.shape
+        return tuple(n - pad for n, pad in zip(self.type.shape, self.padding, strict=True))
+
+    @property
+    def stored(self) -> Weight:
+        """The weight as it is kept: the one it is tied to, or itself."""
+        return self.tie.stored if self.tie is not None else self
+
+
+@dataclass(frozen=True, slots=True)
+class Tie:
+    """What a tied weight reads: the weight of another layer named `name` (`wte.table`), as
+    that layer declared it, transposed where `transposed` (a head reading an embedding)."""
+
+    name: str
+    stored: Weight
+    transposed: bool
 
 
 # "collective-permute": every device of the group sends its piece of the tensor to one other
@@ -462,8 +489,13 @@ class StackedWeight:
         return tuple(r.length for r in self.repeats)
 
     @property
+    def stored(self) -> Weight:
+        """The weight as it is kept (for a tied weight, the one it reads)."""
+        return self.weight.stored
+
+    @property
     def shape(self) -> tuple[int, ...]:
-        return (*self.lengths, *self.weight.type.shape)
+        return (*self.lengths, *self.stored.type.shape)
 
     def names(self) -> list[str]:
         """The per-layer dotted names of its rows, in row-major order (`blocks.0.attn.q`, ...)."""
@@ -471,15 +503,17 @@ class StackedWeight:
 
 
 def stacked_weights(nodes: tuple[Node, ...]) -> list[StackedWeight]:
-    """Every weight under `nodes` as stored, each once (a repeat's share in a pipeline chunk
-    names the whole run's array)."""
+    """Every weight under `nodes` as stored (a repeat's share in a pipeline chunk names the
+    whole run's array; a tied weight the array it reads, which then appears once per use)."""
     out: list[StackedWeight] = []
 
     def visit(node: Node, repeats: tuple[Repeat, ...]) -> None:
         match node:
             case Layer():
                 for w in node.weights:
-                    out.append(StackedWeight(_starred(f"{node.path}.{w.name}", repeats), w, node, repeats))
+                    # A tied weight is stored under the name of the weight it reads.
+                    name = w.tie.name if w.tie is not None else _starred(f"{node.path}.{w.name}", repeats)
+                    out.append(StackedWeight(name, w, node, repeats))
             case Repeat():
                 visit(node.body, (*repeats, node))
             case Residual() | Block():
@@ -512,5 +546,10 @@ def weights_by_path(program: Program) -> dict[str, Weight]:
             continue
         seen.add(sw.name)
         for name in sw.names():
-            out[name] = sw.weight
+            out[name] = sw.stored
     return out
+
+
+def parameter_count(program: Program) -> int:
+    """The model's parameters as the spec declares them: a tied weight once, no padding."""
+    return sum(math.prod(w.shape) for w in weights_by_path(program).values())

@@ -12,9 +12,10 @@ A weight is kept in one of three ways:
   (stages written one by one, as `seed_mlp_pipeline` does) share one array with one row per
   stage, each row padded to the largest, the row dimension split over the stage axis.
 * **whole**: any other weight. Without a pipeline it is kept as declared. Under a pipeline it
-  is used by one stage (an embedding, a head) and kept split over the stage axis, along a
-  dimension the stage count divides, the way FSDP splits over data: between steps each
-  device holds 1/P of it; the step gathers it for the stages and reduce-scatters its gradient.
+  is used by one stage (an embedding, a head), or by several (an embedding and the head tied
+  to it), and kept split over the stage axis, along a dimension the stage count divides, the
+  way FSDP splits over data: between steps each device holds 1/P of it; the step gathers it
+  for the stages and reduce-scatters its gradient, the sum of every stage's.
 
 This is decided once, here, from the IR: the code generator prints it (the module's
 `PARAMETERS`), the planner counts it, and weights are exported and imported through it by
@@ -58,11 +59,18 @@ class StoredArray:
     stage_dim: int | None = None
     split_dim: int | None = None
     span: Span = field(default=NO_SPAN, compare=False, repr=False)  # where its (first) weight was written
+    padding: tuple[int, ...] = ()  # its weights' own: a vocabulary padded to split evenly
 
     @property
     def lead(self) -> int:
         """Leading dimensions that index layers or rows rather than a weight's own."""
         return sum(self.layers) or int(bool(self.rows))
+
+    @property
+    def declared(self) -> tuple[int, ...]:
+        """Its shape without the padding of its weights' own dimensions."""
+        pads = (0,) * (self.type.rank - len(self.padding)) + self.padding
+        return tuple(n - pad for n, pad in zip(self.type.shape, pads, strict=True))
 
     def state(self, program: Program) -> StateSharding:
         """Where its parameters, gradients and optimizer state live (ZeRO / FSDP)."""
@@ -79,6 +87,7 @@ class StoredArray:
             rows=self.rows,
             stage_rows=self.stage_dim,
             stage_split=self.split_dim,
+            padding=self.padding,
         )
 
     def weight_names(self) -> list[Held]:
@@ -125,6 +134,14 @@ def place(program: Program) -> Placement:
         for sw in chunk_leaves:
             by_name[sw.name].append((c, sw))
     for name, group in by_name.items():
+        if len(group) > 1 and not group[0][1].repeats:
+            # One weight that several chunks read (a head tied to the embedding): one array,
+            # all of it each chunk's share.
+            array = _whole(program, group[0][1], axis)
+            arrays.append(array)
+            for c, sw in group:
+                shares[c][name] = Share(name, (), _leaf_shape(sw))
+            continue
         stacked = _stacked_over_stages(program, group, axis)
         if stacked is None:
             for c, sw in group:
@@ -161,10 +178,15 @@ def _unpipelined(program: Program, leaves: list[list[StackedWeight]]) -> Placeme
         mine: dict[str, Share] = {}
         for sw in chunk_leaves:
             if sw.name not in arrays:
-                t = sw.weight.type
+                t = sw.stored.type
                 stacked = TensorType(t.dtype, sw.shape, ((),) * len(sw.repeats) + t.sharding)
                 arrays[sw.name] = StoredArray(
-                    sw.name, stacked, sw.weight.init, (1,) * len(sw.repeats), span=sw.weight.span
+                    sw.name,
+                    stacked,
+                    sw.stored.init,
+                    (1,) * len(sw.repeats),
+                    span=sw.stored.span,
+                    padding=sw.stored.padding,
                 )
             mine[sw.name] = Share(sw.name, _piece(sw), _leaf_shape(sw))
         shares.append(mine)
@@ -193,7 +215,7 @@ def _stacked_over_stages(
         piece = sw.repeats[0]
         if piece.first != c * per or piece.count != per or program.chunks[c].stage != c % stages:
             return None
-    t = first.weight.type
+    t = first.stored.type
     inner = first.shape[1:]
     inner_sharding = ((),) * (len(first.repeats) - 1) + t.sharding
     virtual = chunks // stages
@@ -208,7 +230,13 @@ def _stacked_over_stages(
         layers = (2, *(1,) * (len(first.repeats) - 1))
         stage_dim = 1
     return StoredArray(
-        first.name, stored, first.weight.init, layers, stage_dim=stage_dim, span=first.weight.span
+        first.name,
+        stored,
+        first.stored.init,
+        layers,
+        stage_dim=stage_dim,
+        span=first.stored.span,
+        padding=first.stored.padding,
     ), index
 
 
@@ -227,14 +255,18 @@ def _pack_per_stage(
     kinds: dict[tuple[str, int, Sharding], list[list[tuple[int, StackedWeight]]]] = defaultdict(
         lambda: [[] for _ in range(stages)]
     )
+    alone: list[tuple[int, StackedWeight]] = []
     for c, chunk_leaves in enumerate(left):
         stage = program.chunks[c].stage
         for sw in chunk_leaves:
-            t = sw.weight.type
+            if sw.stored.padding:
+                # Rows export each weight at its row's shape; a padded one keeps an array of its own.
+                alone.append((c, sw))
+                continue
+            t = sw.stored.type
             key = (t.dtype, len(_leaf_shape(sw)), ((),) * len(sw.repeats) + t.sharding)
             kinds[key][stage].append((c, sw))
     packed: list[tuple[StoredArray, list[tuple[int, StackedWeight, int]]]] = []
-    alone: list[tuple[int, StackedWeight]] = []
     for (dtype, _, sharding), per_stage in kinds.items():
         for slot in _slots(per_stage):
             present = [s for s in slot if s is not None]
@@ -244,7 +276,7 @@ def _pack_per_stage(
             shapes = [_leaf_shape(sw) for _, sw in present]
             padded = tuple(max(dims) for dims in zip(*shapes, strict=True))
             rows = tuple(
-                None if s is None else Row(s[1].name, _leaf_shape(s[1]), s[1].weight.init, _first(s[1])) for s in slot
+                None if s is None else Row(s[1].name, _leaf_shape(s[1]), s[1].stored.init, _first(s[1])) for s in slot
             )
             members = [row for row in rows if row is not None]
             # Rows of one weight (a repeat's shares) are named after it and the first layer
@@ -252,7 +284,7 @@ def _pack_per_stage(
             same = len({row.name for row in members}) == 1
             name = f"{members[0].name}@{members[0].first}" if same else "|".join(row.name for row in members)
             t = TensorType(dtype, (stages, *padded), ((axis,), *sharding))
-            array = StoredArray(name, t, "rows", rows=rows, stage_dim=0, span=present[0][1].weight.span)
+            array = StoredArray(name, t, "rows", rows=rows, stage_dim=0, span=present[0][1].stored.span)
             # Each member's row is its stage's.
             packed.append((array, [(c, sw, program.chunks[c].stage) for c, sw in present]))
     return packed, alone
@@ -294,9 +326,9 @@ def _first(sw: StackedWeight) -> int:
 
 
 def _whole(program: Program, sw: StackedWeight, axis: str) -> StoredArray:
-    """A weight one stage uses, kept split over the stage axis between steps where a dimension
-    divides (its own declared axes stay), else whole on every stage."""
-    t = sw.weight.type
+    """A weight one stage uses (or a tied one, several), kept split over the stage axis between
+    steps where a dimension divides (its own declared axes stay), else whole on every stage."""
+    t = sw.stored.type
     sharding: Sharding = ((),) * len(sw.repeats) + t.sharding
     shape = sw.shape
     stages = program.stages
@@ -305,10 +337,21 @@ def _whole(program: Program, sw: StackedWeight, axis: str) -> StoredArray:
             split = tuple((*axes, axis) if i == dim else axes for i, axes in enumerate(sharding))
             stored = TensorType(t.dtype, shape, split)
             return StoredArray(
-                sw.name, stored, sw.weight.init, (1,) * len(sw.repeats), split_dim=dim, span=sw.weight.span
+                sw.name,
+                stored,
+                sw.stored.init,
+                (1,) * len(sw.repeats),
+                split_dim=dim,
+                span=sw.stored.span,
+                padding=sw.stored.padding,
             )
     return StoredArray(
-        sw.name, TensorType(t.dtype, shape, sharding), sw.weight.init, (1,) * len(sw.repeats), span=sw.weight.span
+        sw.name,
+        TensorType(t.dtype, shape, sharding),
+        sw.stored.init,
+        (1,) * len(sw.repeats),
+        span=sw.stored.span,
+        padding=sw.stored.padding,
     )
 
 
@@ -328,7 +371,7 @@ def _unique(weights: list[StackedWeight]) -> list[StackedWeight]:
 def _leaf_shape(sw: StackedWeight) -> tuple[int, ...]:
     """The shape a chunk computes with: its own share of the outermost repeat."""
     if not sw.repeats:
-        return sw.weight.type.shape
+        return sw.stored.type.shape
     return (sw.repeats[0].count, *sw.shape[1:])
 
 

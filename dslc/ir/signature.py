@@ -22,7 +22,8 @@ def signature(node: ir.Node, prefix: str | None = None) -> object:
                 relative,
                 node.kind,
                 node.attrs,
-                tuple((w.name, w.type) for w in node.weights),
+                # A tied weight is read from the array it names, perhaps transposed.
+                tuple((w.name, w.type, w.tie and (w.tie.name, w.tie.transposed)) for w in node.weights),
                 node.input,
                 node.output,
                 node.operand,

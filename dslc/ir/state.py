@@ -10,8 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dslc.ir.nodes import Axes, Mesh, Program, Sharding, TensorType, all_layers
-from dslc.layers import RULES
+from dslc.ir.nodes import Axes, Mesh, Program, Sharding, TensorType
 
 
 def zero_axes(program: Program) -> Axes:
@@ -60,27 +59,3 @@ def state_sharding(t: TensorType, program: Program, lead: int = 0) -> StateShard
         optimizer=spread_to if zero >= 1 else t.sharding,
         spread_ok=ok,
     )
-
-
-def reduce_scatters_gradients(program: Program) -> bool:
-    """Whether the step sums the data-parallel gradients itself, as ZeRO does: under ZeRO 1
-    each data shard differentiates its own rows of the batch (the step is manual over the
-    data axes), and each gradient is reduce-scattered over those axes to the piece whose
-    optimizer state the device holds, rather than all-reduced whole and sliced.
-
-    ZeRO 2 is left to XLA's partitioner, which reduces each layer's gradient inside the
-    backward loop and keeps only its piece (an all-reduce and a slice on CPU, which a backend
-    with a reduce-scatter pass fuses into one); summed here, every gradient would be held
-    whole until the backward pass ends (9% more memory in llama_small's gradient step).
-
-    Not where the step is already manual over mesh axes elsewhere, which would nest the
-    two: the pipeline executor's stages, and layers whose kernels run in `shard_map` (ring
-    attention, expert-parallel mixtures of experts); nor where a weight is itself split over
-    a data axis. There XLA's partitioner sums them."""
-    mesh, axes = program.mesh, zero_axes(program)
-    if program.train.zero != 1 or mesh.size(axes) == 1 or program.pipelined:
-        return False
-    layers = all_layers(program)
-    if any(set(axes) & set(w.type.axes_used) for layer in layers for w in layer.weights):
-        return False
-    return not any(RULES[layer.kind].manual_axes(layer, mesh) for layer in layers)

@@ -14,9 +14,9 @@ def mismatches(program: Program, shapes: Mapping[str, tuple[int, ...]]) -> list[
     missing = [n for n in expected if n not in shapes]
     unknown = [n for n in shapes if n not in expected]
     misshapen = [
-        f"`{n}` is {shapes[n]}, the spec says {w.type.shape}"
+        f"`{n}` is {shapes[n]}, the spec says {w.shape}"
         for n, w in expected.items()
-        if n in shapes and tuple(shapes[n]) != w.type.shape
+        if n in shapes and tuple(shapes[n]) != w.shape
     ]
     problems = [
         _listing(len(missing), "missing", [f"`{n}`" for n in missing]),

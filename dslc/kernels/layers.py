@@ -614,14 +614,16 @@ def _shard_map_with_inner_vjp(
 
 def _split_axes(axes: tuple[str, ...]) -> tuple[str, ...]:
     """The axes among `axes` of more than one device, on the mesh set with `jax.set_mesh`
-    (XLA's partitioner rejects a manual axis of one device next to automatic ones)."""
+    (XLA's partitioner rejects a manual axis of one device next to automatic ones), less
+    those an enclosing `shard_map` made manual already (data parallelism's: the tokens
+    here are this device's rows)."""
     if not axes:
         return ()
     mesh = jax.sharding.get_abstract_mesh()
     missing = [a for a in axes if a not in mesh.axis_names]
     if missing:
         raise ValueError(f"mixture of experts over {missing} needs the mesh: call it under `jax.set_mesh(mesh)`")
-    return tuple(a for a in axes if mesh.shape[a] > 1)
+    return tuple(a for a in axes if mesh.shape[a] > 1 and a not in mesh.manual_axes)
 
 
 def _moe_groups(
@@ -729,10 +731,16 @@ def dropout(x: jax.Array, *, rate: float, key: jax.Array | None) -> jax.Array:
 
 
 def cross_entropy(
-    logits: jax.Array, *, targets: jax.Array, mask: jax.Array | None = None, ignore_index: int
+    logits: jax.Array, *, targets: jax.Array, mask: jax.Array | None = None, ignore_index: int, classes: int = 0
 ) -> jax.Array:
-    """The mean over the positions counted (see `cross_entropy_count`); 0 when none is."""
+    """The mean over the positions counted (see `cross_entropy_count`); 0 when none is.
+    Logits past the first `classes` (when given) are a padded vocabulary's, out of the softmax."""
     logits = logits.astype(jnp.float32)
+    if classes:
+        # The lowest finite f32 rather than -inf: it adds nothing to the softmax, and the
+        # one-hot product below multiplies it by zero without making a NaN.
+        real = jnp.arange(logits.shape[-1]) < classes
+        logits = jnp.where(real, logits, jnp.finfo(jnp.float32).min)
     # The target logit picked by a one-hot product: over vocab-split logits this is a local
     # partial sum and one all-reduce (Megatron's vocab-parallel cross-entropy). An ignored
     # target outside the vocabulary picks nothing.
@@ -742,9 +750,12 @@ def cross_entropy(
     return jnp.sum(losses) / jnp.maximum(jnp.sum(counted), 1).astype(jnp.float32)
 
 
-def cross_entropy_count(*, targets: jax.Array, mask: jax.Array | None = None, ignore_index: int) -> jax.Array:
+def cross_entropy_count(
+    *, targets: jax.Array, mask: jax.Array | None = None, ignore_index: int, classes: int = 0
+) -> jax.Array:
     """How many positions `cross_entropy` averages over: those whose target is not
-    `ignore_index` and whose mask, when given, is not zero (f32)."""
+    `ignore_index` and whose mask, when given, is not zero (f32). `classes` is the loss's own
+    argument, which the count does not need."""
     return jnp.sum(_counted(targets, mask, ignore_index)).astype(jnp.float32)
 
 

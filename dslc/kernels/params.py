@@ -30,9 +30,10 @@ def initial_value(init: str, shape: tuple[int, ...], dtype: str, key: jax.Array)
 
 def initial_array(name: str, p: Parameter, key: jax.Array) -> jax.Array:
     """A stored array's first value: each weight it holds drawn from the key of its own
-    per-layer name (`blocks.3.attn.q`), so how weights are stored changes no value."""
+    per-layer name (`blocks.3.attn.q`) in its own shape, so how weights are stored (stacked,
+    in rows, padded) changes no value; padding is zero."""
     held = weight_names(name, p)
-    if not p.rows and len(held) == 1:
+    if not p.rows and len(held) == 1 and held[0].shape == p.shape:
         return initial_value(p.init, p.shape, p.dtype, named_key(key, name))
     value = jnp.zeros(p.shape, p.dtype)
     for h in held:

@@ -1,7 +1,8 @@
 """One executor for every pipeline schedule: it runs the schedule's table, tick by tick.
 
-The stage axis is manual (`shard_map` over it alone); data and tensor axes stay automatic
-inside, so each stage is still split the way the spec says. Each stage holds only its own
+The stage axis is manual (`shard_map` over it); tensor axes stay automatic inside, so each
+stage is still split the way the spec says, and so do data axes the step does not run
+data-parallel by hand (see "Data parallelism" below). Each stage holds only its own
 weights: the stored arrays come in split over the stage axis (`stage_dims`), and a chunk
 reads its share of the stage's piece (`shares`). A weight kept whole between steps but split
 over the stage axis (an embedding, a head) is gathered for every stage on the way in, and its
@@ -46,6 +47,13 @@ Chunks may return an auxiliary loss besides their output (`has_aux`: a mixture o
 load-balancing loss). It is part of the objective: the chunk's backward differentiates
 (output, aux) with cotangents (output gradient, 1/M), and its value, divided by M, joins the
 loss in the forward tick.
+
+Data parallelism: the executor runs on the batch it is given. A training step runs it inside
+`data_parallel`'s own `shard_map`, manual over the batch's data axes: the batch is then this
+device's rows, every microbatch and buffer a slice of them, and the gradients the backward
+ticks add up are partial sums over the data axes, which `data_parallel` reduces once, after
+the last tick. Inside the tick loop nothing goes over the data axes; were they automatic,
+XLA's partitioner would all-reduce every microbatch's weight gradients within its tick.
 """
 
 from __future__ import annotations
@@ -114,6 +122,11 @@ def pipeline_value_and_grad(
     M = microbatches
     # Microbatch i takes rows i, i+M, i+2M, ...: each keeps rows from every data shard.
     micro = {k: v.reshape(v.shape[0] // M, M, *v.shape[1:]).swapaxes(0, 1) for k, v in batch.items()}
+    # Under data parallelism (`data_parallel`) the batch is this device's rows, and so is
+    # every microbatch the buffers hold (their first dimension).
+    rows = batch[stream].shape[0] // M
+    chunk_inputs = [(rows, *shape[1:]) for shape in chunk_inputs]
+    boundary = ((rows, *boundary[0][1:]), boundary[1])
     tables = {
         name: jnp.asarray(np.asarray(table[name], np.int32))
         for name in (*TABLE_ENTRIES, *OTHER_DIRECTIONS)
@@ -169,9 +182,12 @@ def pipeline_value_and_grad(
         return lax.psum(loss, axis), grads
 
     key_given = key is not None
+    # Inside data parallelism's own `shard_map` (`data_parallel`), the mesh in context has its
+    # data axes manual already, and a nested map must say so.
+    context = jax.sharding.get_abstract_mesh()
     run = jax.shard_map(
         body,
-        mesh=mesh,
+        mesh=context if context.manual_axes else mesh,
         in_specs=(in_specs, PartitionSpec(), PartitionSpec(), PartitionSpec(), PartitionSpec()),
         out_specs=(PartitionSpec(), out_specs),
         axis_names={axis},

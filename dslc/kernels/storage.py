@@ -42,6 +42,15 @@ class Parameter(NamedTuple):
     # between steps (the step gathers it for the stages).
     stage_rows: int | None = None
     stage_split: int | None = None
+    # Elements of padding at the end of each of a weight's own dimensions (a vocabulary padded
+    # to split evenly): stored, zero, and left out when weights are exported one by one.
+    padding: tuple[int, ...] = ()
+
+    @property
+    def update_sharding(self) -> Any:
+        """Where the optimizer updates it: where its optimizer state lives (its piece of it
+        under ZeRO), which is where the step's sum over the data axes leaves its gradient."""
+        return self.sharding if self.optimizer_sharding is None else self.optimizer_sharding
 
 
 def expand_names(pattern: str, lengths: tuple[int, ...], first: int = 0) -> list[str]:
@@ -96,6 +105,8 @@ def weight_names(name: str, p: Parameter) -> list[Held]:
         lengths.append(math.prod(dims[at : at + span]))
         at += span
     inner = p.shape[len(dims) :]
+    if p.padding:
+        inner = tuple(n - pad for n, pad in zip(inner, p.padding, strict=True))
     return [
         Held(layer, unravel(flat, dims), inner, p.init) for flat, layer in enumerate(expand_names(name, tuple(lengths)))
     ]

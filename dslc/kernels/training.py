@@ -1,7 +1,9 @@
-"""The optimizer and gradient accumulation: the parts of a training step both backends share."""
+"""The optimizer, gradient accumulation and data parallelism: the parts of a training step
+both backends share."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -112,96 +114,108 @@ def accumulate_gradients(
     return value / steps, jax.tree.map(lambda g: g / steps, total)
 
 
-def _axes_of(dim: Any) -> tuple[str, ...]:
-    """The mesh axes one entry of a PartitionSpec names."""
-    return (dim,) if isinstance(dim, str) else tuple(dim or ())
-
-
-def spec_axes(spec: PartitionSpec, axes: Any, *, keep: bool) -> PartitionSpec:
-    """`spec` with only the mesh axes in `axes` (`keep`), or with all but them."""
-
-    def entry(dim: Any) -> Any:
-        kept = tuple(a for a in _axes_of(dim) if (a in axes) == keep)
-        return None if not kept else kept[0] if len(kept) == 1 else kept
-
-    return PartitionSpec(*(entry(dim) for dim in spec))
-
-
-def data_parallel_gradients(
+def data_parallel(
     value_and_grad: Callable[[Any, dict[str, jax.Array], jax.Array | None], tuple[jax.Array, Any]],
     params: dict[str, jax.Array],
     batch: dict[str, jax.Array],
     key: jax.Array | None,
     *,
+    mesh: jax.sharding.Mesh,
     axes: tuple[str, ...],
     param_specs: dict[str, PartitionSpec],
     grad_specs: dict[str, PartitionSpec],
-    batch_specs: dict[str, PartitionSpec],
     count: Callable[[dict[str, jax.Array]], jax.Array] | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """`value_and_grad` over the whole batch with the data-parallel sum written out, as ZeRO
-    does it: each data shard differentiates its own rows, and each gradient is
-    reduce-scattered over the data `axes` to the piece `grad_specs` gives it (all-reduced
-    where that splits it over none of them) — one collective per gradient, with half an
-    all-reduce's traffic, instead of all-reducing it whole and slicing.
+    """Mean loss and gradients over the batch, each device working through its own rows of
+    it, the gradients summed over the data-parallel `axes` once, at the end.
 
-    Two maps: the first is manual over `axes` alone (every other axis stays with XLA's
-    partitioner, which splits the model as the spec says) and returns each shard's gradients
-    unsummed, stacked along a new leading dimension; the second is manual over the whole
-    mesh and reduce-scatters each device's own block (a collective in a map that leaves some
-    axes automatic is first gathered whole over them). Each shard's mean loss weighs 1/N,
+    `value_and_grad(params, rows, key)` runs in `jax.shard_map`, manual over `axes` (every
+    other mesh axis stays automatic): it sees the rows of every input this device holds
+    (their first dimension is split over `axes`) and the parameters (`param_specs`), whole
+    along `axes`, and returns its rows' mean loss and gradients. However many slices it cuts
+    its rows into (microbatches, accumulation steps), their gradients stay partial sums on
+    each device, returned unsummed (stacked along a new leading dimension, one block per
+    device), instead of reduced per slice as XLA's partitioner would where each is made.
+
+    A second map, manual over the whole mesh, then sums each device's block once: a
+    reduce-scatter where `grad_specs` keeps the gradient split over `axes` (ZeRO 2, and
+    ZeRO 1's optimizer state, whose pieces the update runs on), leaving each device its
+    piece, else an all-reduce. In that map every device holds just its own piece along the
+    other axes, so nothing is gathered over them first (and XLA's CPU backend, which cannot
+    promote a 16-bit all-reduce in a partly manual map, has none to promote).
+
+    Each device's loss and gradients weigh by its share of the batch: one over the devices,
     or, for a loss that averages over the positions it counts (`count`), its share of the
-    batch's counted positions. Each shard draws its own random numbers (dropout), from `key`
-    folded with its index.
+    batch's counted positions, so the result is the whole batch's mean. Each device draws
+    its own random numbers (its key folded with its index along `axes`).
     """
-    stacked = PartitionSpec(axes)
+    devices = math.prod(mesh.shape[a] for a in axes)
 
-    def shard(params: dict[str, jax.Array], batch: dict[str, jax.Array], key: jax.Array | None) -> Any:
-        if key is not None:
-            key = jax.random.fold_in(key, lax.axis_index(axes))
-        value, grads = value_and_grad(params, batch, key)
+    def body(
+        params: dict[str, jax.Array], rows: dict[str, jax.Array], key: jax.Array
+    ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        mine = jax.random.fold_in(key, lax.axis_index(axes)) if key_given else None
+        loss, grads = value_and_grad(params, rows, mine)
         if count is None:
-            share = jnp.float32(1.0 / lax.axis_size(axes))
+            share = jnp.asarray(1.0 / devices, jnp.float32)
         else:
-            mine = count(batch).astype(jnp.float32)
-            share = mine / jnp.maximum(lax.psum(mine, axes), 1.0)
-        grads = {
-            name: lax.with_sharding_constraint(
-                (g * share.astype(g.dtype))[None], PartitionSpec(None, *param_specs[name])
-            )
-            for name, g in grads.items()
+            counted = count(rows).astype(jnp.float32)
+            share = counted / jnp.maximum(lax.psum(counted, axes), 1.0)
+        weighed = {name: (g * share.astype(g.dtype))[None] for name, g in grads.items()}
+        unsummed = {
+            name: lax.with_sharding_constraint(g, PartitionSpec(None, *param_specs[name]))
+            for name, g in weighed.items()
         }
-        return lax.psum(value * share, axes), grads
+        return lax.psum(loss * share, axes), unsummed
 
     def reduce(grads: dict[str, jax.Array]) -> dict[str, jax.Array]:
         out = {}
         for name, g in grads.items():
-            scatter = [d for d, where in enumerate(grad_specs[name]) if set(_axes_of(where)) & set(axes)]
-            if scatter:
-                where = tuple(a for a in _axes_of(grad_specs[name][scatter[0]]) if a in axes)
-                out[name] = lax.psum_scatter(g[0], where, scatter_dimension=scatter[0], tiled=True)
-            else:
-                out[name] = lax.psum(g[0], axes)
+            dim = _scatter_dim(grad_specs[name], axes)
+            out[name] = (
+                lax.psum(g[0], axes) if dim is None else lax.psum_scatter(g[0], axes, scatter_dimension=dim, tiled=True)
+            )
         return out
 
-    value, local = jax.shard_map(
-        shard,
-        in_specs=(
-            {name: PartitionSpec() for name in params},
-            {name: spec_axes(batch_specs[name], axes, keep=True) for name in batch},
-            PartitionSpec(),
-        ),
-        out_specs=(PartitionSpec(), {name: stacked for name in params}),
+    key_given = key is not None
+    whole = PartitionSpec()
+    loss, stacked = jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=({name: whole for name in params}, {name: PartitionSpec(axes) for name in batch}, whole),
+        out_specs=(whole, {name: PartitionSpec(axes) for name in params}),
         axis_names=set(axes),
-        # The gradients are taken inside, per shard, and summed explicitly: nothing
-        # differentiates through these maps, so replication needs no tracking.
+        # Gradients are taken inside, per device: replication needs no tracking here (with
+        # it, jax would sum every slice's gradient over `axes` as it is made).
         check_vma=False,
-    )(params, batch, key)
-    grads = jax.shard_map(
+    )(params, batch, key if key is not None else jax.random.key(0))
+    summed = jax.shard_map(
         reduce,
+        mesh=mesh,
         in_specs=({name: PartitionSpec(axes, *spec) for name, spec in param_specs.items()},),
-        out_specs={name: grad_specs[name] for name in params},
-        axis_names=set(jax.sharding.get_abstract_mesh().axis_names),
+        out_specs={name: _summed_spec(grad_specs[name], axes) for name in params},
         check_vma=False,
-    )(local)
-    return value, grads  # type: ignore[return-value]
+    )(stacked)
+    return loss, summed
+
+
+def _scatter_dim(spec: PartitionSpec, axes: tuple[str, ...]) -> int | None:
+    """The dimension a gradient kept split over `axes` (ZeRO) is split along, when they end
+    its entry in that order: where a device holds its piece along the entry's other axes, a
+    reduce-scatter over `axes` then leaves it its piece. None for a gradient whole along
+    them, which an all-reduce sums."""
+    for dim, entry in enumerate(spec):
+        names = (entry,) if isinstance(entry, str) else tuple(entry or ())
+        if len(names) >= len(axes) and names[len(names) - len(axes) :] == axes:
+            return dim
+    return None
+
+
+def _summed_spec(spec: PartitionSpec, axes: tuple[str, ...]) -> PartitionSpec:
+    """Where `data_parallel`'s sum leaves a gradient kept as `spec`: as `spec` where it
+    reduce-scatters over `axes`, else `spec` without them (the gradient whole along them)."""
+    if _scatter_dim(spec, axes) is not None:
+        return spec
+    return PartitionSpec(
+        *(tuple(a for a in ((e,) if isinstance(e, str) else tuple(e or ())) if a not in axes) or None for e in spec)
+    )

@@ -255,9 +255,6 @@ class Attention(LayerRule):
         _, q, k_v, scores, _ = _attention_sizes(layer, mesh, slices)
         return 4 * scores * F32 + (q + 2 * k_v) * F32
 
-    def manual_axes(self, layer: Layer, mesh: Mesh) -> Axes:
-        return context_axes(layer, mesh)  # ring attention's
-
     def kernel(self, a: Attrs, operand: Sharding) -> str:
         # `infer` accepts a sequence split over one axis at most (besides the heads' axis,
         # which it gathers): context parallelism.

@@ -64,6 +64,18 @@ class WeightSpec:
                 return self.init
 
 
+@dataclass(frozen=True, slots=True)
+class Vocabulary:
+    """A vocabulary a layer's weights index: `size` entries along each `dims` (weight name,
+    dimension). The compiler pads those dimensions to split evenly over their mesh axes: an
+    embedding's extra rows are never looked up; a head's extra outputs (`logits`: its output's
+    last dimension is the vocabulary) are masked out by the loss that reads them."""
+
+    size: int
+    dims: tuple[tuple[str, int], ...]
+    logits: bool = False
+
+
 @dataclass
 class Context:
     """What a rule sees while typing one use of its layer."""
@@ -139,6 +151,15 @@ class LayerRule:
                 names |= {w.name for w in self.weights({**a, arg.name: not a[arg.name]})}
         return names
 
+    def vocabulary(self, a: Attrs, feeds_masking_loss: bool) -> Vocabulary | None:
+        """The vocabulary this use's weights index, if any; `feeds_masking_loss` says its output
+        goes straight to a loss that masks padded logits out (`masks_padding`)."""
+        return None
+
+    # A loss that takes `classes` and masks the logits past them out of its softmax: the layer
+    # before it may pad its outputs (a vocabulary split over a tensor axis it does not divide).
+    masks_padding: ClassVar[bool] = False
+
     def validate(self, a: Attrs, ctx: Context) -> bool:
         """Checks among the arguments themselves; report and return False when they clash."""
         return True
@@ -163,6 +184,13 @@ class LayerRule:
         y = layer.output.slice_numel(mesh, slices) if layer.output.rank else 1
         return (layer.input.slice_numel(mesh, slices) + y) * DTYPE_BYTES[compute]
 
+    def recomputed_bytes(self, layer: Layer, mesh: Mesh, compute: str, slices: int) -> int:
+        """What recomputing the layer inside a checkpointed block's backward materialises. XLA
+        fuses an elementwise chain into the backward ops that read it, so a rule whose
+        residuals are such a chain's terms (GELU's, a norm's f32 copies) says less here than
+        in `residual_bytes`, which is what a saved forward keeps. By default the same."""
+        return self.residual_bytes(layer, mesh, compute, slices)
+
     def workspace_bytes(self, layer: Layer, mesh: Mesh, compute: str, slices: int) -> int:
         """The largest transient while the layer's backward runs, on top of its residuals. By
         default their gradients, which live next to the residuals themselves: the same size."""
@@ -174,11 +202,6 @@ class LayerRule:
         kind's own name; a rule may choose by sharding (attention over a split sequence is
         ring attention)."""
         return self.kind
-
-    def manual_axes(self, layer: Layer, mesh: Mesh) -> Axes:
-        """The mesh axes this use's kernel runs manual over (inside `jax.shard_map`), which no
-        enclosing `shard_map` may hold manual: none by default."""
-        return ()
 
     # True when the kernel draws random numbers: it then takes `key` (None when evaluating).
     random: ClassVar[bool] = False

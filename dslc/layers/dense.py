@@ -11,6 +11,7 @@ from dslc.layers.base import (
     Attrs,
     Context,
     LayerRule,
+    Vocabulary,
     WeightSpec,
     contract,
     expect_features,
@@ -31,6 +32,10 @@ class Linear(LayerRule):
     def weights(self, a: Attrs) -> tuple[WeightSpec, ...]:
         kernel = WeightSpec("kernel", (a["in"], a["out"]), "fan_in")  # type: ignore[arg-type]
         return (kernel, WeightSpec("bias", (a["out"],), "zeros")) if a["bias"] else (kernel,)  # type: ignore[arg-type]
+
+    def vocabulary(self, a: Attrs, feeds_masking_loss: bool) -> Vocabulary | None:
+        # A head: its outputs are the loss's classes.
+        return Vocabulary(a["out"], (("kernel", 1), ("bias", 0)), logits=True) if feeds_masking_loss else None  # type: ignore[arg-type]
 
     def infer(self, a: Attrs, x: TensorType, w: dict[str, TensorType], ctx: Context) -> TensorType | None:
         if not expect_features(ctx, x, a["in"], "input features"):  # type: ignore[arg-type]
@@ -93,6 +98,9 @@ class Embed(LayerRule):
     def weights(self, a: Attrs) -> tuple[WeightSpec, ...]:
         return (WeightSpec("table", (a["vocab"], a["dim"]), "normal"),)  # type: ignore[arg-type]
 
+    def vocabulary(self, a: Attrs, feeds_masking_loss: bool) -> Vocabulary | None:
+        return Vocabulary(a["vocab"], (("table", 0),))  # type: ignore[arg-type]
+
     def infer(self, a: Attrs, x: TensorType, w: dict[str, TensorType], ctx: Context) -> TensorType | None:
         if x.dtype not in INT_DTYPES:
             ctx.error(
@@ -111,9 +119,9 @@ class Embed(LayerRule):
 
     def residual_bytes(self, layer: Layer, mesh: Mesh, compute: str, slices: int) -> int:
         # The one-hot matrix [tokens, vocab on this device]: the lookup is a contraction.
-        vocab = int(layer.attr("vocab"))  # type: ignore[call-overload]
-        split = mesh.size(layer.weight("table").type.sharding[0])
-        return layer.input.slice_numel(mesh, slices) * -(-vocab // split) * DTYPE_BYTES[compute]
+        table = layer.weight("table").type
+        vocab = table.local_shape(mesh)[0]  # padded, as stored
+        return layer.input.slice_numel(mesh, slices) * vocab * DTYPE_BYTES[compute]
 
     def kernel_args(
         self, a: Attrs, dtype: str, operand: Sharding, weights: Mapping[str, Sharding]

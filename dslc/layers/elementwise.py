@@ -29,6 +29,10 @@ class Elementwise(LayerRule):
     def residual_bytes(self, layer: Layer, mesh: Mesh, compute: str, slices: int) -> int:
         return self.kept * layer.input.slice_numel(mesh, slices) * DTYPE_BYTES[compute]
 
+    def recomputed_bytes(self, layer: Layer, mesh: Mesh, compute: str, slices: int) -> int:
+        # Recomputed, the function's terms fuse into the backward that reads them: the input.
+        return layer.input.slice_numel(mesh, slices) * DTYPE_BYTES[compute]
+
 
 class Relu(Elementwise):
     kind = "relu"

@@ -14,14 +14,25 @@ class CrossEntropy(LayerRule):
     doc = (
         "Softmax cross-entropy of logits [..., classes] against integer targets [...], averaged over the "
         "positions counted: those whose target is not `ignore_index` (Hugging Face's -100) and, given a "
-        "`mask` input, whose mask is not zero. Vocab-parallel logits allowed."
+        "`mask` input, whose mask is not zero. Vocab-parallel logits allowed. Logits past the first `classes` "
+        "are padding, masked out of the softmax: the compiler sets it where it pads a vocabulary."
     )
     args = (
         ArgSpec("targets", "input", doc="the declared input holding the class ids"),
         ArgSpec("ignore_index", "int", -100, "a target that is not counted", positive=False),
         ArgSpec("mask", "input", None, "a declared input shaped like the targets: 0 (false) where not counted"),
+        ArgSpec("classes", "int", 0, "the real classes, the rest of the logits padding; 0: all", positive=False),
     )
     count_kernel = "cross_entropy_count"
+    masks_padding = True
+
+    def validate(self, a: Attrs, ctx: Context) -> bool:
+        if int(a["classes"]) < 0:  # type: ignore[call-overload]
+            ctx.error(
+                "E024", f"`classes` of `cross_entropy` is a count, got {a['classes']}", at=ctx.arg_span("classes")
+            )
+            return False
+        return True
 
     def infer(self, a: Attrs, x: TensorType, w: dict[str, TensorType], ctx: Context) -> TensorType | None:
         target = ctx.inputs[a["targets"]]  # type: ignore[index]
@@ -49,6 +60,16 @@ class CrossEntropy(LayerRule):
             return None
         if a["mask"] is not None and not _mask_fits(ctx.inputs[a["mask"]], target, ctx):  # type: ignore[index]
             return None
+        classes = int(a["classes"])  # type: ignore[call-overload]
+        if classes > x.shape[-1]:
+            ctx.error(
+                "E016",
+                f"`{ctx.path}` counts {classes} classes, but its logits have {x.shape[-1]}: {x.describe()}",
+                at=ctx.arg_span("classes"),
+                labels=[Label(ctx.input_span, "logits produced here")],
+                help=f"at most {x.shape[-1]}, or leave `classes` out to count them all",
+            )
+            return None
         scalar = replicated("f32", ())
         ctx.collective(
             "all-reduce",
@@ -67,7 +88,8 @@ class CrossEntropy(LayerRule):
     def kernel_args(
         self, a: Attrs, dtype: str, operand: Sharding, weights: Mapping[str, Sharding]
     ) -> dict[str, object]:
-        return {"ignore_index": a["ignore_index"]}
+        # Only padded logits need the mask: others are left as they were.
+        return {"ignore_index": a["ignore_index"]} | ({"classes": a["classes"]} if a["classes"] else {})
 
 
 def _mask_fits(mask: Input, target: Input, ctx: Context) -> bool:

@@ -165,11 +165,6 @@ class MoE(LayerRule):
         x, _, _, computed, width = _moe_sizes(layer, mesh, slices)
         return (x + computed * width) * DTYPE_BYTES[compute]
 
-    def manual_axes(self, layer: Layer, mesh: Mesh) -> Axes:
-        # Expert parallel: the experts' axes and the batch's (see `dslc.kernels.layers.moe`).
-        experts = expert_axes(layer, mesh)
-        return (*experts, *split_axes((layer.operand or layer.input.sharding)[0], mesh)) if experts else ()
-
     def kernel_args(
         self, a: Attrs, dtype: str, operand: Sharding, weights: Mapping[str, Sharding]
     ) -> dict[str, object]:

@@ -225,6 +225,29 @@ class Program:
         """The forward pass, the gradient step (`grads`) or the whole training step (`train`:
         parameters and optimizer state donated) lowered for abstract arrays with the program's
         shardings: `.compile()` it to read XLA's memory analysis or its optimized HLO."""
+        with jax.set_mesh(self.mesh):
+            return self.trace(step).lower()
+
+    def trace(self, step: Literal["forward", "grads", "train"] = "train") -> Any:
+        """`lower`'s step traced, not yet lowered: `.jaxpr` is what JAX hands XLA, with every
+        loop and branch still whole (XLA's cost analysis counts a loop's body once)."""
+        params, batch = self.abstract_arguments()
+        with jax.set_mesh(self.mesh):
+            if step == "forward":
+                return self._run.trace(params, batch)
+            if step == "grads":
+                return self._grads.trace(params, batch)
+            abstract = jax.eval_shape(functools.partial(self.module.optimizer_state, self.optimizer), params)
+            state = jax.tree.map(
+                lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
+                abstract,
+                self.module.optimizer_shardings(abstract, self.mesh),
+            )
+            return self._step.trace(params, state, batch, jax.random.key(0))
+
+    def abstract_arguments(self) -> tuple[dict[str, jax.ShapeDtypeStruct], dict[str, jax.ShapeDtypeStruct]]:
+        """The stored arrays and a batch as shapes, dtypes and shardings: what `trace` and
+        `lower` compile for, without allocating anything."""
         params = {
             name: jax.ShapeDtypeStruct(p.shape, jax.numpy.dtype(p.dtype), sharding=self._shardings[name])
             for name, p in self.module.PARAMETERS.items()
@@ -237,18 +260,7 @@ class Program:
             )
             for inp in self.ir.inputs
         }
-        with jax.set_mesh(self.mesh):
-            if step == "forward":
-                return self._run.lower(params, batch)
-            if step == "grads":
-                return self._grads.lower(params, batch)
-            abstract = jax.eval_shape(functools.partial(self.module.optimizer_state, self.optimizer), params)
-            state = jax.tree.map(
-                lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
-                abstract,
-                self.module.optimizer_shardings(abstract, self.mesh),
-            )
-            return self._step.lower(params, state, batch, jax.random.key(0))
+        return params, batch
 
     def compiled_memory(self, step: Literal["grads", "train"] = "train") -> CompiledMemory:
         """Compile the gradient step or the whole training step for this mesh and report
@@ -270,11 +282,19 @@ class Program:
 
     @functools.cached_property
     def _run(self) -> Any:
-        """(output, auxiliary values) of the forward pass, dropout off."""
+        """(output, auxiliary values) of the forward pass, dropout off; logits a padded
+        vocabulary widened are cut back to the spec's classes."""
         module = self.module
-        if hasattr(module, "run"):
-            return jax.jit(lambda params, inputs: module.run(params, inputs))
-        return jax.jit(lambda params, inputs: (module.forward(params, inputs), {}))
+        run = module.run if hasattr(module, "run") else lambda params, inputs: (module.forward(params, inputs), {})
+        loss = self.ir.loss
+        classes = loss.attr("classes") if loss is not None and "classes" in dict(loss.attrs) else 0
+        assert isinstance(classes, int)
+
+        def output(params: Params, inputs: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
+            y, aux = run(params, inputs)
+            return (y[..., :classes] if classes else y), aux
+
+        return jax.jit(output)
 
     @functools.cached_property
     def _loss(self) -> Any:

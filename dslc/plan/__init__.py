@@ -6,12 +6,13 @@ no accelerator stack, so `dslc plan` answers before anything is compiled or allo
 
 from __future__ import annotations
 
-from dslc.ir.nodes import Program, all_layers, weights_by_path
+from dslc.ir.nodes import Program, all_layers, parameter_count
 from dslc.layers.attention import context_axes
 from dslc.plan.communication import Transfer, communication
 from dslc.plan.experts import ExpertLayer, experts
 from dslc.plan.flops import Flops, busiest_stage_flops, flops
 from dslc.plan.memory import Memory, memory
+from dslc.plan.padding import logits_padding, paddings
 from dslc.plan.report import Pipeline, Plan, format_bytes
 from dslc.plan.roles import read_roles
 from dslc.plan.step_time import Hardware, StepTime, intra_node_axes, step_time
@@ -49,7 +50,7 @@ def plan(program: Program, device_memory: int | None = None, hardware: Hardware 
     return Plan(
         model=program.name,
         mesh=tuple(zip(program.mesh.names, program.mesh.shape, strict=True)),
-        parameters=sum(w.type.numel for w in weights_by_path(program).values()),
+        parameters=parameter_count(program),
         memory=mem,
         communication=transfers,
         flops=flops(program),
@@ -59,6 +60,8 @@ def plan(program: Program, device_memory: int | None = None, hardware: Hardware 
         experts=experts(program),
         step_time=estimate,
         hardware=hardware,
+        padding=paddings(program),
+        logits_padding=logits_padding(program),
     )
 
 

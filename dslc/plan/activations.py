@@ -47,32 +47,35 @@ def weight_copies(layer: Layer, mesh: Mesh, compute: str) -> int:
     return sum(w.type.local_nbytes(mesh) // DTYPE_BYTES[w.type.dtype] * DTYPE_BYTES[compute] for w in layer.weights)
 
 
-def kept_by(nodes: tuple[Node, ...], mesh: Mesh, compute: str, slices: int) -> Kept:
+def kept_by(nodes: tuple[Node, ...], mesh: Mesh, compute: str, slices: int, recomputed: bool = False) -> Kept:
     """What running `nodes` forward keeps for their backward pass, on one device.
 
     The backward pass visits the nodes last to first, freeing each node's residuals once it
     is done, so while node i is differentiated the residuals of nodes before it are still
     held: the peak is the largest (kept by nodes before i) + (node i's own peak). A repeat is
-    one node here, as it is one `lax.scan` in the lowering.
+    one node here, as it is one `lax.scan` in the lowering. `recomputed`: the nodes run again
+    inside a checkpointed block's backward, where XLA fuses elementwise chains into the ops
+    that read them (each rule's `recomputed_bytes`).
     """
     kept = peak = 0
     for node in nodes:
-        one = _kept_by_node(node, mesh, compute, slices)
+        one = _kept_by_node(node, mesh, compute, slices, recomputed)
         peak = max(peak, kept + one.peak)
         kept += one.kept
     return Kept(kept, max(peak, kept))
 
 
-def _kept_by_scan(run: Repeat, mesh: Mesh, compute: str, slices: int) -> Kept:
+def _kept_by_scan(run: Repeat, mesh: Mesh, compute: str, slices: int, recomputed: bool) -> Kept:
     """A `lax.scan` over a repeat's layers stacks each step's residuals into one buffer per
     residual, which its backward loop frees only when the loop is done: while the first
     layer is differentiated, every layer's residuals are still held, the first's own
     included."""
-    one = _kept_by_node(run.body, mesh, compute, slices)
-    return Kept(run.count * one.kept, run.count * one.kept + _transient(run.body, mesh, compute, slices))
+    one = _kept_by_node(run.body, mesh, compute, slices, recomputed)
+    transient = _transient(run.body, mesh, compute, slices, recomputed)
+    return Kept(run.count * one.kept, run.count * one.kept + transient)
 
 
-def _transient(node: Node, mesh: Mesh, compute: str, slices: int) -> int:
+def _transient(node: Node, mesh: Mesh, compute: str, slices: int, recomputed: bool) -> int:
     """What differentiating `node` needs beyond what it kept, when none of what it kept is
     freed before it is done (its residuals sit in a scan's stacked buffers)."""
     match node:
@@ -80,34 +83,37 @@ def _transient(node: Node, mesh: Mesh, compute: str, slices: int) -> int:
             return RULES[node.kind].workspace_bytes(node, mesh, compute, slices)
         case Block() if node.remat.policy != "none":
             # The body is recomputed as a whole, into the step's own temporaries.
-            one = _kept_by_node(node, mesh, compute, slices)
+            one = _kept_by_node(node, mesh, compute, slices, recomputed)
             return one.peak - one.kept
         case Block() | Residual():
-            return max((_transient(c, mesh, compute, slices) for c in node.body), default=0)
+            return max((_transient(c, mesh, compute, slices, recomputed) for c in node.body), default=0)
         case Repeat():
-            return _transient(node.body, mesh, compute, slices)
+            return _transient(node.body, mesh, compute, slices, recomputed)
         case Layout():
             return 0
         case _:
             assert_never(node)
 
 
-def _kept_by_node(node: Node, mesh: Mesh, compute: str, slices: int) -> Kept:
+def _kept_by_node(node: Node, mesh: Mesh, compute: str, slices: int, recomputed: bool = False) -> Kept:
     match node:
         case Layer():
             rule = RULES[node.kind]
             cast = any(w.type.dtype != compute for w in node.weights)
             copies = weight_copies(node, mesh, compute) if cast else 0
-            kept = rule.residual_bytes(node, mesh, compute, slices) + copies
+            residuals = rule.recomputed_bytes if recomputed else rule.residual_bytes
+            kept = residuals(node, mesh, compute, slices) + copies
             return Kept(kept, kept + rule.workspace_bytes(node, mesh, compute, slices))
         case Residual():
-            return kept_by(node.body, mesh, compute, slices)
+            return kept_by(node.body, mesh, compute, slices, recomputed)
         case Repeat():
-            return _kept_by_scan(node, mesh, compute, slices)
+            return _kept_by_scan(node, mesh, compute, slices, recomputed)
         case Layout():
             return Kept()
         case Block():
-            inner = kept_by(node.body, mesh, compute, slices)
+            # A checkpointed block's backward runs it again: what that materialises is the
+            # working set.
+            inner = kept_by(node.body, mesh, compute, slices, recomputed or node.remat.policy != "none")
             match node.remat.policy:
                 case "none":
                     return inner

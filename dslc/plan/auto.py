@@ -49,13 +49,13 @@ from dslc.plan.activations import tensor_bytes
 from dslc.plan.auto_report import AutoPlan, Candidate, Excluded
 from dslc.plan.communication import Transfer, communication, ring_bytes
 from dslc.plan.flops import busiest_stage_flops, flops
-from dslc.plan.memory import Memory, memory, pipeline_activations
+from dslc.plan.memory import Memory, memory
 from dslc.plan.memory import training_state as memory_state
 from dslc.plan.roles import read_roles
 from dslc.plan.schedule_figures import Figures, figures
 from dslc.plan.step_time import PER_MICROBATCH, Hardware, StepTime, intra_node_axes, step_time
 from dslc.plan.timetable import pipelined
-from dslc.schedules import KINDS, SPLIT_BACKWARD, V_KINDS, Kind, ScheduleError
+from dslc.schedules import KINDS, SPLIT_BACKWARD, V_KINDS, Kind, ScheduleError, placement
 from dslc.syntax import ast
 
 # The most chunks per stage tried: the bubble shrinks as 1/V while the stash slots, the sends
@@ -116,7 +116,7 @@ class _Costed:
         if split not in self.costs:
             program = self.program
             if program.pipeline is not None and schedule is not None:
-                program = replace(program, pipeline=replace(program.pipeline, schedule=schedule))
+                program = with_schedule(program, schedule, program.pipeline.microbatches)
             transfers = tuple(t for t in communication(program) if t.kind != "ppermute")
             self.costs[split] = (busiest_stage_flops(program), transfers)
         return self.costs[split]
@@ -169,8 +169,25 @@ class _Pending:
         program = self.costed.program
         if program.pipeline is None or self.schedule is None or self.microbatches is None:
             return program
-        settings = replace(program.pipeline, schedule=self.schedule, microbatches=self.microbatches)
-        return replace(program, pipeline=settings)
+        return with_schedule(program, self.schedule, self.microbatches)
+
+
+def with_schedule(program: Program, schedule: str, microbatches: int) -> Program:
+    """`program` run by another schedule: its pipeline settings, and its chunks on the stages
+    that schedule places them on (a V puts chunk 2P-1-d on stage d), which decides how the
+    stages store their weights."""
+    assert program.pipeline is not None
+    settings = replace(program.pipeline, schedule=schedule, microbatches=microbatches)
+    try:
+        stages = placement(schedule, program.stages, program.pipeline.virtual)
+    except ScheduleError:
+        stages = ()
+    chunks = program.chunks
+    if len(stages) == len(chunks):
+        chunks = tuple(
+            replace(c, stage=stages[c.index], virtual=stages[: c.index].count(stages[c.index])) for c in chunks
+        )
+    return replace(program, pipeline=settings, chunks=chunks)
 
 
 class AutoPlanner:
@@ -361,8 +378,9 @@ class AutoPlanner:
         """Parameters, gradients, accumulators, optimizer state and inputs per device before a
         group is elaborated: on one stage exactly as `dslc.plan.memory` counts them (the
         weights as stored without a pipeline), on more a lower bound — each stage holds at
-        least its 1/P share of everything, and a gradient accumulator as large as its
-        gradients — so that a group whose state alone does not fit is ruled out safely."""
+        least its 1/P share of everything, and the weight gradients a backward tick returns,
+        as large as its gradients — so that a group whose state alone does not fit is ruled
+        out safely."""
         program = replace(self.reference, mesh=mesh, pipeline=None)
         state = memory_state(program)
         inputs = sum(inp.type.local_nbytes(mesh) for inp in program.inputs)
@@ -454,7 +472,7 @@ class AutoPlanner:
         costed = pending.costed
         group = costed.group
         exact = costed.base_memory <= self.device_memory
-        total = costed.base_memory + (self._activations(pending) if exact else 0)
+        total = self._memory(pending) if exact else costed.base_memory
         fits = total <= self.device_memory
         rejected = None
         if fits:
@@ -474,13 +492,13 @@ class AutoPlanner:
             rejected,
         )
 
-    def _activations(self, pending: _Pending) -> int:
-        """The activations `dslc.plan.memory` counts for the candidate: under a pipeline, its
-        schedule's stash and receive slots and one chunk's backward; without one, the same
-        for every option."""
+    def _memory(self, pending: _Pending) -> int:
+        """The memory `dslc.plan.memory` counts for the candidate: under a pipeline, its
+        schedule's (the stash and receive slots, one chunk's backward, and how its placement
+        stores the weights); without one, the same for every option."""
         if pending.figures is None or pending.microbatches is None:
-            return pending.costed.planned.activations
-        return pipeline_activations(pending.program)[0]
+            return pending.costed.planned.total
+        return memory(pending.program).total
 
 
 def _plannable(kind: str, stages: int, microbatches: int, virtual: int) -> bool:

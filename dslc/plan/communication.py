@@ -21,10 +21,11 @@ Rules:
   recomputes its forward exchange once more in its backward
   (`moe.pipeline_recompute_collectives`);
 * gradients: data-parallel reduction over the batch axes of every gradient the device holds
-  (under a pipeline, its own stage's) once per step —
+  (under a pipeline, its own stage's) once per step — once per slice of the batch over an
+  axis that splits parameters (ZeRO-3, experts; see `ir.data_parallel`) —
   an all-reduce, or a reduce-scatter where ZeRO >= 2 splits that gradient, or where ZeRO 1
-  splits its optimizer state and the step sums the gradients itself
-  (`reduce_scatters_gradients`: ZeRO's 1.97Ψ on 64 devices, not 2.95Ψ); ZeRO 1 and 2 then
+  splits its optimizer state and the step sums the gradients by hand (ZeRO's 1.97Ψ on 64
+  devices, not an all-reduce and a gather, 2.95Ψ); ZeRO 1 and 2 then
   all-gather the updated parameters, ZeRO 3 all-gathers them before the forward and again
   before the backward. Where attention rings over context axes, every layer saw only its
   share of the tokens, so each gradient is first all-reduced over those axes as well;
@@ -39,6 +40,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from dslc.ir.data_parallel import data_parallel_axes
 from dslc.ir.nodes import (
     DTYPE_BYTES,
     Axes,
@@ -51,12 +53,12 @@ from dslc.ir.nodes import (
     Program,
     Repeat,
     Residual,
+    Sharding,
     TensorType,
     all_layers,
     counted_layers,
 )
 from dslc.ir.placement import place
-from dslc.ir.state import reduce_scatters_gradients
 from dslc.layers import LOSS_KINDS
 from dslc.layers.attention import context_axes, ring_backward_collectives
 from dslc.layers.moe import pipeline_recompute_collectives
@@ -184,10 +186,13 @@ def batch_axes(program: Program) -> Axes:
 
 def _gradient_sync(program: Program, totals: Totals) -> None:
     """Once per step, for every array of the stage's: its gradient reduced over the batch axes
-    (and over the context axes where attention rings), as ZeRO says."""
+    (and over the context axes where attention rings), as ZeRO says. Over batch axes a step
+    does not run data-parallel by hand (`data_parallel_axes`: ZeRO-3's, experts'), XLA
+    reduces each slice's gradient (microbatch, accumulation step) as it is made."""
     mesh, zero = program.mesh, program.train.zero
-    scatters = reduce_scatters_gradients(program)  # ZeRO 1, as ZeRO 2 does
     data = batch_axes(program)
+    once = data_parallel_axes(program)
+    slices = microbatch_slices(program)
     context = tuple(dict.fromkeys(a for layer in all_layers(program) for a in context_axes(layer, mesh)))
     for array in place(program).arrays:
         t = array.type
@@ -200,10 +205,19 @@ def _gradient_sync(program: Program, totals: Totals) -> None:
             continue
         state = array.state(program)
         split = state.spread_ok and zero >= 1
-        scattered = split and (zero >= 2 or scatters)
-        _add(totals, mesh, "reduce-scatter" if scattered else "all-reduce", axes, "gradients", size)
+        times = 1 if set(axes) <= set(once) else slices
+        # ZeRO 2 keeps the gradient split; ZeRO 1 reduce-scatters it into the optimizer
+        # state's pieces where the step sums it by hand.
+        scattered = split and (zero >= 2 or (times == 1 and bool(once) and _ends(axes, state.optimizer)))
+        _add(totals, mesh, "reduce-scatter" if scattered else "all-reduce", axes, "gradients", size, times)
         if split:
             _add(totals, mesh, "all-gather", axes, "gradients", size, 2 if zero >= 3 else 1)
+
+
+def _ends(axes: Axes, sharding: Sharding) -> bool:
+    """Whether `axes` end one dimension's entry of `sharding`: a reduce-scatter over them
+    then leaves each device its piece (`kernels.training.data_parallel`)."""
+    return any(len(entry) >= len(axes) and entry[len(entry) - len(axes) :] == axes for entry in sharding)
 
 
 def _pipeline_sends(program: Program, totals: Totals) -> None:

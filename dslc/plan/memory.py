@@ -20,10 +20,11 @@ the spec's checkpointing decides), in as many stash slots as the schedule's buff
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
-from dslc.ir.nodes import Mesh, Program, TensorType
-from dslc.ir.placement import place
+from dslc.ir.nodes import Mesh, Node, Program, Repeat, TensorType
+from dslc.ir.placement import Placement, place
 from dslc.plan.activations import Kept, kept_by, tensor_bytes
 from dslc.plan.timetable import microbatch_slices, pipeline_figures
 
@@ -62,6 +63,7 @@ class State:
     optimizer: int
     accumulators: int
     gathered: int  # whole copies of the weights split over the stage axis, for the step
+    held: int  # the gradients the step computes: the stage's own pieces, gathered arrays whole
     details: tuple[tuple[str, int], ...]
 
 
@@ -80,15 +82,16 @@ def optimizer_state_bytes(t: TensorType, sharding: tuple[tuple[str, ...], ...], 
     return copies * _local(t, sharding, program.mesh)
 
 
-def training_state(program: Program) -> State:
+def training_state(program: Program, placement: Placement | None = None) -> State:
     """Parameters, gradients, optimizer state and accumulators per device, as stored."""
     mesh, train = program.mesh, program.train
     axis = program.pipeline.axis if program.pipelined and program.pipeline else None
-    params = grads = optimizer = held = gathered = 0
-    for array in place(program).arrays:
+    params = grads = optimizer = held = gathered = returned = 0
+    for array in (placement or place(program)).arrays:
         state = array.state(program)
         params += _local(array.type, state.params, mesh)
-        grads += _local(array.type, state.grads, mesh)
+        grad = _local(array.type, state.grads, mesh)
+        grads += grad
         optimizer += optimizer_state_bytes(array.type, state.optimizer, program)
         # What the step computes the gradient in: the stage's own piece, or a gathered whole.
         whole = tuple(tuple(a for a in axes if a != axis) for axes in array.type.sharding)
@@ -96,27 +99,32 @@ def training_state(program: Program) -> State:
         held += here
         if array.split_dim is not None:
             gathered += here
+        elif array.stage_dim is not None and grad == here:
+            # The executor returns a stage's own piece of the accumulator as it is: the
+            # accumulator's buffer is the gradient the step returns.
+            returned += here
     details = []
     accumulators = 0
     if train.accumulate > 1:
         accumulators += held
         details.append((f"gradient accumulator (accumulate {train.accumulate})", held))
-    if axis is not None:
-        accumulators += held
-        details.append(("pipeline gradient accumulator (this stage's arrays)", held))
+    if axis is not None and held > returned:
+        accumulators += held - returned
+        details.append(("pipeline gradient accumulator (gathered or replicated arrays)", held - returned))
     if gathered:
         details.append(("weights split over the stage axis, gathered for the step", gathered))
-    return State(params, grads, optimizer, accumulators, gathered, tuple(details))
+    return State(params, grads, optimizer, accumulators, gathered, held, tuple(details))
 
 
 def memory(program: Program) -> Memory:
     mesh, train = program.mesh, program.train
-    state = training_state(program)
+    placement = place(program)
+    state = training_state(program, placement)
     inputs = sum(inp.type.local_nbytes(mesh) for inp in program.inputs)
     details = list(state.details)
     temporaries = state.gathered
     if program.pipelined:
-        acts, pipe_details, pipe_temps = pipeline_activations(program)
+        acts, pipe_details, pipe_temps = pipeline_activations(program, state, placement)
         details.extend(pipe_details)
         temporaries += pipe_temps
     else:
@@ -131,10 +139,15 @@ def memory(program: Program) -> Memory:
     )
 
 
-def pipeline_activations(program: Program) -> tuple[int, list[tuple[str, int]], int]:
-    """The executor's buffers on a stage: per stash slot one chunk input and one microbatch's
-    residuals, receive slots for activations and gradients (each buffer with one scratch slot
-    besides the table's), and one chunk's backward working set."""
+def pipeline_activations(
+    program: Program, state: State | None = None, placement: Placement | None = None
+) -> tuple[int, list[tuple[str, int]], int]:
+    """The executor's buffers on a stage, as (activations, details, temporaries). Activations:
+    per stash slot one chunk input and one microbatch's residuals, receive slots for
+    activations and gradients (each buffer with one scratch slot besides the table's), the
+    slot a backward tick reads, and one chunk's backward working set. Temporaries, which no
+    schedule changes: the batch split into microbatches, and the weight gradients a backward
+    tick returns."""
     pipeline = program.pipeline
     assert pipeline is not None
     mesh, train = program.mesh, program.train
@@ -148,9 +161,23 @@ def pipeline_activations(program: Program) -> tuple[int, list[tuple[str, int]], 
     working = max((k.peak - k.kept for k in chunks), default=0)
     stash = (slots.stash_slots + 1) * (boundary + residuals)
     received = (slots.activation_slots + slots.gradient_slots + 2) * boundary
-    # A tick's own values: the residuals its forward makes and those its backward reads (one
-    # slot's worth each, outside the stash), and the chunk's weight gradients it adds up.
-    tick = 2 * (boundary + residuals)
+    # The backward reads one slot out of the stash (the residuals and the chunk input) and
+    # its output gradient out of the receive buffer; the forward's new slot is written into
+    # the stash before the backward runs.
+    tick = residuals + 2 * boundary
+    # The backward switch returns a gradient for every array of the stage (zeros for those
+    # its chunk does not read), which is then added to the accumulator.
+    placement = placement or place(program)
+    returned = (state or training_state(program, placement)).held
+    # With one row of a microbatch on a device, XLA lays the stash's stacked residuals out
+    # with that unit dimension elsewhere than the backward's scan reads them, and copies the
+    # slot's scanned residuals into the scan's layout for every backward.
+    rows = min((t.local_shape(mesh)[0] for t in program.boundaries if t.rank), default=0)
+    scanned = max((_scanned(c.nodes, mesh, train.compute_dtype, slices) for c in program.chunks), default=0)
+    relaid = scanned if -(-rows // pipeline.microbatches) == 1 else 0
+    unpadded = max(
+        (max(_part_gradients(program, placement, c), default=0) for c in range(len(program.chunks))), default=0
+    )
     details = [
         (
             f"stash: {slots.stash_slots} slots of a chunk's input and residuals "
@@ -158,13 +185,37 @@ def pipeline_activations(program: Program) -> tuple[int, list[tuple[str, int]], 
             stash,
         ),
         (f"receive buffers: {slots.activation_slots} activation + {slots.gradient_slots} gradient slots", received),
-        ("a tick's residuals, made by its forward and read by its backward", tick),
+        ("a backward tick's slot read from the stash, and its output gradient", tick),
         ("one chunk's backward working set for one microbatch", working),
+        ("the weight gradients a backward tick returns, one per array of the stage", returned),
+        ("a chunk's weight gradient before it is padded into its array", unpadded),
+        ("the slot's scanned residuals copied into the scan's layout (one row per microbatch)", relaid),
     ]
     # The executor reshapes the batch into microbatches: one copy of the inputs.
     copy = sum(inp.type.local_nbytes(mesh) for inp in program.inputs)
     details.append(("the batch split into microbatches (a copy)", copy))
-    return stash + received + tick + working, details, copy
+    return stash + received + tick + working + relaid, details, copy + returned + unpadded
+
+
+def _scanned(nodes: tuple[Node, ...], mesh: Mesh, compute: str, slices: int) -> int:
+    """What the scans of a chunk's repeats (of more than one block) keep, stacked."""
+    return sum(kept_by((n,), mesh, compute, slices).kept for n in nodes if isinstance(n, Repeat) and n.count > 1)
+
+
+def _part_gradients(program: Program, placement: Placement, chunk: int) -> list[int]:
+    """Bytes of the weight gradients chunk `chunk` computes for a part of its stage's piece of
+    an array (a row padded to a larger one, one of a stage's virtual chunks): each is made at
+    its own shape and then padded into a gradient of the whole piece, so both exist at once.
+    A chunk that reads the whole piece makes that gradient directly."""
+    stages = program.stages
+    sizes = []
+    for share in placement.shares[chunk].values():
+        array = placement.array(share.stored)
+        piece = math.prod(array.type.shape) // (stages if array.stage_dim is not None else 1)
+        part = math.prod(share.shape)
+        if part < piece:
+            sizes.append(array.type.local_nbytes(program.mesh) * part // piece)
+    return sizes
 
 
 __all__ = ["Kept", "Memory", "State", "memory", "optimizer_state_bytes", "pipeline_activations", "training_state"]

@@ -9,6 +9,7 @@ from dslc.plan.communication import Transfer
 from dslc.plan.experts import ExpertLayer
 from dslc.plan.flops import Flops
 from dslc.plan.memory import Memory
+from dslc.plan.padding import LogitsPadding, Padding
 from dslc.plan.step_time import Hardware, StepTime
 
 GIB = 1 << 30
@@ -51,6 +52,8 @@ class Plan:
     measured: Measured | None = None
     step_time: StepTime | None = None  # estimated on `hardware`
     hardware: Hardware | None = None
+    padding: tuple[Padding, ...] = ()  # vocabularies padded to split evenly
+    logits_padding: LogitsPadding | None = None
 
     @property
     def devices(self) -> int:
@@ -145,6 +148,26 @@ class Plan:
                 "total_s": self.step_time.total,
                 "hardware": self.hardware.to_json(),
             },
+            "padding": {
+                "arrays": [
+                    {
+                        "weight": p.weight,
+                        "declared": list(p.declared),
+                        "stored": list(p.stored),
+                        "axes": list(p.axes),
+                        "parameters": p.parameters,
+                        "bytes_per_device": p.bytes,
+                    }
+                    for p in self.padding
+                ],
+                "logits": None
+                if self.logits_padding is None
+                else {
+                    "classes": self.logits_padding.classes,
+                    "width": self.logits_padding.width,
+                    "flops": self.logits_padding.flops,
+                },
+            },
             "device_memory": self.device_memory,
             "fits": None if self.device_memory is None else m.total <= self.device_memory,
             "warnings": list(self.warnings),
@@ -220,8 +243,28 @@ class Plan:
                 f"  on {self.hardware.describe()} (docs/plan.md; --device-flops and the other flags of "
                 "--mesh auto change them)",
             ]
+        lines += self._padding_text()
         lines += [f"warning: {w}" for w in self.warnings]
         return "\n".join(lines) + "\n"
+
+    def _padding_text(self) -> list[str]:
+        if not self.padding:
+            return []
+        lines = ["", "vocabulary padded to split evenly (the padding is zero, masked out of the loss, never exported)"]
+        for p in self.padding:
+            shapes = f"[{', '.join(map(str, p.declared))}] -> [{', '.join(map(str, p.stored))}]"
+            # Padding to the next size the split divides costs no memory: an uneven split's
+            # largest piece is as large.
+            cost = f"+{format_bytes(p.bytes)} of training state per device" if p.bytes else "no more memory per device"
+            lines.append(f"  {p.weight} {shapes} over {','.join(p.axes)}: +{p.parameters:,} parameters, {cost}")
+        if self.logits_padding is not None:
+            lp = self.logits_padding
+            share = lp.flops / self.flops.total if self.flops.total else 0.0
+            lines.append(
+                f"  logits {lp.classes} -> {lp.width} wide, masked out of the loss: +{lp.flops:.4g} FLOPs per step "
+                f"({share:.3%})"
+            )
+        return lines
 
 
 def format_bytes(n: int) -> str:

@@ -39,6 +39,7 @@ class Tensor:
     mesh: ir.Mesh
     stored: str = ""  # a weight: the stored array holding it
     first: bool = True  # a weight: whether this is the array's first use (its bytes count here)
+    declared: tuple[int, ...] = ()  # a padded vocabulary's array: its shape without the padding
 
     @property
     def local_shape(self) -> tuple[int, ...]:
@@ -58,6 +59,7 @@ class Tensor:
             "shape": list(self.type.shape),
             "local_shape": list(self.local_shape),
             "bytes": self.bytes if self.first else 0,
+            "declared_shape": list(self.declared or self.type.shape),
         }
 
     def to_text(self, what: str) -> str:
@@ -69,6 +71,8 @@ class Tensor:
             line += f"  in `{self.stored}`"
         if self.computed != self.type.sharding:
             line += f"  (gathered to {partition_spec(self.computed)} to compute)"
+        if self.declared:
+            line += f"  (padded from [{', '.join(map(str, self.declared))}])"
         return line
 
 
@@ -186,7 +190,8 @@ def tensors(program: ir.Program) -> Tensors:
             computed = (
                 (((),) * (stored[name].rank - w.type.rank) + w.type.sharding) if gathered else stored[name].sharding
             )
-            weights.append(Tensor(w.name, stored[name], computed, mesh, name, name not in seen))
+            padded = arrays[name].declared if any(arrays[name].padding) else ()
+            weights.append(Tensor(w.name, stored[name], computed, mesh, name, name not in seen, padded))
             seen.add(name)
         rows.append(
             Row(

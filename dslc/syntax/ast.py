@@ -99,6 +99,20 @@ class WeightShard:
     span: Span = field(compare=False, repr=False)
 
 
+@dataclass(frozen=True, slots=True)
+class WeightTie:
+    """`kernel = wte.table.T`: a weight that is the one `target` names (its dotted path; a
+    last part `T` reads it transposed)."""
+
+    weight: Ident
+    target: tuple[Ident, ...]
+    span: Span = field(compare=False, repr=False)
+
+    @property
+    def path(self) -> str:
+        return ".".join(i.text for i in self.target)
+
+
 # ---- header items ---------------------------------------------------------------------------
 
 
@@ -159,6 +173,7 @@ class LayerStmt:
     label: Ident | None
     call: Call
     shards: tuple[WeightShard, ...]
+    ties: tuple[WeightTie, ...]
     span: Span = field(compare=False, repr=False)
 
 

@@ -113,8 +113,10 @@ class _Printer:
     def stmt(self, s: ast.Stmt) -> None:
         line = s.span.line
         match s:
-            case ast.LayerStmt(label=label, call=call, shards=shards):
+            case ast.LayerStmt(label=label, call=call, shards=shards, ties=ties):
                 text = _label(label) + _call(call)
+                if ties:
+                    text += " tie " + ", ".join(f"{t.weight.text} = {t.path}" for t in ties)
                 if shards:
                     text += " shard " + ", ".join(_weight_shard(w) for w in shards)
                 self.emit(text, line)

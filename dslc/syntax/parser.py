@@ -261,8 +261,9 @@ class _ToAst(Transformer[Token, Any]):
     def layer_stmt(self, meta: Any, c: list[Any]) -> ast.LayerStmt:
         label = c[0] if isinstance(c[0], ast.Ident) else None
         call = next(x for x in c if isinstance(x, ast.Call))
-        shards = next((x for x in c if isinstance(x, tuple)), ())
-        return ast.LayerStmt(label, call, shards, self._span(meta))
+        shards = next((x for x in c if isinstance(x, tuple) and x and isinstance(x[0], ast.WeightShard)), ())
+        ties = next((x for x in c if isinstance(x, tuple) and x and isinstance(x[0], ast.WeightTie)), ())
+        return ast.LayerStmt(label, call, shards, ties, self._span(meta))
 
     def call(self, meta: Any, c: list[Any]) -> ast.Call:
         args = tuple(a if isinstance(a, ast.Arg) else ast.Arg(None, a, a.span) for a in c[1:])
@@ -276,6 +277,12 @@ class _ToAst(Transformer[Token, Any]):
 
     def weight_shard(self, meta: Any, c: list[Any]) -> ast.WeightShard:
         return ast.WeightShard(self._ident(c[0]), tuple(c[1:]), self._span(meta))
+
+    def tie_clause(self, meta: Any, c: list[ast.WeightTie]) -> tuple[ast.WeightTie, ...]:
+        return tuple(c)
+
+    def weight_tie(self, meta: Any, c: list[Token]) -> ast.WeightTie:
+        return ast.WeightTie(self._ident(c[0]), tuple(self._ident(t) for t in c[1:]), self._span(meta))
 
     def residual_stmt(self, meta: Any, c: list[Any]) -> ast.ResidualStmt:
         label = c[0] if c and isinstance(c[0], ast.Ident) else None

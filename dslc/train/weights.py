@@ -9,6 +9,7 @@ is built. `trained_weights` gives the parameters of a run's newest checkpoint (f
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -53,7 +54,10 @@ def trained_weights(program: Program, run: Path) -> tuple[int, dict[str, np.ndar
                 run, "C007", "holds no checkpoint of a `dslc train` run", help="give a .npz or a run folder"
             )
         saved = checkpoints.run_state(step)
-        problems = mismatches(program.ir, {name: tuple(shape) for name, shape in saved.weights.items()})
+        # A checkpoint holds the arrays as the module stores them (a repeat's layers stacked
+        # as `blocks.*.q`), so it is checked against the stored names, not the per-layer ones.
+        stored = {name: list(p.shape) for name, p in program.module.PARAMETERS.items()}
+        problems = saved.mismatch(replace(saved, weights=stored))
         if problems:
             raise file_problem(run, "C007", f"its checkpoint at step {step} does not fit the spec", notes=problems)
         model = program.init(0)
