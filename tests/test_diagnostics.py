@@ -929,7 +929,18 @@ def test_e026_unknown_checkpoint_policy() -> None:
     header = HEADER + "block b(d) checkpoint fast {\n  linear(d, d)\n}\n"
     d = only(spec("b(16)", "loss: mse(y)", header=header))
     assert (d.code, at(d), d.message) == ("E026", (5, 23, 5, 27), "unknown checkpoint policy `fast`")
-    assert d.notes == ("known: `full`, `none`, `selective`",)
+    assert d.notes == ("known: `core_attention`, `full`, `none`, `selective`",)
+
+
+def test_e026_core_attention_on_a_block_without_attention() -> None:
+    header = HEADER + "block b(d) checkpoint core_attention {\n  linear(d, d)\n}\n"
+    d = only(spec("b(16)", "loss: mse(y)", header=header))
+    assert (d.code, at(d)) == ("E026", (5, 12, 5, 37))
+    assert (
+        d.message
+        == "block `b` has no attention layer of its own whose core `checkpoint core_attention` could recompute"
+    )
+    assert d.help is not None and "checkpoint full" in d.help
 
 
 # ---- E027: weight sharding clauses -----------------------------------------------------------

@@ -29,6 +29,7 @@ from dslc.syntax import ast
 # A typed IR needs a type for the activation after a layer that could not be typed; this
 # marks it, and layers that receive it are not typed (which would only repeat the error).
 UNKNOWN = ir.TensorType("unknown", (), ())
+CHECKPOINT_POLICIES = ("none", "full", "selective", "core_attention")
 
 MAX_REPEAT = 4096
 MAX_NODES = 200_000
@@ -913,10 +914,8 @@ class _Builder:
         if cp is None:
             return ir.Remat()
         policy = cp.policy.text
-        if policy not in ("none", "full", "selective"):
-            self.diags.add(
-                unknown_name("checkpoint policy", policy, cp.policy.span, ("none", "full", "selective"), code="E026")
-            )
+        if policy not in CHECKPOINT_POLICIES:
+            self.diags.add(unknown_name("checkpoint policy", policy, cp.policy.span, CHECKPOINT_POLICIES, code="E026"))
             return ir.Remat()
         if policy != "selective":
             if cp.saved:
@@ -926,7 +925,10 @@ class _Builder:
                     cp.span,
                     help=f"use `checkpoint selective({', '.join(i.text for i in cp.saved)})`",
                 )
-            return ir.Remat(policy)  # type: ignore[arg-type]
+            remat = ir.Remat(policy)  # type: ignore[arg-type]
+            if policy == "core_attention":
+                self._has_cores(block, body, cp)
+            return remat
         inside = [n.path for n in ir.walk(tuple(body)) if isinstance(n, ir.Layer)]
         short = {p.rsplit(".", 1)[-1] for p in inside}
         saved: list[str] = []
@@ -945,6 +947,23 @@ class _Builder:
                 help="for example `checkpoint selective(attn)`",
             )
         return ir.Remat("selective", tuple(saved))
+
+    def _has_cores(self, block: ast.BlockDef, body: list[ir.Node], cp: ast.Checkpoint) -> None:
+        """`checkpoint core_attention` recomputes the cores of the block's own attention
+        layers: a block without one is told so."""
+        own = ir.own_layers(tuple(body))
+        if any(RULES[layer.kind].core_flops(layer) for layer in own):
+            return
+        rings = [layer.path for layer in own if layer.kind == "attention"]
+        self.diags.error(
+            "E026",
+            f"block `{block.name.text}` has no attention layer of its own whose core `checkpoint core_attention` "
+            "could recompute",
+            cp.span,
+            notes=[f"`{rings[0]}` is ring attention, which keeps no scores"] if rings else [],
+            help="use `checkpoint full` or `checkpoint selective(...)`, or put the policy on the block that "
+            "holds the attention layer",
+        )
 
     # arguments ---------------------------------------------------------------------------------
 

@@ -124,7 +124,7 @@ def _node_collectives(node: Node, checkpointed: bool) -> list[tuple[Collective, 
         case Repeat():
             return [(c, t, b, r, n * node.count) for c, t, b, r, n in _node_collectives(node.body, checkpointed)]
         case Block():
-            inner = checkpointed or node.remat.policy != "none"
+            inner = checkpointed or node.remat.reruns_block
             return [x for n in node.body for x in _node_collectives(n, inner)]
 
 
