@@ -94,10 +94,10 @@ def attention(
     recompute_core: bool = False,
 ) -> jax.Array:
     """Self-attention on [batch, seq, dim]; grouped-query when kv_heads < heads. Each
-    projection adds its bias when it has one. With `recompute_core` the backward pass reruns
-    the core (scores, softmax, weighted sum) from the queries, keys and values rather than
-    keeping its [batch, heads, seq, seq] intermediates: Korthikanti et al.'s selective
-    recomputation."""
+    projection adds its bias when it has one. With `recompute_core` the core is checkpointed:
+    the backward pass reruns its scores and softmax from the kept queries and keys rather
+    than keeping its [batch, heads, seq, seq] intermediates (Korthikanti et al.'s selective
+    recomputation)."""
     b, s, _ = x.shape
     queries, keys, values = _project(x.astype(dtype), q, k, v, q_bias, k_bias, v_bias, heads=heads, kv_heads=kv_heads)
     head_dim = queries.shape[-1]
