@@ -111,6 +111,12 @@ class Parameter(NamedTuple):
     # to split evenly): stored, zero, and left out when weights are exported one by one.
     padding: tuple[int, ...] = ()
 
+    @property
+    def update_sharding(self) -> Any:
+        """Where the optimizer updates it: where its optimizer state lives (its piece of it
+        under ZeRO), which is where the step's sum over the data axes leaves its gradient."""
+        return self.sharding if self.optimizer_sharding is None else self.optimizer_sharding
+
 
 def expand_names(pattern: str, lengths: tuple[int, ...], first: int = 0) -> list[str]:
     """The per-layer names a stacked name stands for: `blocks.*.attn.q` with lengths (2,) is
@@ -483,9 +489,13 @@ def attention(
     rope: bool,
     rope_base: float,
     dtype: str,
+    recompute_core: bool = False,
 ) -> jax.Array:
     """Self-attention on [batch, seq, dim]; grouped-query when kv_heads < heads. Each
-    projection adds its bias when it has one."""
+    projection adds its bias when it has one. With `recompute_core` the core is checkpointed:
+    the backward pass reruns its scores and softmax from the kept queries and keys rather
+    than keeping its [batch, heads, seq, seq] intermediates (Korthikanti et al.'s selective
+    recomputation)."""
     b, s, _ = x.shape
     queries, keys, values = _project(x.astype(dtype), q, k, v, q_bias, k_bias, v_bias, heads=heads, kv_heads=kv_heads)
     head_dim = queries.shape[-1]
@@ -493,13 +503,21 @@ def attention(
         queries, keys = rotary(queries, rope_base), rotary(keys, rope_base)
     # Grouped-query: the query heads form kv_heads groups, each sharing one key/value head.
     queries = queries.reshape(b, s, kv_heads, heads // kv_heads, head_dim)
+    core = functools.partial(_attention_core, causal=causal, dtype=dtype)
+    out = (jax.checkpoint(core) if recompute_core else core)(queries, keys, values)
+    return _project_out(out.reshape(b, s, heads * head_dim), o, o_bias)
+
+
+def _attention_core(queries: jax.Array, keys: jax.Array, values: jax.Array, *, causal: bool, dtype: str) -> jax.Array:
+    """Softmax(q·kᵀ/sqrt(d))·v of queries [b, s, kv_heads, group, head_dim] and keys and
+    values [b, s, kv_heads, head_dim]; scores and softmax in f32."""
+    s, head_dim = queries.shape[1], queries.shape[-1]
     scores = jnp.einsum("bqkgd,bskd->bkgqs", queries, keys).astype(jnp.float32) * head_dim**-0.5
     if causal:
         mask = jnp.tril(jnp.ones((s, s), dtype=bool))
         scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
-    out = jnp.einsum("bkgqs,bskd->bqkgd", probs, values).reshape(b, s, heads * head_dim)
-    return _project_out(out, o, o_bias)
+    return jnp.einsum("bkgqs,bskd->bqkgd", probs, values)
 
 
 def _project(
@@ -819,12 +837,19 @@ def pipeline_value_and_grad(
             own, split = stage_dims[name]
             if own is not None:
                 grads[name] = g
-            elif split is not None:
+                continue
+            # XLA's CPU backend aborts widening a 16-bit sum in a partly manual map (it would
+            # widen it anyway): there the sum runs in f32 and is narrowed back.
+            wide = g.astype(jnp.float32) if cpu and jnp.finfo(g.dtype).bits < 32 else g
+            if split is not None:
                 # Only the stages that use it hold a gradient; each keeps its piece of the sum.
-                grads[name] = lax.psum_scatter(g, axis, scatter_dimension=split, tiled=True)
+                wide = lax.psum_scatter(wide, axis, scatter_dimension=split, tiled=True)
             else:
-                grads[name] = lax.psum(g, axis)
+                wide = lax.psum(wide, axis)
+            grads[name] = wide.astype(g.dtype)
         return lax.psum(loss, axis), grads
+
+    cpu = jax.default_backend() == "cpu"
 
     key_given = key is not None
     # Inside data parallelism's own `shard_map` (`data_parallel`), the mesh in context has its
@@ -1236,6 +1261,7 @@ def data_parallel(
     *,
     mesh: jax.sharding.Mesh,
     axes: tuple[str, ...],
+    param_specs: dict[str, PartitionSpec],
     grad_specs: dict[str, PartitionSpec],
     count: Callable[[dict[str, jax.Array]], jax.Array] | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -1244,12 +1270,18 @@ def data_parallel(
 
     `value_and_grad(params, rows, key)` runs in `jax.shard_map`, manual over `axes` (every
     other mesh axis stays automatic): it sees the rows of every input this device holds
-    (their first dimension is split over `axes`) and the parameters, whole along `axes`,
-    and returns its rows' mean loss and gradients. However many slices it cuts its rows
-    into (microbatches, accumulation steps), their gradients stay partial sums on each
-    device until one all-reduce per array sums them (a reduce-scatter where the gradient
-    is kept split over `axes`, ZeRO-2), instead of one per slice as XLA's partitioner
-    would insert where each slice's gradient is made.
+    (their first dimension is split over `axes`) and the parameters (`param_specs`), whole
+    along `axes`, and returns its rows' mean loss and gradients. However many slices it cuts
+    its rows into (microbatches, accumulation steps), their gradients stay partial sums on
+    each device, returned unsummed (stacked along a new leading dimension, one block per
+    device), instead of reduced per slice as XLA's partitioner would where each is made.
+
+    A second map, manual over the whole mesh, then sums each device's block once: a
+    reduce-scatter where `grad_specs` keeps the gradient split over `axes` (ZeRO 2, and
+    ZeRO 1's optimizer state, whose pieces the update runs on), leaving each device its
+    piece, else an all-reduce. In that map every device holds just its own piece along the
+    other axes, so nothing is gathered over them first (and XLA's CPU backend, which cannot
+    promote a 16-bit all-reduce in a partly manual map, has none to promote).
 
     Each device's loss and gradients weigh by its share of the batch: one over the devices,
     or, for a loss that averages over the positions it counts (`count`), its share of the
@@ -1257,7 +1289,6 @@ def data_parallel(
     its own random numbers (its key folded with its index along `axes`).
     """
     devices = math.prod(mesh.shape[a] for a in axes)
-    scattered = {name: _scatter_dim(spec, axes) for name, spec in grad_specs.items()}
 
     def body(
         params: dict[str, jax.Array], rows: dict[str, jax.Array], key: jax.Array
@@ -1269,40 +1300,64 @@ def data_parallel(
         else:
             counted = count(rows).astype(jnp.float32)
             share = counted / jnp.maximum(lax.psum(counted, axes), 1.0)
-        summed = {}
+        weighed = {name: (g * share.astype(g.dtype))[None] for name, g in grads.items()}
+        unsummed = {
+            name: lax.with_sharding_constraint(g, PartitionSpec(None, *param_specs[name]))
+            for name, g in weighed.items()
+        }
+        return lax.psum(loss * share, axes), unsummed
+
+    def reduce(grads: dict[str, jax.Array]) -> dict[str, jax.Array]:
+        out = {}
         for name, g in grads.items():
-            g = g * share.astype(g.dtype)
-            dim = scattered[name]
-            summed[name] = (
-                lax.psum(g, axes) if dim is None else lax.psum_scatter(g, axes, scatter_dimension=dim, tiled=True)
+            dim = _scatter_dim(grad_specs[name], axes)
+            out[name] = (
+                lax.psum(g[0], axes) if dim is None else lax.psum_scatter(g[0], axes, scatter_dimension=dim, tiled=True)
             )
-        return lax.psum(loss * share, axes), summed
+        return out
 
     key_given = key is not None
     whole = PartitionSpec()
-    out_specs = {name: whole if dim is None else PartitionSpec(*(None,) * dim, axes) for name, dim in scattered.items()}
-    run = jax.shard_map(
+    loss, stacked = jax.shard_map(
         body,
         mesh=mesh,
         in_specs=({name: whole for name in params}, {name: PartitionSpec(axes) for name in batch}, whole),
-        out_specs=(whole, out_specs),
+        out_specs=(whole, {name: PartitionSpec(axes) for name in params}),
         axis_names=set(axes),
         # Gradients are taken inside, per device: replication needs no tracking here (with
         # it, jax would sum every slice's gradient over `axes` as it is made).
         check_vma=False,
-    )
-    return run(params, batch, key if key is not None else jax.random.key(0))  # type: ignore[no-any-return]
+    )(params, batch, key if key is not None else jax.random.key(0))
+    summed = jax.shard_map(
+        reduce,
+        mesh=mesh,
+        in_specs=({name: PartitionSpec(axes, *spec) for name, spec in param_specs.items()},),
+        out_specs={name: _summed_spec(grad_specs[name], axes) for name in params},
+        check_vma=False,
+    )(stacked)
+    return loss, summed
 
 
 def _scatter_dim(spec: PartitionSpec, axes: tuple[str, ...]) -> int | None:
-    """The dimension a gradient kept split over `axes` between steps (ZeRO-2) is split along,
-    when they lead its entry in that order (a reduce-scatter then leaves each device its
-    piece); None for a gradient whole along them, which an all-reduce sums."""
+    """The dimension a gradient kept split over `axes` (ZeRO) is split along, when they end
+    its entry in that order: where a device holds its piece along the entry's other axes, a
+    reduce-scatter over `axes` then leaves it its piece. None for a gradient whole along
+    them, which an all-reduce sums."""
     for dim, entry in enumerate(spec):
         names = (entry,) if isinstance(entry, str) else tuple(entry or ())
-        if names[: len(axes)] == axes:
+        if len(names) >= len(axes) and names[len(names) - len(axes) :] == axes:
             return dim
     return None
+
+
+def _summed_spec(spec: PartitionSpec, axes: tuple[str, ...]) -> PartitionSpec:
+    """Where `data_parallel`'s sum leaves a gradient kept as `spec`: as `spec` where it
+    reduce-scatters over `axes`, else `spec` without them (the gradient whole along them)."""
+    if _scatter_dim(spec, axes) is not None:
+        return spec
+    return PartitionSpec(
+        *(tuple(a for a in ((e,) if isinstance(e, str) else tuple(e or ())) if a not in axes) or None for e in spec)
+    )
 
 
 def step_metrics(grads: Any) -> dict[str, jax.Array]:
@@ -1650,8 +1705,24 @@ def gradients(
     rows (split over `DATA_AXES`), summed over the devices at the end."""
     once = functools.partial(value_and_grad, mesh=mesh)
     rows = functools.partial(accumulate_gradients, once, steps=ACCUMULATE, count=loss_count)
-    grad_specs = {name: p.sharding if p.grad_sharding is None else p.grad_sharding for name, p in PARAMETERS.items()}
-    return data_parallel(rows, params, batch, key, mesh=mesh, axes=DATA_AXES, grad_specs=grad_specs, count=loss_count)
+    param_specs = {name: p.sharding for name, p in PARAMETERS.items()}
+    grad_specs = {name: p.update_sharding for name, p in PARAMETERS.items()}
+    return data_parallel(
+        rows,
+        params,
+        batch,
+        key,
+        mesh=mesh,
+        axes=DATA_AXES,
+        param_specs=param_specs,
+        grad_specs=grad_specs,
+        count=loss_count,
+    )
+
+
+def optimizer_state(optimizer: optax.GradientTransformation, params: dict[str, jax.Array]) -> Any:
+    """The optimizer state: the optimizer's own state of the parameters."""
+    return optimizer.init(params)
 
 
 def optimizer_shardings(state: Any, mesh: jax.sharding.Mesh) -> Any:
@@ -1661,8 +1732,7 @@ def optimizer_shardings(state: Any, mesh: jax.sharding.Mesh) -> Any:
         for entry in path:
             name = getattr(entry, "key", None)
             if name in PARAMETERS and tuple(leaf.shape) == PARAMETERS[name].shape:
-                where = PARAMETERS[name].optimizer_sharding
-                return NamedSharding(mesh, PARAMETERS[name].sharding if where is None else where)
+                return NamedSharding(mesh, PARAMETERS[name].update_sharding)
         return NamedSharding(mesh, P())
 
     return jax.tree_util.tree_map_with_path(pick, state)
@@ -1671,13 +1741,11 @@ def optimizer_shardings(state: Any, mesh: jax.sharding.Mesh) -> Any:
 def make_train_step(mesh: jax.sharding.Mesh, optimizer: optax.GradientTransformation) -> Callable[..., Any]:
     """One jitted optimizer step: (params, optimizer state, batch, key) -> the new two, the loss
     and the step's figures (`step_metrics`)."""
-    grad_shardings = {
-        name: NamedSharding(mesh, p.sharding if p.grad_sharding is None else p.grad_sharding)
-        for name, p in PARAMETERS.items()
-    }
+    # Each gradient where its optimizer state lives: its piece of it under ZeRO.
+    grad_shardings = {name: NamedSharding(mesh, p.update_sharding) for name, p in PARAMETERS.items()}
     param_shardings = {name: NamedSharding(mesh, p.sharding) for name, p in PARAMETERS.items()}
     abstract = {name: jax.ShapeDtypeStruct(p.shape, p.dtype) for name, p in PARAMETERS.items()}
-    state_shardings = optimizer_shardings(jax.eval_shape(optimizer.init, abstract), mesh)
+    state_shardings = optimizer_shardings(jax.eval_shape(functools.partial(optimizer_state, optimizer), abstract), mesh)
 
     def step(
         params: dict[str, jax.Array], opt_state: Any, batch: dict[str, jax.Array], key: jax.Array
@@ -1697,8 +1765,8 @@ def init_optimizer(
     params: dict[str, jax.Array], optimizer: optax.GradientTransformation, mesh: jax.sharding.Mesh
 ) -> Any:
     """The optimizer state, split as the spec's ZeRO stage says."""
-    abstract = jax.eval_shape(optimizer.init, params)
-    return jax.jit(optimizer.init, out_shardings=optimizer_shardings(abstract, mesh))(params)
+    init = functools.partial(optimizer_state, optimizer)
+    return jax.jit(init, out_shardings=optimizer_shardings(jax.eval_shape(init, params), mesh))(params)
 
 
 # ---- running it --------------------------------------------------------------------------------

@@ -110,6 +110,12 @@ class Parameter(NamedTuple):
     # to split evenly): stored, zero, and left out when weights are exported one by one.
     padding: tuple[int, ...] = ()
 
+    @property
+    def update_sharding(self) -> Any:
+        """Where the optimizer updates it: where its optimizer state lives (its piece of it
+        under ZeRO), which is where the step's sum over the data axes leaves its gradient."""
+        return self.sharding if self.optimizer_sharding is None else self.optimizer_sharding
+
 
 def expand_names(pattern: str, lengths: tuple[int, ...], first: int = 0) -> list[str]:
     """The per-layer names a stacked name stands for: `blocks.*.attn.q` with lengths (2,) is
@@ -375,9 +381,13 @@ def attention(
     rope: bool,
     rope_base: float,
     dtype: str,
+    recompute_core: bool = False,
 ) -> jax.Array:
     """Self-attention on [batch, seq, dim]; grouped-query when kv_heads < heads. Each
-    projection adds its bias when it has one."""
+    projection adds its bias when it has one. With `recompute_core` the core is checkpointed:
+    the backward pass reruns its scores and softmax from the kept queries and keys rather
+    than keeping its [batch, heads, seq, seq] intermediates (Korthikanti et al.'s selective
+    recomputation)."""
     b, s, _ = x.shape
     queries, keys, values = _project(x.astype(dtype), q, k, v, q_bias, k_bias, v_bias, heads=heads, kv_heads=kv_heads)
     head_dim = queries.shape[-1]
@@ -385,13 +395,21 @@ def attention(
         queries, keys = rotary(queries, rope_base), rotary(keys, rope_base)
     # Grouped-query: the query heads form kv_heads groups, each sharing one key/value head.
     queries = queries.reshape(b, s, kv_heads, heads // kv_heads, head_dim)
+    core = functools.partial(_attention_core, causal=causal, dtype=dtype)
+    out = (jax.checkpoint(core) if recompute_core else core)(queries, keys, values)
+    return _project_out(out.reshape(b, s, heads * head_dim), o, o_bias)
+
+
+def _attention_core(queries: jax.Array, keys: jax.Array, values: jax.Array, *, causal: bool, dtype: str) -> jax.Array:
+    """Softmax(q·kᵀ/sqrt(d))·v of queries [b, s, kv_heads, group, head_dim] and keys and
+    values [b, s, kv_heads, head_dim]; scores and softmax in f32."""
+    s, head_dim = queries.shape[1], queries.shape[-1]
     scores = jnp.einsum("bqkgd,bskd->bkgqs", queries, keys).astype(jnp.float32) * head_dim**-0.5
     if causal:
         mask = jnp.tril(jnp.ones((s, s), dtype=bool))
         scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
-    out = jnp.einsum("bkgqs,bskd->bqkgd", probs, values).reshape(b, s, heads * head_dim)
-    return _project_out(out, o, o_bias)
+    return jnp.einsum("bkgqs,bskd->bqkgd", probs, values)
 
 
 def _project(
@@ -953,6 +971,11 @@ def gradients(
     return accumulate_gradients(once, params, batch, key, ACCUMULATE, loss_count)
 
 
+def optimizer_state(optimizer: optax.GradientTransformation, params: dict[str, jax.Array]) -> Any:
+    """The optimizer state: the optimizer's own state of the parameters."""
+    return optimizer.init(params)
+
+
 def optimizer_shardings(state: Any, mesh: jax.sharding.Mesh) -> Any:
     """Optimizer-state leaves shaped like a parameter follow its optimizer sharding."""
 
@@ -960,8 +983,7 @@ def optimizer_shardings(state: Any, mesh: jax.sharding.Mesh) -> Any:
         for entry in path:
             name = getattr(entry, "key", None)
             if name in PARAMETERS and tuple(leaf.shape) == PARAMETERS[name].shape:
-                where = PARAMETERS[name].optimizer_sharding
-                return NamedSharding(mesh, PARAMETERS[name].sharding if where is None else where)
+                return NamedSharding(mesh, PARAMETERS[name].update_sharding)
         return NamedSharding(mesh, P())
 
     return jax.tree_util.tree_map_with_path(pick, state)
@@ -970,13 +992,11 @@ def optimizer_shardings(state: Any, mesh: jax.sharding.Mesh) -> Any:
 def make_train_step(mesh: jax.sharding.Mesh, optimizer: optax.GradientTransformation) -> Callable[..., Any]:
     """One jitted optimizer step: (params, optimizer state, batch, key) -> the new two, the loss
     and the step's figures (`step_metrics`)."""
-    grad_shardings = {
-        name: NamedSharding(mesh, p.sharding if p.grad_sharding is None else p.grad_sharding)
-        for name, p in PARAMETERS.items()
-    }
+    # Each gradient where its optimizer state lives: its piece of it under ZeRO.
+    grad_shardings = {name: NamedSharding(mesh, p.update_sharding) for name, p in PARAMETERS.items()}
     param_shardings = {name: NamedSharding(mesh, p.sharding) for name, p in PARAMETERS.items()}
     abstract = {name: jax.ShapeDtypeStruct(p.shape, p.dtype) for name, p in PARAMETERS.items()}
-    state_shardings = optimizer_shardings(jax.eval_shape(optimizer.init, abstract), mesh)
+    state_shardings = optimizer_shardings(jax.eval_shape(functools.partial(optimizer_state, optimizer), abstract), mesh)
 
     def step(
         params: dict[str, jax.Array], opt_state: Any, batch: dict[str, jax.Array], key: jax.Array
@@ -996,8 +1016,8 @@ def init_optimizer(
     params: dict[str, jax.Array], optimizer: optax.GradientTransformation, mesh: jax.sharding.Mesh
 ) -> Any:
     """The optimizer state, split as the spec's ZeRO stage says."""
-    abstract = jax.eval_shape(optimizer.init, params)
-    return jax.jit(optimizer.init, out_shardings=optimizer_shardings(abstract, mesh))(params)
+    init = functools.partial(optimizer_state, optimizer)
+    return jax.jit(init, out_shardings=optimizer_shardings(jax.eval_shape(init, params), mesh))(params)
 
 
 # ---- running it --------------------------------------------------------------------------------

@@ -111,6 +111,12 @@ class Parameter(NamedTuple):
     # to split evenly): stored, zero, and left out when weights are exported one by one.
     padding: tuple[int, ...] = ()
 
+    @property
+    def update_sharding(self) -> Any:
+        """Where the optimizer updates it: where its optimizer state lives (its piece of it
+        under ZeRO), which is where the step's sum over the data axes leaves its gradient."""
+        return self.sharding if self.optimizer_sharding is None else self.optimizer_sharding
+
 
 def expand_names(pattern: str, lengths: tuple[int, ...], first: int = 0) -> list[str]:
     """The per-layer names a stacked name stands for: `blocks.*.attn.q` with lengths (2,) is
@@ -632,12 +638,19 @@ def pipeline_value_and_grad(
             own, split = stage_dims[name]
             if own is not None:
                 grads[name] = g
-            elif split is not None:
+                continue
+            # XLA's CPU backend aborts widening a 16-bit sum in a partly manual map (it would
+            # widen it anyway): there the sum runs in f32 and is narrowed back.
+            wide = g.astype(jnp.float32) if cpu and jnp.finfo(g.dtype).bits < 32 else g
+            if split is not None:
                 # Only the stages that use it hold a gradient; each keeps its piece of the sum.
-                grads[name] = lax.psum_scatter(g, axis, scatter_dimension=split, tiled=True)
+                wide = lax.psum_scatter(wide, axis, scatter_dimension=split, tiled=True)
             else:
-                grads[name] = lax.psum(g, axis)
+                wide = lax.psum(wide, axis)
+            grads[name] = wide.astype(g.dtype)
         return lax.psum(loss, axis), grads
+
+    cpu = jax.default_backend() == "cpu"
 
     key_given = key is not None
     # Inside data parallelism's own `shard_map` (`data_parallel`), the mesh in context has its
@@ -1287,6 +1300,11 @@ def gradients(
     return accumulate_gradients(once, params, batch, key, ACCUMULATE, loss_count)
 
 
+def optimizer_state(optimizer: optax.GradientTransformation, params: dict[str, jax.Array]) -> Any:
+    """The optimizer state: the optimizer's own state of the parameters."""
+    return optimizer.init(params)
+
+
 def optimizer_shardings(state: Any, mesh: jax.sharding.Mesh) -> Any:
     """Optimizer-state leaves shaped like a parameter follow its optimizer sharding."""
 
@@ -1294,8 +1312,7 @@ def optimizer_shardings(state: Any, mesh: jax.sharding.Mesh) -> Any:
         for entry in path:
             name = getattr(entry, "key", None)
             if name in PARAMETERS and tuple(leaf.shape) == PARAMETERS[name].shape:
-                where = PARAMETERS[name].optimizer_sharding
-                return NamedSharding(mesh, PARAMETERS[name].sharding if where is None else where)
+                return NamedSharding(mesh, PARAMETERS[name].update_sharding)
         return NamedSharding(mesh, P())
 
     return jax.tree_util.tree_map_with_path(pick, state)
@@ -1304,13 +1321,11 @@ def optimizer_shardings(state: Any, mesh: jax.sharding.Mesh) -> Any:
 def make_train_step(mesh: jax.sharding.Mesh, optimizer: optax.GradientTransformation) -> Callable[..., Any]:
     """One jitted optimizer step: (params, optimizer state, batch, key) -> the new two, the loss
     and the step's figures (`step_metrics`)."""
-    grad_shardings = {
-        name: NamedSharding(mesh, p.sharding if p.grad_sharding is None else p.grad_sharding)
-        for name, p in PARAMETERS.items()
-    }
+    # Each gradient where its optimizer state lives: its piece of it under ZeRO.
+    grad_shardings = {name: NamedSharding(mesh, p.update_sharding) for name, p in PARAMETERS.items()}
     param_shardings = {name: NamedSharding(mesh, p.sharding) for name, p in PARAMETERS.items()}
     abstract = {name: jax.ShapeDtypeStruct(p.shape, p.dtype) for name, p in PARAMETERS.items()}
-    state_shardings = optimizer_shardings(jax.eval_shape(optimizer.init, abstract), mesh)
+    state_shardings = optimizer_shardings(jax.eval_shape(functools.partial(optimizer_state, optimizer), abstract), mesh)
 
     def step(
         params: dict[str, jax.Array], opt_state: Any, batch: dict[str, jax.Array], key: jax.Array
@@ -1330,8 +1345,8 @@ def init_optimizer(
     params: dict[str, jax.Array], optimizer: optax.GradientTransformation, mesh: jax.sharding.Mesh
 ) -> Any:
     """The optimizer state, split as the spec's ZeRO stage says."""
-    abstract = jax.eval_shape(optimizer.init, params)
-    return jax.jit(optimizer.init, out_shardings=optimizer_shardings(abstract, mesh))(params)
+    init = functools.partial(optimizer_state, optimizer)
+    return jax.jit(init, out_shardings=optimizer_shardings(jax.eval_shape(init, params), mesh))(params)
 
 
 # ---- running it --------------------------------------------------------------------------------

@@ -53,8 +53,10 @@ def spec_text(name: str) -> str:
 def test_a_step_in_slices_runs_its_batch_axes_data_parallel() -> None:
     assert data_parallel_axes(analysed(spec_text("gpt_small"))) == ("data",)
     assert data_parallel_axes(analysed(ACCUMULATED)) == ("data",)
-    # One slice: its gradients are summed once anyway, by XLA.
+    # One slice: its gradients are summed once anyway, by XLA ...
     assert data_parallel_axes(analysed(TINY)) == ()
+    # ... unless ZeRO 1 splits the optimizer state, whose pieces the sum reduce-scatters into.
+    assert data_parallel_axes(analysed(TINY.replace("train {", "train {\n  zero 1"))) == ("data",)
 
 
 def test_axes_that_split_parameters_stay_automatic() -> None:

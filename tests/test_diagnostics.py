@@ -911,11 +911,36 @@ def test_e026_pipeline_without_microbatches_and_no_cascade() -> None:
     assert (d.code, at(d), d.message) == ("E026", (10, 1, 12, 2), "the pipeline needs `microbatches N`")
 
 
+def test_e026_master_copy_of_parameters_that_are_already_f32() -> None:
+    d = only(spec(after="train {\n  param_dtype f32\n  master_dtype f32\n}\n"))
+    assert (d.code, at(d)) == ("E026", (11, 3, 11, 19))
+    assert d.message.startswith("`master_dtype f32` keeps an f32 master copy of 16-bit parameters")
+    assert [label.message for label in d.labels] == ["parameters kept in f32 here"]
+    assert d.help is not None and "param_dtype bf16" in d.help
+
+
+def test_e026_master_copy_narrower_than_f32() -> None:
+    d = only(spec(after="train {\n  param_dtype bf16\n  master_dtype f16\n}\n"))
+    assert (d.code, at(d)) == ("E026", (11, 16, 11, 19))
+    assert d.message == "the master copy of the parameters is kept in f32, not f16"
+
+
 def test_e026_unknown_checkpoint_policy() -> None:
     header = HEADER + "block b(d) checkpoint fast {\n  linear(d, d)\n}\n"
     d = only(spec("b(16)", "loss: mse(y)", header=header))
     assert (d.code, at(d), d.message) == ("E026", (5, 23, 5, 27), "unknown checkpoint policy `fast`")
-    assert d.notes == ("known: `full`, `none`, `selective`",)
+    assert d.notes == ("known: `core_attention`, `full`, `none`, `selective`",)
+
+
+def test_e026_core_attention_on_a_block_without_attention() -> None:
+    header = HEADER + "block b(d) checkpoint core_attention {\n  linear(d, d)\n}\n"
+    d = only(spec("b(16)", "loss: mse(y)", header=header))
+    assert (d.code, at(d)) == ("E026", (5, 12, 5, 37))
+    assert (
+        d.message
+        == "block `b` has no attention layer of its own whose core `checkpoint core_attention` could recompute"
+    )
+    assert d.help is not None and "checkpoint full" in d.help
 
 
 # ---- E027: weight sharding clauses -----------------------------------------------------------

@@ -56,6 +56,7 @@ _MODULE_NAMES = {
     "ACCUMULATE",
     "DATA_AXES",
     "OPTIMIZER",
+    "MASTER_DTYPE",
     "argparse",
 }
 
@@ -191,6 +192,7 @@ def generate(
         "data_axes": data_axes,
         "count": count,
         "optimizer": {"name": program.train.optimizer.name, "hyper": dict(program.train.optimizer.hyper)},
+        "master": ir.DTYPES[program.train.master_dtype].jax if program.train.master_dtype else None,
     }
     return _ENV.get_template("module.py.j2").render(context)
 
@@ -339,6 +341,8 @@ def _wrapped(pieces: tuple[str, ...], width: int = 100) -> list[str]:
 def _kernels(program: ir.Program, count: str | None, data_axes: ir.Axes) -> list[source.Definition]:
     layers = ir.all_layers(program)
     wanted = ["named_key", "initial_array", "make_optimizer", "accumulate_gradients", "step_metrics"]
+    if program.train.master_dtype:
+        wanted += ["master_state", "master_update"]
     wanted += ["to_weights", "from_weights"]
     wanted += sorted(
         {RULES[layer.kind].kernel(RULES[layer.kind].parse(dict(layer.attrs)), layer.operand) for layer in layers}

@@ -111,11 +111,11 @@ class Builder:
     # ---- one class ----------------------------------------------------------------------------------
 
     def module_class(
-        self, name: str, doc: str, source: str, nodes: tuple[ir.Node, ...], base: str | None
+        self, name: str, doc: str, source: str, nodes: tuple[ir.Node, ...], base: str | None, remat: str = "none"
     ) -> ModuleClass:
         """A class whose `__call__` runs `nodes`; `base` is the block's path (None at top level,
-        where weights are keyed by their stored names)."""
-        cls = ModuleClass(name, doc, source, is_block=base is not None)
+        where weights are keyed by their stored names); `remat` the block's checkpointing."""
+        cls = ModuleClass(name, doc, source, remat=remat, is_block=base is not None)
         self.statements(cls, nodes, "x", base, attribute_namer(), depth=0)
         return cls
 
@@ -209,6 +209,8 @@ class Builder:
         a = rule.parse(dict(layer.attrs))
         dtype = ir.DTYPES[self.program.train.compute_dtype].jax
         static = rule.kernel_args(a, dtype, layer.operand, {w.name: w.type.sharding for w in layer.weights})
+        if cls.remat == "core_attention" and rule.core_flops(layer):
+            static["recompute_core"] = True
         return Statement(
             "layer",
             var,
@@ -237,8 +239,7 @@ class Builder:
         lines = [n.span.line for n in ir.walk(block.body) if n.span.line > 0]
         source = f"{self.file}:{min(lines)}-{max(lines)}" if lines else self.file
         doc = f"Block `{block.block}` of the spec."
-        cls = self.module_class(name, doc, source, block.body, block.path)
-        cls.remat = block.remat.policy
+        cls = self.module_class(name, doc, source, block.body, block.path, block.remat.policy)
         cls.saved = tuple(self.path(p, block.path) for p in block.remat.saved)
         self.blocks.append(cls)
         return name

@@ -6,7 +6,10 @@ from __future__ import annotations
 from dslc.diagnostics import Diagnostics
 from dslc.ir import nodes as ir
 from dslc.ir.names import unknown_name
+from dslc.layers import RULES
 from dslc.syntax import ast
+
+CHECKPOINT_POLICIES = ("none", "full", "selective", "core_attention")
 
 
 def resolve_checkpoint(block: ast.BlockDef, body: list[ir.Node], path: str, diags: Diagnostics) -> ir.Remat:
@@ -15,8 +18,8 @@ def resolve_checkpoint(block: ast.BlockDef, body: list[ir.Node], path: str, diag
     if cp is None:
         return ir.Remat()
     policy = cp.policy.text
-    if policy not in ("none", "full", "selective"):
-        diags.add(unknown_name("checkpoint policy", policy, cp.policy.span, ("none", "full", "selective"), code="E026"))
+    if policy not in CHECKPOINT_POLICIES:
+        diags.add(unknown_name("checkpoint policy", policy, cp.policy.span, CHECKPOINT_POLICIES, code="E026"))
         return ir.Remat()
     if policy != "selective":
         if cp.saved:
@@ -26,6 +29,8 @@ def resolve_checkpoint(block: ast.BlockDef, body: list[ir.Node], path: str, diag
                 cp.span,
                 help=f"use `checkpoint selective({', '.join(i.text for i in cp.saved)})`",
             )
+        if policy == "core_attention":
+            _has_cores(block, body, cp, diags)
         return ir.Remat(policy)  # type: ignore[arg-type]
     inside = [n.path for n in ir.walk(tuple(body)) if isinstance(n, ir.Layer)]
     short = {p.rsplit(".", 1)[-1] for p in inside}
@@ -45,3 +50,21 @@ def resolve_checkpoint(block: ast.BlockDef, body: list[ir.Node], path: str, diag
             help="for example `checkpoint selective(attn)`",
         )
     return ir.Remat("selective", tuple(saved))
+
+
+def _has_cores(block: ast.BlockDef, body: list[ir.Node], cp: ast.Checkpoint, diags: Diagnostics) -> None:
+    """`checkpoint core_attention` recomputes the cores of the block's own attention layers: a
+    block without one is told so."""
+    own = ir.own_layers(tuple(body))
+    if any(RULES[layer.kind].core_flops(layer) for layer in own):
+        return
+    rings = [layer.path for layer in own if layer.kind == "attention"]
+    diags.error(
+        "E026",
+        f"block `{block.name.text}` has no attention layer of its own whose core `checkpoint core_attention` "
+        "could recompute",
+        cp.span,
+        notes=[f"`{rings[0]}` is ring attention, which keeps no scores"] if rings else [],
+        help="use `checkpoint full` or `checkpoint selective(...)`, or put the policy on the block that "
+        "holds the attention layer",
+    )

@@ -3,7 +3,10 @@
 A step that cuts its batch into slices (pipeline microbatches, accumulation steps) would, left
 to XLA's partitioner, all-reduce every slice's gradients over the batch's axes as each slice
 makes them. Along the axes named here, each device instead works through its own rows for
-the whole step and the gradients are summed once, at its end (`kernels.training.data_parallel`).
+the whole step and the gradients are summed once, at its end (`kernels.training.data_parallel`),
+each reduce-scattered to the piece the device updates where ZeRO splits the optimizer state
+over those axes. ZeRO 1 runs this way even in one slice: left to the partitioner, which has no
+gradient split to aim at, its gradients would be all-reduced whole and then sliced.
 Pure data, no jax: the code generator and the planner ask the same function.
 """
 
@@ -16,7 +19,8 @@ from dslc.ir.placement import place
 def data_parallel_axes(program: Program) -> Axes:
     """The axes along which each device works through its own rows of the batch for the
     whole step, its gradients summed over them once; empty when the step is one slice (no
-    pipeline, no accumulation), whose gradients are summed once anyway.
+    pipeline, no accumulation), whose gradients are summed once anyway — unless ZeRO 1 splits
+    the optimizer state, whose pieces the sum reduce-scatters into.
 
     They are the leading axes that split every input's first (batch) dimension — a device's
     rows must be one block of the batch — of more than one device, up to the first that
@@ -24,7 +28,7 @@ def data_parallel_axes(program: Program) -> Axes:
     and hand each slice's gradients straight back, reduce-scattered, so that no device ever
     holds a whole gradient; a mixture of experts' weights split over an axis exchange the
     tokens along it."""
-    if not (program.pipelined or program.train.accumulate > 1) or not program.inputs:
+    if not (program.pipelined or program.train.accumulate > 1 or program.train.zero == 1) or not program.inputs:
         return ()
     mesh = program.mesh
     batch = [tuple(a for a in i.type.sharding[0] if mesh.size((a,)) > 1) for i in program.inputs if i.type.rank]

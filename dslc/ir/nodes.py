@@ -209,11 +209,19 @@ class Layer:
 
 @dataclass(frozen=True, slots=True)
 class Remat:
-    """Activation checkpointing of a block: none, full, or selective. `saved` holds the full
-    paths of the layers whose outputs a selective block keeps (`blocks.attn`)."""
+    """Activation checkpointing of a block: none, full, selective, or core_attention. `saved`
+    holds the full paths of the layers whose outputs a selective block keeps (`blocks.attn`).
+    `core_attention` keeps every activation but the attention cores of the layers of the
+    block's own body (`own_layers`), which the backward pass recomputes."""
 
-    policy: Literal["none", "full", "selective"] = "none"
+    policy: Literal["none", "full", "selective", "core_attention"] = "none"
     saved: tuple[str, ...] = ()
+
+    @property
+    def reruns_block(self) -> bool:
+        """Whether the backward pass reruns the block's forward (all of it but what it saves),
+        its collectives included."""
+        return self.policy in ("full", "selective")
 
 
 @dataclass(frozen=True, slots=True)
@@ -325,6 +333,10 @@ class Train:
     accumulate: int = 1
     param_dtype: str = "f32"
     compute_dtype: str = "f32"
+    # The dtype of a master copy of the parameters kept with the optimizer state (mixed
+    # precision: 16-bit parameters and gradients, the update on the master); None: the
+    # parameters are their own master.
+    master_dtype: str | None = None
     optimizer: Optimizer = Optimizer("adamw", ())
     span: Span = field(default=NO_SPAN, compare=False, repr=False)
 
@@ -417,6 +429,20 @@ def layers(nodes: tuple[Node, ...]) -> list[Layer]:
 
 def all_layers(program: Program) -> list[Layer]:
     return layers(program.nodes)
+
+
+def own_layers(body: tuple[Node, ...]) -> list[Layer]:
+    """The layers of a block's own body, through its residuals but not into the blocks and
+    repeats it uses, which checkpoint by policies of their own."""
+    out: list[Layer] = []
+    stack = list(reversed(body))
+    while stack:
+        node = stack.pop()
+        if isinstance(node, Layer):
+            out.append(node)
+        elif isinstance(node, Residual):
+            stack.extend(reversed(node.body))
+    return out
 
 
 def counted(nodes: tuple[Node, ...], times: int = 1) -> list[tuple[Node, int]]:

@@ -259,6 +259,7 @@ def read_train(t: ast.TrainDef, mesh: ir.Mesh, constants: Mapping[str, ScalarVal
         "accumulate": accumulate,
         "param_dtype": precision,
         "compute_dtype": precision,
+        "master_dtype": precision,
         "optimizer": optimizer,
     }
     for key, s in settings.items():
@@ -274,12 +275,45 @@ def read_train(t: ast.TrainDef, mesh: ir.Mesh, constants: Mapping[str, ScalarVal
             settings["fsdp"].span,
             labels=[Label(settings["zero"].span, "zero stage set here")],
         )
+    if "master_dtype" in fields:
+        _check_master(settings, fields, diags)
     return ir.Train(
         zero=fields.get("zero", train.zero),  # type: ignore[arg-type]
         shard_axes=fields.get("shard_axes", train.shard_axes),  # type: ignore[arg-type]
         accumulate=fields.get("accumulate", train.accumulate),  # type: ignore[arg-type]
         param_dtype=fields.get("param_dtype", train.param_dtype),  # type: ignore[arg-type]
         compute_dtype=fields.get("compute_dtype", train.compute_dtype),  # type: ignore[arg-type]
+        master_dtype=fields.get("master_dtype", train.master_dtype),  # type: ignore[arg-type]
         optimizer=fields.get("optimizer", train.optimizer),  # type: ignore[arg-type]
         span=t.span,
     )
+
+
+def _check_master(settings: dict[str, ast.PipelineItem], fields: dict[str, object], diags: Diagnostics) -> None:
+    """`master_dtype` keeps an f32 master copy of 16-bit parameters in the optimizer state:
+    it must be f32, and the parameters narrower. A setting that does not fit is dropped."""
+    where = settings["master_dtype"]
+    assert isinstance(where, ast.Setting)
+    param = fields.get("param_dtype", ir.Train().param_dtype)
+    if fields["master_dtype"] != "f32":
+        diags.error(
+            "E026",
+            f"the master copy of the parameters is kept in f32, not {fields['master_dtype']}",
+            where.values[0].span,
+            help="write `master_dtype f32`",
+        )
+        del fields["master_dtype"]
+    elif param == "f32":
+        written = settings.get("param_dtype")
+        labels = [Label(written.span, "parameters kept in f32 here")] if written is not None else []
+        diags.error(
+            "E026",
+            "`master_dtype f32` keeps an f32 master copy of 16-bit parameters, but the parameters are f32 "
+            "and so their own master",
+            where.span,
+            labels=labels,
+            notes=["parameters are f32 unless `param_dtype` says otherwise"] if not labels else [],
+            help="add `param_dtype bf16` (parameters and gradients in 16 bits, the master in the optimizer state), "
+            "or leave `master_dtype` out",
+        )
+        del fields["master_dtype"]

@@ -91,9 +91,13 @@ def attention(
     rope: bool,
     rope_base: float,
     dtype: str,
+    recompute_core: bool = False,
 ) -> jax.Array:
     """Self-attention on [batch, seq, dim]; grouped-query when kv_heads < heads. Each
-    projection adds its bias when it has one."""
+    projection adds its bias when it has one. With `recompute_core` the core is checkpointed:
+    the backward pass reruns its scores and softmax from the kept queries and keys rather
+    than keeping its [batch, heads, seq, seq] intermediates (Korthikanti et al.'s selective
+    recomputation)."""
     b, s, _ = x.shape
     queries, keys, values = _project(x.astype(dtype), q, k, v, q_bias, k_bias, v_bias, heads=heads, kv_heads=kv_heads)
     head_dim = queries.shape[-1]
@@ -101,13 +105,21 @@ def attention(
         queries, keys = rotary(queries, rope_base), rotary(keys, rope_base)
     # Grouped-query: the query heads form kv_heads groups, each sharing one key/value head.
     queries = queries.reshape(b, s, kv_heads, heads // kv_heads, head_dim)
+    core = functools.partial(_attention_core, causal=causal, dtype=dtype)
+    out = (jax.checkpoint(core) if recompute_core else core)(queries, keys, values)
+    return _project_out(out.reshape(b, s, heads * head_dim), o, o_bias)
+
+
+def _attention_core(queries: jax.Array, keys: jax.Array, values: jax.Array, *, causal: bool, dtype: str) -> jax.Array:
+    """Softmax(q·kᵀ/sqrt(d))·v of queries [b, s, kv_heads, group, head_dim] and keys and
+    values [b, s, kv_heads, head_dim]; scores and softmax in f32."""
+    s, head_dim = queries.shape[1], queries.shape[-1]
     scores = jnp.einsum("bqkgd,bskd->bkgqs", queries, keys).astype(jnp.float32) * head_dim**-0.5
     if causal:
         mask = jnp.tril(jnp.ones((s, s), dtype=bool))
         scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
-    out = jnp.einsum("bkgqs,bskd->bqkgd", probs, values).reshape(b, s, heads * head_dim)
-    return _project_out(out, o, o_bias)
+    return jnp.einsum("bkgqs,bskd->bqkgd", probs, values)
 
 
 def _project(

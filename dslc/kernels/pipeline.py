@@ -161,12 +161,19 @@ def pipeline_value_and_grad(
             own, split = stage_dims[name]
             if own is not None:
                 grads[name] = g
-            elif split is not None:
+                continue
+            # XLA's CPU backend aborts widening a 16-bit sum in a partly manual map (it would
+            # widen it anyway): there the sum runs in f32 and is narrowed back.
+            wide = g.astype(jnp.float32) if cpu and jnp.finfo(g.dtype).bits < 32 else g
+            if split is not None:
                 # Only the stages that use it hold a gradient; each keeps its piece of the sum.
-                grads[name] = lax.psum_scatter(g, axis, scatter_dimension=split, tiled=True)
+                wide = lax.psum_scatter(wide, axis, scatter_dimension=split, tiled=True)
             else:
-                grads[name] = lax.psum(g, axis)
+                wide = lax.psum(wide, axis)
+            grads[name] = wide.astype(g.dtype)
         return lax.psum(loss, axis), grads
+
+    cpu = jax.default_backend() == "cpu"
 
     key_given = key is not None
     # Inside data parallelism's own `shard_map` (`data_parallel`), the mesh in context has its

@@ -46,6 +46,12 @@ class Parameter(NamedTuple):
     # to split evenly): stored, zero, and left out when weights are exported one by one.
     padding: tuple[int, ...] = ()
 
+    @property
+    def update_sharding(self) -> Any:
+        """Where the optimizer updates it: where its optimizer state lives (its piece of it
+        under ZeRO), which is where the step's sum over the data axes leaves its gradient."""
+        return self.sharding if self.optimizer_sharding is None else self.optimizer_sharding
+
 
 def expand_names(pattern: str, lengths: tuple[int, ...], first: int = 0) -> list[str]:
     """The per-layer names a stacked name stands for: `blocks.*.attn.q` with lengths (2,) is

@@ -52,6 +52,28 @@ def make_optimizer(name: str, hyper: dict[str, float]) -> optax.GradientTransfor
     return optax.chain(optax.clip_by_global_norm(h["clip"]), core) if "clip" in h else core
 
 
+def master_state(optimizer: optax.GradientTransformation, params: Any, dtype: str) -> dict[str, Any]:
+    """The optimizer state of mixed-precision training: a `dtype` (f32) master copy of the
+    16-bit parameters and the optimizer's own state of it (its moments in that dtype too), as
+    ZeRO and Megatron's distributed optimizer keep them. The master starts as the parameters'
+    exact value."""
+    master = jax.tree.map(lambda p: p.astype(dtype), params)
+    return {"master": master, "optimizer": optimizer.init(master)}
+
+
+def master_update(
+    optimizer: optax.GradientTransformation, grads: Any, state: dict[str, Any], params: Any
+) -> tuple[Any, dict[str, Any]]:
+    """One optimizer step on the master copy (`master_state`): the 16-bit gradients widened to
+    the master's dtype, the update applied there, and the parameters written back as the new
+    master rounded to their own dtype. Returns (parameters, state)."""
+    master = state["master"]
+    grads = jax.tree.map(lambda g, m: g.astype(m.dtype), grads, master)
+    updates, inner = optimizer.update(grads, state["optimizer"], master)
+    master = optax.apply_updates(master, updates)
+    return jax.tree.map(lambda m, p: m.astype(p.dtype), master, params), {"master": master, "optimizer": inner}
+
+
 def accumulate_gradients(
     value_and_grad: Callable[[Any, dict[str, jax.Array], jax.Array | None], tuple[jax.Array, Any]],
     params: Any,
@@ -100,6 +122,7 @@ def data_parallel(
     *,
     mesh: jax.sharding.Mesh,
     axes: tuple[str, ...],
+    param_specs: dict[str, PartitionSpec],
     grad_specs: dict[str, PartitionSpec],
     count: Callable[[dict[str, jax.Array]], jax.Array] | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -108,12 +131,18 @@ def data_parallel(
 
     `value_and_grad(params, rows, key)` runs in `jax.shard_map`, manual over `axes` (every
     other mesh axis stays automatic): it sees the rows of every input this device holds
-    (their first dimension is split over `axes`) and the parameters, whole along `axes`,
-    and returns its rows' mean loss and gradients. However many slices it cuts its rows
-    into (microbatches, accumulation steps), their gradients stay partial sums on each
-    device until one all-reduce per array sums them (a reduce-scatter where the gradient
-    is kept split over `axes`, ZeRO-2), instead of one per slice as XLA's partitioner
-    would insert where each slice's gradient is made.
+    (their first dimension is split over `axes`) and the parameters (`param_specs`), whole
+    along `axes`, and returns its rows' mean loss and gradients. However many slices it cuts
+    its rows into (microbatches, accumulation steps), their gradients stay partial sums on
+    each device, returned unsummed (stacked along a new leading dimension, one block per
+    device), instead of reduced per slice as XLA's partitioner would where each is made.
+
+    A second map, manual over the whole mesh, then sums each device's block once: a
+    reduce-scatter where `grad_specs` keeps the gradient split over `axes` (ZeRO 2, and
+    ZeRO 1's optimizer state, whose pieces the update runs on), leaving each device its
+    piece, else an all-reduce. In that map every device holds just its own piece along the
+    other axes, so nothing is gathered over them first (and XLA's CPU backend, which cannot
+    promote a 16-bit all-reduce in a partly manual map, has none to promote).
 
     Each device's loss and gradients weigh by its share of the batch: one over the devices,
     or, for a loss that averages over the positions it counts (`count`), its share of the
@@ -121,7 +150,6 @@ def data_parallel(
     its own random numbers (its key folded with its index along `axes`).
     """
     devices = math.prod(mesh.shape[a] for a in axes)
-    scattered = {name: _scatter_dim(spec, axes) for name, spec in grad_specs.items()}
 
     def body(
         params: dict[str, jax.Array], rows: dict[str, jax.Array], key: jax.Array
@@ -133,37 +161,61 @@ def data_parallel(
         else:
             counted = count(rows).astype(jnp.float32)
             share = counted / jnp.maximum(lax.psum(counted, axes), 1.0)
-        summed = {}
+        weighed = {name: (g * share.astype(g.dtype))[None] for name, g in grads.items()}
+        unsummed = {
+            name: lax.with_sharding_constraint(g, PartitionSpec(None, *param_specs[name]))
+            for name, g in weighed.items()
+        }
+        return lax.psum(loss * share, axes), unsummed
+
+    def reduce(grads: dict[str, jax.Array]) -> dict[str, jax.Array]:
+        out = {}
         for name, g in grads.items():
-            g = g * share.astype(g.dtype)
-            dim = scattered[name]
-            summed[name] = (
-                lax.psum(g, axes) if dim is None else lax.psum_scatter(g, axes, scatter_dimension=dim, tiled=True)
+            dim = _scatter_dim(grad_specs[name], axes)
+            out[name] = (
+                lax.psum(g[0], axes) if dim is None else lax.psum_scatter(g[0], axes, scatter_dimension=dim, tiled=True)
             )
-        return lax.psum(loss * share, axes), summed
+        return out
 
     key_given = key is not None
     whole = PartitionSpec()
-    out_specs = {name: whole if dim is None else PartitionSpec(*(None,) * dim, axes) for name, dim in scattered.items()}
-    run = jax.shard_map(
+    loss, stacked = jax.shard_map(
         body,
         mesh=mesh,
         in_specs=({name: whole for name in params}, {name: PartitionSpec(axes) for name in batch}, whole),
-        out_specs=(whole, out_specs),
+        out_specs=(whole, {name: PartitionSpec(axes) for name in params}),
         axis_names=set(axes),
         # Gradients are taken inside, per device: replication needs no tracking here (with
         # it, jax would sum every slice's gradient over `axes` as it is made).
         check_vma=False,
-    )
-    return run(params, batch, key if key is not None else jax.random.key(0))  # type: ignore[no-any-return]
+    )(params, batch, key if key is not None else jax.random.key(0))
+    summed = jax.shard_map(
+        reduce,
+        mesh=mesh,
+        in_specs=({name: PartitionSpec(axes, *spec) for name, spec in param_specs.items()},),
+        out_specs={name: _summed_spec(grad_specs[name], axes) for name in params},
+        check_vma=False,
+    )(stacked)
+    return loss, summed
 
 
 def _scatter_dim(spec: PartitionSpec, axes: tuple[str, ...]) -> int | None:
-    """The dimension a gradient kept split over `axes` between steps (ZeRO-2) is split along,
-    when they lead its entry in that order (a reduce-scatter then leaves each device its
-    piece); None for a gradient whole along them, which an all-reduce sums."""
+    """The dimension a gradient kept split over `axes` (ZeRO) is split along, when they end
+    its entry in that order: where a device holds its piece along the entry's other axes, a
+    reduce-scatter over `axes` then leaves it its piece. None for a gradient whole along
+    them, which an all-reduce sums."""
     for dim, entry in enumerate(spec):
         names = (entry,) if isinstance(entry, str) else tuple(entry or ())
-        if names[: len(axes)] == axes:
+        if len(names) >= len(axes) and names[len(names) - len(axes) :] == axes:
             return dim
     return None
+
+
+def _summed_spec(spec: PartitionSpec, axes: tuple[str, ...]) -> PartitionSpec:
+    """Where `data_parallel`'s sum leaves a gradient kept as `spec`: as `spec` where it
+    reduce-scatters over `axes`, else `spec` without them (the gradient whole along them)."""
+    if _scatter_dim(spec, axes) is not None:
+        return spec
+    return PartitionSpec(
+        *(tuple(a for a in ((e,) if isinstance(e, str) else tuple(e or ())) if a not in axes) or None for e in spec)
+    )

@@ -226,10 +226,21 @@ class Attention(LayerRule[Attrs]):
         h, kv, hd = (a["heads"], a["kv_heads"], a["head_dim"])
         assert isinstance(h, int) and isinstance(kv, int) and isinstance(hd, int)
         projections = 2 * b * s * d * (2 * h + 2 * kv) * hd
-        scores_and_mix = 2 * 2 * b * h * s * s * hd
         qkv_biased, o_biased = bool(a["bias"] or a["qkv_bias"]), bool(a["bias"])
         biases = b * s * ((h + 2 * kv) * hd * qkv_biased + d * o_biased)
-        return projections + scores_and_mix + biases
+        return projections + _scores_and_mix(a, x) + biases
+
+    def core_flops(self, layer: Layer) -> int:
+        # The scores q·kᵀ, half of the core's: the weighted sum's gradient needs only the
+        # probabilities and the values, so autodiff never reruns the sum itself. Ring
+        # attention has no core to spare: its backward recomputes its scores block by block.
+        return 0 if layer.operand and layer.operand[1] else _scores_and_mix(dict(layer.attrs), layer.input) // 2
+
+    def core_bytes(self, layer: Layer, mesh: Mesh, compute: str, slices: int) -> int:
+        if not self.core_flops(layer):
+            return 0
+        _, _, _, scores, _ = _attention_sizes(layer, mesh, slices)
+        return scores * _score_copies(compute)
 
     def residual_bytes(self, layer: Layer, mesh: Mesh, compute: str, slices: int) -> int:
         c = DTYPE_BYTES[compute]
@@ -241,10 +252,7 @@ class Attention(LayerRule[Attrs]):
             # projection's.
             outputs = 2 if layer.attr("causal") else 1
             return x * c + (q + k_v + outputs * q) * c + rows * F32  # operand, q, k, v, outputs, lse
-        # The scores [b, heads, s, s]: the masked scores, their exp and the probabilities in f32,
-        # the mask itself, and the probabilities in the compute dtype when that is not f32.
-        kept_probs = scores * (3 * F32 + 1 + (c if c != F32 else 0))
-        return x * c + (2 * q + k_v) * c + kept_probs  # operand, q, k, v, mixed heads, probs
+        return x * c + (2 * q + k_v) * c + scores * _score_copies(compute)  # operand, q, k, v, mixed heads, probs
 
     def workspace_bytes(self, layer: Layer, mesh: Mesh, compute: str, slices: int) -> int:
         if not context_axes(layer, mesh):
@@ -266,6 +274,22 @@ class Attention(LayerRule[Attrs]):
     ) -> dict[str, object]:
         static = {name: a[name] for name in ("heads", "kv_heads", "causal", "rope", "rope_base")} | {"dtype": dtype}
         return static | ({"axis": operand[1][0]} if operand[1] else {})
+
+
+def _scores_and_mix(a: Mapping[str, object], x: TensorType) -> int:
+    """FLOPs of the scores q·kᵀ [b, heads, s, s] and of their weighted sum of the values."""
+    b, s, _ = x.shape
+    h, hd = a["heads"], a["head_dim"]
+    assert isinstance(h, int) and isinstance(hd, int)
+    return 2 * 2 * b * h * s * s * hd
+
+
+def _score_copies(compute: str) -> int:
+    """Bytes kept per score [b, heads, s, s]: the masked scores, their exp and the
+    probabilities in f32, the mask itself, and the probabilities in the compute dtype when
+    that is not f32."""
+    c = DTYPE_BYTES[compute]
+    return 3 * F32 + 1 + (c if c != F32 else 0)
 
 
 def _attention_sizes(layer: Layer, mesh: Mesh, slices: int) -> tuple[int, int, int, int, int]:

@@ -214,6 +214,21 @@ class LayerRule(Generic[A]):
         default their gradients, which live next to the residuals themselves: the same size."""
         return self.residual_bytes(layer, mesh, compute, slices)
 
+    # ---- its core: what `checkpoint core_attention` recomputes rather than keeps ----------
+    #
+    # A layer may have a core whose activations are large and cheap to recompute (attention's
+    # scores, softmax and weighted sum: Korthikanti et al.'s selective recomputation). Its
+    # kernel then takes `recompute_core`, and the backward pass reruns the core.
+
+    def core_flops(self, layer: Layer) -> int:
+        """FLOPs the backward pass spends rerunning the core, for the whole batch (what of its
+        forward the gradients read); 0: no core to recompute."""
+        return 0
+
+    def core_bytes(self, layer: Layer, mesh: Mesh, compute: str, slices: int) -> int:
+        """The part of `residual_bytes` that recomputing the core saves."""
+        return 0
+
     def kernel(self, a: A, operand: Sharding) -> str:
         """The function in `dslc.kernels.layers` that computes this use of the layer (both
         backends call it the same way, see that module's conventions): by default the

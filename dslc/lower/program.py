@@ -95,9 +95,13 @@ class Program:
         with jax.set_mesh(self.mesh):
             return DslcModel(self.module.init_params(seed, self.mesh))
 
-    def export_weights(self, model: DslcModel) -> dict[str, np.ndarray]:
+    def export_weights(self, model: DslcModel, opt_state: Any = None) -> dict[str, np.ndarray]:
         """Every weight by its per-layer name (copies: on CPU a fetched array may share the
-        device buffer, which the next donating train step frees and reuses)."""
+        device buffer, which the next donating train step frees and reuses). Given the
+        optimizer state of a spec that keeps a master copy (`master_dtype`), the master's
+        values: the parameters the 16-bit working copy rounds."""
+        if opt_state is not None and self.ir.train.master_dtype:
+            return self.module.export_weights(opt_state["master"])  # type: ignore[no-any-return]
         return self.module.export_weights(model.arrays())  # type: ignore[no-any-return]
 
     def import_weights(self, model: DslcModel, weights: Mapping[str, Any]) -> None:
@@ -233,10 +237,11 @@ class Program:
                 return self._run.trace(params, batch)
             if step == "grads":
                 return self._grads.trace(params, batch)
+            abstract = jax.eval_shape(functools.partial(self.module.optimizer_state, self.optimizer), params)
             state = jax.tree.map(
                 lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
-                jax.eval_shape(self.optimizer.init, params),
-                self.module.optimizer_shardings(jax.eval_shape(self.optimizer.init, params), self.mesh),
+                abstract,
+                self.module.optimizer_shardings(abstract, self.mesh),
             )
             return self._step.trace(params, state, batch, jax.random.key(0))
 

@@ -10,6 +10,9 @@ The model, checkpoint policy by checkpoint policy (see docs/plan.md):
   block's residuals exist again, transiently, while that block's backward runs.
 * `checkpoint selective(names)`: the block input plus the outputs of the named layers, with
   the same transient recompute.
+* `checkpoint core_attention`: everything `none` keeps but the cores of the block's own
+  attention layers (their [b, heads, s, s] scores and probabilities, `core_bytes`), one of
+  which exists again, transiently, while its layer's backward runs.
 
 On top of what is kept, the backward pass needs a transient working set: the largest layer's
 residual gradients (the rule's `workspace_bytes`), or a recomputed block's whole residuals.
@@ -25,7 +28,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import assert_never
 
-from dslc.ir.nodes import DTYPE_BYTES, Block, Layer, Layout, Mesh, Node, Repeat, Residual, TensorType, layers
+from dslc.ir.nodes import (
+    DTYPE_BYTES,
+    Block,
+    Layer,
+    Layout,
+    Mesh,
+    Node,
+    Repeat,
+    Residual,
+    TensorType,
+    layers,
+    own_layers,
+)
 from dslc.layers import RULES
 
 
@@ -81,10 +96,15 @@ def _transient(node: Node, mesh: Mesh, compute: str, slices: int, recomputed: bo
     match node:
         case Layer():
             return RULES[node.kind].workspace_bytes(node, mesh, compute, slices)
-        case Block() if node.remat.policy != "none":
+        case Block() if node.remat.reruns_block:
             # The body is recomputed as a whole, into the step's own temporaries.
             one = _kept_by_node(node, mesh, compute, slices, recomputed)
             return one.peak - one.kept
+        case Block() if node.remat.policy == "core_attention":
+            # Its own layers' working sets, one of them a layer's recomputed core besides.
+            return max((_transient(c, mesh, compute, slices, recomputed) for c in node.body), default=0) + max(
+                _cores(node, mesh, compute, slices), default=0
+            )
         case Block() | Residual():
             return max((_transient(c, mesh, compute, slices, recomputed) for c in node.body), default=0)
         case Repeat():
@@ -113,7 +133,7 @@ def _kept_by_node(node: Node, mesh: Mesh, compute: str, slices: int, recomputed:
         case Block():
             # A checkpointed block's backward runs it again: what that materialises is the
             # working set.
-            inner = kept_by(node.body, mesh, compute, slices, recomputed or node.remat.policy != "none")
+            inner = kept_by(node.body, mesh, compute, slices, recomputed or node.remat.reruns_block)
             match node.remat.policy:
                 case "none":
                     return inner
@@ -127,7 +147,22 @@ def _kept_by_node(node: Node, mesh: Mesh, compute: str, slices: int, recomputed:
                         if layer.path in node.remat.saved
                     )
                     return Kept(held, held + inner.peak)
+                case "core_attention":
+                    return without_cores(node, inner, mesh, compute, slices)
                 case other:
                     assert_never(other)
         case _:
             assert_never(node)
+
+
+def _cores(block: Block, mesh: Mesh, compute: str, slices: int) -> list[int]:
+    return [RULES[layer.kind].core_bytes(layer, mesh, compute, slices) for layer in own_layers(block.body)]
+
+
+def without_cores(block: Block, inner: Kept, mesh: Mesh, compute: str, slices: int) -> Kept:
+    """`checkpoint core_attention`: what the block keeps less its own attention layers' cores
+    (the scores and probabilities [b, heads, s, s]); the backward pass recomputes one core at
+    a time, next to what is kept."""
+    cores = _cores(block, mesh, compute, slices)
+    kept = inner.kept - sum(cores)
+    return Kept(kept, max(kept, inner.peak - sum(cores) + max(cores, default=0)))

@@ -96,7 +96,7 @@ def _moe_layers(nodes: tuple[Node, ...], checkpointed: bool, copies: int = 1) ->
             case Residual():
                 found += _moe_layers(node.body, checkpointed, copies)
             case Block():
-                found += _moe_layers(node.body, checkpointed or node.remat.policy != "none", copies)
+                found += _moe_layers(node.body, checkpointed or node.remat.reruns_block, copies)
             case Repeat():
                 found += _moe_layers((node.body,), checkpointed, copies * node.count)
             case _:

@@ -15,7 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import assert_never
 
-from dslc.ir.nodes import Block, Layer, Layout, Node, Program, Repeat, Residual, counted_layers
+from dslc.ir.nodes import Block, Layer, Layout, Node, Program, Repeat, Residual, counted_layers, own_layers
+from dslc.layers import RULES
 from dslc.plan.timetable import splits_backward, stage_of
 
 
@@ -60,10 +61,18 @@ def _recomputed(node: Node) -> int:
                         for layer, times in counted_layers(node.body)
                         if layer.path not in node.remat.saved
                     )
+                case "core_attention":
+                    return sum(_recomputed(n) for n in node.body) + recomputed_cores(node)
                 case other:
                     assert_never(other)
         case _:
             assert_never(node)
+
+
+def recomputed_cores(block: Block) -> int:
+    """`checkpoint core_attention`: the backward pass reruns the cores of the block's own
+    attention layers (their scores), once per forward."""
+    return sum(RULES[layer.kind].core_flops(layer) for layer in own_layers(block.body))
 
 
 def flops(program: Program) -> Flops:

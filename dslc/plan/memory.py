@@ -10,7 +10,8 @@ split by ZeRO / FSDP as `dslc.ir.state` says — the backend reads both:
   gathered one) besides the gradients it returns; `accumulate N` adds one accumulator of the
   gradients' size;
 * optimizer state is what optax keeps: adam and adamw two moments shaped like each
-  parameter, sgd (with momentum) one, in the parameter dtype.
+  parameter, sgd (with momentum) one, in the parameter dtype; with a master copy of 16-bit
+  parameters (`master_dtype f32`), the master and the moments in f32.
 
 Activations follow `dslc.plan.activations`: without a pipeline, what the whole forward keeps
 for its backward; under one, what each microbatch's chunk forward keeps (its residuals, which
@@ -70,6 +71,17 @@ def _local(t: TensorType, sharding: tuple[tuple[str, ...], ...], mesh: Mesh) -> 
     return TensorType(t.dtype, t.shape, sharding).local_nbytes(mesh)
 
 
+def optimizer_state_bytes(t: TensorType, sharding: tuple[tuple[str, ...], ...], program: Program) -> int:
+    """One stored array's optimizer state on one device, split as `sharding` says: optax's
+    moments in the parameters' dtype, or, with a master copy (`master_dtype`), the master and
+    the moments in its dtype — for Adam the 4 + 8 bytes per parameter of ZeRO's 12."""
+    train = program.train
+    copies = MOMENTS[train.optimizer.name]
+    if train.master_dtype is not None:
+        t, copies = TensorType(train.master_dtype, t.shape, t.sharding), copies + 1
+    return copies * _local(t, sharding, program.mesh)
+
+
 def training_state(program: Program, placement: Placement | None = None) -> State:
     """Parameters, gradients, optimizer state and accumulators per device, as stored."""
     mesh, train = program.mesh, program.train
@@ -80,7 +92,7 @@ def training_state(program: Program, placement: Placement | None = None) -> Stat
         params += _local(array.type, state.params, mesh)
         grad = _local(array.type, state.grads, mesh)
         grads += grad
-        optimizer += MOMENTS[train.optimizer.name] * _local(array.type, state.optimizer, mesh)
+        optimizer += optimizer_state_bytes(array.type, state.optimizer, program)
         # What the step computes the gradient in: the stage's own piece, or a gathered whole.
         whole = tuple(tuple(a for a in axes if a != axis) for axes in array.type.sharding)
         here = _local(array.type, whole if array.split_dim is not None else array.type.sharding, mesh)
@@ -206,4 +218,4 @@ def _part_gradients(program: Program, placement: Placement, chunk: int) -> list[
     return sizes
 
 
-__all__ = ["Kept", "Memory", "State", "memory", "pipeline_activations", "training_state"]
+__all__ = ["Kept", "Memory", "State", "memory", "optimizer_state_bytes", "pipeline_activations", "training_state"]

@@ -4,7 +4,7 @@
 by dotted name, as `dslc init` and `dslc import` write it, or a Hugging Face checkpoint
 folder, read as `dslc import` reads it; it imports no jax, so it runs before the run's program
 is built. `trained_weights` gives the parameters of a run's newest checkpoint (for
-`dslc export --weights RUN`).
+`dslc export --weights RUN`): the f32 master copy where the spec keeps one.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def trained_weights(program: Program, run: Path) -> tuple[int, dict[str, np.ndar
         if problems:
             raise file_problem(run, "C007", f"its checkpoint at step {step} does not fit the spec", notes=problems)
         model = program.init(0)
-        checkpoints.restore(step, model, program.init_optimizer(model))
-        return step, program.export_weights(model)
+        opt_state = checkpoints.restore(step, model, program.init_optimizer(model))
+        return step, program.export_weights(model, opt_state)
     finally:
         checkpoints.close()
