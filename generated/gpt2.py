@@ -1414,17 +1414,10 @@ def scan_layers(
 
 
 # The class of each chunk of the pipeline, in model order.
-STAGES = (
-    Stage0,
-    Stage1,
-)
+STAGES = (Stage0, Stage1)
 # Each chunk's weights: its share of the stored arrays, by the names its class reads.
 CHUNK_WEIGHTS = (
-    {
-        "wte.table": Share("wte.table"),
-        "wpe.table": Share("wpe.table"),
-        **layer_shares(PARAMETERS, "h.*.", (0, 6)),
-    },
+    {"wte.table": Share("wte.table"), "wpe.table": Share("wpe.table"), **layer_shares(PARAMETERS, "h.*.", (0, 6))},
     {
         **layer_shares(PARAMETERS, "h.*.", (6, 12)),
         "ln_f.scale": Share("ln_f.scale"),
@@ -1484,10 +1477,7 @@ TIMELINES = (
 )
 SCHEDULE = schedule_tables(*TIMELINES)
 # One microbatch of each chunk's input.
-CHUNK_INPUTS = [
-    (4, 1024),
-    (4, 1024, 768),
-]
+CHUNK_INPUTS = [(4, 1024), (4, 1024, 768)]
 BOUNDARY = ((4, 1024, 768), "float32")  # the buffer stages hand over
 
 

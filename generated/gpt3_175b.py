@@ -1462,59 +1462,24 @@ def scan_layers(
 
 
 # The class of each chunk of the pipeline, in model order.
-STAGES = (
-    Stage0,
-    *[Stage1] * 14,
-    Stage15,
-)
+STAGES = (Stage0, *[Stage1] * 14, Stage15)
 # Each chunk's weights: its share of the stored arrays, by the names its class reads.
 CHUNK_WEIGHTS = (
-    {
-        "embed.table": Share("embed.table"),
-        **layer_shares(PARAMETERS, "blocks.*.", (0, 6)),
-    },
-    {
-        **layer_shares(PARAMETERS, "blocks.*.", (6, 12)),
-    },
-    {
-        **layer_shares(PARAMETERS, "blocks.*.", (12, 18)),
-    },
-    {
-        **layer_shares(PARAMETERS, "blocks.*.", (18, 24)),
-    },
-    {
-        **layer_shares(PARAMETERS, "blocks.*.", (24, 30)),
-    },
-    {
-        **layer_shares(PARAMETERS, "blocks.*.", (30, 36)),
-    },
-    {
-        **layer_shares(PARAMETERS, "blocks.*.", (36, 42)),
-    },
-    {
-        **layer_shares(PARAMETERS, "blocks.*.", (42, 48)),
-    },
-    {
-        **layer_shares(PARAMETERS, "blocks.*.", (48, 54)),
-    },
-    {
-        **layer_shares(PARAMETERS, "blocks.*.", (54, 60)),
-    },
-    {
-        **layer_shares(PARAMETERS, "blocks.*.", (60, 66)),
-    },
-    {
-        **layer_shares(PARAMETERS, "blocks.*.", (66, 72)),
-    },
-    {
-        **layer_shares(PARAMETERS, "blocks.*.", (72, 78)),
-    },
-    {
-        **layer_shares(PARAMETERS, "blocks.*.", (78, 84)),
-    },
-    {
-        **layer_shares(PARAMETERS, "blocks.*.", (84, 90)),
-    },
+    {"embed.table": Share("embed.table"), **layer_shares(PARAMETERS, "blocks.*.", (0, 6))},
+    {**layer_shares(PARAMETERS, "blocks.*.", (6, 12))},
+    {**layer_shares(PARAMETERS, "blocks.*.", (12, 18))},
+    {**layer_shares(PARAMETERS, "blocks.*.", (18, 24))},
+    {**layer_shares(PARAMETERS, "blocks.*.", (24, 30))},
+    {**layer_shares(PARAMETERS, "blocks.*.", (30, 36))},
+    {**layer_shares(PARAMETERS, "blocks.*.", (36, 42))},
+    {**layer_shares(PARAMETERS, "blocks.*.", (42, 48))},
+    {**layer_shares(PARAMETERS, "blocks.*.", (48, 54))},
+    {**layer_shares(PARAMETERS, "blocks.*.", (54, 60))},
+    {**layer_shares(PARAMETERS, "blocks.*.", (60, 66))},
+    {**layer_shares(PARAMETERS, "blocks.*.", (66, 72))},
+    {**layer_shares(PARAMETERS, "blocks.*.", (72, 78))},
+    {**layer_shares(PARAMETERS, "blocks.*.", (78, 84))},
+    {**layer_shares(PARAMETERS, "blocks.*.", (84, 90))},
     {
         **layer_shares(PARAMETERS, "blocks.*.", (90, 96)),
         "ln_f.scale": Share("ln_f.scale"),
@@ -1584,10 +1549,7 @@ TIMELINES = (
 )
 SCHEDULE = schedule_tables(*TIMELINES)
 # One microbatch of each chunk's input.
-CHUNK_INPUTS = [
-    (8, 2048),
-    *[(8, 2048, 12288)] * 15,
-]
+CHUNK_INPUTS = [(8, 2048), *[(8, 2048, 12288)] * 15]
 BOUNDARY = ((8, 2048, 12288), "bfloat16")  # the buffer stages hand over
 
 

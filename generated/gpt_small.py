@@ -1384,16 +1384,10 @@ def scan_layers(
 
 
 # The class of each chunk of the pipeline, in model order.
-STAGES = (
-    Stage0,
-    Stage1,
-)
+STAGES = (Stage0, Stage1)
 # Each chunk's weights: its share of the stored arrays, by the names its class reads.
 CHUNK_WEIGHTS = (
-    {
-        "embed.table": Share("embed.table"),
-        **layer_shares(PARAMETERS, "blocks.*.", (0, 2)),
-    },
+    {"embed.table": Share("embed.table"), **layer_shares(PARAMETERS, "blocks.*.", (0, 2))},
     {
         **layer_shares(PARAMETERS, "blocks.*.", (2, 4)),
         "ln_f.scale": Share("ln_f.scale"),
@@ -1452,10 +1446,7 @@ TIMELINES = (
 )
 SCHEDULE = schedule_tables(*TIMELINES)
 # One microbatch of each chunk's input.
-CHUNK_INPUTS = [
-    (4, 32),
-    (4, 32, 64),
-]
+CHUNK_INPUTS = [(4, 32), (4, 32, 64)]
 BOUNDARY = ((4, 32, 64), "float32")  # the buffer stages hand over
 
 

@@ -1403,16 +1403,10 @@ def scan_layers(
 
 
 # The class of each chunk of the pipeline, in model order.
-STAGES = (
-    Stage0,
-    Stage1,
-)
+STAGES = (Stage0, Stage1)
 # Each chunk's weights: its share of the stored arrays, by the names its class reads.
 CHUNK_WEIGHTS = (
-    {
-        "embed.table": Share("embed.table"),
-        **layer_shares(PARAMETERS, "layers.*.", (0, 11)),
-    },
+    {"embed.table": Share("embed.table"), **layer_shares(PARAMETERS, "layers.*.", (0, 11))},
     {
         **layer_shares(PARAMETERS, "layers.*.", (11, 22)),
         "norm.scale": Share("norm.scale"),
@@ -1470,10 +1464,7 @@ TIMELINES = (
 )
 SCHEDULE = schedule_tables(*TIMELINES)
 # One microbatch of each chunk's input.
-CHUNK_INPUTS = [
-    (4, 2048),
-    (4, 2048, 2048),
-]
+CHUNK_INPUTS = [(4, 2048), (4, 2048, 2048)]
 BOUNDARY = ((4, 2048, 2048), "bfloat16")  # the buffer stages hand over
 
 

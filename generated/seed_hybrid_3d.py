@@ -1289,18 +1289,11 @@ def scan_layers(
 
 
 # The class of each chunk of the pipeline, in model order.
-STAGES = (
-    Stage0,
-    Stage0,
-)
+STAGES = (Stage0, Stage0)
 # Each chunk's weights: its share of the stored arrays, by the names its class reads.
 CHUNK_WEIGHTS = (
-    {
-        **layer_shares(PARAMETERS, "blocks.*.", (0, 12)),
-    },
-    {
-        **layer_shares(PARAMETERS, "blocks.*.", (12, 24)),
-    },
+    {**layer_shares(PARAMETERS, "blocks.*.", (0, 12))},
+    {**layer_shares(PARAMETERS, "blocks.*.", (12, 24))},
 )
 
 
@@ -1352,10 +1345,7 @@ TIMELINES = (
 )
 SCHEDULE = schedule_tables(*TIMELINES)
 # One microbatch of each chunk's input.
-CHUNK_INPUTS = [
-    (2, 512, 1024),
-    (2, 512, 1024),
-]
+CHUNK_INPUTS = [(2, 512, 1024), (2, 512, 1024)]
 BOUNDARY = ((2, 512, 1024), "float32")  # the buffer stages hand over
 
 

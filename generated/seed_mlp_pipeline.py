@@ -1145,11 +1145,7 @@ def scan_layers(
 
 
 # The class of each chunk of the pipeline, in model order.
-STAGES = (
-    Stage0,
-    Stage1,
-    Stage2,
-)
+STAGES = (Stage0, Stage1, Stage2)
 # Each chunk's weights: its share of the stored arrays, by the names its class reads.
 CHUNK_WEIGHTS = (
     {
@@ -1224,11 +1220,7 @@ TIMELINES = (
 )
 SCHEDULE = schedule_tables(*TIMELINES)
 # One microbatch of each chunk's input.
-CHUNK_INPUTS = [
-    (8, 784),
-    (8, 512),
-    (8, 256),
-]
+CHUNK_INPUTS = [(8, 784), (8, 512), (8, 256)]
 BOUNDARY = ((8, 512), "float32")  # the buffer stages hand over
 
 

@@ -108,9 +108,22 @@ def runs(entries: list[str]) -> list[str]:
     return out
 
 
+def bracketed(entries: list[str], head: str, close: str, indent: int = 0, after: str = "") -> str:
+    """`head` (its last character the opening bracket), the entries and `close`, as `ruff format`
+    writes them at `indent`: on one line where that fits in 120 columns (followed by `after`),
+    else one entry a line."""
+    inner = ", ".join(entries) + ("," if close == ")" and len(entries) == 1 else "")
+    line = f"{head}{inner}{close}{after}"
+    if indent + len(line) <= 120 and "\n" not in line:
+        return line
+    pad = " " * (indent + 4)
+    return "\n".join([head, *(f"{pad}{entry}," for entry in entries), " " * indent + close + after])
+
+
 _ENV.filters["py"] = py
 _ENV.filters["spec"] = spec
 _ENV.filters["runs"] = runs
+_ENV.filters["bracketed"] = bracketed
 
 
 def generate(
