@@ -234,91 +234,29 @@ def initial_array(name: str, p: Parameter, key: jax.Array) -> jax.Array:
 # stacked along a leading dimension (weights are exported one by one, as `blocks.3.attn.q`).
 PARAMETERS = {
     "embed.table": Parameter(
-        (512, 128),
-        "float32",
-        "normal:0.02",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
+        (512, 128), "float32", "normal:0.02", P("model", None), optimizer_sharding=P(("model", "data"), None)
     ),
-    "layers.*.attn_norm.scale": Parameter(
-        (4, 128),
-        "float32",
-        "ones",
-        P(None, None),
-        optimizer_sharding=P(None, "data"),
-        layers=(1,),
-    ),
-    "layers.*.attn.q": Parameter(
-        (4, 128, 128),
-        "float32",
-        "normal:0.08838834764831845",
-        P(None, None, "model"),
-        optimizer_sharding=P(None, "data", "model"),
-        layers=(1,),
-    ),
-    "layers.*.attn.k": Parameter(
-        (4, 128, 64),
-        "float32",
-        "normal:0.08838834764831845",
-        P(None, None, "model"),
-        optimizer_sharding=P(None, "data", "model"),
-        layers=(1,),
-    ),
-    "layers.*.attn.v": Parameter(
-        (4, 128, 64),
-        "float32",
-        "normal:0.08838834764831845",
-        P(None, None, "model"),
-        optimizer_sharding=P(None, "data", "model"),
-        layers=(1,),
-    ),
-    "layers.*.attn.o": Parameter(
-        (4, 128, 128),
-        "float32",
-        "normal:0.08838834764831845",
-        P(None, "model", None),
-        optimizer_sharding=P(None, ("model", "data"), None),
-        layers=(1,),
-    ),
-    "layers.*.mlp_norm.scale": Parameter(
-        (4, 128),
-        "float32",
-        "ones",
-        P(None, None),
-        optimizer_sharding=P(None, "data"),
-        layers=(1,),
-    ),
-    "layers.*.gate_up.gate": Parameter(
-        (4, 128, 344),
-        "float32",
-        "normal:0.08838834764831845",
-        P(None, None, "model"),
-        optimizer_sharding=P(None, "data", "model"),
-        layers=(1,),
-    ),
-    "layers.*.gate_up.up": Parameter(
-        (4, 128, 344),
-        "float32",
-        "normal:0.08838834764831845",
-        P(None, None, "model"),
-        optimizer_sharding=P(None, "data", "model"),
-        layers=(1,),
-    ),
-    "layers.*.down.kernel": Parameter(
-        (4, 344, 128),
-        "float32",
-        "normal:0.053916386601719206",
-        P(None, "model", None),
-        optimizer_sharding=P(None, ("model", "data"), None),
-        layers=(1,),
-    ),
+    # The weights of `layers.*`: each stacks its 4 layers ahead of one layer's shape
+    # and sharding, which the table gives with its name in the block and its init.
+    **{
+        f"layers.*.{name}": Parameter(
+            (4, *shape), "float32", init, P(None, *sharding), optimizer_sharding=P(None, *optimizer), layers=(1,)
+        )
+        for name, shape, init, sharding, optimizer in (
+            ("attn_norm.scale", (128,), "ones", (None,), ("data",)),
+            ("attn.q", (128, 128), "normal:0.08838834764831845", (None, "model"), ("data", "model")),
+            ("attn.k", (128, 64), "normal:0.08838834764831845", (None, "model"), ("data", "model")),
+            ("attn.v", (128, 64), "normal:0.08838834764831845", (None, "model"), ("data", "model")),
+            ("attn.o", (128, 128), "normal:0.08838834764831845", ("model", None), (("model", "data"), None)),
+            ("mlp_norm.scale", (128,), "ones", (None,), ("data",)),
+            ("gate_up.gate", (128, 344), "normal:0.08838834764831845", (None, "model"), ("data", "model")),
+            ("gate_up.up", (128, 344), "normal:0.08838834764831845", (None, "model"), ("data", "model")),
+            ("down.kernel", (344, 128), "normal:0.053916386601719206", ("model", None), (("model", "data"), None)),
+        )
+    },
     "norm.scale": Parameter((128,), "float32", "ones", P(None), optimizer_sharding=P("data")),
     "head.kernel": Parameter(
-        (128, 512),
-        "float32",
-        "normal:0.08838834764831845",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
+        (128, 512), "float32", "normal:0.08838834764831845", P(None, "model"), optimizer_sharding=P("data", "model")
     ),
 }
 

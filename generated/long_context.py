@@ -234,51 +234,22 @@ def initial_array(name: str, p: Parameter, key: jax.Array) -> jax.Array:
 # stacked along a leading dimension (weights are exported one by one, as `blocks.3.attn.q`).
 PARAMETERS = {
     "embed.table": Parameter((128, 32), "float32", "normal:0.02", P("model", None)),
-    "layers.*.attn_norm.scale": Parameter((2, 32), "float32", "ones", P(None, None), layers=(1,)),
-    "layers.*.attn.q": Parameter(
-        (2, 32, 32),
-        "float32",
-        "normal:0.1767766952966369",
-        P(None, None, "model"),
-        layers=(1,),
-    ),
-    "layers.*.attn.k": Parameter(
-        (2, 32, 16),
-        "float32",
-        "normal:0.1767766952966369",
-        P(None, None, "model"),
-        layers=(1,),
-    ),
-    "layers.*.attn.v": Parameter(
-        (2, 32, 16),
-        "float32",
-        "normal:0.1767766952966369",
-        P(None, None, "model"),
-        layers=(1,),
-    ),
-    "layers.*.attn.o": Parameter(
-        (2, 32, 32),
-        "float32",
-        "normal:0.1767766952966369",
-        P(None, "model", None),
-        layers=(1,),
-    ),
-    "layers.*.mlp_norm.scale": Parameter((2, 32), "float32", "ones", P(None, None), layers=(1,)),
-    "layers.*.gate_up.gate": Parameter(
-        (2, 32, 64),
-        "float32",
-        "normal:0.1767766952966369",
-        P(None, None, "model"),
-        layers=(1,),
-    ),
-    "layers.*.gate_up.up": Parameter(
-        (2, 32, 64),
-        "float32",
-        "normal:0.1767766952966369",
-        P(None, None, "model"),
-        layers=(1,),
-    ),
-    "layers.*.down.kernel": Parameter((2, 64, 32), "float32", "normal:0.125", P(None, "model", None), layers=(1,)),
+    # The weights of `layers.*`: each stacks its 2 layers ahead of one layer's shape
+    # and sharding, which the table gives with its name in the block and its init.
+    **{
+        f"layers.*.{name}": Parameter((2, *shape), "float32", init, P(None, *sharding), layers=(1,))
+        for name, shape, init, sharding in (
+            ("attn_norm.scale", (32,), "ones", (None,)),
+            ("attn.q", (32, 32), "normal:0.1767766952966369", (None, "model")),
+            ("attn.k", (32, 16), "normal:0.1767766952966369", (None, "model")),
+            ("attn.v", (32, 16), "normal:0.1767766952966369", (None, "model")),
+            ("attn.o", (32, 32), "normal:0.1767766952966369", ("model", None)),
+            ("mlp_norm.scale", (32,), "ones", (None,)),
+            ("gate_up.gate", (32, 64), "normal:0.1767766952966369", (None, "model")),
+            ("gate_up.up", (32, 64), "normal:0.1767766952966369", (None, "model")),
+            ("down.kernel", (64, 32), "normal:0.125", ("model", None)),
+        )
+    },
     "norm.scale": Parameter((32,), "float32", "ones", P(None)),
     "head.kernel": Parameter((32, 128), "float32", "normal:0.1767766952966369", P(None, "model")),
 }

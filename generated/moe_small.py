@@ -243,25 +243,13 @@ PARAMETERS = {
     "layers.*.ln2.scale": Parameter((2, 32), "float32", "ones", P(None, None), layers=(1,)),
     "layers.*.ln2.bias": Parameter((2, 32), "float32", "zeros", P(None, None), layers=(1,)),
     "layers.*.moe.router": Parameter(
-        (2, 32, 8),
-        "float32",
-        "normal:0.1767766952966369",
-        P(None, None, None),
-        layers=(1,),
+        (2, 32, 8), "float32", "normal:0.1767766952966369", P(None, None, None), layers=(1,)
     ),
     "layers.*.moe.w_in": Parameter(
-        (2, 8, 32, 64),
-        "float32",
-        "normal:0.1767766952966369",
-        P(None, "expert", None, None),
-        layers=(1,),
+        (2, 8, 32, 64), "float32", "normal:0.1767766952966369", P(None, "expert", None, None), layers=(1,)
     ),
     "layers.*.moe.w_out": Parameter(
-        (2, 8, 64, 32),
-        "float32",
-        "normal:0.125",
-        P(None, "expert", None, None),
-        layers=(1,),
+        (2, 8, 64, 32), "float32", "normal:0.125", P(None, "expert", None, None), layers=(1,)
     ),
     "ln_f.scale": Parameter((32,), "float32", "ones", P(None)),
     "ln_f.bias": Parameter((32,), "float32", "zeros", P(None)),

@@ -234,60 +234,27 @@ def initial_array(name: str, p: Parameter, key: jax.Array) -> jax.Array:
 # Every array of trainable state, under its name in the spec: `*` stands for a repeat's layers,
 # stacked along a leading dimension (weights are exported one by one, as `blocks.3.attn.q`).
 PARAMETERS = {
-    "blocks.*.ln1.scale": Parameter((24, 1024), "float32", "ones", P("pipeline", None), layers=(1,), stage_rows=0),
-    "blocks.*.ln1.bias": Parameter((24, 1024), "float32", "zeros", P("pipeline", None), layers=(1,), stage_rows=0),
-    "blocks.*.attn.q": Parameter(
-        (24, 1024, 1024),
-        "float32",
-        "normal:0.03125",
-        P("pipeline", None, "model"),
-        layers=(1,),
-        stage_rows=0,
-    ),
-    "blocks.*.attn.k": Parameter(
-        (24, 1024, 1024),
-        "float32",
-        "normal:0.03125",
-        P("pipeline", None, "model"),
-        layers=(1,),
-        stage_rows=0,
-    ),
-    "blocks.*.attn.v": Parameter(
-        (24, 1024, 1024),
-        "float32",
-        "normal:0.03125",
-        P("pipeline", None, "model"),
-        layers=(1,),
-        stage_rows=0,
-    ),
-    "blocks.*.attn.o": Parameter(
-        (24, 1024, 1024),
-        "float32",
-        "normal:0.03125",
-        P("pipeline", "model", None),
-        layers=(1,),
-        stage_rows=0,
-    ),
-    "blocks.*.ln2.scale": Parameter((24, 1024), "float32", "ones", P("pipeline", None), layers=(1,), stage_rows=0),
-    "blocks.*.ln2.bias": Parameter((24, 1024), "float32", "zeros", P("pipeline", None), layers=(1,), stage_rows=0),
-    "blocks.*.up.kernel": Parameter(
-        (24, 1024, 4096),
-        "float32",
-        "normal:0.03125",
-        P("pipeline", None, "model"),
-        layers=(1,),
-        stage_rows=0,
-    ),
-    "blocks.*.up.bias": Parameter((24, 4096), "float32", "zeros", P("pipeline", "model"), layers=(1,), stage_rows=0),
-    "blocks.*.down.kernel": Parameter(
-        (24, 4096, 1024),
-        "float32",
-        "normal:0.015625",
-        P("pipeline", "model", None),
-        layers=(1,),
-        stage_rows=0,
-    ),
-    "blocks.*.down.bias": Parameter((24, 1024), "float32", "zeros", P("pipeline", None), layers=(1,), stage_rows=0),
+    # The weights of `blocks.*`: each stacks its 24 layers ahead of one layer's shape
+    # and sharding, which the table gives with its name in the block and its init.
+    **{
+        f"blocks.*.{name}": Parameter(
+            (24, *shape), "float32", init, P("pipeline", *sharding), layers=(1,), stage_rows=0
+        )
+        for name, shape, init, sharding in (
+            ("ln1.scale", (1024,), "ones", (None,)),
+            ("ln1.bias", (1024,), "zeros", (None,)),
+            ("attn.q", (1024, 1024), "normal:0.03125", (None, "model")),
+            ("attn.k", (1024, 1024), "normal:0.03125", (None, "model")),
+            ("attn.v", (1024, 1024), "normal:0.03125", (None, "model")),
+            ("attn.o", (1024, 1024), "normal:0.03125", ("model", None)),
+            ("ln2.scale", (1024,), "ones", (None,)),
+            ("ln2.bias", (1024,), "zeros", (None,)),
+            ("up.kernel", (1024, 4096), "normal:0.03125", (None, "model")),
+            ("up.bias", (4096,), "zeros", ("model",)),
+            ("down.kernel", (4096, 1024), "normal:0.015625", ("model", None)),
+            ("down.bias", (1024,), "zeros", (None,)),
+        )
+    },
 }
 
 
