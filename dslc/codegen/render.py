@@ -187,7 +187,8 @@ def generate(
         "mesh_text": _mesh_text(mesh_axes, mesh_shape),
         "regenerate": regenerate[0] if regenerate else f"dslc compile {file} --mesh {mesh_size} --force",
         "marker": MARKER,
-        "imports": _imports(kernels),
+        # The templates use `functools.partial` for the pipeline, data parallelism and accumulation.
+        "imports": _imports(kernels, program.pipelined or bool(data_axes) or program.train.accumulate > 1),
         "mesh_axes": mesh_axes,
         "mesh_shape": mesh_shape,
         "devices": math.prod(mesh_shape),
@@ -475,8 +476,9 @@ def _wrapped(pieces: tuple[str, ...], width: int = 100) -> list[str]:
 
 def _kernels(program: ir.Program, count: str | None, data_axes: ir.Axes) -> list[source.Definition]:
     layers = ir.all_layers(program)
-    wanted = ["named_key", "initial_array", "make_optimizer", "accumulate_gradients", "step_metrics"]
-    wanted += ["to_weights", "from_weights"]
+    wanted = ["named_key", "initial_array", "make_optimizer", "step_metrics", "to_weights", "from_weights"]
+    if program.train.accumulate > 1:
+        wanted.append("accumulate_gradients")
     wanted += sorted(
         {RULES[layer.kind].kernel(RULES[layer.kind].parse(dict(layer.attrs)), layer.operand) for layer in layers}
     )
@@ -495,10 +497,12 @@ def _kernel_names() -> set[str]:
     return set(source.all_definitions())
 
 
-def _imports(kernels: list[source.Definition]) -> list[str]:
-    """The import lines the module needs: the kernels' and the templates' own."""
+def _imports(kernels: list[source.Definition], partial: bool) -> list[str]:
+    """The import lines the module needs: the kernels' and the templates' own (`functools`
+    where they use `partial`)."""
     needed = source.names_used(kernels) & set(source.PRELUDE_IMPORTS)
-    needed |= {"functools", "np", "jax", "jnp", "optax", "nnx", "lax", "checkpoint_name", "Any", "Callable"}
+    needed |= {"np", "jax", "jnp", "optax", "nnx", "lax", "checkpoint_name", "Any", "Callable"}
+    needed |= {"functools"} if partial else set()
     lines = {source.PRELUDE_IMPORTS[n] for n in needed}
     lines |= {
         "import argparse",
