@@ -1209,11 +1209,7 @@ class Gpt2Block(nnx.Module):
         h = x
         # gpt2.par:39 ln_1: layernorm(d, eps=eps)
         h = layernorm(
-            h,
-            scale=weight(self.ln_1["scale"]),
-            bias=weight(self.ln_1["bias"]),
-            eps=1e-05,
-            dtype=COMPUTE_DTYPE,
+            h, scale=weight(self.ln_1["scale"]), bias=weight(self.ln_1["bias"]), eps=1e-05, dtype=COMPUTE_DTYPE
         )
         h = checkpoint_name(constrain(h, P("data", None, None)), self.path + ".ln_1")
         # gpt2.par:40 attn: attention(d, heads, bias=true) shard q[_, model], q_bias[model], k[_, model], k...
@@ -1243,11 +1239,7 @@ class Gpt2Block(nnx.Module):
         h = x
         # gpt2.par:44 ln_2: layernorm(d, eps=eps)
         h = layernorm(
-            h,
-            scale=weight(self.ln_2["scale"]),
-            bias=weight(self.ln_2["bias"]),
-            eps=1e-05,
-            dtype=COMPUTE_DTYPE,
+            h, scale=weight(self.ln_2["scale"]), bias=weight(self.ln_2["bias"]), eps=1e-05, dtype=COMPUTE_DTYPE
         )
         h = checkpoint_name(constrain(h, P("data", None, None)), self.path + ".ln_2")
         # gpt2.par:45 fc: linear(d, ffn) shard kernel[_, model], bias[model]
@@ -1308,11 +1300,7 @@ class Stage1(nnx.Module):
         x = scan_layers(self.h, 6, x, inputs, key)
         # gpt2.par:59 ln_f: layernorm(d, eps=eps)
         x = layernorm(
-            x,
-            scale=weight(self.ln_f["scale"]),
-            bias=weight(self.ln_f["bias"]),
-            eps=1e-05,
-            dtype=COMPUTE_DTYPE,
+            x, scale=weight(self.ln_f["scale"]), bias=weight(self.ln_f["bias"]), eps=1e-05, dtype=COMPUTE_DTYPE
         )
         x = checkpoint_name(constrain(x, P("data", None, None)), "ln_f")
         # gpt2.par:60 lm_head: linear(d, vocab, bias=false) tie kernel = wte.table.T
@@ -1371,12 +1359,7 @@ def forward(params: dict[str, jax.Array], inputs: dict[str, jax.Array], key: jax
 
 def loss_of(x: jax.Array, inputs: dict[str, jax.Array]) -> jax.Array:
     # gpt2.par:61 loss: cross_entropy(targets)
-    return cross_entropy(
-        x,
-        targets=inputs["targets"],
-        ignore_index=-100,
-        classes=50257,
-    )
+    return cross_entropy(x, targets=inputs["targets"], ignore_index=-100, classes=50257)
 
 
 def loss(params: dict[str, jax.Array], batch: dict[str, jax.Array], key: jax.Array | None = None) -> jax.Array:
@@ -1447,11 +1430,7 @@ OPTIMIZER = ("adamw", {"lr": 0.0006, "warmup": 100.0, "weight_decay": 0.1, "clip
 def loss_count(batch: dict[str, jax.Array]) -> jax.Array:
     """How many positions the loss averages over in `batch`: accumulation steps and
     microbatches weigh by their share of them."""
-    return cross_entropy_count(
-        targets=batch["targets"],
-        ignore_index=-100,
-        classes=50257,
-    )
+    return cross_entropy_count(targets=batch["targets"], ignore_index=-100, classes=50257)
 
 
 # Each device works through its own rows of the batch along these axes, and the gradients

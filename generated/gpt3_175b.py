@@ -1300,11 +1300,7 @@ class Stage15(nnx.Module):
         x = scan_layers(self.blocks, 6, x, inputs, key)
         # gpt3_175b.par:48 ln_f: layernorm(d)
         x = layernorm(
-            x,
-            scale=weight(self.ln_f["scale"]),
-            bias=weight(self.ln_f["bias"]),
-            eps=1e-05,
-            dtype=COMPUTE_DTYPE,
+            x, scale=weight(self.ln_f["scale"]), bias=weight(self.ln_f["bias"]), eps=1e-05, dtype=COMPUTE_DTYPE
         )
         x = checkpoint_name(constrain(x, P("data", None, None)), "ln_f")
         # gpt3_175b.par:49 head: linear(d, vocab, bias=false) shard kernel[_, model]
@@ -1377,11 +1373,7 @@ def forward(params: dict[str, jax.Array], inputs: dict[str, jax.Array], key: jax
 
 def loss_of(x: jax.Array, inputs: dict[str, jax.Array]) -> jax.Array:
     # gpt3_175b.par:50 loss: cross_entropy(targets)
-    return cross_entropy(
-        x,
-        targets=inputs["targets"],
-        ignore_index=-100,
-    )
+    return cross_entropy(x, targets=inputs["targets"], ignore_index=-100)
 
 
 def loss(params: dict[str, jax.Array], batch: dict[str, jax.Array], key: jax.Array | None = None) -> jax.Array:
@@ -1463,10 +1455,7 @@ OPTIMIZER = ("adamw", {"lr": 6e-05, "warmup": 375.0, "weight_decay": 0.1, "clip"
 def loss_count(batch: dict[str, jax.Array]) -> jax.Array:
     """How many positions the loss averages over in `batch`: accumulation steps and
     microbatches weigh by their share of them."""
-    return cross_entropy_count(
-        targets=batch["targets"],
-        ignore_index=-100,
-    )
+    return cross_entropy_count(targets=batch["targets"], ignore_index=-100)
 
 
 # Each device works through its own rows of the batch along these axes, and the gradients

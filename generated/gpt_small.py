@@ -1278,11 +1278,7 @@ class Stage1(nnx.Module):
         x = scan_layers(self.blocks, 2, x, inputs, key)
         # gpt_small.par:41 ln_f: layernorm(d)
         x = layernorm(
-            x,
-            scale=weight(self.ln_f["scale"]),
-            bias=weight(self.ln_f["bias"]),
-            eps=1e-05,
-            dtype=COMPUTE_DTYPE,
+            x, scale=weight(self.ln_f["scale"]), bias=weight(self.ln_f["bias"]), eps=1e-05, dtype=COMPUTE_DTYPE
         )
         x = checkpoint_name(constrain(x, P("data", None, None)), "ln_f")
         # gpt_small.par:42 head: linear(d, vocab, bias=false) shard kernel[_, model]
@@ -1341,11 +1337,7 @@ def forward(params: dict[str, jax.Array], inputs: dict[str, jax.Array], key: jax
 
 def loss_of(x: jax.Array, inputs: dict[str, jax.Array]) -> jax.Array:
     # gpt_small.par:43 loss: cross_entropy(targets)
-    return cross_entropy(
-        x,
-        targets=inputs["targets"],
-        ignore_index=-100,
-    )
+    return cross_entropy(x, targets=inputs["targets"], ignore_index=-100)
 
 
 def loss(params: dict[str, jax.Array], batch: dict[str, jax.Array], key: jax.Array | None = None) -> jax.Array:
@@ -1416,10 +1408,7 @@ OPTIMIZER = ("adamw", {"lr": 0.001, "warmup": 50.0, "weight_decay": 0.1})
 def loss_count(batch: dict[str, jax.Array]) -> jax.Array:
     """How many positions the loss averages over in `batch`: accumulation steps and
     microbatches weigh by their share of them."""
-    return cross_entropy_count(
-        targets=batch["targets"],
-        ignore_index=-100,
-    )
+    return cross_entropy_count(targets=batch["targets"], ignore_index=-100)
 
 
 # Each device works through its own rows of the batch along these axes, and the gradients

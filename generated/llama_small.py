@@ -632,11 +632,7 @@ def forward(params: dict[str, jax.Array], inputs: dict[str, jax.Array], key: jax
 
 def loss_of(x: jax.Array, inputs: dict[str, jax.Array]) -> jax.Array:
     # llama_small.par:39 loss: cross_entropy(targets)
-    return cross_entropy(
-        x,
-        targets=inputs["targets"],
-        ignore_index=-100,
-    )
+    return cross_entropy(x, targets=inputs["targets"], ignore_index=-100)
 
 
 def loss(params: dict[str, jax.Array], batch: dict[str, jax.Array], key: jax.Array | None = None) -> jax.Array:
@@ -661,10 +657,7 @@ OPTIMIZER = ("adamw", {"lr": 0.001, "warmup": 50.0})
 def loss_count(batch: dict[str, jax.Array]) -> jax.Array:
     """How many positions the loss averages over in `batch`: accumulation steps and
     microbatches weigh by their share of them."""
-    return cross_entropy_count(
-        targets=batch["targets"],
-        ignore_index=-100,
-    )
+    return cross_entropy_count(targets=batch["targets"], ignore_index=-100)
 
 
 def gradients(

@@ -960,11 +960,7 @@ def forward(params: dict[str, jax.Array], inputs: dict[str, jax.Array], key: jax
 
 def loss_of(x: jax.Array, inputs: dict[str, jax.Array]) -> jax.Array:
     # long_context.par:41 loss: cross_entropy(targets)
-    return cross_entropy(
-        x,
-        targets=inputs["targets"],
-        ignore_index=-100,
-    )
+    return cross_entropy(x, targets=inputs["targets"], ignore_index=-100)
 
 
 def loss(params: dict[str, jax.Array], batch: dict[str, jax.Array], key: jax.Array | None = None) -> jax.Array:
@@ -989,10 +985,7 @@ OPTIMIZER = ("adamw", {"lr": 0.001, "warmup": 20.0})
 def loss_count(batch: dict[str, jax.Array]) -> jax.Array:
     """How many positions the loss averages over in `batch`: accumulation steps and
     microbatches weigh by their share of them."""
-    return cross_entropy_count(
-        targets=batch["targets"],
-        ignore_index=-100,
-    )
+    return cross_entropy_count(targets=batch["targets"], ignore_index=-100)
 
 
 def gradients(

@@ -809,11 +809,7 @@ class MoeSmall(nnx.Module):
         aux = add_aux(aux, more)
         # moe_small.par:37 ln_f: layernorm(d)
         x = layernorm(
-            x,
-            scale=weight(self.ln_f["scale"]),
-            bias=weight(self.ln_f["bias"]),
-            eps=1e-05,
-            dtype=COMPUTE_DTYPE,
+            x, scale=weight(self.ln_f["scale"]), bias=weight(self.ln_f["bias"]), eps=1e-05, dtype=COMPUTE_DTYPE
         )
         x = checkpoint_name(constrain(x, P(("data", "expert"), None, None)), "ln_f")
         # moe_small.par:38 head: linear(d, vocab, bias=false)
@@ -856,11 +852,7 @@ def forward(params: dict[str, jax.Array], inputs: dict[str, jax.Array], key: jax
 
 def loss_of(x: jax.Array, inputs: dict[str, jax.Array]) -> jax.Array:
     # moe_small.par:39 loss: cross_entropy(targets)
-    return cross_entropy(
-        x,
-        targets=inputs["targets"],
-        ignore_index=-100,
-    )
+    return cross_entropy(x, targets=inputs["targets"], ignore_index=-100)
 
 
 def loss(params: dict[str, jax.Array], batch: dict[str, jax.Array], key: jax.Array | None = None) -> jax.Array:
@@ -887,10 +879,7 @@ OPTIMIZER = ("adamw", {"lr": 0.003, "warmup": 20.0})
 def loss_count(batch: dict[str, jax.Array]) -> jax.Array:
     """How many positions the loss averages over in `batch`: accumulation steps and
     microbatches weigh by their share of them."""
-    return cross_entropy_count(
-        targets=batch["targets"],
-        ignore_index=-100,
-    )
+    return cross_entropy_count(targets=batch["targets"], ignore_index=-100)
 
 
 def gradients(

@@ -1148,11 +1148,7 @@ def forward(params: dict[str, jax.Array], inputs: dict[str, jax.Array], key: jax
 
 def loss_of(x: jax.Array, inputs: dict[str, jax.Array]) -> jax.Array:
     # seed_mlp_pipeline.par:36 loss: cross_entropy(labels)
-    return cross_entropy(
-        x,
-        targets=inputs["labels"],
-        ignore_index=-100,
-    )
+    return cross_entropy(x, targets=inputs["labels"], ignore_index=-100)
 
 
 def loss(params: dict[str, jax.Array], batch: dict[str, jax.Array], key: jax.Array | None = None) -> jax.Array:
@@ -1225,10 +1221,7 @@ OPTIMIZER = ("adamw", {})
 def loss_count(batch: dict[str, jax.Array]) -> jax.Array:
     """How many positions the loss averages over in `batch`: accumulation steps and
     microbatches weigh by their share of them."""
-    return cross_entropy_count(
-        targets=batch["labels"],
-        ignore_index=-100,
-    )
+    return cross_entropy_count(targets=batch["labels"], ignore_index=-100)
 
 
 def gradients(

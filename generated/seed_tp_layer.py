@@ -555,10 +555,7 @@ def forward(params: dict[str, jax.Array], inputs: dict[str, jax.Array], key: jax
 
 def loss_of(x: jax.Array, inputs: dict[str, jax.Array]) -> jax.Array:
     # seed_tp_layer.par:31 loss: mse(y)
-    return mse(
-        x,
-        targets=inputs["y"],
-    )
+    return mse(x, targets=inputs["y"])
 
 
 def loss(params: dict[str, jax.Array], batch: dict[str, jax.Array], key: jax.Array | None = None) -> jax.Array:

@@ -592,11 +592,7 @@ class Tiny(nnx.Module):
         x = scan_layers(self.layers, 2, x, inputs, key)
         # tiny.par:35 ln_f: layernorm(d)
         x = layernorm(
-            x,
-            scale=weight(self.ln_f["scale"]),
-            bias=weight(self.ln_f["bias"]),
-            eps=1e-05,
-            dtype=COMPUTE_DTYPE,
+            x, scale=weight(self.ln_f["scale"]), bias=weight(self.ln_f["bias"]), eps=1e-05, dtype=COMPUTE_DTYPE
         )
         x = checkpoint_name(constrain(x, P("data", None, None)), "ln_f")
         # tiny.par:36 head: linear(d, vocab, bias=false) shard kernel[_, model]
@@ -630,11 +626,7 @@ def forward(params: dict[str, jax.Array], inputs: dict[str, jax.Array], key: jax
 
 def loss_of(x: jax.Array, inputs: dict[str, jax.Array]) -> jax.Array:
     # tiny.par:37 loss: cross_entropy(targets)
-    return cross_entropy(
-        x,
-        targets=inputs["targets"],
-        ignore_index=-100,
-    )
+    return cross_entropy(x, targets=inputs["targets"], ignore_index=-100)
 
 
 def loss(params: dict[str, jax.Array], batch: dict[str, jax.Array], key: jax.Array | None = None) -> jax.Array:
@@ -659,10 +651,7 @@ OPTIMIZER = ("adamw", {"lr": 0.003, "warmup": 20.0})
 def loss_count(batch: dict[str, jax.Array]) -> jax.Array:
     """How many positions the loss averages over in `batch`: accumulation steps and
     microbatches weigh by their share of them."""
-    return cross_entropy_count(
-        targets=batch["targets"],
-        ignore_index=-100,
-    )
+    return cross_entropy_count(targets=batch["targets"], ignore_index=-100)
 
 
 def gradients(
