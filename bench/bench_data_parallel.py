@@ -63,6 +63,8 @@ def per_slice_module(program: Program) -> Any:
 
     def gradients(params: Any, batch: Any, key: Any, mesh: Any) -> Any:
         once = functools.partial(module.value_and_grad, mesh=mesh)
+        if module.ACCUMULATE == 1:  # a module without accumulation has no `accumulate_gradients`
+            return once(params, batch, key)
         return module.accumulate_gradients(
             once, params, batch, key, module.ACCUMULATE, getattr(module, "loss_count", None)
         )

@@ -242,64 +242,29 @@ def initial_array(name: str, p: Parameter, key: jax.Array) -> jax.Array:
 PARAMETERS = {
     "wte.table": Parameter((50258, 768), "float32", "normal:0.02", P("model", "stage"), stage_split=1, padding=(1, 0)),
     "wpe.table": Parameter((1024, 768), "float32", "normal:0.02", P("stage", None), stage_split=0),
-    "h.*.ln_1.scale": Parameter((12, 768), "float32", "ones", P("stage", None), layers=(1,), stage_rows=0),
-    "h.*.ln_1.bias": Parameter((12, 768), "float32", "zeros", P("stage", None), layers=(1,), stage_rows=0),
-    "h.*.attn.q": Parameter(
-        (12, 768, 768),
-        "float32",
-        "normal:0.03608439182435161",
-        P("stage", None, "model"),
-        layers=(1,),
-        stage_rows=0,
-    ),
-    "h.*.attn.k": Parameter(
-        (12, 768, 768),
-        "float32",
-        "normal:0.03608439182435161",
-        P("stage", None, "model"),
-        layers=(1,),
-        stage_rows=0,
-    ),
-    "h.*.attn.v": Parameter(
-        (12, 768, 768),
-        "float32",
-        "normal:0.03608439182435161",
-        P("stage", None, "model"),
-        layers=(1,),
-        stage_rows=0,
-    ),
-    "h.*.attn.o": Parameter(
-        (12, 768, 768),
-        "float32",
-        "normal:0.03608439182435161",
-        P("stage", "model", None),
-        layers=(1,),
-        stage_rows=0,
-    ),
-    "h.*.attn.q_bias": Parameter((12, 768), "float32", "zeros", P("stage", "model"), layers=(1,), stage_rows=0),
-    "h.*.attn.k_bias": Parameter((12, 768), "float32", "zeros", P("stage", "model"), layers=(1,), stage_rows=0),
-    "h.*.attn.v_bias": Parameter((12, 768), "float32", "zeros", P("stage", "model"), layers=(1,), stage_rows=0),
-    "h.*.attn.o_bias": Parameter((12, 768), "float32", "zeros", P("stage", None), layers=(1,), stage_rows=0),
-    "h.*.ln_2.scale": Parameter((12, 768), "float32", "ones", P("stage", None), layers=(1,), stage_rows=0),
-    "h.*.ln_2.bias": Parameter((12, 768), "float32", "zeros", P("stage", None), layers=(1,), stage_rows=0),
-    "h.*.fc.kernel": Parameter(
-        (12, 768, 3072),
-        "float32",
-        "normal:0.03608439182435161",
-        P("stage", None, "model"),
-        layers=(1,),
-        stage_rows=0,
-    ),
-    "h.*.fc.bias": Parameter((12, 3072), "float32", "zeros", P("stage", "model"), layers=(1,), stage_rows=0),
-    "h.*.proj.kernel": Parameter(
-        (12, 3072, 768),
-        "float32",
-        "normal:0.018042195912175804",
-        P("stage", "model", None),
-        layers=(1,),
-        stage_rows=0,
-    ),
-    "h.*.proj.bias": Parameter((12, 768), "float32", "zeros", P("stage", None), layers=(1,), stage_rows=0),
+    # The weights of `h.*`: each stacks its 12 layers ahead of one layer's shape
+    # and sharding, which the table gives with its name in the block and its init.
+    **{
+        f"h.*.{name}": Parameter((12, *shape), "float32", init, P("stage", *sharding), layers=(1,), stage_rows=0)
+        for name, shape, init, sharding in (
+            ("ln_1.scale", (768,), "ones", (None,)),
+            ("ln_1.bias", (768,), "zeros", (None,)),
+            ("attn.q", (768, 768), "normal:0.03608439182435161", (None, "model")),
+            ("attn.k", (768, 768), "normal:0.03608439182435161", (None, "model")),
+            ("attn.v", (768, 768), "normal:0.03608439182435161", (None, "model")),
+            ("attn.o", (768, 768), "normal:0.03608439182435161", ("model", None)),
+            ("attn.q_bias", (768,), "zeros", ("model",)),
+            ("attn.k_bias", (768,), "zeros", ("model",)),
+            ("attn.v_bias", (768,), "zeros", ("model",)),
+            ("attn.o_bias", (768,), "zeros", (None,)),
+            ("ln_2.scale", (768,), "ones", (None,)),
+            ("ln_2.bias", (768,), "zeros", (None,)),
+            ("fc.kernel", (768, 3072), "normal:0.03608439182435161", (None, "model")),
+            ("fc.bias", (3072,), "zeros", ("model",)),
+            ("proj.kernel", (3072, 768), "normal:0.018042195912175804", ("model", None)),
+            ("proj.bias", (768,), "zeros", (None,)),
+        )
+    },
     "ln_f.scale": Parameter((768,), "float32", "ones", P("stage"), stage_split=0),
     "ln_f.bias": Parameter((768,), "float32", "zeros", P("stage"), stage_split=0),
 }
@@ -1148,46 +1113,6 @@ def make_optimizer(name: str, hyper: dict[str, float]) -> optax.GradientTransfor
     return optax.chain(optax.clip_by_global_norm(h["clip"]), core) if "clip" in h else core
 
 
-def accumulate_gradients(
-    value_and_grad: Callable[[Any, dict[str, jax.Array], jax.Array | None], tuple[jax.Array, Any]],
-    params: Any,
-    batch: dict[str, jax.Array],
-    key: jax.Array | None,
-    steps: int,
-    count: Callable[[dict[str, jax.Array]], jax.Array] | None = None,
-) -> tuple[jax.Array, Any]:
-    """Mean loss and gradients over `steps` slices of the batch, one slice at a time.
-
-    Slice j takes rows j, j+steps, j+2*steps, ...: every slice keeps rows from every data
-    shard, so all devices work on every slice. Gradients are summed as they arrive; their
-    mean over equal slices is the full-batch gradient of a mean loss.
-
-    A loss that averages over the positions it counts (`count` gives their number in a
-    batch: cross-entropy leaves out ignored targets) has slices of different weights: slice
-    j's loss and gradients are weighed by its share of the batch's counted positions, so the
-    result is the full batch's mean over its counted positions, not a mean of slice means.
-    """
-    if steps == 1:
-        return value_and_grad(params, batch, key)
-    sliced = {k: v.reshape(v.shape[0] // steps, steps, *v.shape[1:]).swapaxes(0, 1) for k, v in batch.items()}
-    keys = jax.random.split(key, steps) if key is not None else None
-    total_count = None if count is None else jnp.maximum(count(batch), 1.0)
-
-    def one(total: tuple[jax.Array, Any], i: jax.Array) -> tuple[tuple[jax.Array, Any], None]:
-        piece = {k: v[i] for k, v in sliced.items()}
-        value, grads = value_and_grad(params, piece, keys[i] if keys is not None else None)
-        if count is not None and total_count is not None:
-            share = count(piece) / total_count
-            value, grads = value * share, jax.tree.map(lambda g: g * share.astype(g.dtype), grads)
-        return (total[0] + value, jax.tree.map(jnp.add, total[1], grads)), None
-
-    zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
-    (value, total), _ = jax.lax.scan(one, zeros, jnp.arange(steps))
-    if total_count is not None:
-        return value, total
-    return value / steps, jax.tree.map(lambda g: g / steps, total)
-
-
 def data_parallel(
     value_and_grad: Callable[[Any, dict[str, jax.Array], jax.Array | None], tuple[jax.Array, Any]],
     params: dict[str, jax.Array],
@@ -1339,11 +1264,7 @@ class Gpt2Block(nnx.Module):
         h = x
         # gpt2.par:39 ln_1: layernorm(d, eps=eps)
         h = layernorm(
-            h,
-            scale=weight(self.ln_1["scale"]),
-            bias=weight(self.ln_1["bias"]),
-            eps=1e-05,
-            dtype=COMPUTE_DTYPE,
+            h, scale=weight(self.ln_1["scale"]), bias=weight(self.ln_1["bias"]), eps=1e-05, dtype=COMPUTE_DTYPE
         )
         h = checkpoint_name(constrain(h, P("data", None, None)), self.path + ".ln_1")
         # gpt2.par:40 attn: attention(d, heads, bias=true) shard q[_, model], q_bias[model], k[_, model], k...
@@ -1373,11 +1294,7 @@ class Gpt2Block(nnx.Module):
         h = x
         # gpt2.par:44 ln_2: layernorm(d, eps=eps)
         h = layernorm(
-            h,
-            scale=weight(self.ln_2["scale"]),
-            bias=weight(self.ln_2["bias"]),
-            eps=1e-05,
-            dtype=COMPUTE_DTYPE,
+            h, scale=weight(self.ln_2["scale"]), bias=weight(self.ln_2["bias"]), eps=1e-05, dtype=COMPUTE_DTYPE
         )
         h = checkpoint_name(constrain(h, P("data", None, None)), self.path + ".ln_2")
         # gpt2.par:45 fc: linear(d, ffn) shard kernel[_, model], bias[model]
@@ -1438,11 +1355,7 @@ class Stage1(nnx.Module):
         x = scan_layers(self.h, 6, x, inputs, key)
         # gpt2.par:59 ln_f: layernorm(d, eps=eps)
         x = layernorm(
-            x,
-            scale=weight(self.ln_f["scale"]),
-            bias=weight(self.ln_f["bias"]),
-            eps=1e-05,
-            dtype=COMPUTE_DTYPE,
+            x, scale=weight(self.ln_f["scale"]), bias=weight(self.ln_f["bias"]), eps=1e-05, dtype=COMPUTE_DTYPE
         )
         x = checkpoint_name(constrain(x, P("data", None, None)), "ln_f")
         # gpt2.par:60 lm_head: linear(d, vocab, bias=false) tie kernel = wte.table.T
@@ -1469,17 +1382,10 @@ def scan_layers(
 
 
 # The class of each chunk of the pipeline, in model order.
-STAGES = (
-    Stage0,
-    Stage1,
-)
+STAGES = (Stage0, Stage1)
 # Each chunk's weights: its share of the stored arrays, by the names its class reads.
 CHUNK_WEIGHTS = (
-    {
-        "wte.table": Share("wte.table"),
-        "wpe.table": Share("wpe.table"),
-        **layer_shares(PARAMETERS, "h.*.", (0, 6)),
-    },
+    {"wte.table": Share("wte.table"), "wpe.table": Share("wpe.table"), **layer_shares(PARAMETERS, "h.*.", (0, 6))},
     {
         **layer_shares(PARAMETERS, "h.*.", (6, 12)),
         "ln_f.scale": Share("ln_f.scale"),
@@ -1508,12 +1414,7 @@ def forward(params: dict[str, jax.Array], inputs: dict[str, jax.Array], key: jax
 
 def loss_of(x: jax.Array, inputs: dict[str, jax.Array]) -> jax.Array:
     # gpt2.par:61 loss: cross_entropy(targets)
-    return cross_entropy(
-        x,
-        targets=inputs["targets"],
-        ignore_index=-100,
-        classes=50257,
-    )
+    return cross_entropy(x, targets=inputs["targets"], ignore_index=-100, classes=50257)
 
 
 def loss(params: dict[str, jax.Array], batch: dict[str, jax.Array], key: jax.Array | None = None) -> jax.Array:
@@ -1539,10 +1440,7 @@ TIMELINES = (
 )
 SCHEDULE = schedule_tables(*TIMELINES)
 # One microbatch of each chunk's input.
-CHUNK_INPUTS = [
-    (4, 1024),
-    (4, 1024, 768),
-]
+CHUNK_INPUTS = [(4, 1024), (4, 1024, 768)]
 BOUNDARY = ((4, 1024, 768), "float32")  # the buffer stages hand over
 
 
@@ -1587,11 +1485,7 @@ OPTIMIZER = ("adamw", {"lr": 0.0006, "warmup": 100.0, "weight_decay": 0.1, "clip
 def loss_count(batch: dict[str, jax.Array]) -> jax.Array:
     """How many positions the loss averages over in `batch`: accumulation steps and
     microbatches weigh by their share of them."""
-    return cross_entropy_count(
-        targets=batch["targets"],
-        ignore_index=-100,
-        classes=50257,
-    )
+    return cross_entropy_count(targets=batch["targets"], ignore_index=-100, classes=50257)
 
 
 # Each device works through its own rows of the batch along these axes, and the gradients
@@ -1602,10 +1496,9 @@ DATA_AXES = ("data",)
 def gradients(
     params: dict[str, jax.Array], batch: dict[str, jax.Array], key: jax.Array | None, mesh: jax.sharding.Mesh
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """The mean loss and its gradients over the batch, in `ACCUMULATE` slices of each device's
-    rows (split over `DATA_AXES`), summed over the devices at the end."""
-    once = functools.partial(value_and_grad, mesh=mesh)
-    rows = functools.partial(accumulate_gradients, once, steps=ACCUMULATE, count=loss_count)
+    """The mean loss and its gradients over the batch, each device's rows (split over
+    `DATA_AXES`) at once, summed over the devices at the end."""
+    rows = functools.partial(value_and_grad, mesh=mesh)
     param_specs = {name: p.sharding for name, p in PARAMETERS.items()}
     grad_specs = {name: p.update_sharding for name, p in PARAMETERS.items()}
     return data_parallel(

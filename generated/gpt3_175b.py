@@ -248,129 +248,38 @@ PARAMETERS = {
         optimizer_sharding=P(("model", "stage", "data"), None),
         stage_split=0,
     ),
-    "blocks.*.ln1.scale": Parameter(
-        (96, 12288),
-        "float32",
-        "ones",
-        P("stage", None),
-        optimizer_sharding=P("stage", "data"),
-        layers=(1,),
-        stage_rows=0,
-    ),
-    "blocks.*.ln1.bias": Parameter(
-        (96, 12288),
-        "float32",
-        "zeros",
-        P("stage", None),
-        optimizer_sharding=P("stage", "data"),
-        layers=(1,),
-        stage_rows=0,
-    ),
-    "blocks.*.attn.q": Parameter(
-        (96, 12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P("stage", None, "model"),
-        optimizer_sharding=P("stage", "data", "model"),
-        layers=(1,),
-        stage_rows=0,
-    ),
-    "blocks.*.attn.k": Parameter(
-        (96, 12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P("stage", None, "model"),
-        optimizer_sharding=P("stage", "data", "model"),
-        layers=(1,),
-        stage_rows=0,
-    ),
-    "blocks.*.attn.v": Parameter(
-        (96, 12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P("stage", None, "model"),
-        optimizer_sharding=P("stage", "data", "model"),
-        layers=(1,),
-        stage_rows=0,
-    ),
-    "blocks.*.attn.o": Parameter(
-        (96, 12288, 12288),
-        "float32",
-        "normal:0.009021097956087902",
-        P("stage", "model", None),
-        optimizer_sharding=P("stage", ("model", "data"), None),
-        layers=(1,),
-        stage_rows=0,
-    ),
-    "blocks.*.ln2.scale": Parameter(
-        (96, 12288),
-        "float32",
-        "ones",
-        P("stage", None),
-        optimizer_sharding=P("stage", "data"),
-        layers=(1,),
-        stage_rows=0,
-    ),
-    "blocks.*.ln2.bias": Parameter(
-        (96, 12288),
-        "float32",
-        "zeros",
-        P("stage", None),
-        optimizer_sharding=P("stage", "data"),
-        layers=(1,),
-        stage_rows=0,
-    ),
-    "blocks.*.up.kernel": Parameter(
-        (96, 12288, 49152),
-        "float32",
-        "normal:0.009021097956087902",
-        P("stage", None, "model"),
-        optimizer_sharding=P("stage", "data", "model"),
-        layers=(1,),
-        stage_rows=0,
-    ),
-    "blocks.*.up.bias": Parameter(
-        (96, 49152),
-        "float32",
-        "zeros",
-        P("stage", "model"),
-        optimizer_sharding=P("stage", ("model", "data")),
-        layers=(1,),
-        stage_rows=0,
-    ),
-    "blocks.*.down.kernel": Parameter(
-        (96, 49152, 12288),
-        "float32",
-        "normal:0.004510548978043951",
-        P("stage", "model", None),
-        optimizer_sharding=P("stage", ("model", "data"), None),
-        layers=(1,),
-        stage_rows=0,
-    ),
-    "blocks.*.down.bias": Parameter(
-        (96, 12288),
-        "float32",
-        "zeros",
-        P("stage", None),
-        optimizer_sharding=P("stage", "data"),
-        layers=(1,),
-        stage_rows=0,
-    ),
+    # The weights of `blocks.*`: each stacks its 96 layers ahead of one layer's shape
+    # and sharding, which the table gives with its name in the block and its init.
+    **{
+        f"blocks.*.{name}": Parameter(
+            (96, *shape),
+            "float32",
+            init,
+            P("stage", *sharding),
+            optimizer_sharding=P("stage", *optimizer),
+            layers=(1,),
+            stage_rows=0,
+        )
+        for name, shape, init, sharding, optimizer in (
+            ("ln1.scale", (12288,), "ones", (None,), ("data",)),
+            ("ln1.bias", (12288,), "zeros", (None,), ("data",)),
+            ("attn.q", (12288, 12288), "normal:0.009021097956087902", (None, "model"), ("data", "model")),
+            ("attn.k", (12288, 12288), "normal:0.009021097956087902", (None, "model"), ("data", "model")),
+            ("attn.v", (12288, 12288), "normal:0.009021097956087902", (None, "model"), ("data", "model")),
+            ("attn.o", (12288, 12288), "normal:0.009021097956087902", ("model", None), (("model", "data"), None)),
+            ("ln2.scale", (12288,), "ones", (None,), ("data",)),
+            ("ln2.bias", (12288,), "zeros", (None,), ("data",)),
+            ("up.kernel", (12288, 49152), "normal:0.009021097956087902", (None, "model"), ("data", "model")),
+            ("up.bias", (49152,), "zeros", ("model",), (("model", "data"),)),
+            ("down.kernel", (49152, 12288), "normal:0.004510548978043951", ("model", None), (("model", "data"), None)),
+            ("down.bias", (12288,), "zeros", (None,), ("data",)),
+        )
+    },
     "ln_f.scale": Parameter(
-        (12288,),
-        "float32",
-        "ones",
-        P("stage"),
-        optimizer_sharding=P(("stage", "data")),
-        stage_split=0,
+        (12288,), "float32", "ones", P("stage"), optimizer_sharding=P(("stage", "data")), stage_split=0
     ),
     "ln_f.bias": Parameter(
-        (12288,),
-        "float32",
-        "zeros",
-        P("stage"),
-        optimizer_sharding=P(("stage", "data")),
-        stage_split=0,
+        (12288,), "float32", "zeros", P("stage"), optimizer_sharding=P(("stage", "data")), stage_split=0
     ),
     "head.kernel": Parameter(
         (12288, 51200),
@@ -1213,46 +1122,6 @@ def make_optimizer(name: str, hyper: dict[str, float]) -> optax.GradientTransfor
     return optax.chain(optax.clip_by_global_norm(h["clip"]), core) if "clip" in h else core
 
 
-def accumulate_gradients(
-    value_and_grad: Callable[[Any, dict[str, jax.Array], jax.Array | None], tuple[jax.Array, Any]],
-    params: Any,
-    batch: dict[str, jax.Array],
-    key: jax.Array | None,
-    steps: int,
-    count: Callable[[dict[str, jax.Array]], jax.Array] | None = None,
-) -> tuple[jax.Array, Any]:
-    """Mean loss and gradients over `steps` slices of the batch, one slice at a time.
-
-    Slice j takes rows j, j+steps, j+2*steps, ...: every slice keeps rows from every data
-    shard, so all devices work on every slice. Gradients are summed as they arrive; their
-    mean over equal slices is the full-batch gradient of a mean loss.
-
-    A loss that averages over the positions it counts (`count` gives their number in a
-    batch: cross-entropy leaves out ignored targets) has slices of different weights: slice
-    j's loss and gradients are weighed by its share of the batch's counted positions, so the
-    result is the full batch's mean over its counted positions, not a mean of slice means.
-    """
-    if steps == 1:
-        return value_and_grad(params, batch, key)
-    sliced = {k: v.reshape(v.shape[0] // steps, steps, *v.shape[1:]).swapaxes(0, 1) for k, v in batch.items()}
-    keys = jax.random.split(key, steps) if key is not None else None
-    total_count = None if count is None else jnp.maximum(count(batch), 1.0)
-
-    def one(total: tuple[jax.Array, Any], i: jax.Array) -> tuple[tuple[jax.Array, Any], None]:
-        piece = {k: v[i] for k, v in sliced.items()}
-        value, grads = value_and_grad(params, piece, keys[i] if keys is not None else None)
-        if count is not None and total_count is not None:
-            share = count(piece) / total_count
-            value, grads = value * share, jax.tree.map(lambda g: g * share.astype(g.dtype), grads)
-        return (total[0] + value, jax.tree.map(jnp.add, total[1], grads)), None
-
-    zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
-    (value, total), _ = jax.lax.scan(one, zeros, jnp.arange(steps))
-    if total_count is not None:
-        return value, total
-    return value / steps, jax.tree.map(lambda g: g / steps, total)
-
-
 def data_parallel(
     value_and_grad: Callable[[Any, dict[str, jax.Array], jax.Array | None], tuple[jax.Array, Any]],
     params: dict[str, jax.Array],
@@ -1486,11 +1355,7 @@ class Stage15(nnx.Module):
         x = scan_layers(self.blocks, 6, x, inputs, key)
         # gpt3_175b.par:48 ln_f: layernorm(d)
         x = layernorm(
-            x,
-            scale=weight(self.ln_f["scale"]),
-            bias=weight(self.ln_f["bias"]),
-            eps=1e-05,
-            dtype=COMPUTE_DTYPE,
+            x, scale=weight(self.ln_f["scale"]), bias=weight(self.ln_f["bias"]), eps=1e-05, dtype=COMPUTE_DTYPE
         )
         x = checkpoint_name(constrain(x, P("data", None, None)), "ln_f")
         # gpt3_175b.par:49 head: linear(d, vocab, bias=false) shard kernel[_, model]
@@ -1517,59 +1382,24 @@ def scan_layers(
 
 
 # The class of each chunk of the pipeline, in model order.
-STAGES = (
-    Stage0,
-    *[Stage1] * 14,
-    Stage15,
-)
+STAGES = (Stage0, *[Stage1] * 14, Stage15)
 # Each chunk's weights: its share of the stored arrays, by the names its class reads.
 CHUNK_WEIGHTS = (
-    {
-        "embed.table": Share("embed.table"),
-        **layer_shares(PARAMETERS, "blocks.*.", (0, 6)),
-    },
-    {
-        **layer_shares(PARAMETERS, "blocks.*.", (6, 12)),
-    },
-    {
-        **layer_shares(PARAMETERS, "blocks.*.", (12, 18)),
-    },
-    {
-        **layer_shares(PARAMETERS, "blocks.*.", (18, 24)),
-    },
-    {
-        **layer_shares(PARAMETERS, "blocks.*.", (24, 30)),
-    },
-    {
-        **layer_shares(PARAMETERS, "blocks.*.", (30, 36)),
-    },
-    {
-        **layer_shares(PARAMETERS, "blocks.*.", (36, 42)),
-    },
-    {
-        **layer_shares(PARAMETERS, "blocks.*.", (42, 48)),
-    },
-    {
-        **layer_shares(PARAMETERS, "blocks.*.", (48, 54)),
-    },
-    {
-        **layer_shares(PARAMETERS, "blocks.*.", (54, 60)),
-    },
-    {
-        **layer_shares(PARAMETERS, "blocks.*.", (60, 66)),
-    },
-    {
-        **layer_shares(PARAMETERS, "blocks.*.", (66, 72)),
-    },
-    {
-        **layer_shares(PARAMETERS, "blocks.*.", (72, 78)),
-    },
-    {
-        **layer_shares(PARAMETERS, "blocks.*.", (78, 84)),
-    },
-    {
-        **layer_shares(PARAMETERS, "blocks.*.", (84, 90)),
-    },
+    {"embed.table": Share("embed.table"), **layer_shares(PARAMETERS, "blocks.*.", (0, 6))},
+    {**layer_shares(PARAMETERS, "blocks.*.", (6, 12))},
+    {**layer_shares(PARAMETERS, "blocks.*.", (12, 18))},
+    {**layer_shares(PARAMETERS, "blocks.*.", (18, 24))},
+    {**layer_shares(PARAMETERS, "blocks.*.", (24, 30))},
+    {**layer_shares(PARAMETERS, "blocks.*.", (30, 36))},
+    {**layer_shares(PARAMETERS, "blocks.*.", (36, 42))},
+    {**layer_shares(PARAMETERS, "blocks.*.", (42, 48))},
+    {**layer_shares(PARAMETERS, "blocks.*.", (48, 54))},
+    {**layer_shares(PARAMETERS, "blocks.*.", (54, 60))},
+    {**layer_shares(PARAMETERS, "blocks.*.", (60, 66))},
+    {**layer_shares(PARAMETERS, "blocks.*.", (66, 72))},
+    {**layer_shares(PARAMETERS, "blocks.*.", (72, 78))},
+    {**layer_shares(PARAMETERS, "blocks.*.", (78, 84))},
+    {**layer_shares(PARAMETERS, "blocks.*.", (84, 90))},
     {
         **layer_shares(PARAMETERS, "blocks.*.", (90, 96)),
         "ln_f.scale": Share("ln_f.scale"),
@@ -1598,11 +1428,7 @@ def forward(params: dict[str, jax.Array], inputs: dict[str, jax.Array], key: jax
 
 def loss_of(x: jax.Array, inputs: dict[str, jax.Array]) -> jax.Array:
     # gpt3_175b.par:50 loss: cross_entropy(targets)
-    return cross_entropy(
-        x,
-        targets=inputs["targets"],
-        ignore_index=-100,
-    )
+    return cross_entropy(x, targets=inputs["targets"], ignore_index=-100)
 
 
 def loss(params: dict[str, jax.Array], batch: dict[str, jax.Array], key: jax.Array | None = None) -> jax.Array:
@@ -1639,10 +1465,7 @@ TIMELINES = (
 )
 SCHEDULE = schedule_tables(*TIMELINES)
 # One microbatch of each chunk's input.
-CHUNK_INPUTS = [
-    (8, 2048),
-    *[(8, 2048, 12288)] * 15,
-]
+CHUNK_INPUTS = [(8, 2048), *[(8, 2048, 12288)] * 15]
 BOUNDARY = ((8, 2048, 12288), "bfloat16")  # the buffer stages hand over
 
 
@@ -1687,10 +1510,7 @@ OPTIMIZER = ("adamw", {"lr": 6e-05, "warmup": 375.0, "weight_decay": 0.1, "clip"
 def loss_count(batch: dict[str, jax.Array]) -> jax.Array:
     """How many positions the loss averages over in `batch`: accumulation steps and
     microbatches weigh by their share of them."""
-    return cross_entropy_count(
-        targets=batch["targets"],
-        ignore_index=-100,
-    )
+    return cross_entropy_count(targets=batch["targets"], ignore_index=-100)
 
 
 # Each device works through its own rows of the batch along these axes, and the gradients
@@ -1701,10 +1521,9 @@ DATA_AXES = ("data",)
 def gradients(
     params: dict[str, jax.Array], batch: dict[str, jax.Array], key: jax.Array | None, mesh: jax.sharding.Mesh
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """The mean loss and its gradients over the batch, in `ACCUMULATE` slices of each device's
-    rows (split over `DATA_AXES`), summed over the devices at the end."""
-    once = functools.partial(value_and_grad, mesh=mesh)
-    rows = functools.partial(accumulate_gradients, once, steps=ACCUMULATE, count=loss_count)
+    """The mean loss and its gradients over the batch, each device's rows (split over
+    `DATA_AXES`) at once, summed over the devices at the end."""
+    rows = functools.partial(value_and_grad, mesh=mesh)
     param_specs = {name: p.sharding for name, p in PARAMETERS.items()}
     grad_specs = {name: p.update_sharding for name, p in PARAMETERS.items()}
     return data_parallel(

@@ -241,60 +241,25 @@ def initial_array(name: str, p: Parameter, key: jax.Array) -> jax.Array:
 # stacked along a leading dimension (weights are exported one by one, as `blocks.3.attn.q`).
 PARAMETERS = {
     "embed.table": Parameter((128, 64), "float32", "normal:0.02", P(("model", "stage"), None), stage_split=0),
-    "blocks.*.ln1.scale": Parameter((4, 64), "float32", "ones", P("stage", None), layers=(1,), stage_rows=0),
-    "blocks.*.ln1.bias": Parameter((4, 64), "float32", "zeros", P("stage", None), layers=(1,), stage_rows=0),
-    "blocks.*.attn.q": Parameter(
-        (4, 64, 64),
-        "float32",
-        "normal:0.125",
-        P("stage", None, "model"),
-        layers=(1,),
-        stage_rows=0,
-    ),
-    "blocks.*.attn.k": Parameter(
-        (4, 64, 64),
-        "float32",
-        "normal:0.125",
-        P("stage", None, "model"),
-        layers=(1,),
-        stage_rows=0,
-    ),
-    "blocks.*.attn.v": Parameter(
-        (4, 64, 64),
-        "float32",
-        "normal:0.125",
-        P("stage", None, "model"),
-        layers=(1,),
-        stage_rows=0,
-    ),
-    "blocks.*.attn.o": Parameter(
-        (4, 64, 64),
-        "float32",
-        "normal:0.125",
-        P("stage", "model", None),
-        layers=(1,),
-        stage_rows=0,
-    ),
-    "blocks.*.ln2.scale": Parameter((4, 64), "float32", "ones", P("stage", None), layers=(1,), stage_rows=0),
-    "blocks.*.ln2.bias": Parameter((4, 64), "float32", "zeros", P("stage", None), layers=(1,), stage_rows=0),
-    "blocks.*.up.kernel": Parameter(
-        (4, 64, 256),
-        "float32",
-        "normal:0.125",
-        P("stage", None, "model"),
-        layers=(1,),
-        stage_rows=0,
-    ),
-    "blocks.*.up.bias": Parameter((4, 256), "float32", "zeros", P("stage", "model"), layers=(1,), stage_rows=0),
-    "blocks.*.down.kernel": Parameter(
-        (4, 256, 64),
-        "float32",
-        "normal:0.0625",
-        P("stage", "model", None),
-        layers=(1,),
-        stage_rows=0,
-    ),
-    "blocks.*.down.bias": Parameter((4, 64), "float32", "zeros", P("stage", None), layers=(1,), stage_rows=0),
+    # The weights of `blocks.*`: each stacks its 4 layers ahead of one layer's shape
+    # and sharding, which the table gives with its name in the block and its init.
+    **{
+        f"blocks.*.{name}": Parameter((4, *shape), "float32", init, P("stage", *sharding), layers=(1,), stage_rows=0)
+        for name, shape, init, sharding in (
+            ("ln1.scale", (64,), "ones", (None,)),
+            ("ln1.bias", (64,), "zeros", (None,)),
+            ("attn.q", (64, 64), "normal:0.125", (None, "model")),
+            ("attn.k", (64, 64), "normal:0.125", (None, "model")),
+            ("attn.v", (64, 64), "normal:0.125", (None, "model")),
+            ("attn.o", (64, 64), "normal:0.125", ("model", None)),
+            ("ln2.scale", (64,), "ones", (None,)),
+            ("ln2.bias", (64,), "zeros", (None,)),
+            ("up.kernel", (64, 256), "normal:0.125", (None, "model")),
+            ("up.bias", (256,), "zeros", ("model",)),
+            ("down.kernel", (256, 64), "normal:0.0625", ("model", None)),
+            ("down.bias", (64,), "zeros", (None,)),
+        )
+    },
     "ln_f.scale": Parameter((64,), "float32", "ones", P("stage"), stage_split=0),
     "ln_f.bias": Parameter((64,), "float32", "zeros", P("stage"), stage_split=0),
     "head.kernel": Parameter((64, 128), "float32", "normal:0.125", P("stage", "model"), stage_split=0),
@@ -1139,46 +1104,6 @@ def make_optimizer(name: str, hyper: dict[str, float]) -> optax.GradientTransfor
     return optax.chain(optax.clip_by_global_norm(h["clip"]), core) if "clip" in h else core
 
 
-def accumulate_gradients(
-    value_and_grad: Callable[[Any, dict[str, jax.Array], jax.Array | None], tuple[jax.Array, Any]],
-    params: Any,
-    batch: dict[str, jax.Array],
-    key: jax.Array | None,
-    steps: int,
-    count: Callable[[dict[str, jax.Array]], jax.Array] | None = None,
-) -> tuple[jax.Array, Any]:
-    """Mean loss and gradients over `steps` slices of the batch, one slice at a time.
-
-    Slice j takes rows j, j+steps, j+2*steps, ...: every slice keeps rows from every data
-    shard, so all devices work on every slice. Gradients are summed as they arrive; their
-    mean over equal slices is the full-batch gradient of a mean loss.
-
-    A loss that averages over the positions it counts (`count` gives their number in a
-    batch: cross-entropy leaves out ignored targets) has slices of different weights: slice
-    j's loss and gradients are weighed by its share of the batch's counted positions, so the
-    result is the full batch's mean over its counted positions, not a mean of slice means.
-    """
-    if steps == 1:
-        return value_and_grad(params, batch, key)
-    sliced = {k: v.reshape(v.shape[0] // steps, steps, *v.shape[1:]).swapaxes(0, 1) for k, v in batch.items()}
-    keys = jax.random.split(key, steps) if key is not None else None
-    total_count = None if count is None else jnp.maximum(count(batch), 1.0)
-
-    def one(total: tuple[jax.Array, Any], i: jax.Array) -> tuple[tuple[jax.Array, Any], None]:
-        piece = {k: v[i] for k, v in sliced.items()}
-        value, grads = value_and_grad(params, piece, keys[i] if keys is not None else None)
-        if count is not None and total_count is not None:
-            share = count(piece) / total_count
-            value, grads = value * share, jax.tree.map(lambda g: g * share.astype(g.dtype), grads)
-        return (total[0] + value, jax.tree.map(jnp.add, total[1], grads)), None
-
-    zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
-    (value, total), _ = jax.lax.scan(one, zeros, jnp.arange(steps))
-    if total_count is not None:
-        return value, total
-    return value / steps, jax.tree.map(lambda g: g / steps, total)
-
-
 def data_parallel(
     value_and_grad: Callable[[Any, dict[str, jax.Array], jax.Array | None], tuple[jax.Array, Any]],
     params: dict[str, jax.Array],
@@ -1408,11 +1333,7 @@ class Stage1(nnx.Module):
         x = scan_layers(self.blocks, 2, x, inputs, key)
         # gpt_small.par:41 ln_f: layernorm(d)
         x = layernorm(
-            x,
-            scale=weight(self.ln_f["scale"]),
-            bias=weight(self.ln_f["bias"]),
-            eps=1e-05,
-            dtype=COMPUTE_DTYPE,
+            x, scale=weight(self.ln_f["scale"]), bias=weight(self.ln_f["bias"]), eps=1e-05, dtype=COMPUTE_DTYPE
         )
         x = checkpoint_name(constrain(x, P("data", None, None)), "ln_f")
         # gpt_small.par:42 head: linear(d, vocab, bias=false) shard kernel[_, model]
@@ -1439,16 +1360,10 @@ def scan_layers(
 
 
 # The class of each chunk of the pipeline, in model order.
-STAGES = (
-    Stage0,
-    Stage1,
-)
+STAGES = (Stage0, Stage1)
 # Each chunk's weights: its share of the stored arrays, by the names its class reads.
 CHUNK_WEIGHTS = (
-    {
-        "embed.table": Share("embed.table"),
-        **layer_shares(PARAMETERS, "blocks.*.", (0, 2)),
-    },
+    {"embed.table": Share("embed.table"), **layer_shares(PARAMETERS, "blocks.*.", (0, 2))},
     {
         **layer_shares(PARAMETERS, "blocks.*.", (2, 4)),
         "ln_f.scale": Share("ln_f.scale"),
@@ -1477,11 +1392,7 @@ def forward(params: dict[str, jax.Array], inputs: dict[str, jax.Array], key: jax
 
 def loss_of(x: jax.Array, inputs: dict[str, jax.Array]) -> jax.Array:
     # gpt_small.par:43 loss: cross_entropy(targets)
-    return cross_entropy(
-        x,
-        targets=inputs["targets"],
-        ignore_index=-100,
-    )
+    return cross_entropy(x, targets=inputs["targets"], ignore_index=-100)
 
 
 def loss(params: dict[str, jax.Array], batch: dict[str, jax.Array], key: jax.Array | None = None) -> jax.Array:
@@ -1507,10 +1418,7 @@ TIMELINES = (
 )
 SCHEDULE = schedule_tables(*TIMELINES)
 # One microbatch of each chunk's input.
-CHUNK_INPUTS = [
-    (4, 32),
-    (4, 32, 64),
-]
+CHUNK_INPUTS = [(4, 32), (4, 32, 64)]
 BOUNDARY = ((4, 32, 64), "float32")  # the buffer stages hand over
 
 
@@ -1555,10 +1463,7 @@ OPTIMIZER = ("adamw", {"lr": 0.001, "warmup": 50.0, "weight_decay": 0.1})
 def loss_count(batch: dict[str, jax.Array]) -> jax.Array:
     """How many positions the loss averages over in `batch`: accumulation steps and
     microbatches weigh by their share of them."""
-    return cross_entropy_count(
-        targets=batch["targets"],
-        ignore_index=-100,
-    )
+    return cross_entropy_count(targets=batch["targets"], ignore_index=-100)
 
 
 # Each device works through its own rows of the batch along these axes, and the gradients
@@ -1569,10 +1474,9 @@ DATA_AXES = ("data",)
 def gradients(
     params: dict[str, jax.Array], batch: dict[str, jax.Array], key: jax.Array | None, mesh: jax.sharding.Mesh
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """The mean loss and its gradients over the batch, in `ACCUMULATE` slices of each device's
-    rows (split over `DATA_AXES`), summed over the devices at the end."""
-    once = functools.partial(value_and_grad, mesh=mesh)
-    rows = functools.partial(accumulate_gradients, once, steps=ACCUMULATE, count=loss_count)
+    """The mean loss and its gradients over the batch, each device's rows (split over
+    `DATA_AXES`) at once, summed over the devices at the end."""
+    rows = functools.partial(value_and_grad, mesh=mesh)
     param_specs = {name: p.sharding for name, p in PARAMETERS.items()}
     grad_specs = {name: p.update_sharding for name, p in PARAMETERS.items()}
     return data_parallel(

@@ -248,94 +248,32 @@ PARAMETERS = {
         optimizer_sharding=P(("model", "stage", "data"), None),
         stage_split=0,
     ),
-    "layers.*.attn_norm.scale": Parameter(
-        (22, 2048),
-        "float32",
-        "ones",
-        P("stage", None),
-        optimizer_sharding=P("stage", "data"),
-        layers=(1,),
-        stage_rows=0,
-    ),
-    "layers.*.attn.q": Parameter(
-        (22, 2048, 2048),
-        "float32",
-        "normal:0.02209708691207961",
-        P("stage", None, "model"),
-        optimizer_sharding=P("stage", "data", "model"),
-        layers=(1,),
-        stage_rows=0,
-    ),
-    "layers.*.attn.k": Parameter(
-        (22, 2048, 256),
-        "float32",
-        "normal:0.02209708691207961",
-        P("stage", None, "model"),
-        optimizer_sharding=P("stage", "data", "model"),
-        layers=(1,),
-        stage_rows=0,
-    ),
-    "layers.*.attn.v": Parameter(
-        (22, 2048, 256),
-        "float32",
-        "normal:0.02209708691207961",
-        P("stage", None, "model"),
-        optimizer_sharding=P("stage", "data", "model"),
-        layers=(1,),
-        stage_rows=0,
-    ),
-    "layers.*.attn.o": Parameter(
-        (22, 2048, 2048),
-        "float32",
-        "normal:0.02209708691207961",
-        P("stage", "model", None),
-        optimizer_sharding=P("stage", ("model", "data"), None),
-        layers=(1,),
-        stage_rows=0,
-    ),
-    "layers.*.mlp_norm.scale": Parameter(
-        (22, 2048),
-        "float32",
-        "ones",
-        P("stage", None),
-        optimizer_sharding=P("stage", "data"),
-        layers=(1,),
-        stage_rows=0,
-    ),
-    "layers.*.gate_up.gate": Parameter(
-        (22, 2048, 5632),
-        "float32",
-        "normal:0.02209708691207961",
-        P("stage", None, "model"),
-        optimizer_sharding=P("stage", "data", "model"),
-        layers=(1,),
-        stage_rows=0,
-    ),
-    "layers.*.gate_up.up": Parameter(
-        (22, 2048, 5632),
-        "float32",
-        "normal:0.02209708691207961",
-        P("stage", None, "model"),
-        optimizer_sharding=P("stage", "data", "model"),
-        layers=(1,),
-        stage_rows=0,
-    ),
-    "layers.*.down.kernel": Parameter(
-        (22, 5632, 2048),
-        "float32",
-        "normal:0.013325044772225653",
-        P("stage", "model", None),
-        optimizer_sharding=P("stage", ("model", "data"), None),
-        layers=(1,),
-        stage_rows=0,
-    ),
+    # The weights of `layers.*`: each stacks its 22 layers ahead of one layer's shape
+    # and sharding, which the table gives with its name in the block and its init.
+    **{
+        f"layers.*.{name}": Parameter(
+            (22, *shape),
+            "float32",
+            init,
+            P("stage", *sharding),
+            optimizer_sharding=P("stage", *optimizer),
+            layers=(1,),
+            stage_rows=0,
+        )
+        for name, shape, init, sharding, optimizer in (
+            ("attn_norm.scale", (2048,), "ones", (None,), ("data",)),
+            ("attn.q", (2048, 2048), "normal:0.02209708691207961", (None, "model"), ("data", "model")),
+            ("attn.k", (2048, 256), "normal:0.02209708691207961", (None, "model"), ("data", "model")),
+            ("attn.v", (2048, 256), "normal:0.02209708691207961", (None, "model"), ("data", "model")),
+            ("attn.o", (2048, 2048), "normal:0.02209708691207961", ("model", None), (("model", "data"), None)),
+            ("mlp_norm.scale", (2048,), "ones", (None,), ("data",)),
+            ("gate_up.gate", (2048, 5632), "normal:0.02209708691207961", (None, "model"), ("data", "model")),
+            ("gate_up.up", (2048, 5632), "normal:0.02209708691207961", (None, "model"), ("data", "model")),
+            ("down.kernel", (5632, 2048), "normal:0.013325044772225653", ("model", None), (("model", "data"), None)),
+        )
+    },
     "norm.scale": Parameter(
-        (2048,),
-        "float32",
-        "ones",
-        P("stage"),
-        optimizer_sharding=P(("stage", "data")),
-        stage_split=0,
+        (2048,), "float32", "ones", P("stage"), optimizer_sharding=P(("stage", "data")), stage_split=0
     ),
     "head.kernel": Parameter(
         (2048, 32000),
@@ -1176,46 +1114,6 @@ def make_optimizer(name: str, hyper: dict[str, float]) -> optax.GradientTransfor
     return optax.chain(optax.clip_by_global_norm(h["clip"]), core) if "clip" in h else core
 
 
-def accumulate_gradients(
-    value_and_grad: Callable[[Any, dict[str, jax.Array], jax.Array | None], tuple[jax.Array, Any]],
-    params: Any,
-    batch: dict[str, jax.Array],
-    key: jax.Array | None,
-    steps: int,
-    count: Callable[[dict[str, jax.Array]], jax.Array] | None = None,
-) -> tuple[jax.Array, Any]:
-    """Mean loss and gradients over `steps` slices of the batch, one slice at a time.
-
-    Slice j takes rows j, j+steps, j+2*steps, ...: every slice keeps rows from every data
-    shard, so all devices work on every slice. Gradients are summed as they arrive; their
-    mean over equal slices is the full-batch gradient of a mean loss.
-
-    A loss that averages over the positions it counts (`count` gives their number in a
-    batch: cross-entropy leaves out ignored targets) has slices of different weights: slice
-    j's loss and gradients are weighed by its share of the batch's counted positions, so the
-    result is the full batch's mean over its counted positions, not a mean of slice means.
-    """
-    if steps == 1:
-        return value_and_grad(params, batch, key)
-    sliced = {k: v.reshape(v.shape[0] // steps, steps, *v.shape[1:]).swapaxes(0, 1) for k, v in batch.items()}
-    keys = jax.random.split(key, steps) if key is not None else None
-    total_count = None if count is None else jnp.maximum(count(batch), 1.0)
-
-    def one(total: tuple[jax.Array, Any], i: jax.Array) -> tuple[tuple[jax.Array, Any], None]:
-        piece = {k: v[i] for k, v in sliced.items()}
-        value, grads = value_and_grad(params, piece, keys[i] if keys is not None else None)
-        if count is not None and total_count is not None:
-            share = count(piece) / total_count
-            value, grads = value * share, jax.tree.map(lambda g: g * share.astype(g.dtype), grads)
-        return (total[0] + value, jax.tree.map(jnp.add, total[1], grads)), None
-
-    zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
-    (value, total), _ = jax.lax.scan(one, zeros, jnp.arange(steps))
-    if total_count is not None:
-        return value, total
-    return value / steps, jax.tree.map(lambda g: g / steps, total)
-
-
 def data_parallel(
     value_and_grad: Callable[[Any, dict[str, jax.Array], jax.Array | None], tuple[jax.Array, Any]],
     params: dict[str, jax.Array],
@@ -1458,16 +1356,10 @@ def scan_layers(
 
 
 # The class of each chunk of the pipeline, in model order.
-STAGES = (
-    Stage0,
-    Stage1,
-)
+STAGES = (Stage0, Stage1)
 # Each chunk's weights: its share of the stored arrays, by the names its class reads.
 CHUNK_WEIGHTS = (
-    {
-        "embed.table": Share("embed.table"),
-        **layer_shares(PARAMETERS, "layers.*.", (0, 11)),
-    },
+    {"embed.table": Share("embed.table"), **layer_shares(PARAMETERS, "layers.*.", (0, 11))},
     {
         **layer_shares(PARAMETERS, "layers.*.", (11, 22)),
         "norm.scale": Share("norm.scale"),
@@ -1495,11 +1387,7 @@ def forward(params: dict[str, jax.Array], inputs: dict[str, jax.Array], key: jax
 
 def loss_of(x: jax.Array, inputs: dict[str, jax.Array]) -> jax.Array:
     # llama.par:55 loss: cross_entropy(targets)
-    return cross_entropy(
-        x,
-        targets=inputs["targets"],
-        ignore_index=-100,
-    )
+    return cross_entropy(x, targets=inputs["targets"], ignore_index=-100)
 
 
 def loss(params: dict[str, jax.Array], batch: dict[str, jax.Array], key: jax.Array | None = None) -> jax.Array:
@@ -1525,10 +1413,7 @@ TIMELINES = (
 )
 SCHEDULE = schedule_tables(*TIMELINES)
 # One microbatch of each chunk's input.
-CHUNK_INPUTS = [
-    (4, 2048),
-    (4, 2048, 2048),
-]
+CHUNK_INPUTS = [(4, 2048), (4, 2048, 2048)]
 BOUNDARY = ((4, 2048, 2048), "bfloat16")  # the buffer stages hand over
 
 
@@ -1573,10 +1458,7 @@ OPTIMIZER = ("adamw", {"lr": 0.0003, "warmup": 100.0, "weight_decay": 0.1, "clip
 def loss_count(batch: dict[str, jax.Array]) -> jax.Array:
     """How many positions the loss averages over in `batch`: accumulation steps and
     microbatches weigh by their share of them."""
-    return cross_entropy_count(
-        targets=batch["targets"],
-        ignore_index=-100,
-    )
+    return cross_entropy_count(targets=batch["targets"], ignore_index=-100)
 
 
 # Each device works through its own rows of the batch along these axes, and the gradients
@@ -1587,10 +1469,9 @@ DATA_AXES = ("data",)
 def gradients(
     params: dict[str, jax.Array], batch: dict[str, jax.Array], key: jax.Array | None, mesh: jax.sharding.Mesh
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """The mean loss and its gradients over the batch, in `ACCUMULATE` slices of each device's
-    rows (split over `DATA_AXES`), summed over the devices at the end."""
-    once = functools.partial(value_and_grad, mesh=mesh)
-    rows = functools.partial(accumulate_gradients, once, steps=ACCUMULATE, count=loss_count)
+    """The mean loss and its gradients over the batch, each device's rows (split over
+    `DATA_AXES`) at once, summed over the devices at the end."""
+    rows = functools.partial(value_and_grad, mesh=mesh)
     param_specs = {name: p.sharding for name, p in PARAMETERS.items()}
     grad_specs = {name: p.update_sharding for name, p in PARAMETERS.items()}
     return data_parallel(

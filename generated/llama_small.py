@@ -240,91 +240,29 @@ def initial_array(name: str, p: Parameter, key: jax.Array) -> jax.Array:
 # stacked along a leading dimension (weights are exported one by one, as `blocks.3.attn.q`).
 PARAMETERS = {
     "embed.table": Parameter(
-        (512, 128),
-        "float32",
-        "normal:0.02",
-        P("model", None),
-        optimizer_sharding=P(("model", "data"), None),
+        (512, 128), "float32", "normal:0.02", P("model", None), optimizer_sharding=P(("model", "data"), None)
     ),
-    "layers.*.attn_norm.scale": Parameter(
-        (4, 128),
-        "float32",
-        "ones",
-        P(None, None),
-        optimizer_sharding=P(None, "data"),
-        layers=(1,),
-    ),
-    "layers.*.attn.q": Parameter(
-        (4, 128, 128),
-        "float32",
-        "normal:0.08838834764831845",
-        P(None, None, "model"),
-        optimizer_sharding=P(None, "data", "model"),
-        layers=(1,),
-    ),
-    "layers.*.attn.k": Parameter(
-        (4, 128, 64),
-        "float32",
-        "normal:0.08838834764831845",
-        P(None, None, "model"),
-        optimizer_sharding=P(None, "data", "model"),
-        layers=(1,),
-    ),
-    "layers.*.attn.v": Parameter(
-        (4, 128, 64),
-        "float32",
-        "normal:0.08838834764831845",
-        P(None, None, "model"),
-        optimizer_sharding=P(None, "data", "model"),
-        layers=(1,),
-    ),
-    "layers.*.attn.o": Parameter(
-        (4, 128, 128),
-        "float32",
-        "normal:0.08838834764831845",
-        P(None, "model", None),
-        optimizer_sharding=P(None, ("model", "data"), None),
-        layers=(1,),
-    ),
-    "layers.*.mlp_norm.scale": Parameter(
-        (4, 128),
-        "float32",
-        "ones",
-        P(None, None),
-        optimizer_sharding=P(None, "data"),
-        layers=(1,),
-    ),
-    "layers.*.gate_up.gate": Parameter(
-        (4, 128, 344),
-        "float32",
-        "normal:0.08838834764831845",
-        P(None, None, "model"),
-        optimizer_sharding=P(None, "data", "model"),
-        layers=(1,),
-    ),
-    "layers.*.gate_up.up": Parameter(
-        (4, 128, 344),
-        "float32",
-        "normal:0.08838834764831845",
-        P(None, None, "model"),
-        optimizer_sharding=P(None, "data", "model"),
-        layers=(1,),
-    ),
-    "layers.*.down.kernel": Parameter(
-        (4, 344, 128),
-        "float32",
-        "normal:0.053916386601719206",
-        P(None, "model", None),
-        optimizer_sharding=P(None, ("model", "data"), None),
-        layers=(1,),
-    ),
+    # The weights of `layers.*`: each stacks its 4 layers ahead of one layer's shape
+    # and sharding, which the table gives with its name in the block and its init.
+    **{
+        f"layers.*.{name}": Parameter(
+            (4, *shape), "float32", init, P(None, *sharding), optimizer_sharding=P(None, *optimizer), layers=(1,)
+        )
+        for name, shape, init, sharding, optimizer in (
+            ("attn_norm.scale", (128,), "ones", (None,), ("data",)),
+            ("attn.q", (128, 128), "normal:0.08838834764831845", (None, "model"), ("data", "model")),
+            ("attn.k", (128, 64), "normal:0.08838834764831845", (None, "model"), ("data", "model")),
+            ("attn.v", (128, 64), "normal:0.08838834764831845", (None, "model"), ("data", "model")),
+            ("attn.o", (128, 128), "normal:0.08838834764831845", ("model", None), (("model", "data"), None)),
+            ("mlp_norm.scale", (128,), "ones", (None,), ("data",)),
+            ("gate_up.gate", (128, 344), "normal:0.08838834764831845", (None, "model"), ("data", "model")),
+            ("gate_up.up", (128, 344), "normal:0.08838834764831845", (None, "model"), ("data", "model")),
+            ("down.kernel", (344, 128), "normal:0.053916386601719206", ("model", None), (("model", "data"), None)),
+        )
+    },
     "norm.scale": Parameter((128,), "float32", "ones", P(None), optimizer_sharding=P("data")),
     "head.kernel": Parameter(
-        (128, 512),
-        "float32",
-        "normal:0.08838834764831845",
-        P(None, "model"),
-        optimizer_sharding=P("data", "model"),
+        (128, 512), "float32", "normal:0.08838834764831845", P(None, "model"), optimizer_sharding=P("data", "model")
     ),
 }
 
@@ -584,46 +522,6 @@ def make_optimizer(name: str, hyper: dict[str, float]) -> optax.GradientTransfor
     return optax.chain(optax.clip_by_global_norm(h["clip"]), core) if "clip" in h else core
 
 
-def accumulate_gradients(
-    value_and_grad: Callable[[Any, dict[str, jax.Array], jax.Array | None], tuple[jax.Array, Any]],
-    params: Any,
-    batch: dict[str, jax.Array],
-    key: jax.Array | None,
-    steps: int,
-    count: Callable[[dict[str, jax.Array]], jax.Array] | None = None,
-) -> tuple[jax.Array, Any]:
-    """Mean loss and gradients over `steps` slices of the batch, one slice at a time.
-
-    Slice j takes rows j, j+steps, j+2*steps, ...: every slice keeps rows from every data
-    shard, so all devices work on every slice. Gradients are summed as they arrive; their
-    mean over equal slices is the full-batch gradient of a mean loss.
-
-    A loss that averages over the positions it counts (`count` gives their number in a
-    batch: cross-entropy leaves out ignored targets) has slices of different weights: slice
-    j's loss and gradients are weighed by its share of the batch's counted positions, so the
-    result is the full batch's mean over its counted positions, not a mean of slice means.
-    """
-    if steps == 1:
-        return value_and_grad(params, batch, key)
-    sliced = {k: v.reshape(v.shape[0] // steps, steps, *v.shape[1:]).swapaxes(0, 1) for k, v in batch.items()}
-    keys = jax.random.split(key, steps) if key is not None else None
-    total_count = None if count is None else jnp.maximum(count(batch), 1.0)
-
-    def one(total: tuple[jax.Array, Any], i: jax.Array) -> tuple[tuple[jax.Array, Any], None]:
-        piece = {k: v[i] for k, v in sliced.items()}
-        value, grads = value_and_grad(params, piece, keys[i] if keys is not None else None)
-        if count is not None and total_count is not None:
-            share = count(piece) / total_count
-            value, grads = value * share, jax.tree.map(lambda g: g * share.astype(g.dtype), grads)
-        return (total[0] + value, jax.tree.map(jnp.add, total[1], grads)), None
-
-    zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
-    (value, total), _ = jax.lax.scan(one, zeros, jnp.arange(steps))
-    if total_count is not None:
-        return value, total
-    return value / steps, jax.tree.map(lambda g: g / steps, total)
-
-
 def data_parallel(
     value_and_grad: Callable[[Any, dict[str, jax.Array], jax.Array | None], tuple[jax.Array, Any]],
     params: dict[str, jax.Array],
@@ -860,11 +758,7 @@ def forward(params: dict[str, jax.Array], inputs: dict[str, jax.Array], key: jax
 
 def loss_of(x: jax.Array, inputs: dict[str, jax.Array]) -> jax.Array:
     # llama_small.par:39 loss: cross_entropy(targets)
-    return cross_entropy(
-        x,
-        targets=inputs["targets"],
-        ignore_index=-100,
-    )
+    return cross_entropy(x, targets=inputs["targets"], ignore_index=-100)
 
 
 def loss(params: dict[str, jax.Array], batch: dict[str, jax.Array], key: jax.Array | None = None) -> jax.Array:
@@ -889,10 +783,7 @@ OPTIMIZER = ("adamw", {"lr": 0.001, "warmup": 50.0})
 def loss_count(batch: dict[str, jax.Array]) -> jax.Array:
     """How many positions the loss averages over in `batch`: accumulation steps and
     microbatches weigh by their share of them."""
-    return cross_entropy_count(
-        targets=batch["targets"],
-        ignore_index=-100,
-    )
+    return cross_entropy_count(targets=batch["targets"], ignore_index=-100)
 
 
 # Each device works through its own rows of the batch along these axes, and the gradients
@@ -903,10 +794,9 @@ DATA_AXES = ("data",)
 def gradients(
     params: dict[str, jax.Array], batch: dict[str, jax.Array], key: jax.Array | None, mesh: jax.sharding.Mesh
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """The mean loss and its gradients over the batch, in `ACCUMULATE` slices of each device's
-    rows (split over `DATA_AXES`), summed over the devices at the end."""
-    once = functools.partial(value_and_grad, mesh=mesh)
-    rows = functools.partial(accumulate_gradients, once, steps=ACCUMULATE, count=loss_count)
+    """The mean loss and its gradients over the batch, each device's rows (split over
+    `DATA_AXES`) at once, summed over the devices at the end."""
+    rows = functools.partial(value_and_grad, mesh=mesh)
     param_specs = {name: p.sharding for name, p in PARAMETERS.items()}
     grad_specs = {name: p.update_sharding for name, p in PARAMETERS.items()}
     return data_parallel(

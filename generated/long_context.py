@@ -240,51 +240,22 @@ def initial_array(name: str, p: Parameter, key: jax.Array) -> jax.Array:
 # stacked along a leading dimension (weights are exported one by one, as `blocks.3.attn.q`).
 PARAMETERS = {
     "embed.table": Parameter((128, 32), "float32", "normal:0.02", P("model", None)),
-    "layers.*.attn_norm.scale": Parameter((2, 32), "float32", "ones", P(None, None), layers=(1,)),
-    "layers.*.attn.q": Parameter(
-        (2, 32, 32),
-        "float32",
-        "normal:0.1767766952966369",
-        P(None, None, "model"),
-        layers=(1,),
-    ),
-    "layers.*.attn.k": Parameter(
-        (2, 32, 16),
-        "float32",
-        "normal:0.1767766952966369",
-        P(None, None, "model"),
-        layers=(1,),
-    ),
-    "layers.*.attn.v": Parameter(
-        (2, 32, 16),
-        "float32",
-        "normal:0.1767766952966369",
-        P(None, None, "model"),
-        layers=(1,),
-    ),
-    "layers.*.attn.o": Parameter(
-        (2, 32, 32),
-        "float32",
-        "normal:0.1767766952966369",
-        P(None, "model", None),
-        layers=(1,),
-    ),
-    "layers.*.mlp_norm.scale": Parameter((2, 32), "float32", "ones", P(None, None), layers=(1,)),
-    "layers.*.gate_up.gate": Parameter(
-        (2, 32, 64),
-        "float32",
-        "normal:0.1767766952966369",
-        P(None, None, "model"),
-        layers=(1,),
-    ),
-    "layers.*.gate_up.up": Parameter(
-        (2, 32, 64),
-        "float32",
-        "normal:0.1767766952966369",
-        P(None, None, "model"),
-        layers=(1,),
-    ),
-    "layers.*.down.kernel": Parameter((2, 64, 32), "float32", "normal:0.125", P(None, "model", None), layers=(1,)),
+    # The weights of `layers.*`: each stacks its 2 layers ahead of one layer's shape
+    # and sharding, which the table gives with its name in the block and its init.
+    **{
+        f"layers.*.{name}": Parameter((2, *shape), "float32", init, P(None, *sharding), layers=(1,))
+        for name, shape, init, sharding in (
+            ("attn_norm.scale", (32,), "ones", (None,)),
+            ("attn.q", (32, 32), "normal:0.1767766952966369", (None, "model")),
+            ("attn.k", (32, 16), "normal:0.1767766952966369", (None, "model")),
+            ("attn.v", (32, 16), "normal:0.1767766952966369", (None, "model")),
+            ("attn.o", (32, 32), "normal:0.1767766952966369", ("model", None)),
+            ("mlp_norm.scale", (32,), "ones", (None,)),
+            ("gate_up.gate", (32, 64), "normal:0.1767766952966369", (None, "model")),
+            ("gate_up.up", (32, 64), "normal:0.1767766952966369", (None, "model")),
+            ("down.kernel", (64, 32), "normal:0.125", ("model", None)),
+        )
+    },
     "norm.scale": Parameter((32,), "float32", "ones", P(None)),
     "head.kernel": Parameter((32, 128), "float32", "normal:0.1767766952966369", P(None, "model")),
 }
@@ -881,46 +852,6 @@ def make_optimizer(name: str, hyper: dict[str, float]) -> optax.GradientTransfor
     return optax.chain(optax.clip_by_global_norm(h["clip"]), core) if "clip" in h else core
 
 
-def accumulate_gradients(
-    value_and_grad: Callable[[Any, dict[str, jax.Array], jax.Array | None], tuple[jax.Array, Any]],
-    params: Any,
-    batch: dict[str, jax.Array],
-    key: jax.Array | None,
-    steps: int,
-    count: Callable[[dict[str, jax.Array]], jax.Array] | None = None,
-) -> tuple[jax.Array, Any]:
-    """Mean loss and gradients over `steps` slices of the batch, one slice at a time.
-
-    Slice j takes rows j, j+steps, j+2*steps, ...: every slice keeps rows from every data
-    shard, so all devices work on every slice. Gradients are summed as they arrive; their
-    mean over equal slices is the full-batch gradient of a mean loss.
-
-    A loss that averages over the positions it counts (`count` gives their number in a
-    batch: cross-entropy leaves out ignored targets) has slices of different weights: slice
-    j's loss and gradients are weighed by its share of the batch's counted positions, so the
-    result is the full batch's mean over its counted positions, not a mean of slice means.
-    """
-    if steps == 1:
-        return value_and_grad(params, batch, key)
-    sliced = {k: v.reshape(v.shape[0] // steps, steps, *v.shape[1:]).swapaxes(0, 1) for k, v in batch.items()}
-    keys = jax.random.split(key, steps) if key is not None else None
-    total_count = None if count is None else jnp.maximum(count(batch), 1.0)
-
-    def one(total: tuple[jax.Array, Any], i: jax.Array) -> tuple[tuple[jax.Array, Any], None]:
-        piece = {k: v[i] for k, v in sliced.items()}
-        value, grads = value_and_grad(params, piece, keys[i] if keys is not None else None)
-        if count is not None and total_count is not None:
-            share = count(piece) / total_count
-            value, grads = value * share, jax.tree.map(lambda g: g * share.astype(g.dtype), grads)
-        return (total[0] + value, jax.tree.map(jnp.add, total[1], grads)), None
-
-    zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
-    (value, total), _ = jax.lax.scan(one, zeros, jnp.arange(steps))
-    if total_count is not None:
-        return value, total
-    return value / steps, jax.tree.map(lambda g: g / steps, total)
-
-
 def step_metrics(grads: Any) -> dict[str, jax.Array]:
     """The figures of one optimizer step worth logging: the global L2 norm of its gradients
     (before any clipping), which spikes before a loss diverges."""
@@ -1047,11 +978,7 @@ def forward(params: dict[str, jax.Array], inputs: dict[str, jax.Array], key: jax
 
 def loss_of(x: jax.Array, inputs: dict[str, jax.Array]) -> jax.Array:
     # long_context.par:41 loss: cross_entropy(targets)
-    return cross_entropy(
-        x,
-        targets=inputs["targets"],
-        ignore_index=-100,
-    )
+    return cross_entropy(x, targets=inputs["targets"], ignore_index=-100)
 
 
 def loss(params: dict[str, jax.Array], batch: dict[str, jax.Array], key: jax.Array | None = None) -> jax.Array:
@@ -1076,18 +1003,14 @@ OPTIMIZER = ("adamw", {"lr": 0.001, "warmup": 20.0})
 def loss_count(batch: dict[str, jax.Array]) -> jax.Array:
     """How many positions the loss averages over in `batch`: accumulation steps and
     microbatches weigh by their share of them."""
-    return cross_entropy_count(
-        targets=batch["targets"],
-        ignore_index=-100,
-    )
+    return cross_entropy_count(targets=batch["targets"], ignore_index=-100)
 
 
 def gradients(
     params: dict[str, jax.Array], batch: dict[str, jax.Array], key: jax.Array | None, mesh: jax.sharding.Mesh
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """The mean loss and its gradients over the batch, in `ACCUMULATE` slices of it."""
-    once = functools.partial(value_and_grad, mesh=mesh)
-    return accumulate_gradients(once, params, batch, key, ACCUMULATE, loss_count)
+    """The mean loss and its gradients over the batch, at once."""
+    return value_and_grad(params, batch, key, mesh)
 
 
 def optimizer_state(optimizer: optax.GradientTransformation, params: dict[str, jax.Array]) -> Any:

@@ -249,25 +249,13 @@ PARAMETERS = {
     "layers.*.ln2.scale": Parameter((2, 32), "float32", "ones", P(None, None), layers=(1,)),
     "layers.*.ln2.bias": Parameter((2, 32), "float32", "zeros", P(None, None), layers=(1,)),
     "layers.*.moe.router": Parameter(
-        (2, 32, 8),
-        "float32",
-        "normal:0.1767766952966369",
-        P(None, None, None),
-        layers=(1,),
+        (2, 32, 8), "float32", "normal:0.1767766952966369", P(None, None, None), layers=(1,)
     ),
     "layers.*.moe.w_in": Parameter(
-        (2, 8, 32, 64),
-        "float32",
-        "normal:0.1767766952966369",
-        P(None, "expert", None, None),
-        layers=(1,),
+        (2, 8, 32, 64), "float32", "normal:0.1767766952966369", P(None, "expert", None, None), layers=(1,)
     ),
     "layers.*.moe.w_out": Parameter(
-        (2, 8, 64, 32),
-        "float32",
-        "normal:0.125",
-        P(None, "expert", None, None),
-        layers=(1,),
+        (2, 8, 64, 32), "float32", "normal:0.125", P(None, "expert", None, None), layers=(1,)
     ),
     "ln_f.scale": Parameter((32,), "float32", "ones", P(None)),
     "ln_f.bias": Parameter((32,), "float32", "zeros", P(None)),
@@ -725,46 +713,6 @@ def make_optimizer(name: str, hyper: dict[str, float]) -> optax.GradientTransfor
     return optax.chain(optax.clip_by_global_norm(h["clip"]), core) if "clip" in h else core
 
 
-def accumulate_gradients(
-    value_and_grad: Callable[[Any, dict[str, jax.Array], jax.Array | None], tuple[jax.Array, Any]],
-    params: Any,
-    batch: dict[str, jax.Array],
-    key: jax.Array | None,
-    steps: int,
-    count: Callable[[dict[str, jax.Array]], jax.Array] | None = None,
-) -> tuple[jax.Array, Any]:
-    """Mean loss and gradients over `steps` slices of the batch, one slice at a time.
-
-    Slice j takes rows j, j+steps, j+2*steps, ...: every slice keeps rows from every data
-    shard, so all devices work on every slice. Gradients are summed as they arrive; their
-    mean over equal slices is the full-batch gradient of a mean loss.
-
-    A loss that averages over the positions it counts (`count` gives their number in a
-    batch: cross-entropy leaves out ignored targets) has slices of different weights: slice
-    j's loss and gradients are weighed by its share of the batch's counted positions, so the
-    result is the full batch's mean over its counted positions, not a mean of slice means.
-    """
-    if steps == 1:
-        return value_and_grad(params, batch, key)
-    sliced = {k: v.reshape(v.shape[0] // steps, steps, *v.shape[1:]).swapaxes(0, 1) for k, v in batch.items()}
-    keys = jax.random.split(key, steps) if key is not None else None
-    total_count = None if count is None else jnp.maximum(count(batch), 1.0)
-
-    def one(total: tuple[jax.Array, Any], i: jax.Array) -> tuple[tuple[jax.Array, Any], None]:
-        piece = {k: v[i] for k, v in sliced.items()}
-        value, grads = value_and_grad(params, piece, keys[i] if keys is not None else None)
-        if count is not None and total_count is not None:
-            share = count(piece) / total_count
-            value, grads = value * share, jax.tree.map(lambda g: g * share.astype(g.dtype), grads)
-        return (total[0] + value, jax.tree.map(jnp.add, total[1], grads)), None
-
-    zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
-    (value, total), _ = jax.lax.scan(one, zeros, jnp.arange(steps))
-    if total_count is not None:
-        return value, total
-    return value / steps, jax.tree.map(lambda g: g / steps, total)
-
-
 def step_metrics(grads: Any) -> dict[str, jax.Array]:
     """The figures of one optimizer step worth logging: the global L2 norm of its gradients
     (before any clipping), which spikes before a loss diverges."""
@@ -879,11 +827,7 @@ class MoeSmall(nnx.Module):
         aux = add_aux(aux, more)
         # moe_small.par:37 ln_f: layernorm(d)
         x = layernorm(
-            x,
-            scale=weight(self.ln_f["scale"]),
-            bias=weight(self.ln_f["bias"]),
-            eps=1e-05,
-            dtype=COMPUTE_DTYPE,
+            x, scale=weight(self.ln_f["scale"]), bias=weight(self.ln_f["bias"]), eps=1e-05, dtype=COMPUTE_DTYPE
         )
         x = checkpoint_name(constrain(x, P(("data", "expert"), None, None)), "ln_f")
         # moe_small.par:38 head: linear(d, vocab, bias=false)
@@ -926,11 +870,7 @@ def forward(params: dict[str, jax.Array], inputs: dict[str, jax.Array], key: jax
 
 def loss_of(x: jax.Array, inputs: dict[str, jax.Array]) -> jax.Array:
     # moe_small.par:39 loss: cross_entropy(targets)
-    return cross_entropy(
-        x,
-        targets=inputs["targets"],
-        ignore_index=-100,
-    )
+    return cross_entropy(x, targets=inputs["targets"], ignore_index=-100)
 
 
 def loss(params: dict[str, jax.Array], batch: dict[str, jax.Array], key: jax.Array | None = None) -> jax.Array:
@@ -957,18 +897,14 @@ OPTIMIZER = ("adamw", {"lr": 0.003, "warmup": 20.0})
 def loss_count(batch: dict[str, jax.Array]) -> jax.Array:
     """How many positions the loss averages over in `batch`: accumulation steps and
     microbatches weigh by their share of them."""
-    return cross_entropy_count(
-        targets=batch["targets"],
-        ignore_index=-100,
-    )
+    return cross_entropy_count(targets=batch["targets"], ignore_index=-100)
 
 
 def gradients(
     params: dict[str, jax.Array], batch: dict[str, jax.Array], key: jax.Array | None, mesh: jax.sharding.Mesh
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """The mean loss and its gradients over the batch, in `ACCUMULATE` slices of it."""
-    once = functools.partial(value_and_grad, mesh=mesh)
-    return accumulate_gradients(once, params, batch, key, ACCUMULATE, loss_count)
+    """The mean loss and its gradients over the batch, at once."""
+    return value_and_grad(params, batch, key, mesh)
 
 
 def optimizer_state(optimizer: optax.GradientTransformation, params: dict[str, jax.Array]) -> Any:

@@ -240,60 +240,27 @@ def initial_array(name: str, p: Parameter, key: jax.Array) -> jax.Array:
 # Every array of trainable state, under its name in the spec: `*` stands for a repeat's layers,
 # stacked along a leading dimension (weights are exported one by one, as `blocks.3.attn.q`).
 PARAMETERS = {
-    "blocks.*.ln1.scale": Parameter((24, 1024), "float32", "ones", P("pipeline", None), layers=(1,), stage_rows=0),
-    "blocks.*.ln1.bias": Parameter((24, 1024), "float32", "zeros", P("pipeline", None), layers=(1,), stage_rows=0),
-    "blocks.*.attn.q": Parameter(
-        (24, 1024, 1024),
-        "float32",
-        "normal:0.03125",
-        P("pipeline", None, "model"),
-        layers=(1,),
-        stage_rows=0,
-    ),
-    "blocks.*.attn.k": Parameter(
-        (24, 1024, 1024),
-        "float32",
-        "normal:0.03125",
-        P("pipeline", None, "model"),
-        layers=(1,),
-        stage_rows=0,
-    ),
-    "blocks.*.attn.v": Parameter(
-        (24, 1024, 1024),
-        "float32",
-        "normal:0.03125",
-        P("pipeline", None, "model"),
-        layers=(1,),
-        stage_rows=0,
-    ),
-    "blocks.*.attn.o": Parameter(
-        (24, 1024, 1024),
-        "float32",
-        "normal:0.03125",
-        P("pipeline", "model", None),
-        layers=(1,),
-        stage_rows=0,
-    ),
-    "blocks.*.ln2.scale": Parameter((24, 1024), "float32", "ones", P("pipeline", None), layers=(1,), stage_rows=0),
-    "blocks.*.ln2.bias": Parameter((24, 1024), "float32", "zeros", P("pipeline", None), layers=(1,), stage_rows=0),
-    "blocks.*.up.kernel": Parameter(
-        (24, 1024, 4096),
-        "float32",
-        "normal:0.03125",
-        P("pipeline", None, "model"),
-        layers=(1,),
-        stage_rows=0,
-    ),
-    "blocks.*.up.bias": Parameter((24, 4096), "float32", "zeros", P("pipeline", "model"), layers=(1,), stage_rows=0),
-    "blocks.*.down.kernel": Parameter(
-        (24, 4096, 1024),
-        "float32",
-        "normal:0.015625",
-        P("pipeline", "model", None),
-        layers=(1,),
-        stage_rows=0,
-    ),
-    "blocks.*.down.bias": Parameter((24, 1024), "float32", "zeros", P("pipeline", None), layers=(1,), stage_rows=0),
+    # The weights of `blocks.*`: each stacks its 24 layers ahead of one layer's shape
+    # and sharding, which the table gives with its name in the block and its init.
+    **{
+        f"blocks.*.{name}": Parameter(
+            (24, *shape), "float32", init, P("pipeline", *sharding), layers=(1,), stage_rows=0
+        )
+        for name, shape, init, sharding in (
+            ("ln1.scale", (1024,), "ones", (None,)),
+            ("ln1.bias", (1024,), "zeros", (None,)),
+            ("attn.q", (1024, 1024), "normal:0.03125", (None, "model")),
+            ("attn.k", (1024, 1024), "normal:0.03125", (None, "model")),
+            ("attn.v", (1024, 1024), "normal:0.03125", (None, "model")),
+            ("attn.o", (1024, 1024), "normal:0.03125", ("model", None)),
+            ("ln2.scale", (1024,), "ones", (None,)),
+            ("ln2.bias", (1024,), "zeros", (None,)),
+            ("up.kernel", (1024, 4096), "normal:0.03125", (None, "model")),
+            ("up.bias", (4096,), "zeros", ("model",)),
+            ("down.kernel", (4096, 1024), "normal:0.015625", ("model", None)),
+            ("down.bias", (1024,), "zeros", (None,)),
+        )
+    },
 }
 
 
@@ -1091,46 +1058,6 @@ def make_optimizer(name: str, hyper: dict[str, float]) -> optax.GradientTransfor
     return optax.chain(optax.clip_by_global_norm(h["clip"]), core) if "clip" in h else core
 
 
-def accumulate_gradients(
-    value_and_grad: Callable[[Any, dict[str, jax.Array], jax.Array | None], tuple[jax.Array, Any]],
-    params: Any,
-    batch: dict[str, jax.Array],
-    key: jax.Array | None,
-    steps: int,
-    count: Callable[[dict[str, jax.Array]], jax.Array] | None = None,
-) -> tuple[jax.Array, Any]:
-    """Mean loss and gradients over `steps` slices of the batch, one slice at a time.
-
-    Slice j takes rows j, j+steps, j+2*steps, ...: every slice keeps rows from every data
-    shard, so all devices work on every slice. Gradients are summed as they arrive; their
-    mean over equal slices is the full-batch gradient of a mean loss.
-
-    A loss that averages over the positions it counts (`count` gives their number in a
-    batch: cross-entropy leaves out ignored targets) has slices of different weights: slice
-    j's loss and gradients are weighed by its share of the batch's counted positions, so the
-    result is the full batch's mean over its counted positions, not a mean of slice means.
-    """
-    if steps == 1:
-        return value_and_grad(params, batch, key)
-    sliced = {k: v.reshape(v.shape[0] // steps, steps, *v.shape[1:]).swapaxes(0, 1) for k, v in batch.items()}
-    keys = jax.random.split(key, steps) if key is not None else None
-    total_count = None if count is None else jnp.maximum(count(batch), 1.0)
-
-    def one(total: tuple[jax.Array, Any], i: jax.Array) -> tuple[tuple[jax.Array, Any], None]:
-        piece = {k: v[i] for k, v in sliced.items()}
-        value, grads = value_and_grad(params, piece, keys[i] if keys is not None else None)
-        if count is not None and total_count is not None:
-            share = count(piece) / total_count
-            value, grads = value * share, jax.tree.map(lambda g: g * share.astype(g.dtype), grads)
-        return (total[0] + value, jax.tree.map(jnp.add, total[1], grads)), None
-
-    zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
-    (value, total), _ = jax.lax.scan(one, zeros, jnp.arange(steps))
-    if total_count is not None:
-        return value, total
-    return value / steps, jax.tree.map(lambda g: g / steps, total)
-
-
 def data_parallel(
     value_and_grad: Callable[[Any, dict[str, jax.Array], jax.Array | None], tuple[jax.Array, Any]],
     params: dict[str, jax.Array],
@@ -1344,18 +1271,11 @@ def scan_layers(
 
 
 # The class of each chunk of the pipeline, in model order.
-STAGES = (
-    Stage0,
-    Stage0,
-)
+STAGES = (Stage0, Stage0)
 # Each chunk's weights: its share of the stored arrays, by the names its class reads.
 CHUNK_WEIGHTS = (
-    {
-        **layer_shares(PARAMETERS, "blocks.*.", (0, 12)),
-    },
-    {
-        **layer_shares(PARAMETERS, "blocks.*.", (12, 24)),
-    },
+    {**layer_shares(PARAMETERS, "blocks.*.", (0, 12))},
+    {**layer_shares(PARAMETERS, "blocks.*.", (12, 24))},
 )
 
 
@@ -1378,10 +1298,7 @@ def forward(params: dict[str, jax.Array], inputs: dict[str, jax.Array], key: jax
 
 def loss_of(x: jax.Array, inputs: dict[str, jax.Array]) -> jax.Array:
     # seed_hybrid_3d.par:36 loss: mse(y)
-    return mse(
-        x,
-        targets=inputs["y"],
-    )
+    return mse(x, targets=inputs["y"])
 
 
 def loss(params: dict[str, jax.Array], batch: dict[str, jax.Array], key: jax.Array | None = None) -> jax.Array:
@@ -1407,10 +1324,7 @@ TIMELINES = (
 )
 SCHEDULE = schedule_tables(*TIMELINES)
 # One microbatch of each chunk's input.
-CHUNK_INPUTS = [
-    (2, 512, 1024),
-    (2, 512, 1024),
-]
+CHUNK_INPUTS = [(2, 512, 1024), (2, 512, 1024)]
 BOUNDARY = ((2, 512, 1024), "float32")  # the buffer stages hand over
 
 
@@ -1459,10 +1373,9 @@ DATA_AXES = ("data",)
 def gradients(
     params: dict[str, jax.Array], batch: dict[str, jax.Array], key: jax.Array | None, mesh: jax.sharding.Mesh
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """The mean loss and its gradients over the batch, in `ACCUMULATE` slices of each device's
-    rows (split over `DATA_AXES`), summed over the devices at the end."""
-    once = functools.partial(value_and_grad, mesh=mesh)
-    rows = functools.partial(accumulate_gradients, once, steps=ACCUMULATE)
+    """The mean loss and its gradients over the batch, each device's rows (split over
+    `DATA_AXES`) at once, summed over the devices at the end."""
+    rows = functools.partial(value_and_grad, mesh=mesh)
     param_specs = {name: p.sharding for name, p in PARAMETERS.items()}
     grad_specs = {name: p.update_sharding for name, p in PARAMETERS.items()}
     return data_parallel(

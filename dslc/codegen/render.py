@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import re
 import sys
 from pathlib import PurePath
 
@@ -20,7 +21,7 @@ from dslc.ir import nodes as ir
 from dslc.ir.boundaries import boundary_of, chunk_input
 from dslc.ir.data_parallel import data_parallel_axes
 from dslc.ir.inputs import integer_bounds
-from dslc.ir.placement import Placement, Share, place
+from dslc.ir.placement import Placement, Share, StateSharding, StoredArray, place
 from dslc.ir.signature import chunk_signature
 from dslc.layers import RULES
 from dslc.plan.timetable import schedule_table
@@ -96,8 +97,12 @@ def py(value: object) -> str:
 
 def spec(sharding: ir.Sharding) -> str:
     """`P("data", None, ("data", "fsdp"))` for a per-dimension tuple of mesh axes."""
-    dims = [py(None) if not axes else py(axes[0]) if len(axes) == 1 else py(axes) for axes in sharding]
-    return "P(" + ", ".join(dims) + ")"
+    return "P(" + ", ".join(spec_entries(sharding)) + ")"
+
+
+def spec_entries(sharding: ir.Sharding) -> list[str]:
+    """A PartitionSpec's entries: None, one axis, or a tuple of axes per dimension."""
+    return [py(None) if not axes else py(axes[0]) if len(axes) == 1 else py(axes) for axes in sharding]
 
 
 def runs(entries: list[str]) -> list[str]:
@@ -109,9 +114,25 @@ def runs(entries: list[str]) -> list[str]:
     return out
 
 
+def bracketed(entries: list[str], head: str, close: str, indent: int = 0, after: str = "", call: bool = False) -> str:
+    """`head` (its last character the opening bracket), the entries and `close`, as `ruff format`
+    writes them at `indent`: on one line where that fits in 120 columns (followed by `after`);
+    else, for a call's arguments, all on one line of their own where that fits; else one entry
+    a line. A tuple of one entry (not a call) keeps its comma."""
+    inner = ", ".join(entries) + ("," if close == ")" and len(entries) == 1 and not call else "")
+    line = f"{head}{inner}{close}{after}"
+    pad = " " * indent
+    if indent + len(line) <= 120 and "\n" not in line:
+        return line
+    if call and indent + 4 + len(inner) <= 120 and "\n" not in inner:
+        return f"{head}\n{pad}    {inner}\n{pad}{close}{after}"
+    return "\n".join([head, *(f"{pad}    {entry}," for entry in entries), pad + close + after])
+
+
 _ENV.filters["py"] = py
 _ENV.filters["spec"] = spec
 _ENV.filters["runs"] = runs
+_ENV.filters["bracketed"] = bracketed
 
 
 def generate(
@@ -223,27 +244,143 @@ def _ranges(indices: list[int]) -> str:
     return ", ".join(map(str, indices))
 
 
-def _parameters(program: ir.Program, placement: Placement) -> list[dict[str, object]]:
-    out: list[dict[str, object]] = []
-    for array in placement.arrays:
-        state = array.state(program)
-        out.append(
-            {
-                "name": array.name,
-                "shape": array.type.shape,
-                "dtype": ir.DTYPES[array.type.dtype].jax,
-                "init": array.init,
-                "sharding": state.params,
-                "grad": state.grads,
-                "optimizer": state.optimizer,
-                "layers": array.layers,
-                "rows": array.rows,
-                "stage_rows": array.stage_dim,
-                "stage_split": array.split_dim,
-                "padding": array.padding,
-            }
-        )
+def _parameters(program: ir.Program, placement: Placement) -> list[str]:
+    """The entries of the `PARAMETERS` table (each as its first line follows 4 spaces): one
+    `Parameter(...)` per stored array; a repeat's arrays as one loop over a table of what
+    differs between them, where that is shorter."""
+    arrays = list(placement.arrays)
+    out: list[str] = []
+    while arrays:
+        group = _repeat_group(program, arrays)
+        singles = [_parameter_entry(program, a) for a in group]
+        loop = _repeat_entry(program, group) if len(group) > 1 else None
+        if loop is not None and loop.count("\n") < sum(e.count("\n") + 1 for e in singles):
+            out.append(loop)
+        else:
+            out.extend(singles)
+        del arrays[: len(group)]
     return out
+
+
+def _parameter_entry(program: ir.Program, array: StoredArray) -> str:
+    state = array.state(program)
+    args = [py(array.type.shape), py(ir.DTYPES[array.type.dtype].jax), py(array.init), spec(state.params)]
+    args += _placement_keywords(array, state.grads, state.params, state.optimizer)
+    if array.rows:
+        rows = [
+            "None"
+            if row is None
+            else f"Row({py(row.name)}, {py(row.shape)}, {py(row.init)}" + (f", {row.first})" if row.first else ")")
+            for row in array.rows
+        ]
+        args.append("\n".join(["rows=(", *(f"{' ' * 12}{row}," for row in rows), " " * 8 + ")"]))
+    return bracketed(args, f"{py(array.name)}: Parameter(", ")", 4, ",", call=True)
+
+
+def _placement_keywords(
+    array: StoredArray, grads: ir.Sharding, params: ir.Sharding, optimizer: ir.Sharding
+) -> list[str]:
+    """The keywords of a `Parameter(...)` past its shape, dtype, init and sharding."""
+    args = []
+    if grads != params:
+        args.append("grad_sharding=" + spec(grads))
+    if optimizer != params:
+        args.append("optimizer_sharding=" + spec(optimizer))
+    if array.layers:
+        args.append("layers=" + py(array.layers))
+    if array.stage_dim is not None:
+        args.append(f"stage_rows={array.stage_dim}")
+    if array.split_dim is not None:
+        args.append(f"stage_split={array.split_dim}")
+    if array.padding:
+        args.append("padding=" + py(array.padding))
+    return args
+
+
+def _repeat_group(program: ir.Program, arrays: list[StoredArray]) -> list[StoredArray]:
+    """The arrays `arrays` starts with that one loop can print: a repeat's (`blocks.*.`), alike
+    in all but their name, the shape and sharding past their layer dimensions, and init; or
+    just the first array."""
+    first = arrays[0]
+    if not first.layers or first.rows or ".*." not in first.name:
+        return arrays[:1]
+    prefix = first.name[: first.name.index(".*.") + 3]
+    n = sum(first.layers)
+    states = [a.state(program) for a in arrays]
+
+    def alike(a: StoredArray, state: StateSharding) -> bool:
+        shared = (a.type.dtype, a.layers, a.stage_dim, a.split_dim, a.padding, a.rows, a.type.shape[:n])
+        leads = (state.params[:n], state.grads[:n], state.optimizer[:n])
+        differs = (state.grads != state.params, state.optimizer != state.params)
+        s0 = states[0]
+        return (
+            a.name.startswith(prefix)
+            and shared
+            == (
+                first.type.dtype,
+                first.layers,
+                first.stage_dim,
+                first.split_dim,
+                first.padding,
+                (),
+                first.type.shape[:n],
+            )
+            and leads == (s0.params[:n], s0.grads[:n], s0.optimizer[:n])
+            and differs == (s0.grads != s0.params, s0.optimizer != s0.params)
+        )
+
+    count = next((i for i, (a, st) in enumerate(zip(arrays, states, strict=True)) if not alike(a, st)), len(arrays))
+    return arrays[:count]
+
+
+def _repeat_entry(program: ir.Program, group: list[StoredArray]) -> str | None:
+    """A repeat's arrays as a dict comprehension over a table of what differs between them."""
+    first = group[0]
+    prefix = first.name[: first.name.index(".*.") + 3]
+    if not re.fullmatch(r"[A-Za-z0-9_.*]+", prefix):
+        return None
+    n = sum(first.layers)
+    state = first.state(program)
+    columns = ["name", "shape", "init", "sharding"]
+    grads, optimizer = state.grads != state.params, state.optimizer != state.params
+    columns += ["grad"] * grads + ["optimizer"] * optimizer
+
+    def lead(sharding: ir.Sharding, column: str) -> str:
+        return "P(" + ", ".join([*spec_entries(sharding[:n]), "*" + column]) + ")"
+
+    args = ["(" + ", ".join([*map(py, first.type.shape[:n]), "*shape"]) + ")", py(ir.DTYPES[first.type.dtype].jax)]
+    args += ["init", lead(state.params, "sharding")]
+    keywords = _placement_keywords(first, state.grads, state.params, state.optimizer)
+    keywords = [k for k in keywords if not k.startswith(("grad_sharding=", "optimizer_sharding="))]
+    args += ["grad_sharding=" + lead(state.grads, "grad")] * grads
+    args += ["optimizer_sharding=" + lead(state.optimizer, "optimizer")] * optimizer
+    args += keywords
+    rows = []
+    for a in group:
+        st = a.state(program)
+        row = [py(a.name[len(prefix) :]), py(a.type.shape[n:]), py(a.init), _entries_tuple(st.params[n:])]
+        row += [_entries_tuple(st.grads[n:])] * grads + [_entries_tuple(st.optimizer[n:])] * optimizer
+        rows.append(bracketed(row, "(", ")", 12, ","))
+    name = "f" + py(prefix + "{name}")
+    layers = " x ".join(map(str, first.type.shape[:n]))
+    element = bracketed(args, f"{name}: Parameter(", ")", 8, call=True)
+    return "\n".join(
+        [
+            f"# The weights of `{prefix[:-1]}`: each stacks its {layers} layers ahead of one layer's shape",
+            "    # and sharding, which the table gives with its name in the block and its init.",
+            "    **{",
+            f"        {element}",
+            f"        for {', '.join(columns)} in (",
+            *(f"            {row}" for row in rows),
+            "        )",
+            "    },",
+        ]
+    )
+
+
+def _entries_tuple(sharding: ir.Sharding) -> str:
+    entries = spec_entries(sharding)
+    return "(" + ", ".join(entries) + ("," if len(entries) == 1 else "") + ")"
 
 
 def _shares(placement: Placement) -> list[list[str]]:
@@ -340,10 +477,11 @@ def _wrapped(pieces: tuple[str, ...], width: int = 100) -> list[str]:
 
 def _kernels(program: ir.Program, count: str | None, data_axes: ir.Axes) -> list[source.Definition]:
     layers = ir.all_layers(program)
-    wanted = ["named_key", "initial_array", "make_optimizer", "accumulate_gradients", "step_metrics"]
+    wanted = ["named_key", "initial_array", "make_optimizer", "step_metrics", "to_weights", "from_weights"]
+    if program.train.accumulate > 1:
+        wanted.append("accumulate_gradients")
     if program.train.master_dtype:
         wanted += ["master_state", "master_update"]
-    wanted += ["to_weights", "from_weights"]
     wanted += sorted(
         {RULES[layer.kind].kernel(RULES[layer.kind].parse(dict(layer.attrs)), layer.operand) for layer in layers}
     )
@@ -365,7 +503,7 @@ def _kernel_names() -> set[str]:
 def _imports(kernels: list[source.Definition]) -> list[str]:
     """The import lines the module needs: the kernels' and the templates' own."""
     needed = source.names_used(kernels) & set(source.PRELUDE_IMPORTS)
-    needed |= {"functools", "np", "jax", "jnp", "optax", "nnx", "lax", "checkpoint_name", "Any", "Callable"}
+    needed |= {"np", "jax", "jnp", "optax", "nnx", "lax", "checkpoint_name", "Any", "Callable", "functools"}
     lines = {source.PRELUDE_IMPORTS[n] for n in needed}
     lines |= {
         "import argparse",
