@@ -125,6 +125,7 @@ class AutoPlan:
                     "inputs": m.inputs,
                     "activations": m.activations,
                     "temporaries": m.temporaries,
+                    "update": m.update,
                     "total": m.total,
                 }
         closest = self.closest
@@ -199,6 +200,7 @@ class AutoPlan:
                     ("inputs", m.inputs),
                     ("activations", m.activations),
                     ("temporaries", m.temporaries),
+                    ("optimizer update", m.update),
                 ]
                 lines.append("             " + ", ".join(f"{name} {format_bytes(b)}" for name, b in parts if b))
             section = self.section(c)

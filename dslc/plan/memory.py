@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from dslc.ir.data_parallel import data_parallel_axes
 from dslc.ir.nodes import Mesh, Node, Program, Repeat, TensorType
 from dslc.ir.placement import Placement, place
 from dslc.plan.activations import Kept, kept_by, tensor_bytes
@@ -44,6 +45,7 @@ class Memory:
     activations: int
     temporaries: int
     details: tuple[tuple[str, int], ...]
+    update: int = 0  # what the optimizer update holds beyond the gradient step's temporaries
 
     @property
     def grads_step(self) -> int:
@@ -51,7 +53,7 @@ class Memory:
 
     @property
     def total(self) -> int:
-        return self.grads_step + self.optimizer
+        return self.grads_step + self.optimizer + self.update
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,9 +136,89 @@ def memory(program: Program) -> Memory:
         details.append(
             ("backward working set at its peak (a layer's gradients, a recomputed block)", kept.peak - kept.kept)
         )
+        scans, scan_details = scan_temporaries(program, placement)
+        summed, sum_details = summed_by_hand(program, placement)
+        temporaries += max(scans, summed)
+        details.extend(scan_details + sum_details)
+    # The update writes each array's new value (under ZeRO 1 and 2 gathered whole again)
+    # before it lands in the donated buffer: the largest of them, where the step's own
+    # temporaries are not larger.
+    new = max((_local(a.type, a.state(program).params, mesh) for a in placement.arrays), default=0)
+    update = max(0, new - temporaries)
+    details.append(("the optimizer update: the largest array's new value, beyond the temporaries", update))
     return Memory(
-        state.params, state.grads, state.accumulators, state.optimizer, inputs, acts, temporaries, tuple(details)
+        state.params,
+        state.grads,
+        state.accumulators,
+        state.optimizer,
+        inputs,
+        acts,
+        temporaries,
+        tuple(details),
+        update,
     )
+
+
+def scan_temporaries(program: Program, placement: Placement) -> tuple[int, list[tuple[str, int]]]:
+    """What a repeat's `lax.scan` holds besides its activations, in the largest of the step's
+    repeats (they run one after another). A forward step slices one layer's weights out of
+    the stack; where ZeRO 3 or FSDP stores them split over the data axes it gathers them
+    instead, and XLA's layout assignment puts the gathered dimension outermost: it copies the
+    device's stacked pieces into that layout once before the loop and the gathered matrix
+    back into the layer's own. A backward step makes one layer's weight gradients and, unless
+    the step sums gradients by hand once at its end (`data_parallel_axes`), their sum over
+    the data axes into a second buffer, before writing it into the stacked gradient."""
+    mesh = program.mesh
+    repeats: dict[str, list[tuple[int, int, int]]] = {}
+    for array in placement.arrays:
+        if not array.layers or "*" not in array.name:
+            continue
+        layers = math.prod(array.type.shape[: array.lead])
+        one = array.type.local_nbytes(mesh) // layers  # one layer's weights as the layer computes
+        stored = _local(array.type, array.state(program).params, mesh)
+        gathered = stored < array.type.local_nbytes(mesh)
+        repeats.setdefault(array.name.split("*")[0], []).append((one, stored if gathered else 0, layers))
+    by_hand = bool(data_parallel_axes(program))
+    best, details = 0, []
+    for prefix, arrays in repeats.items():
+        if max(layers for _, _, layers in arrays) < 2:
+            continue
+        layer = sum(one for one, _, _ in arrays)
+        relaid = sum(stored for _, stored, _ in arrays)
+        forward = layer + relaid + (max(one for one, _, _ in arrays) if relaid else 0)
+        backward = layer if by_hand else 2 * layer
+        if max(forward, backward) > best:
+            best = max(forward, backward)
+            details = [
+                (
+                    f"scan `{prefix[:-1]}`: a forward step's layer weights"
+                    + (", gathered and relaid" if relaid else ""),
+                    forward,
+                ),
+                (
+                    f"scan `{prefix[:-1]}`: a backward step's layer gradients"
+                    + ("" if by_hand else " and their sum over the data axes"),
+                    backward,
+                ),
+            ]
+    return best, details
+
+
+def summed_by_hand(program: Program, placement: Placement) -> tuple[int, list[tuple[str, int]]]:
+    """A step that sums its gradients by hand once at its end (`data_parallel_axes`) scales
+    each device's unsummed gradient into a new buffer and reduce-scatters it into the piece
+    the optimizer updates: the largest array's both at once."""
+    if not data_parallel_axes(program):
+        return 0, []
+    mesh = program.mesh
+    largest = max(
+        (
+            _local(a.type, a.state(program).grads, mesh) + _local(a.type, a.state(program).optimizer, mesh)
+            for a in placement.arrays
+        ),
+        default=0,
+    )
+    return largest, [("the gradients summed at the step's end: the largest array's and its piece", largest)]
 
 
 def pipeline_activations(

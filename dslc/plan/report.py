@@ -83,6 +83,7 @@ class Plan:
                 "inputs": m.inputs,
                 "activations": m.activations,
                 "temporaries": m.temporaries,
+                "update": m.update,
                 "grads_step": m.grads_step,
                 "total": m.total,
                 "details": [{"what": what, "bytes": size} for what, size in m.details],
@@ -186,6 +187,7 @@ class Plan:
             ("inputs", m.inputs),
             ("activations", m.activations),
             ("temporaries", m.temporaries),
+            ("optimizer update", m.update),
         ]
         lines += [f"  {name:<24}{format_bytes(size):>12}" for name, size in rows]
         lines.append(f"  {'total':<24}{format_bytes(m.total):>12}")
