@@ -8,17 +8,17 @@ numerics, codegen, pipeline and lowering tests that look at one spec on one mesh
 compilation of it.
 
 Below it, JAX's persistent compilation cache, in a folder of this run's own, shares every
-compiled XLA program across tests and across the `dslc` processes tests start: many tests
-train or run the same spec on the same mesh through the CLI, and each would otherwise compile
-it again. Measured: tests/test_train.py 210 s without, 112 s with. The folder is new for each
-run, so no run reads another's programs.
+compiled XLA program across tests, across the test processes (`pytest -n`), and across the
+`dslc` processes tests start: many tests train or run the same spec on the same mesh through
+the CLI, and each would otherwise compile it again. Measured: tests/test_train.py 210 s
+without, 112 s with. The folder is in pytest's temporary root for this run (shared by its
+worker processes, removed with pytest's old runs), so no run reads another's programs.
 """
 
 from __future__ import annotations
 
 import functools
 import os
-import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,11 +27,6 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=16")
-# Environment, not jax.config: the processes tests start inherit it.
-_COMPILATION_CACHE = tempfile.TemporaryDirectory(prefix="dslc-tests-xla-")
-os.environ["JAX_COMPILATION_CACHE_DIR"] = _COMPILATION_CACHE.name
-os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
-os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 
 ROOT = Path(__file__).resolve().parent.parent
 SPECS = ROOT / "specs"
@@ -44,6 +39,27 @@ if TYPE_CHECKING:
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--update-goldens", action="store_true", help="rewrite golden files from current output")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _shared_compilation_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Before the first test compiles anything: this process's jax, and through the
+    environment every process a test starts, use one compilation cache for the whole run."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # each worker's own folder sits in the run's shared root
+    folder = root / "xla-cache"
+    folder.mkdir(exist_ok=True)
+    settings = {
+        "jax_compilation_cache_dir": str(folder),
+        "jax_persistent_cache_min_compile_time_secs": 0,
+        "jax_persistent_cache_min_entry_size_bytes": 0,
+    }
+    import jax
+
+    for name, value in settings.items():
+        os.environ[name.upper()] = str(value)
+        jax.config.update(name, value)
 
 
 @pytest.fixture
