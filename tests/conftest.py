@@ -88,8 +88,7 @@ class Compiled:
 
     @functools.cached_property
     def loss_and_grads(self) -> tuple[float, dict[str, np.ndarray]]:
-        loss, grads = self.program.value_and_grad(self.model, self.batch)
-        return loss, self.program.module.export_weights(grads)
+        return self.program.loss_and_grads(self.model, self.batch)
 
     @property
     def loss(self) -> float:

@@ -190,7 +190,7 @@ def _evaluate(program: dslc.Program, weights: dict[str, np.ndarray], batch: dict
     program.import_weights(model, weights)
     # The ring's shard_map needs the mesh set (see the report on Program.forward/loss).
     with jax.set_mesh(program.mesh):
-        return np.asarray(program.forward(model, batch)), float(program.loss(model, batch)), program.grads(model, batch)
+        return np.asarray(program.forward(model, batch)), *program.loss_and_grads(model, batch)
 
 
 @pytest.mark.parametrize("mesh", [None, "1x2x2"])

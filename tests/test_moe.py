@@ -121,8 +121,7 @@ def evaluate(case: Case) -> Result:
     return Result(
         program,
         np.asarray(program.forward(model, batch)),
-        float(program.loss(model, batch)),
-        program.grads(model, batch),
+        *program.loss_and_grads(model, batch),
         program.aux(model, batch),
         reference.evaluate(program.ir, weights, batch),
     )

@@ -322,7 +322,7 @@ def test_same_numbers_on_other_meshes(case: Case, mesh: str) -> None:
     model = program.init(SEED + 1)
     program.import_weights(model, case.weights)
     assert all(np.array_equal(value, case.weights[name]) for name, value in program.export_weights(model).items())
-    loss, grads = float(program.loss(model, case.batch)), program.grads(model, case.batch)
+    loss, grads = program.loss_and_grads(model, case.batch)
     tol = tolerance(program)
     assert relative_error(loss, case.reference.loss) <= tol.loss
     assert relative_error(loss, case.loss) <= tol.loss
@@ -497,7 +497,7 @@ def test_gradient_accumulation_gives_the_same_grads(case: Case) -> None:
     assert program.ir.train.accumulate == 2
     model = program.init(SEED + 1)
     program.import_weights(model, case.weights)
-    loss, grads = float(program.loss(model, case.batch)), program.grads(model, case.batch)
+    loss, grads = program.loss_and_grads(model, case.batch)
     assert relative_error(loss, case.reference.loss) <= F32.loss
     assert relative_error(loss, case.loss) <= F32.loss
     assert_grads_close(grads, case.reference.grads, F32.grads)

@@ -150,6 +150,11 @@ class Program:
         accumulation steps, through its pipeline schedule)."""
         return self.module.export_weights(self.stored_grads(model, batch))  # type: ignore[no-any-return]
 
+    def loss_and_grads(self, model: DslcModel, batch: Mapping[str, Any]) -> tuple[float, dict[str, np.ndarray]]:
+        """`loss` and `grads` from one compiled step (each alone compiles its own)."""
+        loss, stored = self.value_and_grad(model, batch)
+        return loss, self.module.export_weights(stored)
+
     def stored_grads(self, model: DslcModel, batch: Mapping[str, Any]) -> Params:
         """The gradients as the module keeps them: one per stored array, where they live."""
         return self.value_and_grad(model, batch)[1]
