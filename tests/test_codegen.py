@@ -21,6 +21,9 @@ from dslc.codegen import generate_module
 from tests import reference
 from tests.conftest import ROOT, SPECS, compiled
 
+# Compiles and runs programs: left out of the quick run, `pytest -m "not slow"`.
+pytestmark = pytest.mark.slow
+
 GENERATED = ROOT / "generated"
 NUMERICS = ROOT / "tests" / "golden" / "numerics"
 

@@ -42,6 +42,9 @@ from tests import reference
 from tests.conftest import SPECS
 from tests.test_numerics import BF16
 
+# Compiles and runs programs: left out of the quick run, `pytest -m "not slow"`.
+pytestmark = pytest.mark.slow
+
 TOL = 1e-5
 LONG_CONTEXT = SPECS / "long_context.par"
 AUTO = jax.sharding.AxisType.Auto

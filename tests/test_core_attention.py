@@ -22,6 +22,9 @@ from tests.conftest import compiled
 from tests.jaxpr_flops import dot_flops
 from tests.test_numerics import assert_grads_close, relative_error
 
+# Compiles and runs programs: left out of the quick run, `pytest -m "not slow"`.
+pytestmark = pytest.mark.slow
+
 # Two pre-norm decoder blocks, data x tensor parallel, f32 so that the comparison with the
 # reference is tight.
 SPEC = """

@@ -26,6 +26,9 @@ from dslc.train.dataset import DataError
 from dslc.train.tokens import HELD_OUT, NextTokens, TokenStream, open_data
 from tests.conftest import ROOT, SPECS
 
+# Compiles and runs programs: left out of the quick run, `pytest -m "not slow"`.
+pytestmark = pytest.mark.slow
+
 TINY = str(SPECS / "tiny.par")
 PERIOD = 61  # the token sequence repeats every PERIOD tokens
 

@@ -20,6 +20,9 @@ import dslc
 from dslc.ir import nodes as ir
 from tests.conftest import SPECS
 
+# Compiles and runs programs: left out of the quick run, `pytest -m "not slow"`.
+pytestmark = pytest.mark.slow
+
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
 
 SEQUENCE_PARALLEL = """

@@ -22,6 +22,9 @@ import dslc
 from dslc.lower.hlo import collectives
 from dslc.plan import plan
 
+# Compiles and runs programs: left out of the quick run, `pytest -m "not slow"`.
+pytestmark = pytest.mark.slow
+
 # Two residual MLP blocks, data x tensor parallel, learning to map random inputs to random
 # targets: small enough to compile in a few seconds, with a repeat, ZeRO and both mesh axes.
 SMALL = """

@@ -45,6 +45,9 @@ from dslc.plan import plan
 from tests import reference
 from tests.conftest import SPECS
 
+# Compiles and runs programs: left out of the quick run, `pytest -m "not slow"`.
+pytestmark = pytest.mark.slow
+
 SEED = 0
 TOL = 3e-5
 MOE_SMALL = SPECS / "moe_small.par"

@@ -27,6 +27,9 @@ PROCESSES = 2
 # an audit hook on os.rename tells which process wrote which, without a hook in dslc itself.
 WATCHED_CLI = """
 import sys
+
+# Compiles and runs programs: left out of the quick run, `pytest -m "not slow"`.
+pytestmark = pytest.mark.slow
 def report_replaced(event, args):
     if event == "os.rename" and str(args[1]).endswith(("metrics.jsonl", "loss.png")):
         print("replaced", args[1], file=sys.stderr, flush=True)

@@ -64,6 +64,9 @@ from tests import reference
 from tests.conftest import SPECS as SPEC_DIR
 from tests.conftest import compiled
 
+# Compiles and runs programs: left out of the quick run, `pytest -m "not slow"`.
+pytestmark = pytest.mark.slow
+
 SEED = 0
 
 

@@ -21,6 +21,9 @@ import dslc
 from dslc.schedules import build, to_json
 from tests.conftest import SPECS, compiled
 
+# Compiles and runs programs: left out of the quick run, `pytest -m "not slow"`.
+pytestmark = pytest.mark.slow
+
 # f32 on a CPU mesh: the pipeline sums the per-microbatch gradients in another order than one
 # backward over the whole batch. Measured: max relative error 6.3e-7 (seed MLP), 9.8e-7
 # (gpt_small); 1e-5 leaves a margin of ten without hiding a wrong microbatch or chunk, whose

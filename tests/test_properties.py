@@ -27,6 +27,9 @@ from dslc.syntax.format import format_module
 from dslc.syntax.parser import parse
 from dslc.syntax.source import from_text
 
+# Compiles and runs programs: left out of the quick run, `pytest -m "not slow"`.
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parent.parent
 SPECS = {p.name: p.read_text(encoding="utf-8") for p in sorted((ROOT / "specs").glob("*.par"))}
 

@@ -30,6 +30,9 @@ from dslc.train.plot import BOTTOM, HEIGHT, LEFT, TOP, WIDTH, loss_curve_png
 from dslc.train.tokens import NextTokens, in_memory
 from tests.conftest import ROOT, SPECS
 
+# Compiles and runs programs: left out of the quick run, `pytest -m "not slow"`.
+pytestmark = pytest.mark.slow
+
 TINY = str(SPECS / "tiny.par")
 TINY_TEXT = (SPECS / "tiny.par").read_text()
 

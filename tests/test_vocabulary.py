@@ -49,6 +49,9 @@ from dslc.syntax.source import from_text
 from tests import reference
 from tests.conftest import SPECS, compiled
 
+# Compiles and runs programs: left out of the quick run, `pytest -m "not slow"`.
+pytestmark = pytest.mark.slow
+
 TOLERANCE = 1e-5  # see the module docstring
 
 TIED = """model tied
