@@ -51,9 +51,9 @@ _MODULE_NAMES = {
     "TIMELINES",
     "STAGES",
     "CHUNK_WEIGHTS",
-    "STAGE_DIMS",
     "CHUNK_INPUTS",
     "BOUNDARY",
+    "PIPELINE",
     "ACCUMULATE",
     "DATA_AXES",
     "OPTIMIZER",
@@ -490,7 +490,7 @@ def _kernels(program: ir.Program, count: str | None, data_axes: ir.Axes) -> list
     if any(RULES[layer.kind].has_aux for layer in layers):
         wanted += ["AUX_LOSS", "add_aux"]
     if program.pipelined:
-        wanted += ["pipeline_value_and_grad", "schedule_tables", "Share", "take_share", "layer_shares"]
+        wanted += ["pipeline_value_and_grad", "Pipeline", "schedule_tables", "Share", "take_share", "layer_shares"]
     if data_axes:
         wanted.append("data_parallel")
     return source.closure(wanted)
