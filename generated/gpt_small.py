@@ -369,21 +369,22 @@ def attention(
     heads: int,
     kv_heads: int,
     causal: bool,
-    rope: bool,
-    rope_base: float,
+    rope: Callable[[jax.Array, jax.Array], jax.Array] | None = None,
     dtype: str,
     recompute_core: bool = False,
 ) -> jax.Array:
     """Self-attention on [batch, seq, dim]; grouped-query when kv_heads < heads. Each
-    projection adds its bias when it has one. With `recompute_core` the core is checkpointed:
-    the backward pass reruns its scores and softmax from the kept queries and keys rather
-    than keeping its [batch, heads, seq, seq] intermediates (Korthikanti et al.'s selective
-    recomputation)."""
+    projection adds its bias when it has one. `rope(t, positions)` (`rotary`, its base bound)
+    encodes the tokens' places in the sequence into the queries and the keys. With
+    `recompute_core` the core is checkpointed: the backward pass reruns its scores and
+    softmax from the kept queries and keys rather than keeping its [batch, heads, seq, seq]
+    intermediates (Korthikanti et al.'s selective recomputation)."""
     b, s, _ = x.shape
     queries, keys, values = _project(x.astype(dtype), q, k, v, q_bias, k_bias, v_bias, heads=heads, kv_heads=kv_heads)
     head_dim = queries.shape[-1]
-    if rope:
-        queries, keys = rotary(queries, rope_base), rotary(keys, rope_base)
+    if rope is not None:
+        positions = jnp.arange(s)
+        queries, keys = rope(queries, positions), rope(keys, positions)
     # Grouped-query: the query heads form kv_heads groups, each sharing one key/value head.
     queries = queries.reshape(b, s, kv_heads, heads // kv_heads, head_dim)
     core = functools.partial(_attention_core, causal=causal, dtype=dtype)
@@ -428,22 +429,6 @@ def _project(
 def _project_out(heads_out: jax.Array, o: jax.Array, o_bias: jax.Array | None) -> jax.Array:
     y = jnp.einsum("bse,ed->bsd", heads_out, o)
     return y if o_bias is None else y + o_bias
-
-
-def rotary(t: jax.Array, base: float, positions: jax.Array | None = None) -> jax.Array:
-    """Rotary position embedding on [batch, seq, heads, head_dim] (rotate-half layout).
-
-    `positions` are the tokens' places in the whole sequence, 0, 1, ... when not given.
-    """
-    s, head_dim = t.shape[1], t.shape[-1]
-    half = head_dim // 2
-    freqs = base ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    if positions is None:
-        positions = jnp.arange(s)
-    angles = positions.astype(jnp.float32)[:, None] * freqs[None, :]
-    cos, sin = jnp.cos(angles)[None, :, None, :], jnp.sin(angles)[None, :, None, :]
-    t1, t2 = t[..., :half].astype(jnp.float32), t[..., half:].astype(jnp.float32)
-    return jnp.concatenate([t1 * cos - t2 * sin, t1 * sin + t2 * cos], axis=-1).astype(t.dtype)
 
 
 def gelu(x: jax.Array, *, approximate: bool) -> jax.Array:
@@ -644,6 +629,20 @@ Chunk = Callable[[Any, jax.Array, dict[str, jax.Array], jax.Array | None], Any]
 ChunkWeights = Callable[[dict[str, jax.Array]], dict[str, jax.Array]]
 
 
+class Pipeline(NamedTuple):
+    """What the executor runs: the schedule's `table` (`schedule_tables`), over the mesh axis
+    `axis`, on a batch cut into `microbatches`; `stream` is the input the first chunk reads.
+    `chunk_inputs[c]` is the shape of one microbatch of chunk c's input, `boundary` the
+    (shape, dtype) of the buffer every inter-stage tensor is padded into."""
+
+    table: dict[str, Any]
+    axis: str
+    stream: str
+    microbatches: int
+    chunk_inputs: Sequence[tuple[int, ...]]
+    boundary: tuple[tuple[int, ...], Any]
+
+
 def pipeline_value_and_grad(
     chunks: Sequence[Chunk],
     shares: Sequence[ChunkWeights],
@@ -651,43 +650,38 @@ def pipeline_value_and_grad(
     batch: dict[str, jax.Array],
     key: jax.Array | None,
     *,
-    table: dict[str, Any],
     mesh: jax.sharding.Mesh,
-    axis: str,
-    stream: str,
-    microbatches: int,
-    chunk_inputs: Sequence[tuple[int, ...]],
-    boundary: tuple[tuple[int, ...], Any],
-    stage_dims: dict[str, tuple[int | None, int | None]],
+    pipeline: Pipeline,
+    parameters: dict[str, Parameter],
     has_aux: bool = False,
     count: Callable[[dict[str, jax.Array]], jax.Array] | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Mean loss over the microbatches and the gradient of every stored array.
 
-    `stage_dims[name]` is (own, split): `own` the dimension of the array whose pieces are each
-    stage's own (rows or layers), or `split` the dimension a whole array is split along over
-    the stage axis between steps (both None: every stage holds all of it). `chunk_inputs[c]`
-    is the shape of one microbatch of chunk c's input; `boundary` the (shape, dtype) of the
-    buffer every inter-stage tensor is padded into. `count`, for a loss that averages over the
-    positions it counts (cross-entropy's ignored targets), gives their number in a batch:
+    Each stored array comes in as `parameters` places it under the pipeline: its
+    `stage_rows` is the dimension whose pieces are each stage's own (rows or layers), or its
+    `stage_split` the dimension a whole array is split along over the stage axis between
+    steps (both None: every stage holds all of it). `count`, for a loss that averages over
+    the positions it counts (cross-entropy's ignored targets), gives their number in a batch:
     each microbatch's loss then weighs by its share of the batch's, so the result is the
     batch's mean over its counted positions rather than a mean of microbatch means.
     """
-    M = microbatches
+    M, axis, table = pipeline.microbatches, pipeline.axis, pipeline.table
+    stage_dims = {name: (p.stage_rows, p.stage_split) for name, p in parameters.items()}
     # Microbatch i takes rows i, i+M, i+2M, ...: each keeps rows from every data shard.
     micro = {k: v.reshape(v.shape[0] // M, M, *v.shape[1:]).swapaxes(0, 1) for k, v in batch.items()}
     # Under data parallelism (`data_parallel`) the batch is this device's rows, and so is
     # every microbatch the buffers hold (their first dimension).
-    rows = batch[stream].shape[0] // M
-    chunk_inputs = [(rows, *shape[1:]) for shape in chunk_inputs]
-    boundary = ((rows, *boundary[0][1:]), boundary[1])
+    rows = batch[pipeline.stream].shape[0] // M
+    local_pipeline = pipeline._replace(
+        chunk_inputs=[(rows, *shape[1:]) for shape in pipeline.chunk_inputs],
+        boundary=((rows, *pipeline.boundary[0][1:]), pipeline.boundary[1]),
+    )
     tables = {
         name: jnp.asarray(np.asarray(table[name], np.int32))
         for name in (*TABLE_ENTRIES, *OTHER_DIRECTIONS)
         if name in table
     }
-    used = sorted({int(code) for row in table["op"] for code in row})
-    slots = {name: int(np.max(table[name])) + 1 for name in ("stash_slot", "activation_slot", "gradient_slot")}
 
     def along(dim: int | None) -> PartitionSpec:
         return PartitionSpec() if dim is None else PartitionSpec(*(None,) * dim, axis)
@@ -706,21 +700,7 @@ def pipeline_value_and_grad(
         local: dict[str, jax.Array], micro: dict[str, jax.Array], tables: Any, key: jax.Array, weights: jax.Array
     ) -> Any:
         executor = _Executor(
-            chunks,
-            shares,
-            local,
-            micro,
-            tables,
-            key if key_given else None,
-            used,
-            slots,
-            axis,
-            stream,
-            chunk_inputs,
-            boundary,
-            has_aux,
-            M,
-            weights,
+            chunks, shares, has_aux, local_pipeline, local, micro, tables, key if key_given else None, weights
         )
         loss, gacc = executor.run()
         grads = {}
@@ -766,30 +746,29 @@ class _Executor:
         self,
         chunks: Sequence[Chunk],
         shares: Sequence[ChunkWeights],
+        has_aux: bool,
+        pipeline: Pipeline,
         local: dict[str, jax.Array],
         micro: dict[str, jax.Array],
         tables: dict[str, jax.Array],
         key: jax.Array | None,
-        used: list[int],
-        slots: dict[str, int],
-        axis: str,
-        stream: str,
-        chunk_inputs: Sequence[tuple[int, ...]],
-        boundary: tuple[tuple[int, ...], Any],
-        has_aux: bool,
-        microbatches: int,
-        weights: jax.Array,
+        loss_weights: jax.Array,
     ) -> None:
-        self.chunks, self.shares, self.local, self.micro = chunks, shares, local, micro
-        self.tables, self.key, self.used, self.axis, self.stream = tables, key, used, axis, stream
-        self.chunk_inputs, self.has_aux, self.M = chunk_inputs, has_aux, microbatches
-        self.loss_weights = weights  # each microbatch's weight in the mean loss
-        self.shape, self.dtype = boundary
+        """`pipeline` as one stage sees it (its microbatches' rows), `local` the stage's pieces
+        of the stored arrays, `micro` the microbatches, `tables` the schedule's tables as
+        arrays, `loss_weights` each microbatch's weight in the mean loss."""
+        self.chunks, self.shares, self.has_aux, self.local, self.micro = chunks, shares, has_aux, local, micro
+        self.tables, self.key, self.loss_weights = tables, key, loss_weights
+        self.axis, self.stream, self.M = pipeline.axis, pipeline.stream, pipeline.microbatches
+        self.chunk_inputs, (self.shape, self.dtype) = pipeline.chunk_inputs, pipeline.boundary
         self.C = len(chunks)
+        self.used = sorted({int(code) for row in pipeline.table["op"] for code in row})
         # Each buffer has one slot more than the table uses: the scratch slot that ticks with
         # nothing to keep write to, so every write is unconditional.
-        self.slots = slots
-        self.scratch = dict(slots)
+        self.slots = {
+            name: int(np.max(pipeline.table[name])) + 1 for name in ("stash_slot", "activation_slot", "gradient_slot")
+        }
+        self.scratch = dict(self.slots)
         self.residual_layout = self._residual_layout()
         # What F records for B while tracing: how to rebuild each chunk's backward.
         self.rebuild: dict[int, tuple[Any, list[tuple[str, Any]], Any]] = {}
@@ -1112,8 +1091,7 @@ def data_parallel(
     *,
     mesh: jax.sharding.Mesh,
     axes: tuple[str, ...],
-    param_specs: dict[str, PartitionSpec],
-    grad_specs: dict[str, PartitionSpec],
+    parameters: dict[str, Parameter],
     count: Callable[[dict[str, jax.Array]], jax.Array] | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Mean loss and gradients over the batch, each device working through its own rows of
@@ -1121,18 +1099,20 @@ def data_parallel(
 
     `value_and_grad(params, rows, key)` runs in `jax.shard_map`, manual over `axes` (every
     other mesh axis stays automatic): it sees the rows of every input this device holds
-    (their first dimension is split over `axes`) and the parameters (`param_specs`), whole
-    along `axes`, and returns its rows' mean loss and gradients. However many slices it cuts
-    its rows into (microbatches, accumulation steps), their gradients stay partial sums on
-    each device, returned unsummed (stacked along a new leading dimension, one block per
-    device), instead of reduced per slice as XLA's partitioner would where each is made.
+    (their first dimension is split over `axes`) and the parameters, whole along `axes`
+    (`parameters[name].sharding`), and returns its rows' mean loss and gradients. However
+    many slices it cuts its rows into (microbatches, accumulation steps), their gradients
+    stay partial sums on each device, returned unsummed (stacked along a new leading
+    dimension, one block per device), instead of reduced per slice as XLA's partitioner
+    would where each is made.
 
     A second map, manual over the whole mesh, then sums each device's block once: a
-    reduce-scatter where `grad_specs` keeps the gradient split over `axes` (ZeRO 2, and
-    ZeRO 1's optimizer state, whose pieces the update runs on), leaving each device its
-    piece, else an all-reduce. In that map every device holds just its own piece along the
-    other axes, so nothing is gathered over them first (and XLA's CPU backend, which cannot
-    promote a 16-bit all-reduce in a partly manual map, has none to promote).
+    reduce-scatter where the parameter's `update_sharding` keeps the gradient split over
+    `axes` (ZeRO 2, and ZeRO 1's optimizer state, whose pieces the update runs on), leaving
+    each device its piece, else an all-reduce. In that map every device holds just its own
+    piece along the other axes, so nothing is gathered over them first (and XLA's CPU
+    backend, which cannot promote a 16-bit all-reduce in a partly manual map, has none to
+    promote).
 
     Each device's loss and gradients weigh by its share of the batch: one over the devices,
     or, for a loss that averages over the positions it counts (`count`), its share of the
@@ -1153,7 +1133,7 @@ def data_parallel(
             share = counted / jnp.maximum(lax.psum(counted, axes), 1.0)
         weighed = {name: (g * share.astype(g.dtype))[None] for name, g in grads.items()}
         unsummed = {
-            name: lax.with_sharding_constraint(g, PartitionSpec(None, *param_specs[name]))
+            name: lax.with_sharding_constraint(g, PartitionSpec(None, *parameters[name].sharding))
             for name, g in weighed.items()
         }
         return lax.psum(loss * share, axes), unsummed
@@ -1161,7 +1141,7 @@ def data_parallel(
     def reduce(grads: dict[str, jax.Array]) -> dict[str, jax.Array]:
         out = {}
         for name, g in grads.items():
-            dim = _scatter_dim(grad_specs[name], axes)
+            dim = _scatter_dim(parameters[name].update_sharding, axes)
             out[name] = (
                 lax.psum(g[0], axes) if dim is None else lax.psum_scatter(g[0], axes, scatter_dimension=dim, tiled=True)
             )
@@ -1182,8 +1162,8 @@ def data_parallel(
     summed = jax.shard_map(
         reduce,
         mesh=mesh,
-        in_specs=({name: PartitionSpec(axes, *spec) for name, spec in param_specs.items()},),
-        out_specs={name: _summed_spec(grad_specs[name], axes) for name in params},
+        in_specs=({name: PartitionSpec(axes, *parameters[name].sharding) for name in params},),
+        out_specs={name: _summed_spec(parameters[name].update_sharding, axes) for name in params},
         check_vma=False,
     )(stacked)
     return loss, summed
@@ -1269,8 +1249,6 @@ class GptBlock(nnx.Module):
             heads=4,
             kv_heads=4,
             causal=True,
-            rope=False,
-            rope_base=10000.0,
             dtype=COMPUTE_DTYPE,
         )
         h = checkpoint_name(constrain(h, P("data", None, None)), self.path + ".attn")
@@ -1420,6 +1398,7 @@ SCHEDULE = schedule_tables(*TIMELINES)
 # One microbatch of each chunk's input.
 CHUNK_INPUTS = [(4, 32), (4, 32, 64)]
 BOUNDARY = ((4, 32, 64), "float32")  # the buffer stages hand over
+PIPELINE = Pipeline(SCHEDULE, axis="stage", stream=STREAM, microbatches=4, chunk_inputs=CHUNK_INPUTS, boundary=BOUNDARY)
 
 
 def value_and_grad(
@@ -1438,21 +1417,10 @@ def value_and_grad(
 
         return run
 
+    chunks = [chunk(c) for c in range(len(STAGES))]
+    shares = [functools.partial(chunk_weights, c, local=True) for c in range(len(STAGES))]
     return pipeline_value_and_grad(
-        [chunk(c) for c in range(len(STAGES))],
-        [functools.partial(chunk_weights, c, local=True) for c in range(len(STAGES))],
-        params,
-        batch,
-        key,
-        table=SCHEDULE,
-        mesh=mesh,
-        axis="stage",
-        stream=STREAM,
-        microbatches=4,
-        chunk_inputs=CHUNK_INPUTS,
-        boundary=BOUNDARY,
-        stage_dims={name: (p.stage_rows, p.stage_split) for name, p in PARAMETERS.items()},
-        count=loss_count,
+        chunks, shares, params, batch, key, mesh=mesh, pipeline=PIPELINE, parameters=PARAMETERS, count=loss_count
     )
 
 
@@ -1477,19 +1445,7 @@ def gradients(
     """The mean loss and its gradients over the batch, each device's rows (split over
     `DATA_AXES`) at once, summed over the devices at the end."""
     rows = functools.partial(value_and_grad, mesh=mesh)
-    param_specs = {name: p.sharding for name, p in PARAMETERS.items()}
-    grad_specs = {name: p.update_sharding for name, p in PARAMETERS.items()}
-    return data_parallel(
-        rows,
-        params,
-        batch,
-        key,
-        mesh=mesh,
-        axes=DATA_AXES,
-        param_specs=param_specs,
-        grad_specs=grad_specs,
-        count=loss_count,
-    )
+    return data_parallel(rows, params, batch, key, mesh=mesh, axes=DATA_AXES, parameters=PARAMETERS, count=loss_count)
 
 
 def optimizer_state(optimizer: optax.GradientTransformation, params: dict[str, jax.Array]) -> Any:

@@ -372,21 +372,22 @@ def attention(
     heads: int,
     kv_heads: int,
     causal: bool,
-    rope: bool,
-    rope_base: float,
+    rope: Callable[[jax.Array, jax.Array], jax.Array] | None = None,
     dtype: str,
     recompute_core: bool = False,
 ) -> jax.Array:
     """Self-attention on [batch, seq, dim]; grouped-query when kv_heads < heads. Each
-    projection adds its bias when it has one. With `recompute_core` the core is checkpointed:
-    the backward pass reruns its scores and softmax from the kept queries and keys rather
-    than keeping its [batch, heads, seq, seq] intermediates (Korthikanti et al.'s selective
-    recomputation)."""
+    projection adds its bias when it has one. `rope(t, positions)` (`rotary`, its base bound)
+    encodes the tokens' places in the sequence into the queries and the keys. With
+    `recompute_core` the core is checkpointed: the backward pass reruns its scores and
+    softmax from the kept queries and keys rather than keeping its [batch, heads, seq, seq]
+    intermediates (Korthikanti et al.'s selective recomputation)."""
     b, s, _ = x.shape
     queries, keys, values = _project(x.astype(dtype), q, k, v, q_bias, k_bias, v_bias, heads=heads, kv_heads=kv_heads)
     head_dim = queries.shape[-1]
-    if rope:
-        queries, keys = rotary(queries, rope_base), rotary(keys, rope_base)
+    if rope is not None:
+        positions = jnp.arange(s)
+        queries, keys = rope(queries, positions), rope(keys, positions)
     # Grouped-query: the query heads form kv_heads groups, each sharing one key/value head.
     queries = queries.reshape(b, s, kv_heads, heads // kv_heads, head_dim)
     core = functools.partial(_attention_core, causal=causal, dtype=dtype)
@@ -433,16 +434,11 @@ def _project_out(heads_out: jax.Array, o: jax.Array, o_bias: jax.Array | None) -
     return y if o_bias is None else y + o_bias
 
 
-def rotary(t: jax.Array, base: float, positions: jax.Array | None = None) -> jax.Array:
-    """Rotary position embedding on [batch, seq, heads, head_dim] (rotate-half layout).
-
-    `positions` are the tokens' places in the whole sequence, 0, 1, ... when not given.
-    """
-    s, head_dim = t.shape[1], t.shape[-1]
-    half = head_dim // 2
+def rotary(t: jax.Array, positions: jax.Array, *, base: float) -> jax.Array:
+    """Rotary position embedding on [batch, seq, heads, head_dim] (rotate-half layout);
+    `positions` are the tokens' places in the whole sequence."""
+    half = t.shape[-1] // 2
     freqs = base ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    if positions is None:
-        positions = jnp.arange(s)
     angles = positions.astype(jnp.float32)[:, None] * freqs[None, :]
     cos, sin = jnp.cos(angles)[None, :, None, :], jnp.sin(angles)[None, :, None, :]
     t1, t2 = t[..., :half].astype(jnp.float32), t[..., half:].astype(jnp.float32)
@@ -530,8 +526,7 @@ def data_parallel(
     *,
     mesh: jax.sharding.Mesh,
     axes: tuple[str, ...],
-    param_specs: dict[str, PartitionSpec],
-    grad_specs: dict[str, PartitionSpec],
+    parameters: dict[str, Parameter],
     count: Callable[[dict[str, jax.Array]], jax.Array] | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Mean loss and gradients over the batch, each device working through its own rows of
@@ -539,18 +534,20 @@ def data_parallel(
 
     `value_and_grad(params, rows, key)` runs in `jax.shard_map`, manual over `axes` (every
     other mesh axis stays automatic): it sees the rows of every input this device holds
-    (their first dimension is split over `axes`) and the parameters (`param_specs`), whole
-    along `axes`, and returns its rows' mean loss and gradients. However many slices it cuts
-    its rows into (microbatches, accumulation steps), their gradients stay partial sums on
-    each device, returned unsummed (stacked along a new leading dimension, one block per
-    device), instead of reduced per slice as XLA's partitioner would where each is made.
+    (their first dimension is split over `axes`) and the parameters, whole along `axes`
+    (`parameters[name].sharding`), and returns its rows' mean loss and gradients. However
+    many slices it cuts its rows into (microbatches, accumulation steps), their gradients
+    stay partial sums on each device, returned unsummed (stacked along a new leading
+    dimension, one block per device), instead of reduced per slice as XLA's partitioner
+    would where each is made.
 
     A second map, manual over the whole mesh, then sums each device's block once: a
-    reduce-scatter where `grad_specs` keeps the gradient split over `axes` (ZeRO 2, and
-    ZeRO 1's optimizer state, whose pieces the update runs on), leaving each device its
-    piece, else an all-reduce. In that map every device holds just its own piece along the
-    other axes, so nothing is gathered over them first (and XLA's CPU backend, which cannot
-    promote a 16-bit all-reduce in a partly manual map, has none to promote).
+    reduce-scatter where the parameter's `update_sharding` keeps the gradient split over
+    `axes` (ZeRO 2, and ZeRO 1's optimizer state, whose pieces the update runs on), leaving
+    each device its piece, else an all-reduce. In that map every device holds just its own
+    piece along the other axes, so nothing is gathered over them first (and XLA's CPU
+    backend, which cannot promote a 16-bit all-reduce in a partly manual map, has none to
+    promote).
 
     Each device's loss and gradients weigh by its share of the batch: one over the devices,
     or, for a loss that averages over the positions it counts (`count`), its share of the
@@ -571,7 +568,7 @@ def data_parallel(
             share = counted / jnp.maximum(lax.psum(counted, axes), 1.0)
         weighed = {name: (g * share.astype(g.dtype))[None] for name, g in grads.items()}
         unsummed = {
-            name: lax.with_sharding_constraint(g, PartitionSpec(None, *param_specs[name]))
+            name: lax.with_sharding_constraint(g, PartitionSpec(None, *parameters[name].sharding))
             for name, g in weighed.items()
         }
         return lax.psum(loss * share, axes), unsummed
@@ -579,7 +576,7 @@ def data_parallel(
     def reduce(grads: dict[str, jax.Array]) -> dict[str, jax.Array]:
         out = {}
         for name, g in grads.items():
-            dim = _scatter_dim(grad_specs[name], axes)
+            dim = _scatter_dim(parameters[name].update_sharding, axes)
             out[name] = (
                 lax.psum(g[0], axes) if dim is None else lax.psum_scatter(g[0], axes, scatter_dimension=dim, tiled=True)
             )
@@ -600,8 +597,8 @@ def data_parallel(
     summed = jax.shard_map(
         reduce,
         mesh=mesh,
-        in_specs=({name: PartitionSpec(axes, *spec) for name, spec in param_specs.items()},),
-        out_specs={name: _summed_spec(grad_specs[name], axes) for name in params},
+        in_specs=({name: PartitionSpec(axes, *parameters[name].sharding) for name in params},),
+        out_specs={name: _summed_spec(parameters[name].update_sharding, axes) for name in params},
         check_vma=False,
     )(stacked)
     return loss, summed
@@ -684,9 +681,8 @@ class LlamaBlock(nnx.Module):
             heads=8,
             kv_heads=4,
             causal=True,
-            rope=True,
-            rope_base=10000.0,
             dtype=COMPUTE_DTYPE,
+            rope=functools.partial(rotary, base=10000.0),
         )
         h = checkpoint_name(constrain(h, P("data", None, None)), self.path + ".attn")
         x = x + h
@@ -797,19 +793,7 @@ def gradients(
     """The mean loss and its gradients over the batch, each device's rows (split over
     `DATA_AXES`) at once, summed over the devices at the end."""
     rows = functools.partial(value_and_grad, mesh=mesh)
-    param_specs = {name: p.sharding for name, p in PARAMETERS.items()}
-    grad_specs = {name: p.update_sharding for name, p in PARAMETERS.items()}
-    return data_parallel(
-        rows,
-        params,
-        batch,
-        key,
-        mesh=mesh,
-        axes=DATA_AXES,
-        param_specs=param_specs,
-        grad_specs=grad_specs,
-        count=loss_count,
-    )
+    return data_parallel(rows, params, batch, key, mesh=mesh, axes=DATA_AXES, parameters=PARAMETERS, count=loss_count)
 
 
 def optimizer_state(optimizer: optax.GradientTransformation, params: dict[str, jax.Array]) -> Any:

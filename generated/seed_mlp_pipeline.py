@@ -554,6 +554,20 @@ Chunk = Callable[[Any, jax.Array, dict[str, jax.Array], jax.Array | None], Any]
 ChunkWeights = Callable[[dict[str, jax.Array]], dict[str, jax.Array]]
 
 
+class Pipeline(NamedTuple):
+    """What the executor runs: the schedule's `table` (`schedule_tables`), over the mesh axis
+    `axis`, on a batch cut into `microbatches`; `stream` is the input the first chunk reads.
+    `chunk_inputs[c]` is the shape of one microbatch of chunk c's input, `boundary` the
+    (shape, dtype) of the buffer every inter-stage tensor is padded into."""
+
+    table: dict[str, Any]
+    axis: str
+    stream: str
+    microbatches: int
+    chunk_inputs: Sequence[tuple[int, ...]]
+    boundary: tuple[tuple[int, ...], Any]
+
+
 def pipeline_value_and_grad(
     chunks: Sequence[Chunk],
     shares: Sequence[ChunkWeights],
@@ -561,43 +575,38 @@ def pipeline_value_and_grad(
     batch: dict[str, jax.Array],
     key: jax.Array | None,
     *,
-    table: dict[str, Any],
     mesh: jax.sharding.Mesh,
-    axis: str,
-    stream: str,
-    microbatches: int,
-    chunk_inputs: Sequence[tuple[int, ...]],
-    boundary: tuple[tuple[int, ...], Any],
-    stage_dims: dict[str, tuple[int | None, int | None]],
+    pipeline: Pipeline,
+    parameters: dict[str, Parameter],
     has_aux: bool = False,
     count: Callable[[dict[str, jax.Array]], jax.Array] | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Mean loss over the microbatches and the gradient of every stored array.
 
-    `stage_dims[name]` is (own, split): `own` the dimension of the array whose pieces are each
-    stage's own (rows or layers), or `split` the dimension a whole array is split along over
-    the stage axis between steps (both None: every stage holds all of it). `chunk_inputs[c]`
-    is the shape of one microbatch of chunk c's input; `boundary` the (shape, dtype) of the
-    buffer every inter-stage tensor is padded into. `count`, for a loss that averages over the
-    positions it counts (cross-entropy's ignored targets), gives their number in a batch:
+    Each stored array comes in as `parameters` places it under the pipeline: its
+    `stage_rows` is the dimension whose pieces are each stage's own (rows or layers), or its
+    `stage_split` the dimension a whole array is split along over the stage axis between
+    steps (both None: every stage holds all of it). `count`, for a loss that averages over
+    the positions it counts (cross-entropy's ignored targets), gives their number in a batch:
     each microbatch's loss then weighs by its share of the batch's, so the result is the
     batch's mean over its counted positions rather than a mean of microbatch means.
     """
-    M = microbatches
+    M, axis, table = pipeline.microbatches, pipeline.axis, pipeline.table
+    stage_dims = {name: (p.stage_rows, p.stage_split) for name, p in parameters.items()}
     # Microbatch i takes rows i, i+M, i+2M, ...: each keeps rows from every data shard.
     micro = {k: v.reshape(v.shape[0] // M, M, *v.shape[1:]).swapaxes(0, 1) for k, v in batch.items()}
     # Under data parallelism (`data_parallel`) the batch is this device's rows, and so is
     # every microbatch the buffers hold (their first dimension).
-    rows = batch[stream].shape[0] // M
-    chunk_inputs = [(rows, *shape[1:]) for shape in chunk_inputs]
-    boundary = ((rows, *boundary[0][1:]), boundary[1])
+    rows = batch[pipeline.stream].shape[0] // M
+    local_pipeline = pipeline._replace(
+        chunk_inputs=[(rows, *shape[1:]) for shape in pipeline.chunk_inputs],
+        boundary=((rows, *pipeline.boundary[0][1:]), pipeline.boundary[1]),
+    )
     tables = {
         name: jnp.asarray(np.asarray(table[name], np.int32))
         for name in (*TABLE_ENTRIES, *OTHER_DIRECTIONS)
         if name in table
     }
-    used = sorted({int(code) for row in table["op"] for code in row})
-    slots = {name: int(np.max(table[name])) + 1 for name in ("stash_slot", "activation_slot", "gradient_slot")}
 
     def along(dim: int | None) -> PartitionSpec:
         return PartitionSpec() if dim is None else PartitionSpec(*(None,) * dim, axis)
@@ -616,21 +625,7 @@ def pipeline_value_and_grad(
         local: dict[str, jax.Array], micro: dict[str, jax.Array], tables: Any, key: jax.Array, weights: jax.Array
     ) -> Any:
         executor = _Executor(
-            chunks,
-            shares,
-            local,
-            micro,
-            tables,
-            key if key_given else None,
-            used,
-            slots,
-            axis,
-            stream,
-            chunk_inputs,
-            boundary,
-            has_aux,
-            M,
-            weights,
+            chunks, shares, has_aux, local_pipeline, local, micro, tables, key if key_given else None, weights
         )
         loss, gacc = executor.run()
         grads = {}
@@ -676,30 +671,29 @@ class _Executor:
         self,
         chunks: Sequence[Chunk],
         shares: Sequence[ChunkWeights],
+        has_aux: bool,
+        pipeline: Pipeline,
         local: dict[str, jax.Array],
         micro: dict[str, jax.Array],
         tables: dict[str, jax.Array],
         key: jax.Array | None,
-        used: list[int],
-        slots: dict[str, int],
-        axis: str,
-        stream: str,
-        chunk_inputs: Sequence[tuple[int, ...]],
-        boundary: tuple[tuple[int, ...], Any],
-        has_aux: bool,
-        microbatches: int,
-        weights: jax.Array,
+        loss_weights: jax.Array,
     ) -> None:
-        self.chunks, self.shares, self.local, self.micro = chunks, shares, local, micro
-        self.tables, self.key, self.used, self.axis, self.stream = tables, key, used, axis, stream
-        self.chunk_inputs, self.has_aux, self.M = chunk_inputs, has_aux, microbatches
-        self.loss_weights = weights  # each microbatch's weight in the mean loss
-        self.shape, self.dtype = boundary
+        """`pipeline` as one stage sees it (its microbatches' rows), `local` the stage's pieces
+        of the stored arrays, `micro` the microbatches, `tables` the schedule's tables as
+        arrays, `loss_weights` each microbatch's weight in the mean loss."""
+        self.chunks, self.shares, self.has_aux, self.local, self.micro = chunks, shares, has_aux, local, micro
+        self.tables, self.key, self.loss_weights = tables, key, loss_weights
+        self.axis, self.stream, self.M = pipeline.axis, pipeline.stream, pipeline.microbatches
+        self.chunk_inputs, (self.shape, self.dtype) = pipeline.chunk_inputs, pipeline.boundary
         self.C = len(chunks)
+        self.used = sorted({int(code) for row in pipeline.table["op"] for code in row})
         # Each buffer has one slot more than the table uses: the scratch slot that ticks with
         # nothing to keep write to, so every write is unconditional.
-        self.slots = slots
-        self.scratch = dict(slots)
+        self.slots = {
+            name: int(np.max(pipeline.table[name])) + 1 for name in ("stash_slot", "activation_slot", "gradient_slot")
+        }
+        self.scratch = dict(self.slots)
         self.residual_layout = self._residual_layout()
         # What F records for B while tracing: how to rebuild each chunk's backward.
         self.rebuild: dict[int, tuple[Any, list[tuple[str, Any]], Any]] = {}
@@ -1191,6 +1185,7 @@ SCHEDULE = schedule_tables(*TIMELINES)
 # One microbatch of each chunk's input.
 CHUNK_INPUTS = [(8, 784), (8, 512), (8, 256)]
 BOUNDARY = ((8, 512), "float32")  # the buffer stages hand over
+PIPELINE = Pipeline(SCHEDULE, axis="stage", stream=STREAM, microbatches=4, chunk_inputs=CHUNK_INPUTS, boundary=BOUNDARY)
 
 
 def value_and_grad(
@@ -1209,21 +1204,10 @@ def value_and_grad(
 
         return run
 
+    chunks = [chunk(c) for c in range(len(STAGES))]
+    shares = [functools.partial(chunk_weights, c, local=True) for c in range(len(STAGES))]
     return pipeline_value_and_grad(
-        [chunk(c) for c in range(len(STAGES))],
-        [functools.partial(chunk_weights, c, local=True) for c in range(len(STAGES))],
-        params,
-        batch,
-        key,
-        table=SCHEDULE,
-        mesh=mesh,
-        axis="stage",
-        stream=STREAM,
-        microbatches=4,
-        chunk_inputs=CHUNK_INPUTS,
-        boundary=BOUNDARY,
-        stage_dims={name: (p.stage_rows, p.stage_split) for name, p in PARAMETERS.items()},
-        count=loss_count,
+        chunks, shares, params, batch, key, mesh=mesh, pipeline=PIPELINE, parameters=PARAMETERS, count=loss_count
     )
 
 

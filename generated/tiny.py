@@ -361,21 +361,22 @@ def attention(
     heads: int,
     kv_heads: int,
     causal: bool,
-    rope: bool,
-    rope_base: float,
+    rope: Callable[[jax.Array, jax.Array], jax.Array] | None = None,
     dtype: str,
     recompute_core: bool = False,
 ) -> jax.Array:
     """Self-attention on [batch, seq, dim]; grouped-query when kv_heads < heads. Each
-    projection adds its bias when it has one. With `recompute_core` the core is checkpointed:
-    the backward pass reruns its scores and softmax from the kept queries and keys rather
-    than keeping its [batch, heads, seq, seq] intermediates (Korthikanti et al.'s selective
-    recomputation)."""
+    projection adds its bias when it has one. `rope(t, positions)` (`rotary`, its base bound)
+    encodes the tokens' places in the sequence into the queries and the keys. With
+    `recompute_core` the core is checkpointed: the backward pass reruns its scores and
+    softmax from the kept queries and keys rather than keeping its [batch, heads, seq, seq]
+    intermediates (Korthikanti et al.'s selective recomputation)."""
     b, s, _ = x.shape
     queries, keys, values = _project(x.astype(dtype), q, k, v, q_bias, k_bias, v_bias, heads=heads, kv_heads=kv_heads)
     head_dim = queries.shape[-1]
-    if rope:
-        queries, keys = rotary(queries, rope_base), rotary(keys, rope_base)
+    if rope is not None:
+        positions = jnp.arange(s)
+        queries, keys = rope(queries, positions), rope(keys, positions)
     # Grouped-query: the query heads form kv_heads groups, each sharing one key/value head.
     queries = queries.reshape(b, s, kv_heads, heads // kv_heads, head_dim)
     core = functools.partial(_attention_core, causal=causal, dtype=dtype)
@@ -420,22 +421,6 @@ def _project(
 def _project_out(heads_out: jax.Array, o: jax.Array, o_bias: jax.Array | None) -> jax.Array:
     y = jnp.einsum("bse,ed->bsd", heads_out, o)
     return y if o_bias is None else y + o_bias
-
-
-def rotary(t: jax.Array, base: float, positions: jax.Array | None = None) -> jax.Array:
-    """Rotary position embedding on [batch, seq, heads, head_dim] (rotate-half layout).
-
-    `positions` are the tokens' places in the whole sequence, 0, 1, ... when not given.
-    """
-    s, head_dim = t.shape[1], t.shape[-1]
-    half = head_dim // 2
-    freqs = base ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    if positions is None:
-        positions = jnp.arange(s)
-    angles = positions.astype(jnp.float32)[:, None] * freqs[None, :]
-    cos, sin = jnp.cos(angles)[None, :, None, :], jnp.sin(angles)[None, :, None, :]
-    t1, t2 = t[..., :half].astype(jnp.float32), t[..., half:].astype(jnp.float32)
-    return jnp.concatenate([t1 * cos - t2 * sin, t1 * sin + t2 * cos], axis=-1).astype(t.dtype)
 
 
 def gelu(x: jax.Array, *, approximate: bool) -> jax.Array:
@@ -566,8 +551,6 @@ class Decoder(nnx.Module):
             heads=4,
             kv_heads=4,
             causal=True,
-            rope=False,
-            rope_base=10000.0,
             dtype=COMPUTE_DTYPE,
         )
         h = checkpoint_name(constrain(h, P("data", None, None)), self.path + ".attn")

@@ -103,8 +103,7 @@ def test_ring_attention_equals_attention(
         "heads": heads,
         "kv_heads": kv_heads,
         "causal": causal,
-        "rope": rope,
-        "rope_base": 100.0,
+        "rope": functools.partial(kernels.rotary, base=100.0) if rope else None,
         "dtype": "float32",
     }
 
@@ -139,7 +138,8 @@ def test_a_ring_of_one_is_plain_attention() -> None:
     manual axis of one device there): plain attention, so any length works."""
     x, weights, _ = _kernel_inputs(4, 2)
     x = x[:, :15]
-    static = {"heads": 4, "kv_heads": 2, "causal": True, "rope": True, "rope_base": 100.0, "dtype": "float32"}
+    rope = functools.partial(kernels.rotary, base=100.0)
+    static = {"heads": 4, "kv_heads": 2, "causal": True, "rope": rope, "dtype": "float32"}
 
     def loss(w: dict[str, jax.Array], kernel: Any = kernels.attention) -> jax.Array:
         return jnp.sum(kernel(x, **w, **static) ** 2)
@@ -154,7 +154,7 @@ def test_a_ring_of_one_is_plain_attention() -> None:
 
 def test_ring_attention_needs_the_mesh() -> None:
     x, weights, _ = _kernel_inputs(4, 4)
-    static = {"heads": 4, "kv_heads": 4, "causal": True, "rope": False, "rope_base": 100.0, "dtype": "float32"}
+    static = {"heads": 4, "kv_heads": 4, "causal": True, "dtype": "float32"}
     with pytest.raises(ValueError, match=r"needs the mesh: call it under `jax.set_mesh\(mesh\)`"):
         jax.jit(lambda x, w: kernels.ring_attention(x, **w, **static, axis="context"))(x, weights)
 

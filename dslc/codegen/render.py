@@ -16,7 +16,7 @@ import jinja2
 
 from dslc.codegen import source
 from dslc.codegen.names import class_name, global_namer, safe_identifier
-from dslc.codegen.view import Builder, ModuleClass, Statement
+from dslc.codegen.view import Builder, ModuleClass, Statement, kernel_call
 from dslc.ir import nodes as ir
 from dslc.ir.boundaries import boundary_of, chunk_input
 from dslc.ir.data_parallel import data_parallel_axes
@@ -24,6 +24,7 @@ from dslc.ir.inputs import integer_bounds
 from dslc.ir.placement import Placement, Share, StateSharding, StoredArray, place
 from dslc.ir.signature import chunk_signature
 from dslc.layers import RULES
+from dslc.layers.base import BoundKernel
 from dslc.plan.timetable import schedule_table
 from dslc.schedules.notation import timelines
 from dslc.schedules.render import to_text
@@ -51,9 +52,9 @@ _MODULE_NAMES = {
     "TIMELINES",
     "STAGES",
     "CHUNK_WEIGHTS",
-    "STAGE_DIMS",
     "CHUNK_INPUTS",
     "BOUNDARY",
+    "PIPELINE",
     "ACCUMULATE",
     "DATA_AXES",
     "OPTIMIZER",
@@ -92,6 +93,8 @@ def py(value: object) -> str:
             return "[" + ", ".join(py(v) for v in value) + "]"
         case dict():
             return "{" + ", ".join(f"{py(k)}: {py(v)}" for k, v in value.items()) + "}"
+        case BoundKernel(kernel=kernel, keywords=keywords):
+            return f"functools.partial({kernel}" + "".join(f", {k}={py(v)}" for k, v in keywords) + ")"
     raise TypeError(f"no literal for {value!r}")
 
 
@@ -482,15 +485,17 @@ def _kernels(program: ir.Program, count: str | None, data_axes: ir.Axes) -> list
         wanted.append("accumulate_gradients")
     if program.train.master_dtype:
         wanted += ["master_state", "master_update"]
-    wanted += sorted(
-        {RULES[layer.kind].kernel(RULES[layer.kind].parse(dict(layer.attrs)), layer.operand) for layer in layers}
-    )
+    called = set()
+    for layer in layers:
+        kernel, static = kernel_call(layer, "float32")
+        called |= {kernel, *(v.kernel for v in static.values() if isinstance(v, BoundKernel))}
+    wanted += sorted(called)
     if count is not None:
         wanted.append(count)
     if any(RULES[layer.kind].has_aux for layer in layers):
         wanted += ["AUX_LOSS", "add_aux"]
     if program.pipelined:
-        wanted += ["pipeline_value_and_grad", "schedule_tables", "Share", "take_share", "layer_shares"]
+        wanted += ["pipeline_value_and_grad", "Pipeline", "schedule_tables", "Share", "take_share", "layer_shares"]
     if data_axes:
         wanted.append("data_parallel")
     return source.closure(wanted)

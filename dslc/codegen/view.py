@@ -206,16 +206,14 @@ class Builder:
                 )
                 for w in layer.weights
             )
-        a = rule.parse(dict(layer.attrs))
-        dtype = ir.DTYPES[self.program.train.compute_dtype].jax
-        static = rule.kernel_args(a, dtype, layer.operand, {w.name: w.type.sharding for w in layer.weights})
+        kernel, static = kernel_call(layer, ir.DTYPES[self.program.train.compute_dtype].jax)
         if cls.remat == "core_attention" and rule.core_flops(layer):
             static["recompute_core"] = True
         return Statement(
             "layer",
             var,
             self.where(layer.span),
-            kernel=rule.kernel(a, layer.operand),
+            kernel=kernel,
             operand=layer.operand if layer.operand != layer.input.sharding else None,
             weights=weights,
             inputs=tuple(input_args(rule, dict(layer.attrs)).items()),
@@ -243,6 +241,14 @@ class Builder:
         cls.saved = tuple(self.path(p, block.path) for p in block.remat.saved)
         self.blocks.append(cls)
         return name
+
+
+def kernel_call(layer: ir.Layer, dtype: str) -> tuple[str, dict[str, object]]:
+    """The kernel a layer calls and its static keyword arguments, computing in `dtype`."""
+    rule = RULES[layer.kind]
+    a = rule.parse(dict(layer.attrs))
+    weights = {w.name: w.type.sharding for w in layer.weights}
+    return rule.kernel(a, layer.operand), rule.kernel_args(a, dtype, layer.operand, weights)
 
 
 def _label(path: str, base: str | None) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -88,21 +89,22 @@ def attention(
     heads: int,
     kv_heads: int,
     causal: bool,
-    rope: bool,
-    rope_base: float,
+    rope: Callable[[jax.Array, jax.Array], jax.Array] | None = None,
     dtype: str,
     recompute_core: bool = False,
 ) -> jax.Array:
     """Self-attention on [batch, seq, dim]; grouped-query when kv_heads < heads. Each
-    projection adds its bias when it has one. With `recompute_core` the core is checkpointed:
-    the backward pass reruns its scores and softmax from the kept queries and keys rather
-    than keeping its [batch, heads, seq, seq] intermediates (Korthikanti et al.'s selective
-    recomputation)."""
+    projection adds its bias when it has one. `rope(t, positions)` (`rotary`, its base bound)
+    encodes the tokens' places in the sequence into the queries and the keys. With
+    `recompute_core` the core is checkpointed: the backward pass reruns its scores and
+    softmax from the kept queries and keys rather than keeping its [batch, heads, seq, seq]
+    intermediates (Korthikanti et al.'s selective recomputation)."""
     b, s, _ = x.shape
     queries, keys, values = _project(x.astype(dtype), q, k, v, q_bias, k_bias, v_bias, heads=heads, kv_heads=kv_heads)
     head_dim = queries.shape[-1]
-    if rope:
-        queries, keys = rotary(queries, rope_base), rotary(keys, rope_base)
+    if rope is not None:
+        positions = jnp.arange(s)
+        queries, keys = rope(queries, positions), rope(keys, positions)
     # Grouped-query: the query heads form kv_heads groups, each sharing one key/value head.
     queries = queries.reshape(b, s, kv_heads, heads // kv_heads, head_dim)
     core = functools.partial(_attention_core, causal=causal, dtype=dtype)
@@ -149,16 +151,11 @@ def _project_out(heads_out: jax.Array, o: jax.Array, o_bias: jax.Array | None) -
     return y if o_bias is None else y + o_bias
 
 
-def rotary(t: jax.Array, base: float, positions: jax.Array | None = None) -> jax.Array:
-    """Rotary position embedding on [batch, seq, heads, head_dim] (rotate-half layout).
-
-    `positions` are the tokens' places in the whole sequence, 0, 1, ... when not given.
-    """
-    s, head_dim = t.shape[1], t.shape[-1]
-    half = head_dim // 2
+def rotary(t: jax.Array, positions: jax.Array, *, base: float) -> jax.Array:
+    """Rotary position embedding on [batch, seq, heads, head_dim] (rotate-half layout);
+    `positions` are the tokens' places in the whole sequence."""
+    half = t.shape[-1] // 2
     freqs = base ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    if positions is None:
-        positions = jnp.arange(s)
     angles = positions.astype(jnp.float32)[:, None] * freqs[None, :]
     cos, sin = jnp.cos(angles)[None, :, None, :], jnp.sin(angles)[None, :, None, :]
     t1, t2 = t[..., :half].astype(jnp.float32), t[..., half:].astype(jnp.float32)
@@ -189,8 +186,7 @@ def ring_attention(
     heads: int,
     kv_heads: int,
     causal: bool,
-    rope: bool,
-    rope_base: float,
+    rope: Callable[[jax.Array, jax.Array], jax.Array] | None = None,
     axis: str,
     dtype: str,
 ) -> jax.Array:
@@ -229,7 +225,6 @@ def ring_attention(
             kv_heads=kv_heads,
             causal=causal,
             rope=rope,
-            rope_base=rope_base,
             dtype=dtype,
         )
     tokens, whole = PartitionSpec(None, axis, None), PartitionSpec()
@@ -239,7 +234,6 @@ def ring_attention(
         kv_heads=kv_heads,
         causal=causal,
         rope=rope,
-        rope_base=rope_base,
         axis=axis,
         dtype=dtype,
     )
@@ -266,8 +260,7 @@ def _ring_attention_shard(
     heads: int,
     kv_heads: int,
     causal: bool,
-    rope: bool,
-    rope_base: float,
+    rope: Callable[[jax.Array, jax.Array], jax.Array] | None = None,
     axis: str,
     dtype: str,
 ) -> jax.Array:
@@ -289,9 +282,9 @@ def _ring_attention_shard(
         x, w["q"], w["k"], w["v"], w.get("q_bias"), w.get("k_bias"), w.get("v_bias"), heads=heads, kv_heads=kv_heads
     )
     head_dim = queries.shape[-1]
-    if rope:
+    if rope is not None:
         positions = _ring_positions(me, n, ring, causal)
-        queries, keys = rotary(queries, rope_base, positions), rotary(keys, rope_base, positions)
+        queries, keys = rope(queries, positions), rope(keys, positions)
     queries = queries.reshape(b, n, kv_heads, heads // kv_heads, head_dim)
     out = _ring_core(queries, keys, values, axis=axis, causal=causal).reshape(b, n, heads * head_dim)
     if causal:

@@ -13,6 +13,8 @@ import optax
 from jax import lax
 from jax.sharding import PartitionSpec
 
+from dslc.kernels.storage import Parameter
+
 OPTIMIZER_DEFAULTS = {
     "lr": 1e-3,
     "b1": 0.9,
@@ -122,8 +124,7 @@ def data_parallel(
     *,
     mesh: jax.sharding.Mesh,
     axes: tuple[str, ...],
-    param_specs: dict[str, PartitionSpec],
-    grad_specs: dict[str, PartitionSpec],
+    parameters: dict[str, Parameter],
     count: Callable[[dict[str, jax.Array]], jax.Array] | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Mean loss and gradients over the batch, each device working through its own rows of
@@ -131,18 +132,20 @@ def data_parallel(
 
     `value_and_grad(params, rows, key)` runs in `jax.shard_map`, manual over `axes` (every
     other mesh axis stays automatic): it sees the rows of every input this device holds
-    (their first dimension is split over `axes`) and the parameters (`param_specs`), whole
-    along `axes`, and returns its rows' mean loss and gradients. However many slices it cuts
-    its rows into (microbatches, accumulation steps), their gradients stay partial sums on
-    each device, returned unsummed (stacked along a new leading dimension, one block per
-    device), instead of reduced per slice as XLA's partitioner would where each is made.
+    (their first dimension is split over `axes`) and the parameters, whole along `axes`
+    (`parameters[name].sharding`), and returns its rows' mean loss and gradients. However
+    many slices it cuts its rows into (microbatches, accumulation steps), their gradients
+    stay partial sums on each device, returned unsummed (stacked along a new leading
+    dimension, one block per device), instead of reduced per slice as XLA's partitioner
+    would where each is made.
 
     A second map, manual over the whole mesh, then sums each device's block once: a
-    reduce-scatter where `grad_specs` keeps the gradient split over `axes` (ZeRO 2, and
-    ZeRO 1's optimizer state, whose pieces the update runs on), leaving each device its
-    piece, else an all-reduce. In that map every device holds just its own piece along the
-    other axes, so nothing is gathered over them first (and XLA's CPU backend, which cannot
-    promote a 16-bit all-reduce in a partly manual map, has none to promote).
+    reduce-scatter where the parameter's `update_sharding` keeps the gradient split over
+    `axes` (ZeRO 2, and ZeRO 1's optimizer state, whose pieces the update runs on), leaving
+    each device its piece, else an all-reduce. In that map every device holds just its own
+    piece along the other axes, so nothing is gathered over them first (and XLA's CPU
+    backend, which cannot promote a 16-bit all-reduce in a partly manual map, has none to
+    promote).
 
     Each device's loss and gradients weigh by its share of the batch: one over the devices,
     or, for a loss that averages over the positions it counts (`count`), its share of the
@@ -163,7 +166,7 @@ def data_parallel(
             share = counted / jnp.maximum(lax.psum(counted, axes), 1.0)
         weighed = {name: (g * share.astype(g.dtype))[None] for name, g in grads.items()}
         unsummed = {
-            name: lax.with_sharding_constraint(g, PartitionSpec(None, *param_specs[name]))
+            name: lax.with_sharding_constraint(g, PartitionSpec(None, *parameters[name].sharding))
             for name, g in weighed.items()
         }
         return lax.psum(loss * share, axes), unsummed
@@ -171,7 +174,7 @@ def data_parallel(
     def reduce(grads: dict[str, jax.Array]) -> dict[str, jax.Array]:
         out = {}
         for name, g in grads.items():
-            dim = _scatter_dim(grad_specs[name], axes)
+            dim = _scatter_dim(parameters[name].update_sharding, axes)
             out[name] = (
                 lax.psum(g[0], axes) if dim is None else lax.psum_scatter(g[0], axes, scatter_dimension=dim, tiled=True)
             )
@@ -192,8 +195,8 @@ def data_parallel(
     summed = jax.shard_map(
         reduce,
         mesh=mesh,
-        in_specs=({name: PartitionSpec(axes, *spec) for name, spec in param_specs.items()},),
-        out_specs={name: _summed_spec(grad_specs[name], axes) for name in params},
+        in_specs=({name: PartitionSpec(axes, *parameters[name].sharding) for name in params},),
+        out_specs={name: _summed_spec(parameters[name].update_sharding, axes) for name in params},
         check_vma=False,
     )(stacked)
     return loss, summed

@@ -11,6 +11,7 @@ from dslc.layers.base import (
     F32,
     ArgSpec,
     Attrs,
+    BoundKernel,
     Context,
     LayerRule,
     WeightSpec,
@@ -272,7 +273,9 @@ class Attention(LayerRule[Attrs]):
     def kernel_args(
         self, a: Attrs, dtype: str, operand: Sharding, weights: Mapping[str, Sharding]
     ) -> dict[str, object]:
-        static = {name: a[name] for name in ("heads", "kv_heads", "causal", "rope", "rope_base")} | {"dtype": dtype}
+        static = {name: a[name] for name in ("heads", "kv_heads", "causal")} | {"dtype": dtype}
+        if a["rope"]:
+            static["rope"] = BoundKernel("rotary", (("base", a["rope_base"]),))
         return static | ({"axis": operand[1][0]} if operand[1] else {})
 
 

@@ -32,6 +32,16 @@ ArgType = Literal["int", "float", "bool", "input", "any"]
 
 
 @dataclass(frozen=True, slots=True)
+class BoundKernel:
+    """A kernel's argument that is another kernel with keyword arguments bound (`rotary` and
+    its base, as attention's `rope`): the generated module passes it as `functools.partial`
+    and copies that kernel too, which it copies only where some layer passes it."""
+
+    kernel: str
+    keywords: tuple[tuple[str, object], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class ArgSpec:
     """One argument a layer takes. `default` may be a function of the other arguments."""
 
