@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 import dslc
-from bench.bench_plan_accuracy import RESIDUAL_MLP, STATE_SETTINGS
+from bench.bench_plan_accuracy import RESIDUAL_MLP, SECOND_MESH, STATE_SETTINGS
 from dslc import cli
 from dslc.plan import Plan, plan
 from tests.conftest import ROOT, SPECS, compiled
@@ -73,6 +73,19 @@ def test_gradient_step_memory_within_tolerance_of_xla(name: str) -> None:
     predicted = planned(name).memory.grads_step
     ratio = predicted / measured
     assert abs(ratio - 1) <= TOLERANCE, f"{name}: planned {predicted:,} B, XLA {measured:,} B, ratio {ratio:.3f}"
+
+
+# Each pipelined spec is planned on a second mesh too (bench_plan_accuracy.py's SECOND_MESH,
+# another stage count); a compile each costs several seconds, so the test holds the one that
+# was outside the tolerance there (gpt_small on 2x2x4 planned 1.175 of XLA before a selective
+# block's recompute was counted run by run); the bench prints the others.
+@pytest.mark.parametrize("name", ["gpt_small"])
+def test_gradient_step_memory_on_second_mesh_within_tolerance_of_xla(name: str) -> None:
+    mesh = SECOND_MESH[name]
+    measured = compiled(SPECS / f"{name}.par", mesh=mesh, overrides=overrides(name)).program
+    predicted = planned(name, mesh=mesh).memory.grads_step
+    ratio = predicted / measured.compiled_memory("grads").total
+    assert abs(ratio - 1) <= TOLERANCE, f"{name} on {mesh}: ratio {ratio:.3f}"
 
 
 @pytest.mark.parametrize("name", ["tiny", "seed_mlp_pipeline"])

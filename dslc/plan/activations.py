@@ -146,13 +146,32 @@ def _kept_by_node(node: Node, mesh: Mesh, compute: str, slices: int, recomputed:
                         for layer in layers(node.body)
                         if layer.path in node.remat.saved
                     )
-                    return Kept(held, held + inner.peak)
+                    rerun = max((kept_by(run, mesh, compute, slices, True).peak for run in _reruns(node)), default=0)
+                    return Kept(held, held + rerun)
                 case "core_attention":
                     return without_cores(node, inner, mesh, compute, slices)
                 case other:
                     assert_never(other)
         case _:
             assert_never(node)
+
+
+def _reruns(block: Block) -> list[tuple[Node, ...]]:
+    """The runs of a `selective` block's body that its backward recomputes one after another:
+    the body cut after each saved layer. A run reads only the block input and the saved
+    outputs, so the backward (last run first) recomputes a run when it reaches it and frees
+    its residuals when done; XLA schedules them so, and no two runs' residuals coexist."""
+    runs: list[list[Node]] = [[]]
+    stack = list(reversed(block.body))
+    while stack:
+        node = stack.pop()
+        if isinstance(node, Residual):
+            stack.extend(reversed(node.body))
+            continue
+        runs[-1].append(node)
+        if isinstance(node, Layer) and node.path in block.remat.saved:
+            runs.append([])
+    return [tuple(run) for run in runs if run]
 
 
 def _cores(block: Block, mesh: Mesh, compute: str, slices: int) -> list[int]:
