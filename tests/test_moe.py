@@ -39,6 +39,7 @@ import dslc
 from dslc import cli
 from dslc.diagnostics import Diagnostic
 from dslc.ir import nodes as ir
+from dslc.layers import RULES
 from dslc.layers.moe import capacity_slots, group_tokens
 from dslc.lower.program import Program
 from dslc.plan import plan
@@ -371,7 +372,8 @@ def test_capacity_helpers_follow_the_kernel() -> None:
     program = dslc.analyze(MOE_SMALL).program
     assert program is not None
     layer = next(layer for layer in ir.all_layers(program) if layer.kind == "moe")
+    rule = RULES["moe"]
     attrs = dict(layer.attrs)
     assert group_tokens(layer.input) == 16
-    assert capacity_slots(attrs, 16) == math.ceil(1.25 * 16 * 2 / 8) == 5
-    assert capacity_slots({**attrs, "capacity": 9.0}, 16) == 16  # never more than the tokens
+    assert capacity_slots(rule.parse(attrs), 16) == math.ceil(1.25 * 16 * 2 / 8) == 5
+    assert capacity_slots(rule.parse({**attrs, "capacity": 9.0}), 16) == 16  # never more than the tokens
