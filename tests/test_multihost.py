@@ -21,15 +21,15 @@ from dslc.cli import main
 from dslc.train.distributed import Cluster, detect_cluster
 from tests.conftest import ROOT, SPECS
 
+# Compiles and runs programs: left out of the quick run, `pytest -m "not slow"`.
+pytestmark = pytest.mark.slow
+
 TINY = ["train", str(SPECS / "tiny.par"), "--mesh", "4x4"]
 PROCESSES = 2
 # A metrics file or loss curve that a process writes is replaced into place (files.write_atomic):
 # an audit hook on os.rename tells which process wrote which, without a hook in dslc itself.
 WATCHED_CLI = """
 import sys
-
-# Compiles and runs programs: left out of the quick run, `pytest -m "not slow"`.
-pytestmark = pytest.mark.slow
 def report_replaced(event, args):
     if event == "os.rename" and str(args[1]).endswith(("metrics.jsonl", "loss.png")):
         print("replaced", args[1], file=sys.stderr, flush=True)
