@@ -17,7 +17,7 @@ times it runs, the trip counts of the loops around it, except that a branch of t
 tick switches runs once per microbatch rather than once per tick, and on the busiest stage
 (each switch's heaviest branch); how many of those collectives sit inside a loop; and the
 median wall time of the compiled training step. Ratios are per step / per slice, measured in
-the same run. It prints figures and asserts nothing (tests/test_data_parallel.py checks the
+the same run. It prints figures and asserts nothing (tests/lower/test_data_parallel.py checks the
 HLO, the numerics tests the numbers).
 """
 

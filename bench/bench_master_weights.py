@@ -15,7 +15,7 @@ parameters, optimizer state and batch; temporaries), the planner's total for the
 and the median wall time of the step. Ratios are master / f32, measured in the same run. CPU
 devices are simulated, so step times say little about a GPU's bf16 speed: XLA's CPU backend
 computes bf16 by widening it. It prints figures and asserts nothing
-(tests/test_master_and_zero.py checks the numerics and the state's layout).
+(tests/lower/test_master_and_zero.py checks the numerics and the state's layout).
 """
 
 from __future__ import annotations

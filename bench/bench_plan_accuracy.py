@@ -5,7 +5,7 @@ of the whole training step (`Plan.memory.total`) next to XLA's argument + output
 alias for the same compiled functions, and their ratios. The cases: every spec in specs/ at
 its default mesh, every pipelined spec on a second mesh (another stage count), and a
 repeated-block MLP under each ZeRO stage and FSDP. This is the table in docs/plan.md;
-tests/test_plan.py asserts a few of its rows.
+tests/plan/test_plan.py asserts a few of its rows.
 
     python bench/bench_plan_accuracy.py                      # the whole table
     python bench/bench_plan_accuracy.py gpt_small [--mesh 2x2x4] [--set n_layers=8]

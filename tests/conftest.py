@@ -10,7 +10,7 @@ compilation of it.
 Below it, JAX's persistent compilation cache, in a folder of this run's own, shares every
 compiled XLA program across tests, across the test processes (`pytest -n`), and across the
 `dslc` processes tests start: many tests train or run the same spec on the same mesh through
-the CLI, and each would otherwise compile it again. Measured: tests/test_train.py 210 s
+the CLI, and each would otherwise compile it again. Measured: tests/train/test_train.py 210 s
 without, 112 s with. The folder is in pytest's temporary root for this run (shared by its
 worker processes, removed with pytest's old runs), so no run reads another's programs.
 """

@@ -27,7 +27,7 @@ For N devices of G bytes each:
 
 A candidate's memory is the planner's (`dslc.plan.memory`), assembled from pieces that are
 computed once per group (everything but the activations) and once per microbatch count (the
-activations); tests/test_auto_mesh.py holds the two equal.
+activations); tests/plan/test_auto_mesh.py holds the two equal.
 """
 
 from __future__ import annotations

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import importlib.util
 import re
-from pathlib import Path
 from types import ModuleType
 
 import pytest
@@ -23,8 +22,8 @@ from dslc.schedules import KINDS
 from dslc.syntax.format import format_module
 from dslc.syntax.parser import _parser, parse
 from dslc.syntax.source import from_text
+from tests.conftest import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 DOC_PATH = ROOT / "docs" / "language.md"
 DOC = DOC_PATH.read_text(encoding="utf-8")
 

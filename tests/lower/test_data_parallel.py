@@ -6,7 +6,7 @@ inside any loop (while bodies, the branches of their conditionals, the loops ins
 and outside them reductions over the data axes that carry at least every gradient the device
 holds. Checked on gpt_small (1F1B over `stage`, data x model x stage 2x4x2) and on tiny with
 `accumulate 2`, each compiled once; the HLO reader itself is checked on a loop made to
-reduce inside. Numerics stay those of the unpipelined reference (tests/test_pipeline.py,
+reduce inside. Numerics stay those of the unpipelined reference (tests/kernels/test_pipeline.py,
 test_numerics.py, test_moe.py, test_loss_counting.py); here, ZeRO-2's reduce-scatter.
 """
 
@@ -28,7 +28,7 @@ from dslc.lower.hlo import collectives
 from dslc.plan import plan
 from tests import reference
 from tests.conftest import SPECS, compiled
-from tests.test_numerics import assert_grads_close, relative_error
+from tests.tolerances import assert_grads_close, relative_error
 
 TINY = (SPECS / "tiny.par").read_text()
 ACCUMULATED = TINY.replace("train {", "train {\n  accumulate 2")

@@ -321,7 +321,7 @@ forward(x) {
     assert not c.grads["head.kernel"][:, 63:].any()
 
 
-# specs/gpt2.par shrunk as tests/test_codegen.py shrinks it (one compilation serves both): its
+# specs/gpt2.par shrunk as tests/codegen/test_codegen.py shrinks it (one compilation serves both): its
 # vocabulary odd like GPT-2's, tied, padded over `model`, through its 2x2x2 pipeline.
 GPT2_SHRUNK = {"vocab": 95, "positions": 32, "d": 32, "heads": 4, "layers": 2, "seq": 16, "batch": 8}
 

@@ -11,9 +11,8 @@ import ast as pyast
 import json
 import subprocess
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.conftest import ROOT
 
 HEAVY = ("jax", "jaxlib", "flax", "optax", "numpy")
 
@@ -26,6 +25,7 @@ diags = dslc.check(sys.argv[1])
 analysis = dslc.analyze(sys.argv[1], mesh="2x4x2")
 format_module(analysis.module, analysis.source.text)
 from dslc.codegen import generate_module
+from tests.conftest import ROOT
 generate_module(sys.argv[1])
 heavy = sorted({m.split(".")[0] for m in sys.modules} & set(sys.argv[2:]))
 print(json.dumps({"diagnostics": len(diags), "ok": analysis.ok, "heavy": heavy}))

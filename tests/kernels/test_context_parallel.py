@@ -40,7 +40,7 @@ from dslc.layers.attention import context_axes
 from dslc.plan import plan
 from tests import reference
 from tests.conftest import SPECS
-from tests.test_numerics import BF16
+from tests.tolerances import BF16
 
 # Compiles and runs programs: left out of the quick run, `pytest -m "not slow"`.
 pytestmark = pytest.mark.slow

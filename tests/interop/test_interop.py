@@ -494,10 +494,6 @@ def test_every_checkpoint_diagnostic_is_documented_and_tested() -> None:
         for code in re.findall(r"[\"'](C0\d\d)[\"']", path.read_text(encoding="utf-8"))
     }
     documented = set(re.findall(r"^\| (C0\d\d) \|", (ROOT / "docs" / "checkpoints.md").read_text(), flags=re.M))
-    here = Path(__file__).parent
-    tested = set(
-        re.findall(
-            r"error\[(C0\d\d)\]", "".join(p.read_text() for p in (here / "test_interop.py", here / "test_init_from.py"))
-        )
-    )
+    tests = (ROOT / "tests" / "interop" / "test_interop.py", ROOT / "tests" / "train" / "test_init_from.py")
+    tested = set(re.findall(r"error\[(C0\d\d)\]", "".join(p.read_text() for p in tests)))
     assert emitted and emitted == documented == tested

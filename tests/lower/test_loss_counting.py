@@ -17,7 +17,7 @@ import pytest
 
 import dslc
 from tests import reference
-from tests.test_numerics import assert_grads_close, relative_error
+from tests.tolerances import assert_grads_close, relative_error
 
 SPEC = """model counted
 mesh data=2, model=2

@@ -63,6 +63,7 @@ from dslc.lower.program import Program, WeightsError
 from tests import reference
 from tests.conftest import SPECS as SPEC_DIR
 from tests.conftest import compiled
+from tests.tolerances import F32, assert_grads_close, relative_error, tolerance
 
 # Compiles and runs programs: left out of the quick run, `pytest -m "not slow"`.
 pytestmark = pytest.mark.slow
@@ -193,53 +194,6 @@ SPECS = (
     Spec("checkpoint_layers", CHECKPOINT_LAYERS, ("1x1", "4x1")),
 )
 BY_NAME = {s.name: s for s in SPECS}
-
-
-@dataclass(frozen=True)
-class Tolerance:
-    forward: float
-    loss: float
-    grads: float
-
-
-F32 = Tolerance(forward=3e-5, loss=3e-5, grads=3e-5)
-BF16 = Tolerance(forward=4e-2, loss=5e-4, grads=1e-1)
-
-
-def tolerance(program: Program) -> Tolerance:
-    return BF16 if program.ir.train.compute_dtype == "bf16" else F32
-
-
-def relative_error(got: Any, want: Any) -> float:
-    """max|got - want| / max|want| (the plain max difference where `want` is all zeros)."""
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    assert got.shape == want.shape, (got.shape, want.shape)
-    scale = float(np.max(np.abs(want), initial=0.0))
-    diff = float(np.max(np.abs(got - want), initial=0.0))
-    return diff / scale if scale > 0 else diff
-
-
-# Gradients that vanish in exact arithmetic, so both sides hold only rounding noise: a key bias
-# without rotary embeddings adds the same q . bias to every score of a query's row, which the
-# softmax takes away. They are measured against the scale of all the gradients instead.
-VANISHING = {"attn.k_bias"}
-
-
-def grads_error(got: Mapping[str, np.ndarray], want: Mapping[str, np.ndarray]) -> dict[str, float]:
-    assert set(got) == set(want), sorted(set(got) ^ set(want))
-    scale = max(float(np.max(np.abs(g))) for g in want.values())
-    return {
-        name: relative_error(got[name], want[name])
-        if name not in VANISHING
-        else float(np.max(np.abs(np.asarray(got[name], np.float64) - want[name]))) / scale
-        for name in want
-    }
-
-
-def assert_grads_close(got: Mapping[str, np.ndarray], want: Mapping[str, np.ndarray], tol: float) -> None:
-    errors = grads_error(got, want)
-    worst = sorted(errors, key=errors.__getitem__, reverse=True)[:5]
-    assert errors[worst[0]] <= tol, "worst gradients: " + ", ".join(f"{n} {errors[n]:.2e}" for n in worst)
 
 
 # ---- one compiled program per spec, shared by the tests -------------------------------------

@@ -13,8 +13,9 @@ from dslc.syntax import ast
 from dslc.syntax.format import format_module
 from dslc.syntax.parser import parse
 from dslc.syntax.source import from_text
+from tests.conftest import ROOT
 
-SPECS = sorted((Path(__file__).resolve().parent.parent / "specs").glob("*.par"))
+SPECS = sorted((ROOT / "specs").glob("*.par"))
 
 
 def _parse(text: str) -> ast.Module:

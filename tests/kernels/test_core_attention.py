@@ -20,7 +20,7 @@ from dslc.plan.activations import kept_by
 from tests import reference
 from tests.conftest import compiled
 from tests.jaxpr_flops import dot_flops
-from tests.test_numerics import assert_grads_close, relative_error
+from tests.tolerances import assert_grads_close, relative_error
 
 # Compiles and runs programs: left out of the quick run, `pytest -m "not slow"`.
 pytestmark = pytest.mark.slow

@@ -10,7 +10,7 @@ the tokens are whole along (one all-reduce), with tokens dropped and with none, 
 pipeline, and with gradient accumulation.
 
 Tolerance: f32, 3e-5 norm-relative per array (`max|got - want| / max|want|`, as in
-tests/test_numerics.py). The routing itself is exact in both implementations: the same
+tests/lower/test_numerics.py). The routing itself is exact in both implementations: the same
 top-k choices, the same places, and the dropped counts agree to the choice (asserted
 exactly). What differs is the order of f32 sums: the expert products run on [slots, dim]
 buffers rather than on every token, the combine adds k weighted terms in an einsum, the
@@ -359,7 +359,7 @@ def test_plan_with_tokens_whole_along_the_experts_sums_with_one_all_reduce() -> 
 
 
 def test_planned_memory_is_within_ten_percent_of_xla() -> None:
-    """What tests/test_plan.py holds every spec to: the gradient step's memory per device as
+    """What tests/plan/test_plan.py holds every spec to: the gradient step's memory per device as
     planned, against XLA's memory analysis (measured 1.04 for moe_small on 2x4)."""
 
     measured = dslc.compile(MOE_SMALL).compiled_memory("grads").total

@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
@@ -26,11 +25,11 @@ from dslc.syntax import ast
 from dslc.syntax.format import format_module
 from dslc.syntax.parser import parse
 from dslc.syntax.source import from_text
+from tests.conftest import ROOT
 
 # Compiles and runs programs: left out of the quick run, `pytest -m "not slow"`.
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parent.parent
 SPECS = {p.name: p.read_text(encoding="utf-8") for p in sorted((ROOT / "specs").glob("*.par"))}
 
 SCALE = int(os.environ.get("DSLC_PROPERTY_SCALE", "1"))

@@ -32,10 +32,10 @@ import pytest
 import dslc
 from dslc.diagnostics import Diagnostic, Severity, render_json, render_text
 from dslc.elaborate import body as instantiation
+from tests.conftest import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 SPECS = sorted((ROOT / "specs").glob("*.par"))
-GOLDEN = Path(__file__).resolve().parent / "golden" / "diagnostics"
+GOLDEN = ROOT / "tests" / "golden" / "diagnostics"
 CATALOGUE = ROOT / "docs" / "diagnostics.md"
 CODE = re.compile(r"\b[EW]0\d\d\b")
 

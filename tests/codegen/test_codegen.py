@@ -47,7 +47,7 @@ RUNNABLE: dict[str, dict[str, int]] = {
 PLAN_ONLY = {"gpt3_175b"}
 # Run elsewhere, not compared here. llama computes in bf16 inside pipeline stages: the direct
 # backend's `forward` scans the blocks of every stage as one loop, the generated module's runs
-# stage by stage, and bf16 rounds the two apart (measured, shrunk as in tests/test_interop.py:
+# stage by stage, and bf16 rounds the two apart (measured, shrunk as in tests/interop/test_interop.py:
 # forward 7.6e-3, unpipelined loss 1.9e-5, the pipelined gradients identical; in f32 the
 # forward differs by 4e-7). Its numerics are held to an independent reference there.
 RUN_ELSEWHERE = {"llama"}
