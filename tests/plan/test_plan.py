@@ -46,7 +46,7 @@ ACCURACY_SPECS = [
 # planned / XLA ratio measured by bench/bench_plan_accuracy.py and what XLA holds that the
 # model misses (docs/plan.md, "Known gaps").
 KNOWN_GAPS = {
-    "llama": 0.895,  # bf16 under a pipeline: the scan's saved block inputs converted whole to f32
+    "llama": 0.895,  # bf16 under a pipeline: f32-sized copies of the stacked MLP weights at the peak
 }
 
 
