@@ -30,6 +30,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=16")
 
 ROOT = Path(__file__).resolve().parent.parent
 SPECS = ROOT / "specs"
+TEST_SPECS = ROOT / "tests" / "specs"  # the specs only tests use
 
 if TYPE_CHECKING:
     import numpy as np

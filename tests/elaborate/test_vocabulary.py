@@ -47,24 +47,14 @@ from dslc.syntax.format import format_module
 from dslc.syntax.parser import parse
 from dslc.syntax.source import from_text
 from tests import reference
-from tests.conftest import SPECS, compiled
+from tests.conftest import SPECS, TEST_SPECS, compiled
 
 # Compiles and runs programs: left out of the quick run, `pytest -m "not slow"`.
 pytestmark = pytest.mark.slow
 
 TOLERANCE = 1e-5  # see the module docstring
 
-TIED = """model tied
-mesh data=2, model=2
-input tokens: i32[8 @ data, 16]
-input targets: i32[8 @ data, 16]
-forward(tokens) {
-  wte: embed(64, 32) shard table[model, _]
-  ln: layernorm(32)
-  head: linear(32, 64, bias=false) tie kernel = wte.table.T
-  loss: cross_entropy(targets)
-}
-"""
+TIED = (TEST_SPECS / "tied.par").read_text()
 
 
 def pipelined(vocab: int) -> str:
@@ -98,18 +88,7 @@ pipeline stage {{
 PIPELINED = pipelined(64)
 
 # A GPT-2-sized vocabulary on a tiny model: the embedding split over `model`, the head tied to it.
-GPT2_VOCAB = """model padded
-mesh data=2, model=2
-const vocab = 50257
-input tokens: i32[4 @ data, 8]
-input targets: i32[4 @ data, 8]
-forward(tokens) {
-  wte: embed(vocab, 16) shard table[model, _]
-  ln_f: layernorm(16)
-  lm_head: linear(16, vocab, bias=false) tie kernel = wte.table.T
-  loss: cross_entropy(targets)
-}
-"""
+GPT2_VOCAB = (TEST_SPECS / "gpt2_vocab.par").read_text()
 UNTIED = GPT2_VOCAB.replace("tie kernel = wte.table.T", "shard kernel[_, model]")
 
 

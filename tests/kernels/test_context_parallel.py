@@ -39,7 +39,7 @@ from dslc.layers import RULES
 from dslc.layers.attention import context_axes
 from dslc.plan import plan
 from tests import reference
-from tests.conftest import SPECS
+from tests.conftest import SPECS, TEST_SPECS
 from tests.tolerances import BF16
 
 # Compiles and runs programs: left out of the quick run, `pytest -m "not slow"`.
@@ -307,15 +307,7 @@ def test_sequence_parallel_attention_still_gathers_its_tokens() -> None:
 
 # ---- the plan ------------------------------------------------------------------------------------------
 
-ATTENTION_ONLY = """model a
-mesh context=4
-input x: f32[2, 256 @ context, 32]
-input y: f32[2, 256 @ context, 32]
-forward(x) {
-  attn: attention(32, 4, rope=true)
-  loss: mse(y)
-}
-"""
+ATTENTION_ONLY = (TEST_SPECS / "attention_only.par").read_text()
 
 
 def test_plan_communication_of_the_ring() -> None:

@@ -17,26 +17,10 @@ import pytest
 
 import dslc
 from tests import reference
+from tests.conftest import TEST_SPECS
 from tests.tolerances import assert_grads_close, relative_error
 
-SPEC = """model counted
-mesh data=2, model=2
-const vocab = 32
-input tokens: i32[8 @ data, 8]
-input targets: i32[8 @ data, 8]
-forward(tokens) {
-  embed: embed(vocab, 16) shard table[model, _]
-  residual {
-    ln: layernorm(16)
-    attn: attention(16, 2) shard q[_, model], k[_, model], v[_, model], o[model, _]
-  }
-  head: linear(16, vocab, bias=false) shard kernel[_, model]
-  loss: cross_entropy(targets)
-}
-train {
-  accumulate 2
-}
-"""
+SPEC = (TEST_SPECS / "counted.par").read_text()
 TOLERANCE = 3e-5
 # Where most targets are ignored: in slice 0 of the accumulation (the even rows, on both
 # data shards), or on the first data shard (rows 0-3): its devices count far fewer positions.
@@ -88,29 +72,7 @@ def test_ignored_targets_are_not_counted(
     assert all(not np.any(g) for g in program.grads(model, nothing).values())
 
 
-PIPELINED = """model counted_pipeline
-mesh data=2, model=2, stage=2
-const vocab = 32
-input tokens: i32[8 @ data, 8]
-input targets: i32[8 @ data, 8]
-forward(tokens) {
-  embed: embed(vocab, 16) shard table[model, _]
-  stages {
-    layers: repeat 2 {
-      residual {
-        ln: layernorm(16)
-        attn: attention(16, 2) shard q[_, model], k[_, model], v[_, model], o[model, _]
-      }
-    }
-  }
-  head: linear(16, vocab, bias=false) shard kernel[_, model]
-  loss: cross_entropy(targets)
-}
-pipeline stage {
-  schedule 1f1b
-  microbatches 2
-}
-"""
+PIPELINED = (TEST_SPECS / "counted_pipeline.par").read_text()
 
 
 @pytest.fixture(scope="module")

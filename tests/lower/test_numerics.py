@@ -62,7 +62,7 @@ from dslc.ir.placement import place
 from dslc.lower.program import Program, WeightsError
 from tests import reference
 from tests.conftest import SPECS as SPEC_DIR
-from tests.conftest import compiled
+from tests.conftest import TEST_SPECS, compiled
 from tests.tolerances import F32, assert_grads_close, relative_error, tolerance
 
 # Compiles and runs programs: left out of the quick run, `pytest -m "not slow"`.
@@ -90,84 +90,13 @@ def variant(base: str, old: str, new: str) -> str:
 # silu, relu, rmsnorm with its eps, layernorm without bias, grouped-query attention with keys
 # and values replicated and with them split, rotary embeddings with and without a causal mask,
 # a top-2 mixture of experts split over `model`, dropout, swiglu in f32, a `layout`.
-VISION = """model vision
-mesh data=2, model=2
-input images: f32[8 @ data, 8, 8, 3]
-input target: bf16[8 @ data, 4, 4, 8]  # a bf16 input: the example batch must honour it
-forward(images) {
-  c1: conv(3, 16, kernel=3, stride=2) shard kernel[_, _, _, model], bias[model]
-  silu()
-  c2: conv(16, 8, kernel=3, bias=false) shard kernel[_, _, model, _]
-  relu()
-  c3: conv(8, 8, kernel=2)
-  loss: mse(target)
-}
-"""
-MIXTURE = """model mixture
-mesh data=2, model=2
-const vocab = 64
-const d = 32
-input tokens: i32[4 @ data, 16]
-input targets: i32[4 @ data, 16]
-forward(tokens) {
-  embed: embed(vocab, d) shard table[_, model]
-  layout [data, _, _]
-  residual {
-    norm1: rmsnorm(d, eps=1e-5)
-    attn: attention(d, 4, kv_heads=2, causal=false, rope=true, rope_base=100.0) shard q[_, model], o[model, _]
-  }
-  residual {
-    norm4: rmsnorm(d)
-    attn2: attention(d, 4, kv_heads=2, rope=true) shard q[_, model], k[_, model], v[_, model], o[model, _]
-  }
-  residual {
-    norm2: layernorm(d, bias=false)
-    experts: moe(d, 48, 4, top_k=2) shard w_in[model, _, _], w_out[model, _, _]
-    dropout(0.2)
-  }
-  residual {
-    norm3: layernorm(d)
-    gate_up: swiglu(d, 64) shard gate[_, model], up[_, model]
-    down: linear(64, d) shard kernel[model, _]
-  }
-  head: linear(d, vocab) shard kernel[_, model], bias[model]
-  loss: cross_entropy(targets)
-}
-"""
+VISION = (TEST_SPECS / "vision.par").read_text()
+MIXTURE = (TEST_SPECS / "mixture.par").read_text()
 # Layer options published checkpoints need: learned position embeddings (a table longer than
 # the sequence), biases on all four attention projections (GPT-2) and on q, k and v only with
 # grouped-query rotary attention (Qwen2), the exact erf GELU, and a cross-entropy that counts
 # only the positions its mask marks (the example batch's mask is random zeros and ones).
-CHECKPOINT_LAYERS = """model checkpoint_layers
-mesh data=2, model=2
-const vocab = 64
-const d = 32
-input tokens: i32[4 @ data, 16]
-input targets: i32[4 @ data, 16]
-input mask: i8[4 @ data, 16]
-forward(tokens) {
-  embed: embed(vocab, d) shard table[model, _]
-  positions: position_embed(24, d)
-  residual {
-    ln1: layernorm(d)
-    attn: attention(d, 4, bias=true)
-      shard q[_, model], q_bias[model], k[_, model], k_bias[model], v[_, model], v_bias[model], o[model, _]
-  }
-  residual {
-    ln2: layernorm(d)
-    up: linear(d, 64) shard kernel[_, model], bias[model]
-    gelu(approximate=false)
-    down: linear(64, d) shard kernel[model, _]
-  }
-  residual {
-    norm: rmsnorm(d)
-    attn2: attention(d, 4, kv_heads=2, rope=true, qkv_bias=true)
-      shard q[_, model], q_bias[model], k[_, model], k_bias[model], v[_, model], v_bias[model], o[model, _]
-  }
-  head: linear(d, vocab, bias=false) shard kernel[_, model]
-  loss: cross_entropy(targets, mask=mask)
-}
-"""
+CHECKPOINT_LAYERS = (TEST_SPECS / "checkpoint_layers.par").read_text()
 
 # The other meshes are legal for each spec (`dslc.check` is clean on them): the smallest one,
 # and one that moves devices between the data and model axes. seed_tp_layer's batch of 2

@@ -31,7 +31,7 @@ from dslc.plan.schedule_figures import figures
 from dslc.plan.step_time import Hardware, intra_node_axes, step_time
 from dslc.schedules import build
 from dslc.schedules.buffers import allocate_slots
-from tests.conftest import SPECS
+from tests.conftest import SPECS, TEST_SPECS
 
 GIB = 1 << 30
 GPT3 = SPECS / "gpt3_175b.par"
@@ -166,26 +166,7 @@ def test_a_data_parallel_pick_that_is_slower() -> None:
 # A 268M-parameter MLP that keeps bf16 weights under ZeRO-3 with SGD: 6 bytes per parameter
 # over all devices, so that a plan fits below the heuristic's own 10 bytes per parameter —
 # the only way to reach its model-parallel branches with anything fitting at all.
-ZERO3_MLP = """\
-model mlp_zero3
-mesh data=2, model=4, stage=2
-const d = 4096
-input x: f32[8 @ data, d]
-input y: f32[8 @ data, d]
-forward(x) {
-  stages {
-    up1: linear(d, 4 * d) shard kernel[_, model], bias[model]
-    gelu()
-    down1: linear(4 * d, d) shard kernel[model, _]
-    up2: linear(d, 4 * d) shard kernel[_, model], bias[model]
-    gelu()
-    down2: linear(4 * d, d) shard kernel[model, _]
-  }
-  loss: mse(y)
-}
-pipeline stage { schedule 1f1b  microbatches 2 }
-train { zero 3  param_dtype bf16  compute_dtype bf16  optimizer sgd(lr=0.1, momentum=0.9) }
-"""
+ZERO3_MLP = (TEST_SPECS / "zero3_mlp.par").read_text()
 
 
 def test_a_pipeline_pick_that_does_not_fit(tmp_path: Path) -> None:

@@ -21,7 +21,7 @@ import dslc
 from bench.bench_plan_accuracy import RESIDUAL_MLP, SECOND_MESH, STATE_SETTINGS
 from dslc import cli
 from dslc.plan import Plan, plan
-from tests.conftest import ROOT, SPECS, compiled
+from tests.conftest import ROOT, SPECS, TEST_SPECS, compiled
 
 TOLERANCE = 0.10
 # Specs too large to compile on CI at their declared sizes, made small on their own meshes
@@ -332,21 +332,7 @@ def test_plan_xla_compiles_the_steps_and_shows_both_figures(capsys: pytest.Captu
 
 # ---- pipelines too large to tabulate ----------------------------------------------------------
 
-HUGE = """model huge
-mesh data=1, stage=64
-input x: f32[1048576 @ data, 16]
-input y: f32[1048576 @ data, 16]
-forward(x) {
-  stages {
-    repeat 128 linear(16, 16)
-  }
-  loss: mse(y)
-}
-pipeline stage {
-  schedule SCHEDULE
-  microbatches 1048576
-}
-"""
+HUGE = (TEST_SPECS / "huge.par").read_text()
 
 
 @pytest.mark.parametrize("kind", ["1f1b", "zb-v"])
@@ -359,7 +345,7 @@ def test_a_pipeline_too_large_to_tabulate_is_planned_in_closed_form(kind: str, m
 
     monkeypatch.setattr("dslc.plan.schedule_figures.build", refuse)
     monkeypatch.setattr("dslc.plan.timetable.build", refuse)
-    analysis = dslc.analyze(HUGE.replace("SCHEDULE", kind), running=False)
+    analysis = dslc.analyze(HUGE.replace("schedule 1f1b", f"schedule {kind}"), running=False)
     assert analysis.ok and analysis.program is not None
     pipeline = plan(analysis.program).pipeline
     assert pipeline is not None
@@ -368,5 +354,5 @@ def test_a_pipeline_too_large_to_tabulate_is_planned_in_closed_form(kind: str, m
     assert pipeline.bubble_fraction == pipeline.theoretical_bubble == (P - 1) / (work + P - 1)
     assert pipeline.peak_in_flight == (P if kind == "1f1b" else 2 * P)
     # Running it would need the table: `dslc check` says so.
-    [refused] = dslc.analyze(HUGE.replace("SCHEDULE", kind)).diagnostics
+    [refused] = dslc.analyze(HUGE.replace("schedule 1f1b", f"schedule {kind}")).diagnostics
     assert refused.code == "E031" and "more than the 262,144 dslc builds" in refused.message
