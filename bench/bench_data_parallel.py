@@ -23,16 +23,10 @@ HLO, the numerics tests the numbers).
 
 from __future__ import annotations
 
-import os
-import re
+from dslc.lower.devices import request_host_devices
 
-# XLA fixes the number of CPU devices when jax starts, so this must come before `import jax`.
-os.environ["XLA_FLAGS"] = " ".join(
-    (
-        re.sub(r"--xla_force_host_platform_device_count=\S*", "", os.environ.get("XLA_FLAGS", "")).strip(),
-        "--xla_force_host_platform_device_count=16",
-    )
-).strip()
+# XLA fixes the number of CPU devices when jax starts: asked for before `import jax`.
+request_host_devices(16)
 
 import argparse
 import functools

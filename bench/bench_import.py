@@ -26,7 +26,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.hf_checkpoints import GPT2_CONFIG, gpt2_tensors, write_checkpoint  # noqa: E402
+from tests.hf_checkpoints import GPT2_CONFIG, gpt2_tensors, write_checkpoint
 
 GPT2_SMALL = {**GPT2_CONFIG, "vocab_size": 50257, "n_positions": 1024, "n_embd": 768, "n_layer": 12, "n_head": 12}
 

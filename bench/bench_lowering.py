@@ -22,17 +22,12 @@ dslc / hand-written, and the collectives XLA placed in each compiled program.
 
 from __future__ import annotations
 
-import os
 import re
 
-# XLA fixes the number of CPU devices when jax starts, so this must come before `import jax`
-# (replacing any device count already in XLA_FLAGS, keeping the other flags).
-os.environ["XLA_FLAGS"] = " ".join(
-    (
-        re.sub(r"--xla_force_host_platform_device_count=\S*", "", os.environ.get("XLA_FLAGS", "")).strip(),
-        "--xla_force_host_platform_device_count=16",
-    )
-).strip()
+from dslc.lower.devices import request_host_devices
+
+# XLA fixes the number of CPU devices when jax starts: asked for before `import jax`.
+request_host_devices(16)
 
 import argparse
 import itertools

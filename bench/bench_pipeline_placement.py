@@ -23,17 +23,14 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
-os.environ["XLA_FLAGS"] = " ".join(
-    (
-        re.sub(r"--xla_force_host_platform_device_count=\S*", "", os.environ.get("XLA_FLAGS", "")).strip(),
-        "--xla_force_host_platform_device_count=16",
-    )
-).strip()
+from dslc.lower.devices import request_host_devices
+
+# XLA fixes the number of CPU devices when jax starts: asked for before `import jax`.
+request_host_devices(16)
 
 import jax
 
