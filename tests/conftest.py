@@ -26,7 +26,22 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=16")
+# Tests check what programs compute and how XLA partitions and places them, not how fast the
+# machine code runs: XLA's CPU code generator runs at its lowest optimization level, which
+# compiles about 40% faster (tests/lower/test_lowering.py's ZeRO fixture: 94-105 s -> 59-62 s)
+# and leaves the optimized HLO and XLA's memory analysis byte for byte as they are (checked on
+# gpt_small's and llama_small's training steps). Only the last bit of a float may differ from a
+# program compiled at the default level (multiply-adds contracted differently), so processes
+# that tests start compile at this level too (`own_mesh_env`). Benchmarks use the default.
+CODEGEN_LEVEL = "--xla_backend_optimization_level=0"
+os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count=16 {CODEGEN_LEVEL}")
+
+
+def own_mesh_env() -> dict[str, str]:
+    """The environment for a process that simulates its own mesh (no device count set), at
+    the tests' code-generation level."""
+    return {**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}, "XLA_FLAGS": CODEGEN_LEVEL}
+
 
 ROOT = Path(__file__).resolve().parent.parent
 SPECS = ROOT / "specs"

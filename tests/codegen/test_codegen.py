@@ -19,7 +19,7 @@ import pytest
 
 from dslc.codegen import generate_module
 from tests import reference
-from tests.conftest import ROOT, SPECS, compiled
+from tests.conftest import ROOT, SPECS, compiled, own_mesh_env
 
 # Compiles and runs programs: left out of the quick run, `pytest -m "not slow"`.
 pytestmark = pytest.mark.slow
@@ -176,7 +176,7 @@ def test_every_spec_is_run_or_declared_plan_only() -> None:
 def test_generated_module_trains_as_a_script(name: str, tmp_path: Path) -> None:
     path = tmp_path / f"{name}.py"
     path.write_text((GENERATED / f"{name}.py").read_text())
-    env = {k: v for k, v in __import__("os").environ.items() if k != "XLA_FLAGS"}  # it simulates its own mesh
+    env = own_mesh_env()  # it simulates its own mesh
     run = subprocess.run(
         [sys.executable, str(path), "--steps", "3"], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300
     )

@@ -18,7 +18,7 @@ import pytest
 
 import dslc
 from dslc.ir import nodes as ir
-from tests.conftest import SPECS
+from tests.conftest import SPECS, own_mesh_env
 
 # Compiles and runs programs: left out of the quick run, `pytest -m "not slow"`.
 pytestmark = pytest.mark.slow
@@ -215,7 +215,7 @@ def test_dropout_is_off_in_forward_and_on_in_training_steps() -> None:
 
 
 def _dslc(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in __import__("os").environ.items() if k != "XLA_FLAGS"}
+    env = own_mesh_env()
     return subprocess.run(
         [sys.executable, "-m", "dslc.cli", *args], capture_output=True, text=True, cwd=cwd, env=env, timeout=300
     )
