@@ -94,7 +94,7 @@ def check_pipelined_kernels(program: Program, diags: Diagnostics) -> None:
         return
     for layer in all_layers(program):
         rule = RULES[layer.kind]
-        if rule.kernel(rule.parse(dict(layer.attrs)), layer.operand) == "ring_attention":
+        if rule.kernel(rule.args_of(layer), layer.operand) == "ring_attention":
             diags.error(
                 "E029",
                 f"`{layer.path}` is context-parallel (ring) attention, which does not run inside a pipeline stage yet",

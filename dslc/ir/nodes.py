@@ -203,6 +203,12 @@ class Layer:
     def attr(self, name: str) -> object:
         return dict(self.attrs)[name]
 
+    def int_attr(self, name: str) -> int:
+        """An argument of type int (`vocab`, `heads`): elaboration bound it to an integer."""
+        value = self.attr(name)
+        assert isinstance(value, int)
+        return value
+
     def weight(self, name: str) -> Weight:
         return next(w for w in self.weights if w.name == name)
 

@@ -167,6 +167,10 @@ class LayerRule(Generic[A]):
         """One use's arguments, as elaboration bound them (`Layer.attrs`), as an `Args`."""
         return self.Args(**{arg_field(name): value for name, value in attrs.items()})
 
+    def args_of(self, layer: Layer) -> A:
+        """The arguments of an elaborated use of this kind, as an `Args`."""
+        return self.parse(dict(layer.attrs))
+
     def weights(self, a: A) -> tuple[WeightSpec, ...]:
         return ()
 

@@ -194,7 +194,7 @@ def _moe_sizes(layer: Layer, mesh: Mesh, slices: int) -> tuple[int, int, int, in
     width of a slot's activations (dim + hidden)."""
     operand = TensorType(layer.input.dtype, layer.input.shape, layer.operand or layer.input.sharding)
     x = operand_numel(layer, mesh, slices)
-    a = MoE().parse(dict(layer.attrs))
+    a = MoE().args_of(layer)
     d, f, e = a.dim, a.hidden, a.experts
     per_group = group_tokens(layer.input)
     tokens = x // d
