@@ -213,6 +213,9 @@ class Layer:
         return next(w for w in self.weights if w.name == name)
 
 
+RematPolicy = Literal["none", "full", "selective", "core_attention"]
+
+
 @dataclass(frozen=True, slots=True)
 class Remat:
     """Activation checkpointing of a block: none, full, selective, or core_attention. `saved`
@@ -220,7 +223,7 @@ class Remat:
     `core_attention` keeps every activation but the attention cores of the layers of the
     block's own body (`own_layers`), which the backward pass recomputes."""
 
-    policy: Literal["none", "full", "selective", "core_attention"] = "none"
+    policy: RematPolicy = "none"
     saved: tuple[str, ...] = ()
 
     @property
