@@ -60,13 +60,13 @@ def _has_cores(block: ast.BlockDef, body: list[ir.Node], cp: ast.Checkpoint, dia
     own = ir.own_layers(tuple(body))
     if any(RULES[layer.kind].core_flops(layer) for layer in own):
         return
-    rings = [layer.path for layer in own if layer.kind == "attention"]
+    why = [note for layer in own if (note := RULES[layer.kind].no_core_note(layer)) is not None]
     diags.error(
         "E026",
         f"block `{block.name.text}` has no attention layer of its own whose core `checkpoint core_attention` "
         "could recompute",
         cp.span,
-        notes=[f"`{rings[0]}` is ring attention, which keeps no scores"] if rings else [],
+        notes=why[:1],
         help="use `checkpoint full` or `checkpoint selective(...)`, or put the policy on the block that "
         "holds the attention layer",
     )

@@ -255,6 +255,20 @@ class Attention(LayerRule[AttentionArgs]):
         # attention has no core to spare: its backward recomputes its scores block by block.
         return 0 if layer.operand and layer.operand[1] else _scores_and_mix(self.args_of(layer), layer.input) // 2
 
+    def no_core_note(self, layer: Layer) -> str | None:
+        return None if self.core_flops(layer) else f"`{layer.path}` is ring attention, which keeps no scores"
+
+    def backward_collectives(self, layer: Layer, mesh: Mesh) -> tuple[Collective, ...]:
+        return ring_backward_collectives(layer, mesh)
+
+    def context_axes(self, layer: Layer, mesh: Mesh) -> Axes:
+        return context_axes(layer, mesh)
+
+    def pipeline_refusal(self, layer: Layer) -> str | None:
+        if self.kernel(self.args_of(layer), layer.operand) != "ring_attention":
+            return None
+        return "is context-parallel (ring) attention, which does not run inside a pipeline stage yet"
+
     def core_bytes(self, layer: Layer, mesh: Mesh, compute: str, slices: int) -> int:
         if not self.core_flops(layer):
             return 0

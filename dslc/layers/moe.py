@@ -175,6 +175,12 @@ class MoE(LayerRule[MoEArgs]):
         x, _, _, computed, width = _moe_sizes(layer, mesh, slices)
         return (x + computed * width) * DTYPE_BYTES[compute]
 
+    def pipeline_recompute_collectives(self, layer: Layer) -> tuple[Collective, ...]:
+        # Inside the pipeline's `shard_map` a mixture of experts recomputes its forward,
+        # exchange included, before differentiating it (see
+        # `dslc.kernels.layers._shard_map_with_inner_vjp`).
+        return exchange_collectives(layer)
+
     def kernel_args(
         self, a: MoEArgs, dtype: str, operand: Sharding, weights: Mapping[str, Sharding]
     ) -> dict[str, object]:
@@ -231,13 +237,6 @@ def exchange_collectives(layer: Layer) -> tuple[Collective, ...]:
     """The collectives that bring a checked `moe` layer's tokens to its experts and back:
     the two all-to-alls, or the all-reduce of the experts' outputs (none without experts split)."""
     return tuple(c for c in layer.collectives if c.kind in ("all-to-all", "all-reduce"))
-
-
-def pipeline_recompute_collectives(layer: Layer, pipelined: bool) -> tuple[Collective, ...]:
-    """What a layer sends again in its backward pass because it runs inside the pipeline's
-    `shard_map`: a mixture of experts there recomputes its forward, exchange included, before
-    differentiating it (see `dslc.kernels.layers._shard_map_with_inner_vjp`)."""
-    return exchange_collectives(layer) if pipelined and layer.kind == MoE.kind else ()
 
 
 def _check_capacity(a: MoEArgs, x: TensorType, ctx: Context) -> None:
