@@ -10,6 +10,7 @@ import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import TypedDict, Unpack
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,6 +163,14 @@ def render_json(diagnostics: Sequence[Diagnostic]) -> str:
     return json.dumps([d.to_dict() for d in diagnostics], indent=2) + "\n"
 
 
+class Extras(TypedDict, total=False):
+    """What a diagnostic may add to its message: `error`'s and `warning`'s keywords."""
+
+    labels: Iterable[Label]
+    notes: Iterable[str]
+    help: str | None
+
+
 @dataclass
 class Diagnostics:
     """A pass's collector: append as you go, read once at the end."""
@@ -171,11 +180,11 @@ class Diagnostics:
     def add(self, d: Diagnostic) -> None:
         self.items.append(d)
 
-    def error(self, code: str, message: str, span: Span, **kw: object) -> None:
-        self.items.append(error(code, message, span, **kw))  # type: ignore[arg-type]
+    def error(self, code: str, message: str, span: Span, **kw: Unpack[Extras]) -> None:
+        self.items.append(error(code, message, span, **kw))
 
-    def warning(self, code: str, message: str, span: Span, **kw: object) -> None:
-        self.items.append(warning(code, message, span, **kw))  # type: ignore[arg-type]
+    def warning(self, code: str, message: str, span: Span, **kw: Unpack[Extras]) -> None:
+        self.items.append(warning(code, message, span, **kw))
 
     @property
     def has_errors(self) -> bool:

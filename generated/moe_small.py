@@ -498,7 +498,7 @@ def moe(
         in_specs=(rows, PartitionSpec(), split_experts, split_experts),
         out_specs=(rows, PartitionSpec()),
         axis_names=frozenset({*tokens, *experts}),
-    )(x, router, w_in, w_out)  # type: ignore[no-any-return]
+    )(x, router, w_in, w_out)
 
 
 def _shard_map_with_inner_vjp(
@@ -521,13 +521,13 @@ def _shard_map_with_inner_vjp(
     forward = jax.shard_map(body, in_specs=in_specs, out_specs=out_specs, axis_names=axis_names)
 
     def pullback(args: tuple[jax.Array, ...], cotangent: MoEResult) -> tuple[jax.Array, ...]:
-        return jax.vjp(body, *args)[1](cotangent)  # type: ignore[no-any-return]
+        return jax.vjp(body, *args)[1](cotangent)
 
     backward = jax.shard_map(pullback, in_specs=(in_specs, out_specs), out_specs=in_specs, axis_names=axis_names)
 
     @jax.custom_vjp
     def run(*args: jax.Array) -> MoEResult:
-        return forward(*args)  # type: ignore[no-any-return]
+        return forward(*args)
 
     run.defvjp(lambda *args: (forward(*args), args), backward)
     return run

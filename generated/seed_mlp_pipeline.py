@@ -661,7 +661,7 @@ def pipeline_value_and_grad(
         # explicit backward ticks, so replication needs no tracking here.
         check_vma=False,
     )
-    return run(params, micro, tables, key if key is not None else jax.random.key(0), weights)  # type: ignore[no-any-return]
+    return run(params, micro, tables, key if key is not None else jax.random.key(0), weights)
 
 
 class _Executor:

@@ -93,11 +93,11 @@ def check_pipelined_kernels(program: Program, diags: Diagnostics) -> None:
     if p is None or program.mesh.size((p.axis,)) * p.virtual == 1:
         return
     for layer in all_layers(program):
-        rule = RULES[layer.kind]
-        if rule.kernel(rule.parse(dict(layer.attrs)), layer.operand) == "ring_attention":
+        refusal = RULES[layer.kind].pipeline_refusal(layer)
+        if refusal is not None:
             diags.error(
                 "E029",
-                f"`{layer.path}` is context-parallel (ring) attention, which does not run inside a pipeline stage yet",
+                f"`{layer.path}` {refusal}",
                 layer.span,
                 labels=(Label(p.span, f"pipelined over `{p.axis}` here"),),
                 help="keep the sequence whole in pipelined models (split the batch instead), or drop the pipeline",

@@ -24,7 +24,7 @@ from dslc.elaborate.header import read_constants, read_header
 from dslc.ir import nodes as ir
 from dslc.ir.evaluate import ScalarValue
 from dslc.ir.settings import read_pipeline
-from dslc.layers import LOSS_KINDS
+from dslc.layers import RULES
 from dslc.syntax import ast
 
 __all__ = ["elaborate", "read_constants"]
@@ -82,6 +82,6 @@ def elaborate(
         chunks=chunks,
         pipeline=pipeline,
         train=header.train,
-        loss=final if isinstance(final, ir.Layer) and final.kind in LOSS_KINDS else None,
+        loss=final if isinstance(final, ir.Layer) and RULES[final.kind].is_loss else None,
         span=module.span,
     )

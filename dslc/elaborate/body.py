@@ -264,7 +264,7 @@ class _Builder(Walk):
             return None
         specs = tuple(
             ArgSpec(p.name.text, "any", p.default if p.default is not None else REQUIRED) for p in block.params
-        )  # type: ignore[arg-type]
+        )
         bound = bind_arguments(
             specs, call, scope, f"block `{name}`", self.header.inputs, self.diags, globals_=self.header.constants
         )

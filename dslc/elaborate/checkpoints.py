@@ -3,13 +3,15 @@ layers `selective(...)` saves named by their resolved paths."""
 
 from __future__ import annotations
 
+from typing import get_args
+
 from dslc.diagnostics import Diagnostics
 from dslc.ir import nodes as ir
 from dslc.ir.names import unknown_name
 from dslc.layers import RULES
 from dslc.syntax import ast
 
-CHECKPOINT_POLICIES = ("none", "full", "selective", "core_attention")
+CHECKPOINT_POLICIES: tuple[ir.RematPolicy, ...] = get_args(ir.RematPolicy)
 
 
 def resolve_checkpoint(block: ast.BlockDef, body: list[ir.Node], path: str, diags: Diagnostics) -> ir.Remat:
@@ -17,9 +19,9 @@ def resolve_checkpoint(block: ast.BlockDef, body: list[ir.Node], path: str, diag
     cp = block.checkpoint
     if cp is None:
         return ir.Remat()
-    policy = cp.policy.text
-    if policy not in CHECKPOINT_POLICIES:
-        diags.add(unknown_name("checkpoint policy", policy, cp.policy.span, CHECKPOINT_POLICIES, code="E026"))
+    policy = next((p for p in CHECKPOINT_POLICIES if p == cp.policy.text), None)
+    if policy is None:
+        diags.add(unknown_name("checkpoint policy", cp.policy.text, cp.policy.span, CHECKPOINT_POLICIES, code="E026"))
         return ir.Remat()
     if policy != "selective":
         if cp.saved:
@@ -31,7 +33,7 @@ def resolve_checkpoint(block: ast.BlockDef, body: list[ir.Node], path: str, diag
             )
         if policy == "core_attention":
             _has_cores(block, body, cp, diags)
-        return ir.Remat(policy)  # type: ignore[arg-type]
+        return ir.Remat(policy)
     inside = [n.path for n in ir.walk(tuple(body)) if isinstance(n, ir.Layer)]
     short = {p.rsplit(".", 1)[-1] for p in inside}
     saved: list[str] = []
@@ -58,13 +60,13 @@ def _has_cores(block: ast.BlockDef, body: list[ir.Node], cp: ast.Checkpoint, dia
     own = ir.own_layers(tuple(body))
     if any(RULES[layer.kind].core_flops(layer) for layer in own):
         return
-    rings = [layer.path for layer in own if layer.kind == "attention"]
+    why = [note for layer in own if (note := RULES[layer.kind].no_core_note(layer)) is not None]
     diags.error(
         "E026",
         f"block `{block.name.text}` has no attention layer of its own whose core `checkpoint core_attention` "
         "could recompute",
         cp.span,
-        notes=[f"`{rings[0]}` is ring attention, which keeps no scores"] if rings else [],
+        notes=why[:1],
         help="use `checkpoint full` or `checkpoint selective(...)`, or put the policy on the block that "
         "holds the attention layer",
     )

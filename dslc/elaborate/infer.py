@@ -11,7 +11,6 @@ from dslc.elaborate.flow import UNKNOWN, Flow, Scope, Walk
 from dslc.elaborate.ties import Declared
 from dslc.elaborate.weights import check_shard_axes, declare_weights
 from dslc.ir import nodes as ir
-from dslc.layers import LOSS_KINDS
 from dslc.layers.base import Context, LayerRule, input_args
 from dslc.syntax import ast
 
@@ -82,6 +81,6 @@ def infer_layer(
     flow.type, flow.span = y, span
     widened = vocab is not None and vocab.logits and y is not UNKNOWN and y.shape[-1] != vocab.size
     flow.classes = vocab.size if vocab is not None and widened else None
-    if rule.kind in LOSS_KINDS:
+    if rule.is_loss:
         flow.after_loss = span
     return node

@@ -58,7 +58,7 @@ class GPT2(FamilyBase):
                 ),
                 Requirement(
                     attn,
-                    int(attn.attr("head_dim")) * int(attn.attr("heads")) == int(wte.attr("dim")),  # type: ignore[call-overload]
+                    attn.int_attr("head_dim") * attn.int_attr("heads") == wte.int_attr("dim"),
                     "its heads split the model width",
                     "leave `head_dim` to its default",
                 ),
@@ -193,8 +193,8 @@ class GPT2(FamilyBase):
     def config(self, m: Matched, program: ir.Program, tied: bool, dtype: str) -> dict[str, object]:
         wte, wpe = m.prefix
         ln_1, attn, _, fc, gelu, _ = m.blocks[0]
-        d = int(wte.attr("dim"))  # type: ignore[call-overload]
-        ffn = int(fc.attr("out"))  # type: ignore[call-overload]
+        d = wte.int_attr("dim")
+        ffn = fc.int_attr("out")
         return {
             "architectures": ["GPT2LMHeadModel"],
             "model_type": "gpt2",

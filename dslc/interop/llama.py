@@ -215,7 +215,7 @@ def _bias_facts(config: LlamaConfig, attn: ir.Layer) -> list[Fact]:
 def _head_width_facts(config: LlamaConfig, embed: ir.Layer, attn: ir.Layer) -> list[Fact]:
     """A head's width, where either side gives it rather than leaving it to width // heads
     (which the width and heads facts check already)."""
-    default = int(embed.attr("dim")) // int(attn.attr("heads"))  # type: ignore[call-overload]
+    default = embed.int_attr("dim") // attn.int_attr("heads")
     if config.head_dim is None and attn.attr("head_dim") == default:
         return []
     fix = f"write `head_dim={config.head_width}` on the attention"

@@ -38,12 +38,12 @@ def id_ranges(program: ir.Program) -> dict[str, IdRange]:
     ranges: dict[str, IdRange] = {}
     for layer in ir.all_layers(program):
         if layer.kind == "embed" and layer.input.dtype in ir.INT_DTYPES and program.stream not in ranges:
-            vocab = int(layer.attr("vocab"))  # type: ignore[call-overload]
+            vocab = layer.int_attr("vocab")
             ranges[program.stream] = IdRange(vocab, f"`{layer.path}` takes token ids 0 .. {vocab - 1} (vocab {vocab})")
         if layer.kind == "cross_entropy":
             # Logits past `classes` are a padded vocabulary's: no target names them.
-            classes = int(layer.attr("classes")) or layer.input.shape[-1]  # type: ignore[call-overload]
-            ignored = int(layer.attr("ignore_index"))  # type: ignore[call-overload]
+            classes = layer.int_attr("classes") or layer.input.shape[-1]
+            ignored = layer.int_attr("ignore_index")
             what = f"`{layer.path}` takes class ids 0 .. {classes - 1} ({classes} logits), or {ignored} (not counted)"
             ranges[str(layer.attr("targets"))] = IdRange(classes, what, ignored)
     return ranges

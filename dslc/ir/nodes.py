@@ -203,8 +203,17 @@ class Layer:
     def attr(self, name: str) -> object:
         return dict(self.attrs)[name]
 
+    def int_attr(self, name: str) -> int:
+        """An argument of type int (`vocab`, `heads`): elaboration bound it to an integer."""
+        value = self.attr(name)
+        assert isinstance(value, int)
+        return value
+
     def weight(self, name: str) -> Weight:
         return next(w for w in self.weights if w.name == name)
+
+
+RematPolicy = Literal["none", "full", "selective", "core_attention"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -214,7 +223,7 @@ class Remat:
     `core_attention` keeps every activation but the attention cores of the layers of the
     block's own body (`own_layers`), which the backward pass recomputes."""
 
-    policy: Literal["none", "full", "selective", "core_attention"] = "none"
+    policy: RematPolicy = "none"
     saved: tuple[str, ...] = ()
 
     @property

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Literal, TypedDict
 
 from dslc.diagnostics import Diagnostics, Label
 from dslc.ir import nodes as ir
@@ -173,12 +174,23 @@ def _fits_the_pipeline(
     return fits
 
 
+class _TrainFields(TypedDict, total=False):
+    """The `ir.Train` fields a `train` section sets; the others keep their defaults."""
+
+    zero: int
+    shard_axes: ir.Axes
+    accumulate: int
+    param_dtype: str
+    compute_dtype: str
+    master_dtype: str
+    optimizer: ir.Optimizer
+
+
 def read_train(t: ast.TrainDef, mesh: ir.Mesh, constants: Mapping[str, ScalarValue], diags: Diagnostics) -> ir.Train:
     """The `train` section; its numbers are expressions over the spec's constants."""
     settings = _unique(t.settings, diags)
     train = ir.Train(span=t.span)
-    fields: dict[str, object] = {}
-    readers: dict[str, Callable[[ast.Setting], None]] = {}
+    fields: _TrainFields = {}
 
     def zero(s: ast.Setting) -> None:
         value = _one_int(s, constants, diags, 0, 3)
@@ -208,7 +220,7 @@ def read_train(t: ast.TrainDef, mesh: ir.Mesh, constants: Mapping[str, ScalarVal
         if value is not None:
             fields["accumulate"] = value
 
-    def precision(s: ast.Setting) -> None:
+    def precision(key: Literal["param_dtype", "compute_dtype", "master_dtype"], s: ast.Setting) -> None:
         v = s.values[0] if len(s.values) == 1 else None
         if not isinstance(v, ast.NameRef):
             # Not a name at all (a number, a call, several values): nothing to suggest from.
@@ -222,7 +234,7 @@ def read_train(t: ast.TrainDef, mesh: ir.Mesh, constants: Mapping[str, ScalarVal
         if v.name not in PRECISIONS:
             diags.add(unknown_name("precision", v.name, v.span, PRECISIONS, code="E026"))
             return
-        fields[s.key.text] = v.name
+        fields[key] = v.name
 
     def optimizer(s: ast.Setting) -> None:
         v = s.values[0] if len(s.values) == 1 else None
@@ -253,13 +265,13 @@ def read_train(t: ast.TrainDef, mesh: ir.Mesh, constants: Mapping[str, ScalarVal
             hyper[arg.name.text] = float(value)
         fields["optimizer"] = ir.Optimizer(name, tuple(hyper.items()))
 
-    readers = {
+    readers: dict[str, Callable[[ast.Setting], None]] = {
         "zero": zero,
         "fsdp": fsdp,
         "accumulate": accumulate,
-        "param_dtype": precision,
-        "compute_dtype": precision,
-        "master_dtype": precision,
+        "param_dtype": lambda s: precision("param_dtype", s),
+        "compute_dtype": lambda s: precision("compute_dtype", s),
+        "master_dtype": lambda s: precision("master_dtype", s),
         "optimizer": optimizer,
     }
     for key, s in settings.items():
@@ -278,18 +290,18 @@ def read_train(t: ast.TrainDef, mesh: ir.Mesh, constants: Mapping[str, ScalarVal
     if "master_dtype" in fields:
         _check_master(settings, fields, diags)
     return ir.Train(
-        zero=fields.get("zero", train.zero),  # type: ignore[arg-type]
-        shard_axes=fields.get("shard_axes", train.shard_axes),  # type: ignore[arg-type]
-        accumulate=fields.get("accumulate", train.accumulate),  # type: ignore[arg-type]
-        param_dtype=fields.get("param_dtype", train.param_dtype),  # type: ignore[arg-type]
-        compute_dtype=fields.get("compute_dtype", train.compute_dtype),  # type: ignore[arg-type]
-        master_dtype=fields.get("master_dtype", train.master_dtype),  # type: ignore[arg-type]
-        optimizer=fields.get("optimizer", train.optimizer),  # type: ignore[arg-type]
+        zero=fields.get("zero", train.zero),
+        shard_axes=fields.get("shard_axes", train.shard_axes),
+        accumulate=fields.get("accumulate", train.accumulate),
+        param_dtype=fields.get("param_dtype", train.param_dtype),
+        compute_dtype=fields.get("compute_dtype", train.compute_dtype),
+        master_dtype=fields.get("master_dtype", train.master_dtype),
+        optimizer=fields.get("optimizer", train.optimizer),
         span=t.span,
     )
 
 
-def _check_master(settings: dict[str, ast.PipelineItem], fields: dict[str, object], diags: Diagnostics) -> None:
+def _check_master(settings: dict[str, ast.PipelineItem], fields: _TrainFields, diags: Diagnostics) -> None:
     """`master_dtype` keeps an f32 master copy of 16-bit parameters in the optimizer state:
     it must be f32, and the parameters narrower. A setting that does not fit is dropped."""
     where = settings["master_dtype"]

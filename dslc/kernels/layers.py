@@ -240,9 +240,7 @@ def ring_attention(
     # The weights enter in f32 (see `_ring_attention_shard`); the casts are exact.
     given = {"q": q, "k": k, "v": v, "o": o, "q_bias": q_bias, "k_bias": k_bias, "v_bias": v_bias, "o_bias": o_bias}
     weights = {name: w.astype(jnp.float32) for name, w in given.items() if w is not None}
-    return jax.shard_map(  # type: ignore[no-any-return]
-        shard, in_specs=(tokens, whole), out_specs=tokens, axis_names={axis}
-    )(x, weights)
+    return jax.shard_map(shard, in_specs=(tokens, whole), out_specs=tokens, axis_names={axis})(x, weights)
 
 
 def _axis_size(axis: str) -> int:
@@ -344,7 +342,7 @@ def _ring_core(q: jax.Array, k: jax.Array, v: jax.Array, *, axis: str, causal: b
         return _ring_backward(q, k, v, out, lse, dout, axis, causal)
 
     core.defvjp(forward, backward)
-    return core(q, k, v)  # type: ignore[no-any-return]
+    return core(q, k, v)
 
 
 def _ring_scores(q: jax.Array, k: jax.Array, mask: jax.Array | None) -> jax.Array:
@@ -391,11 +389,11 @@ def _visit(
         return _merge_stats(stats, _block_stats(q, k[:, :c], v[:, :c], None))
 
     def later(stats: RingStats) -> RingStats:  # my second chunk of queries, all its keys
-        head = tuple(t[:, :, :, :c] for t in stats)
-        tail = _merge_stats(tuple(t[:, :, :, c:] for t in stats), _block_stats(q[:, c:], k, v, None))  # type: ignore[arg-type]
-        return tuple(jnp.concatenate([a, b], axis=3) for a, b in zip(head, tail, strict=True))  # type: ignore[return-value]
+        head = jax.tree.map(lambda t: t[:, :, :, :c], stats)
+        tail = _merge_stats(jax.tree.map(lambda t: t[:, :, :, c:], stats), _block_stats(q[:, c:], k, v, None))
+        return jax.tree.map(lambda a, b: jnp.concatenate([a, b], axis=3), head, tail)
 
-    return lax.cond(src < me, earlier, later, stats)  # type: ignore[no-any-return]
+    return lax.cond(src < me, earlier, later, stats)
 
 
 def _ring_forward(q: jax.Array, k: jax.Array, v: jax.Array, axis: str, causal: bool) -> tuple[jax.Array, jax.Array]:
@@ -469,7 +467,7 @@ def _visit_grads(
         dq, dk, dv = _block_grads(q[:, c:], k, v, dout[:, c:], lse[..., c:], delta[..., c:], None)
         return jnp.concatenate([jnp.zeros_like(dq), dq], 1), dk, dv
 
-    return lax.cond(src < me, earlier, later)  # type: ignore[no-any-return]
+    return lax.cond(src < me, earlier, later)
 
 
 def _ring_backward(
@@ -582,7 +580,7 @@ def moe(
         in_specs=(rows, PartitionSpec(), split_experts, split_experts),
         out_specs=(rows, PartitionSpec()),
         axis_names=frozenset({*tokens, *experts}),
-    )(x, router, w_in, w_out)  # type: ignore[no-any-return]
+    )(x, router, w_in, w_out)
 
 
 def _shard_map_with_inner_vjp(
@@ -605,13 +603,13 @@ def _shard_map_with_inner_vjp(
     forward = jax.shard_map(body, in_specs=in_specs, out_specs=out_specs, axis_names=axis_names)
 
     def pullback(args: tuple[jax.Array, ...], cotangent: MoEResult) -> tuple[jax.Array, ...]:
-        return jax.vjp(body, *args)[1](cotangent)  # type: ignore[no-any-return]
+        return jax.vjp(body, *args)[1](cotangent)
 
     backward = jax.shard_map(pullback, in_specs=(in_specs, out_specs), out_specs=in_specs, axis_names=axis_names)
 
     @jax.custom_vjp
     def run(*args: jax.Array) -> MoEResult:
-        return forward(*args)  # type: ignore[no-any-return]
+        return forward(*args)
 
     run.defvjp(lambda *args: (forward(*args), args), backward)
     return run

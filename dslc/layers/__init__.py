@@ -34,4 +34,4 @@ RULES: dict[str, LayerRule[Any]] = {
     )
 }
 
-LOSS_KINDS = frozenset({"cross_entropy", "mse"})
+LOSS_KINDS = frozenset(kind for kind, rule in RULES.items() if rule.is_loss)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import cast
 
 from dslc.diagnostics import Label
@@ -33,7 +34,27 @@ def _divisors_note(n: int, what: str) -> str:
     return f"{what} = {n} splits evenly over an axis of size {_divisors(n)}"
 
 
-class Attention(LayerRule[Attrs]):
+def _head_width(a: Attrs) -> object:
+    # Integers when elaborating; docs/gen_layers.py passes symbols, which divide alike.
+    return cast(int, a["dim"]) // cast(int, a["heads"])
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionArgs:
+    """The arguments of one use of `Attention`."""
+
+    dim: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    causal: bool
+    rope: bool
+    rope_base: float
+    bias: bool
+    qkv_bias: bool
+
+
+class Attention(LayerRule[AttentionArgs]):
     kind = "attention"
     doc = (
         "Self-attention on [batch, seq, dim]. q, k, v: [dim, heads*head_dim] column parallel "
@@ -44,32 +65,30 @@ class Attention(LayerRule[Attrs]):
         ArgSpec("dim", "int", doc="model width"),
         ArgSpec("heads", "int", doc="query heads"),
         ArgSpec("kv_heads", "int", lambda a: a["heads"], "key/value heads (grouped-query when fewer)"),
-        ArgSpec("head_dim", "int", lambda a: a["dim"] // a["heads"], "width of one head"),  # type: ignore[operator]
+        ArgSpec("head_dim", "int", _head_width, "width of one head"),
         ArgSpec("causal", "bool", True, "mask future tokens"),
         ArgSpec("rope", "bool", False, "rotary position embedding on q and k"),
         ArgSpec("rope_base", "float", 10000.0, "rotary base frequency"),
         ArgSpec("bias", "bool", False, "add a bias to q, k, v and o (GPT-2)"),
         ArgSpec("qkv_bias", "bool", False, "add a bias to q, k and v only (Qwen2)"),
     )
-    Args = Attrs
+    Args = AttentionArgs
 
-    def weights(self, a: Attrs) -> tuple[WeightSpec, ...]:
-        # Integers when elaborating; docs/gen_layers.py passes symbols to print the shapes.
-        d, h, kv, hd = (cast(int, a[name]) for name in ("dim", "heads", "kv_heads", "head_dim"))
+    def weights(self, a: AttentionArgs) -> tuple[WeightSpec, ...]:
+        d, h, kv, hd = a.dim, a.heads, a.kv_heads, a.head_dim
         projections = (
             WeightSpec("q", (d, h * hd), "fan_in"),
             WeightSpec("k", (d, kv * hd), "fan_in"),
             WeightSpec("v", (d, kv * hd), "fan_in"),
             WeightSpec("o", (h * hd, d), "fan_in"),
         )
-        biased = "qkvo" if a["bias"] else "qkv" if a["qkv_bias"] else ""
+        biased = "qkvo" if a.bias else "qkv" if a.qkv_bias else ""
         return projections + tuple(
             WeightSpec(f"{w.name}_bias", w.shape[1:], "zeros") for w in projections if w.name in biased
         )
 
-    def validate(self, a: Attrs, ctx: Context) -> bool:
-        h, kv = a["heads"], a["kv_heads"]
-        assert isinstance(h, int) and isinstance(kv, int)
+    def validate(self, a: AttentionArgs, ctx: Context) -> bool:
+        h, kv = a.heads, a.kv_heads
         if h % kv:
             ctx.error(
                 "E024",
@@ -78,16 +97,16 @@ class Attention(LayerRule[Attrs]):
                 notes=[f"kv_heads must divide heads = {h}: {_divisors(h)}"],
             )
             return False
-        if a["rope"] and a["head_dim"] % 2:  # type: ignore[operator]
+        if a.rope and a.head_dim % 2:
             ctx.error(
                 "E024",
-                f"rotary embeddings rotate pairs of features, so head_dim must be even, got {a['head_dim']}",
+                f"rotary embeddings rotate pairs of features, so head_dim must be even, got {a.head_dim}",
                 at=ctx.arg_span("head_dim") if "head_dim" in ctx.arg_spans else ctx.arg_span("rope"),
             )
             return False
         return True
 
-    def infer(self, a: Attrs, x: TensorType, w: dict[str, TensorType], ctx: Context) -> TensorType | None:
+    def infer(self, a: AttentionArgs, x: TensorType, w: dict[str, TensorType], ctx: Context) -> TensorType | None:
         if x.rank != 3:
             ctx.error(
                 "E016",
@@ -95,7 +114,7 @@ class Attention(LayerRule[Attrs]):
                 labels=[Label(ctx.input_span, "input produced here")],
             )
             return None
-        if not expect_features(ctx, x, a["dim"], "features"):  # type: ignore[arg-type]
+        if not expect_features(ctx, x, a.dim, "features"):
             return None
         tp = w["q"].sharding[1]
         if not self._heads_split(ctx, a, w, tp):
@@ -115,7 +134,7 @@ class Attention(LayerRule[Attrs]):
         context = x.sharding[1]
         if context and not self._context_parallel(a, x, context, ctx):
             return None
-        if context and a["causal"]:
+        if context and a.causal:
             half = TensorType(ctx.compute_dtype, (x.shape[0], x.shape[1] // 2, x.shape[2]), x.sharding)
             for part in ("first", "second"):
                 ctx.collective(
@@ -128,7 +147,7 @@ class Attention(LayerRule[Attrs]):
             self._ring_passes(a, x, w, context, ctx)
         return contract(ctx, heads_out, w["o"], "o", ctx.compute_dtype, is_input=False)
 
-    def _context_parallel(self, a: Attrs, x: TensorType, context: tuple[str, ...], ctx: Context) -> bool:
+    def _context_parallel(self, a: AttentionArgs, x: TensorType, context: tuple[str, ...], ctx: Context) -> bool:
         """Whether ring attention can run over `context`; reports why not."""
         split = f"split here: {x.describe()}"
         if len(context) > 1:
@@ -142,7 +161,7 @@ class Attention(LayerRule[Attrs]):
             return False
         ring, seq = ctx.mesh.size(context), x.shape[1]
         # A ring of one device is plain attention: nothing to balance.
-        if a["causal"] and ring > 1 and seq % (2 * ring):
+        if a.causal and ring > 1 and seq % (2 * ring):
             ctx.error(
                 "E014",
                 f"`{ctx.path}` splits its {seq} tokens into 2 x {context[0]}={ring} = {2 * ring} equal chunks "
@@ -159,7 +178,9 @@ class Attention(LayerRule[Attrs]):
             return False
         return True
 
-    def _ring_passes(self, a: Attrs, x: TensorType, w: dict[str, TensorType], context: Axes, ctx: Context) -> None:
+    def _ring_passes(
+        self, a: AttentionArgs, x: TensorType, w: dict[str, TensorType], context: Axes, ctx: Context
+    ) -> None:
         """The collectives of the ring: ring - 1 passes of the key and of the value blocks,
         then (causal) the outputs back to token order.
 
@@ -168,8 +189,7 @@ class Attention(LayerRule[Attrs]):
         count as their tensor (`Collective.elements` is per group of the collective).
         """
         b, seq, _ = x.shape
-        h, kv, hd = a["heads"], a["kv_heads"], a["head_dim"]
-        assert isinstance(h, int) and isinstance(kv, int) and isinstance(hd, int)
+        h, kv, hd = a.heads, a.kv_heads, a.head_dim
         ring = ctx.mesh.size(context)
         kv_local = kv * hd // ctx.mesh.size(w["k"].sharding[1])
         blocks = TensorType(ctx.compute_dtype, (b, seq, kv_local), (x.sharding[0], context, ()))
@@ -178,7 +198,7 @@ class Attention(LayerRule[Attrs]):
                 ctx.collective(
                     "collective-permute", context, blocks, f"`{ctx.path}`: ring pass {step}/{ring - 1} of {name} blocks"
                 )
-        if a["causal"]:
+        if a.causal:
             heads_local = h * hd // ctx.mesh.size(w["q"].sharding[1])
             half = TensorType(ctx.compute_dtype, (b, seq // 2, heads_local), (x.sharding[0], context, ()))
             for part in ("first", "second"):
@@ -189,10 +209,9 @@ class Attention(LayerRule[Attrs]):
                     f"`{ctx.path}`: the {part} half of the outputs back to token order",
                 )
 
-    def _heads_split(self, ctx: Context, a: Attrs, w: dict[str, TensorType], tp: tuple[str, ...]) -> bool:
+    def _heads_split(self, ctx: Context, a: AttentionArgs, w: dict[str, TensorType], tp: tuple[str, ...]) -> bool:
         size = ctx.mesh.size(tp)
-        h, kv = a["heads"], a["kv_heads"]
-        assert isinstance(h, int) and isinstance(kv, int)
+        h, kv = a.heads, a.kv_heads
         if h % size:
             ctx.error(
                 "E015",
@@ -222,12 +241,11 @@ class Attention(LayerRule[Attrs]):
             return False
         return True
 
-    def flops(self, a: Attrs, x: TensorType, y: TensorType) -> int:
+    def flops(self, a: AttentionArgs, x: TensorType, y: TensorType) -> int:
         b, s, d = x.shape
-        h, kv, hd = (a["heads"], a["kv_heads"], a["head_dim"])
-        assert isinstance(h, int) and isinstance(kv, int) and isinstance(hd, int)
+        h, kv, hd = a.heads, a.kv_heads, a.head_dim
         projections = 2 * b * s * d * (2 * h + 2 * kv) * hd
-        qkv_biased, o_biased = bool(a["bias"] or a["qkv_bias"]), bool(a["bias"])
+        qkv_biased, o_biased = a.bias or a.qkv_bias, a.bias
         biases = b * s * ((h + 2 * kv) * hd * qkv_biased + d * o_biased)
         return projections + _scores_and_mix(a, x) + biases
 
@@ -235,7 +253,21 @@ class Attention(LayerRule[Attrs]):
         # The scores q·kᵀ, half of the core's: the weighted sum's gradient needs only the
         # probabilities and the values, so autodiff never reruns the sum itself. Ring
         # attention has no core to spare: its backward recomputes its scores block by block.
-        return 0 if layer.operand and layer.operand[1] else _scores_and_mix(dict(layer.attrs), layer.input) // 2
+        return 0 if layer.operand and layer.operand[1] else _scores_and_mix(self.args_of(layer), layer.input) // 2
+
+    def no_core_note(self, layer: Layer) -> str | None:
+        return None if self.core_flops(layer) else f"`{layer.path}` is ring attention, which keeps no scores"
+
+    def backward_collectives(self, layer: Layer, mesh: Mesh) -> tuple[Collective, ...]:
+        return ring_backward_collectives(layer, mesh)
+
+    def context_axes(self, layer: Layer, mesh: Mesh) -> Axes:
+        return context_axes(layer, mesh)
+
+    def pipeline_refusal(self, layer: Layer) -> str | None:
+        if self.kernel(self.args_of(layer), layer.operand) != "ring_attention":
+            return None
+        return "is context-parallel (ring) attention, which does not run inside a pipeline stage yet"
 
     def core_bytes(self, layer: Layer, mesh: Mesh, compute: str, slices: int) -> int:
         if not self.core_flops(layer):
@@ -251,7 +283,7 @@ class Attention(LayerRule[Attrs]):
             # the log-sum-exp of each query row (f32). Zig-zagged (causal), the outputs are kept
             # twice: in that layout for the ring's backward, in token order for the output
             # projection's.
-            outputs = 2 if layer.attr("causal") else 1
+            outputs = 2 if self.args_of(layer).causal else 1
             return x * c + (q + k_v + outputs * q) * c + rows * F32  # operand, q, k, v, outputs, lse
         return x * c + (2 * q + k_v) * c + scores * _score_copies(compute)  # operand, q, k, v, mixed heads, probs
 
@@ -265,25 +297,24 @@ class Attention(LayerRule[Attrs]):
         _, q, k_v, scores, _ = _attention_sizes(layer, mesh, slices)
         return 4 * scores * F32 + (q + 2 * k_v) * F32
 
-    def kernel(self, a: Attrs, operand: Sharding) -> str:
+    def kernel(self, a: AttentionArgs, operand: Sharding) -> str:
         # `infer` accepts a sequence split over one axis at most (besides the heads' axis,
         # which it gathers): context parallelism.
         return "ring_attention" if operand[1] else "attention"
 
     def kernel_args(
-        self, a: Attrs, dtype: str, operand: Sharding, weights: Mapping[str, Sharding]
+        self, a: AttentionArgs, dtype: str, operand: Sharding, weights: Mapping[str, Sharding]
     ) -> dict[str, object]:
-        static = {name: a[name] for name in ("heads", "kv_heads", "causal")} | {"dtype": dtype}
-        if a["rope"]:
-            static["rope"] = BoundKernel("rotary", (("base", a["rope_base"]),))
+        static: dict[str, object] = {"heads": a.heads, "kv_heads": a.kv_heads, "causal": a.causal, "dtype": dtype}
+        if a.rope:
+            static["rope"] = BoundKernel("rotary", (("base", a.rope_base),))
         return static | ({"axis": operand[1][0]} if operand[1] else {})
 
 
-def _scores_and_mix(a: Mapping[str, object], x: TensorType) -> int:
+def _scores_and_mix(a: AttentionArgs, x: TensorType) -> int:
     """FLOPs of the scores q·kᵀ [b, heads, s, s] and of their weighted sum of the values."""
     b, s, _ = x.shape
-    h, hd = a["heads"], a["head_dim"]
-    assert isinstance(h, int) and isinstance(hd, int)
+    h, hd = a.heads, a.head_dim
     return 2 * 2 * b * h * s * s * hd
 
 
@@ -303,7 +334,8 @@ def _attention_sizes(layer: Layer, mesh: Mesh, slices: int) -> tuple[int, int, i
     operand = TensorType(layer.input.dtype, layer.input.shape, layer.operand or layer.input.sharding)
     b, s, _ = operand.local_shape(mesh)
     b = -(-b // slices)
-    h, kv, hd = (int(layer.attr(n)) for n in ("heads", "kv_heads", "head_dim"))  # type: ignore[call-overload]
+    a = Attention().args_of(layer)
+    h, kv, hd = a.heads, a.kv_heads, a.head_dim
     h_local = h // mesh.size(layer.weight("q").type.sharding[1])
     kv_local = kv // mesh.size(layer.weight("k").type.sharding[1])
     rows = b * h_local * s
@@ -319,7 +351,8 @@ def ring_backward_collectives(layer: Layer, mesh: Mesh) -> tuple[Collective, ...
     if not context:
         return ()
     b, seq, _ = layer.input.shape
-    kv, hd = int(layer.attr("kv_heads")), int(layer.attr("head_dim"))  # type: ignore[call-overload]
+    a = Attention().args_of(layer)
+    kv, hd = a.kv_heads, a.head_dim
     kv_local = kv * hd // mesh.size(layer.weight("k").type.sharding[1])
     ring = mesh.size(context)
     return tuple(

@@ -1,9 +1,12 @@
 """What every layer kind knows: its arguments, its weights, its shape and sharding rule, its cost.
 
 A rule is consulted by the elaborator (arguments, weights), the shape pass (`infer`), the
-planner (`flops`; `residual_bytes` and `workspace_bytes`, its model of activation memory) and
-the backends (`kernel`, `kernel_args`: which function of `dslc.kernels.layers` computes it,
-with which static arguments). Nothing about a layer kind lives anywhere else.
+planner (`flops`; `residual_bytes` and `workspace_bytes`, its model of activation memory; the
+collectives beyond the forward's, `backward_collectives` and `pipeline_recompute_collectives`;
+`context_axes`, which every gradient is summed over too), the checker (`pipeline_refusal`)
+and the backends (`kernel`, `kernel_args`: which function of `dslc.kernels.layers` computes
+it, with which static arguments). The planner and the checker ask the rule rather than test
+a layer kind by name; the mixture-of-experts report (`dslc.plan.experts`) is about that kind.
 """
 
 from __future__ import annotations
@@ -167,6 +170,10 @@ class LayerRule(Generic[A]):
         """One use's arguments, as elaboration bound them (`Layer.attrs`), as an `Args`."""
         return self.Args(**{arg_field(name): value for name, value in attrs.items()})
 
+    def args_of(self, layer: Layer) -> A:
+        """The arguments of an elaborated use of this kind, as an `Args`."""
+        return self.parse(dict(layer.attrs))
+
     def weights(self, a: A) -> tuple[WeightSpec, ...]:
         return ()
 
@@ -238,6 +245,37 @@ class LayerRule(Generic[A]):
     def core_bytes(self, layer: Layer, mesh: Mesh, compute: str, slices: int) -> int:
         """The part of `residual_bytes` that recomputing the core saves."""
         return 0
+
+    def no_core_note(self, layer: Layer) -> str | None:
+        """Why this use has no core to recompute though its kind may have one (a note for
+        `checkpoint core_attention` on a block without one); None otherwise."""
+        return None
+
+    # ---- what the planner and the checker ask of a checked use ---------------------------
+
+    # True for a loss: the end of the forward pass. Its collectives reduce its statistics,
+    # whose gradient is local once the forward has them: they have no backward.
+    is_loss: ClassVar[bool] = False
+
+    def backward_collectives(self, layer: Layer, mesh: Mesh) -> tuple[Collective, ...]:
+        """What the layer's backward pass sends besides the transposes of its forward
+        collectives (`Layer.collectives`)."""
+        return ()
+
+    def pipeline_recompute_collectives(self, layer: Layer) -> tuple[Collective, ...]:
+        """What the layer sends again in its backward pass because it runs inside the
+        pipeline's `shard_map`."""
+        return ()
+
+    def context_axes(self, layer: Layer, mesh: Mesh) -> Axes:
+        """The mesh axes over which the layer sees only its share of the tokens (context
+        parallelism): every gradient is then all-reduced over them as well."""
+        return ()
+
+    def pipeline_refusal(self, layer: Layer) -> str | None:
+        """Why this use cannot run inside a pipeline stage, completing "`path` ..."; None
+        when it can."""
+        return None
 
     def kernel(self, a: A, operand: Sharding) -> str:
         """The function in `dslc.kernels.layers` that computes this use of the layer (both

@@ -3,19 +3,37 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 from dslc.diagnostics import Label
 from dslc.ir.nodes import DTYPE_BYTES, FLOAT_DTYPES, Layer, Mesh, Sharding, TensorType
-from dslc.layers.base import ArgSpec, Attrs, Context, LayerRule
+from dslc.layers.base import A, ArgSpec, Context, LayerRule
 
 
-class Elementwise(LayerRule[Attrs]):
-    # Arguments as bound, a dict: each kind reads its own.
-    Args = Attrs
+@dataclass(frozen=True, slots=True)
+class NoArgs:
+    """The arguments of a kind that takes none."""
+
+
+@dataclass(frozen=True, slots=True)
+class GeluArgs:
+    """The arguments of one use of `Gelu`."""
+
+    approximate: bool
+
+
+@dataclass(frozen=True, slots=True)
+class DropoutArgs:
+    """The arguments of one use of `Dropout`."""
+
+    rate: float
+
+
+class Elementwise(LayerRule[A]):
     cost = 1
     kept = 1  # input-sized values autodiff keeps (the input, and the function's own terms)
 
-    def infer(self, a: Attrs, x: TensorType, w: dict[str, TensorType], ctx: Context) -> TensorType | None:
+    def infer(self, a: A, x: TensorType, w: dict[str, TensorType], ctx: Context) -> TensorType | None:
         if x.dtype not in FLOAT_DTYPES:
             ctx.error(
                 "E016",
@@ -25,7 +43,7 @@ class Elementwise(LayerRule[Attrs]):
             return None
         return x
 
-    def flops(self, a: Attrs, x: TensorType, y: TensorType) -> int:
+    def flops(self, a: A, x: TensorType, y: TensorType) -> int:
         return self.cost * x.numel
 
     def residual_bytes(self, layer: Layer, mesh: Mesh, compute: str, slices: int) -> int:
@@ -36,48 +54,51 @@ class Elementwise(LayerRule[Attrs]):
         return layer.input.slice_numel(mesh, slices) * DTYPE_BYTES[compute]
 
 
-class Relu(Elementwise):
+class Relu(Elementwise[NoArgs]):
     kind = "relu"
     doc = "max(x, 0)."
+    Args = NoArgs
 
 
-class Gelu(Elementwise):
+class Gelu(Elementwise[GeluArgs]):
     kind = "gelu"
     doc = (
         "Gaussian error linear unit: x * Phi(x), Phi the standard normal CDF, by default in the tanh "
         "approximation (GPT-2's gelu_new); approximate=false computes the exact erf form (BERT, Pythia)."
     )
     args = (ArgSpec("approximate", "bool", True, "tanh approximation; false: exact, with erf"),)
+    Args = GeluArgs
     cost = 8
 
     def residual_bytes(self, layer: Layer, mesh: Mesh, compute: str, slices: int) -> int:
         # The tanh form keeps the input and four of its terms; the erf form the input, erfc of
         # it and the exponential its derivative needs.
-        kept = 5 if layer.attr("approximate") else 3
+        kept = 5 if self.args_of(layer).approximate else 3
         return kept * layer.input.slice_numel(mesh, slices) * DTYPE_BYTES[compute]
 
     def kernel_args(
-        self, a: Attrs, dtype: str, operand: Sharding, weights: Mapping[str, Sharding]
+        self, a: GeluArgs, dtype: str, operand: Sharding, weights: Mapping[str, Sharding]
     ) -> dict[str, object]:
-        return {"approximate": a["approximate"]}
+        return {"approximate": a.approximate}
 
 
-class Silu(Elementwise):
+class Silu(Elementwise[NoArgs]):
     kind = "silu"
     doc = "x * sigmoid(x)."
+    Args = NoArgs
     cost = 4
     kept = 2  # the input and its sigmoid
 
 
-class Dropout(Elementwise):
+class Dropout(Elementwise[DropoutArgs]):
     kind = "dropout"
     doc = "Zeroes a fraction `rate` of activations while training; the identity otherwise."
     args = (ArgSpec("rate", "float", doc="fraction dropped, in [0, 1)", positive=False),)
+    Args = DropoutArgs
     random = True
 
-    def validate(self, a: Attrs, ctx: Context) -> bool:
-        rate = a["rate"]
-        assert isinstance(rate, float)
+    def validate(self, a: DropoutArgs, ctx: Context) -> bool:
+        rate = a.rate
         if not 0.0 <= rate < 1.0:
             ctx.error(
                 "E024",
@@ -89,6 +110,6 @@ class Dropout(Elementwise):
         return True
 
     def kernel_args(
-        self, a: Attrs, dtype: str, operand: Sharding, weights: Mapping[str, Sharding]
+        self, a: DropoutArgs, dtype: str, operand: Sharding, weights: Mapping[str, Sharding]
     ) -> dict[str, object]:
-        return {"rate": a["rate"]}
+        return {"rate": a.rate}

@@ -35,6 +35,7 @@ class CrossEntropy(LayerRule[CrossEntropyArgs]):
         ArgSpec("classes", "int", 0, "the real classes, the rest of the logits padding; 0: all", positive=False),
     )
     Args = CrossEntropyArgs
+    is_loss = True
     count_kernel = "cross_entropy_count"
     masks_padding = True
 
@@ -138,6 +139,7 @@ class MeanSquaredError(LayerRule[MeanSquaredErrorArgs]):
     doc = "Mean squared error of the activation against a float target input of the same shape."
     args = (ArgSpec("targets", "input", doc="the declared input holding the targets"),)
     Args = MeanSquaredErrorArgs
+    is_loss = True
 
     def infer(
         self, a: MeanSquaredErrorArgs, x: TensorType, w: dict[str, TensorType], ctx: Context

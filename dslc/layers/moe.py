@@ -175,6 +175,12 @@ class MoE(LayerRule[MoEArgs]):
         x, _, _, computed, width = _moe_sizes(layer, mesh, slices)
         return (x + computed * width) * DTYPE_BYTES[compute]
 
+    def pipeline_recompute_collectives(self, layer: Layer) -> tuple[Collective, ...]:
+        # Inside the pipeline's `shard_map` a mixture of experts recomputes its forward,
+        # exchange included, before differentiating it (see
+        # `dslc.kernels.layers._shard_map_with_inner_vjp`).
+        return exchange_collectives(layer)
+
     def kernel_args(
         self, a: MoEArgs, dtype: str, operand: Sharding, weights: Mapping[str, Sharding]
     ) -> dict[str, object]:
@@ -194,7 +200,7 @@ def _moe_sizes(layer: Layer, mesh: Mesh, slices: int) -> tuple[int, int, int, in
     width of a slot's activations (dim + hidden)."""
     operand = TensorType(layer.input.dtype, layer.input.shape, layer.operand or layer.input.sharding)
     x = operand_numel(layer, mesh, slices)
-    a = MoE().parse(dict(layer.attrs))
+    a = MoE().args_of(layer)
     d, f, e = a.dim, a.hidden, a.experts
     per_group = group_tokens(layer.input)
     tokens = x // d
@@ -231,13 +237,6 @@ def exchange_collectives(layer: Layer) -> tuple[Collective, ...]:
     """The collectives that bring a checked `moe` layer's tokens to its experts and back:
     the two all-to-alls, or the all-reduce of the experts' outputs (none without experts split)."""
     return tuple(c for c in layer.collectives if c.kind in ("all-to-all", "all-reduce"))
-
-
-def pipeline_recompute_collectives(layer: Layer, pipelined: bool) -> tuple[Collective, ...]:
-    """What a layer sends again in its backward pass because it runs inside the pipeline's
-    `shard_map`: a mixture of experts there recomputes its forward, exchange included, before
-    differentiating it (see `dslc.kernels.layers._shard_map_with_inner_vjp`)."""
-    return exchange_collectives(layer) if pipelined and layer.kind == MoE.kind else ()
 
 
 def _check_capacity(a: MoEArgs, x: TensorType, ctx: Context) -> None:

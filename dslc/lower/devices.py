@@ -35,7 +35,8 @@ def request_host_devices(n: int) -> None:
         import jax
 
         # A count already set in jax is someone's choice (a multi-process run sets each
-        # process's share of the mesh): left alone.
+        # process's share of the mesh): left alone. (jax's Config declares no attribute per
+        # option: it makes them at run time, so the type checker cannot see this one.)
         if jax.config.jax_num_cpu_devices < 0 and _flag_count() < n:  # type: ignore[attr-defined]
             with contextlib.suppress(RuntimeError):  # the backends have started: too late to change
                 jax.config.update("jax_num_cpu_devices", n)

@@ -101,8 +101,8 @@ class Program:
         optimizer state of a spec that keeps a master copy (`master_dtype`), the master's
         values: the parameters the 16-bit working copy rounds."""
         if opt_state is not None and self.ir.train.master_dtype:
-            return self.module.export_weights(opt_state["master"])  # type: ignore[no-any-return]
-        return self.module.export_weights(model.arrays())  # type: ignore[no-any-return]
+            return self.module.export_weights(opt_state["master"])
+        return self.module.export_weights(model.arrays())
 
     def import_weights(self, model: DslcModel, weights: Mapping[str, Any]) -> None:
         """Load a dict of arrays by per-layer name. Every name and shape is checked before
@@ -120,7 +120,12 @@ class Program:
 
     def param_shardings(self, model: DslcModel) -> dict[str, PartitionSpec]:
         """Where each stored array lives, by its stored name (`blocks.*.attn.q`)."""
-        return {name: value.sharding.spec for name, value in model.arrays().items()}  # type: ignore[attr-defined]
+        specs = {}
+        for name, value in model.arrays().items():
+            # `init`, `place` and the steps give every stored array a sharding over the mesh.
+            assert isinstance(value.sharding, NamedSharding)
+            specs[name] = value.sharding.spec
+        return specs
 
     # --- running ------------------------------------------------------------------------------
 
@@ -148,7 +153,7 @@ class Program:
     def grads(self, model: DslcModel, batch: Mapping[str, Any]) -> dict[str, np.ndarray]:
         """The loss's gradient of every weight, by per-layer name (over the spec's
         accumulation steps, through its pipeline schedule)."""
-        return self.module.export_weights(self.stored_grads(model, batch))  # type: ignore[no-any-return]
+        return self.module.export_weights(self.stored_grads(model, batch))
 
     def loss_and_grads(self, model: DslcModel, batch: Mapping[str, Any]) -> tuple[float, dict[str, np.ndarray]]:
         """`loss` and `grads` from one compiled step (each alone compiles its own)."""
@@ -314,7 +319,7 @@ class Program:
         replicated = NamedSharding(self.mesh, PartitionSpec())
 
         def grads(params: Params, batch: dict[str, jax.Array]) -> tuple[jax.Array, Params]:
-            return self.module.gradients(params, batch, None, self.mesh)  # type: ignore[no-any-return]
+            return self.module.gradients(params, batch, None, self.mesh)
 
         return jax.jit(grads, out_shardings=(replicated, grad_shardings))
 

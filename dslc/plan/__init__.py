@@ -7,7 +7,7 @@ no accelerator stack, so `dslc plan` answers before anything is compiled or allo
 from __future__ import annotations
 
 from dslc.ir.nodes import Program, all_layers, parameter_count
-from dslc.layers.attention import context_axes
+from dslc.layers import RULES
 from dslc.plan.communication import Transfer, communication
 from dslc.plan.experts import ExpertLayer, experts
 from dslc.plan.flops import Flops, busiest_stage_flops, flops
@@ -35,7 +35,7 @@ def plan(program: Program, device_memory: int | None = None, hardware: Hardware 
             f"each device needs {format_bytes(mem.total)}, more than the {format_bytes(device_memory)} "
             "given by --device-memory"
         )
-    rings = [layer.path for layer in all_layers(program) if context_axes(layer, program.mesh)]
+    rings = [layer.path for layer in all_layers(program) if RULES[layer.kind].context_axes(layer, program.mesh)]
     if rings:
         which = f"`{rings[0]}` and {len(rings) - 1} more are" if len(rings) > 1 else f"`{rings[0]}` is"
         warnings.append(

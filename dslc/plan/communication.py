@@ -14,12 +14,12 @@ Rules:
   all-gather and back, an all-to-all for an all-to-all, the inverse permutation for a
   collective-permute. The loss's softmax statistics need none: its gradient is local once the
   forward statistics are known. Ring attention (context parallelism) also sends its key and
-  value gradients around the ring (`attention.ring_backward_collectives`);
+  value gradients around the ring (`backward_collectives` of the layer's rule);
 * recompute: a checkpointed block's forward collectives happen again in its backward; a
   schedule that splits the backward (zb-h1) pulls each gradient through its chunk twice, so
   the backward's collectives happen again; inside the pipeline a mixture of experts
   recomputes its forward exchange once more in its backward
-  (`moe.pipeline_recompute_collectives`);
+  (`pipeline_recompute_collectives` of the layer's rule);
 * gradients: data-parallel reduction over the batch axes of every gradient the device holds
   (under a pipeline, its own stage's) once per step — once per slice of the batch over an
   axis that splits parameters (ZeRO-3, experts; see `ir.data_parallel`) —
@@ -59,9 +59,7 @@ from dslc.ir.nodes import (
     counted_layers,
 )
 from dslc.ir.placement import place
-from dslc.layers import LOSS_KINDS
-from dslc.layers.attention import context_axes, ring_backward_collectives
-from dslc.layers.moe import pipeline_recompute_collectives
+from dslc.layers import RULES
 from dslc.plan.activations import tensor_bytes
 from dslc.plan.timetable import microbatch_slices, pipeline_figures, splits_backward, stage_of
 
@@ -116,7 +114,7 @@ def _node_collectives(node: Node, checkpointed: bool) -> list[tuple[Collective, 
     how many times one pass runs it)."""
     match node:
         case Layer():
-            return [(c, node.input, node.kind not in LOSS_KINDS, checkpointed, 1) for c in node.collectives]
+            return [(c, node.input, not RULES[node.kind].is_loss, checkpointed, 1) for c in node.collectives]
         case Layout():
             return [(c, node.input, True, checkpointed, 1) for c in node.collectives]
         case Residual():
@@ -154,10 +152,11 @@ def communication(program: Program) -> list[Transfer]:
                     # The weight-gradient tick pulls the gradient through the chunk again.
                     _add(totals, mesh, TRANSPOSE[c.kind], c.axes, "recompute", size, times, slices=slices)
             for layer, times in counted_layers((node,)):
-                for c in ring_backward_collectives(layer, mesh):
+                rule = RULES[layer.kind]
+                for c in rule.backward_collectives(layer, mesh):
                     size = _group_bytes(c, layer.input, mesh)
                     _add(totals, mesh, c.kind, c.axes, "backward", size, times, slices=slices)
-                for c in pipeline_recompute_collectives(layer, staged):
+                for c in rule.pipeline_recompute_collectives(layer) if staged else ():
                     size = _group_bytes(c, layer.input, mesh)
                     _add(totals, mesh, c.kind, c.axes, "recompute", size, times, slices=slices)
     totals = max(per_stage.values(), key=lambda t: sum(b for b, _ in t.values()), default={})
@@ -193,7 +192,9 @@ def _gradient_sync(program: Program, totals: Totals) -> None:
     data = batch_axes(program)
     once = data_parallel_axes(program)
     slices = microbatch_slices(program)
-    context = tuple(dict.fromkeys(a for layer in all_layers(program) for a in context_axes(layer, mesh)))
+    context = tuple(
+        dict.fromkeys(a for layer in all_layers(program) for a in RULES[layer.kind].context_axes(layer, mesh))
+    )
     for array in place(program).arrays:
         t = array.type
         size = t.local_nbytes(mesh)

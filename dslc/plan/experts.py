@@ -58,7 +58,7 @@ def experts(program: Program) -> tuple[ExpertLayer, ...]:
                 sent += ring_bytes(TRANSPOSE[c.kind], mesh.size(c.axes), size)
                 kinds.add(c.kind)
             axes = expert_axes(layer, mesh)
-            args = MoE().parse(dict(layer.attrs))
+            args = MoE().args_of(layer)
             experts_ = args.experts
             stored = (state_sharding(layer.weight(n).type, program).params for n in ("w_in", "w_out"))
             params = sum(

@@ -62,7 +62,7 @@ def paddings(program: Program) -> tuple[Padding, ...]:
 def logits_padding(program: Program) -> LogitsPadding | None:
     """The loss's padded logits, or None where the loss reads them unpadded."""
     loss = program.loss
-    classes = int(loss.attr("classes")) if loss is not None and "classes" in dict(loss.attrs) else 0  # type: ignore[call-overload]
+    classes = loss.int_attr("classes") if loss is not None and "classes" in dict(loss.attrs) else 0
     if loss is None or not classes:
         return None
     width = loss.input.shape[-1]

@@ -352,7 +352,7 @@ class _ToAst(Transformer[Token, Any]):
 
     def _chain(self, meta: Any, c: list[Any]) -> ast.Expr:
         if len(c) == 1:
-            return c[0]  # type: ignore[no-any-return]
+            return c[0]
         first: ast.Expr = c[0]
         rest = tuple((str(c[i]), c[i + 1]) for i in range(1, len(c), 2))
         # `(a - b) - c` means `a - b - c`: both operators of a level associate to the left,

@@ -102,7 +102,7 @@ def _token_count(program: ir.Program, loss: ir.Layer, embedded: bool) -> int:
     """Token ids must index both the embedding table and the logits."""
     embed = _embedding(program)
     assert embed is not None
-    vocab = min(int(embed.attr("vocab")), loss.input.shape[-1])  # type: ignore[call-overload]
+    vocab = min(embed.int_attr("vocab"), loss.input.shape[-1])
     if embedded and vocab < 128:
         raise DataError(
             f"spec `{program.name}` is a language model over {vocab} token ids; the embedded corpus (Python's "

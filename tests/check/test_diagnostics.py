@@ -943,6 +943,19 @@ def test_e026_core_attention_on_a_block_without_attention() -> None:
     assert d.help is not None and "checkpoint full" in d.help
 
 
+def test_e026_core_attention_on_a_block_whose_attention_is_a_ring() -> None:
+    header = (
+        "model m\nmesh context=2, model=2\n"
+        "input x: f32[16, 4 @ context, 48]\ninput y: f32[16, 4 @ context, 48]\n"
+        "block b() checkpoint core_attention {\n"
+        "  attn: attention(48, 4, causal=false) shard q[_, model], k[_, model], v[_, model], o[model, _]\n"
+        "}\n"
+    )
+    d = only(spec("blk: b()", "loss: mse(y)", header=header))
+    assert d.code == "E026"
+    assert d.notes == ("`blk.attn` is ring attention, which keeps no scores",)
+
+
 # ---- E027: weight sharding clauses -----------------------------------------------------------
 
 
