@@ -4,10 +4,14 @@ For each case, prints the planned bytes of the gradient step (`Plan.memory.grads
 of the whole training step (`Plan.memory.total`) next to XLA's argument + output + temp -
 alias for the same compiled functions, and their ratios. The cases: every spec in specs/ at
 its default mesh, every pipelined spec on a second mesh (another stage count), and a
-repeated-block MLP under each ZeRO stage and FSDP. This is the table in docs/plan.md;
-tests/plan/test_plan.py asserts a few of its rows.
+repeated-block MLP under each ZeRO stage and FSDP, and issue 17's options on repeated blocks
+(16-bit parameters with an f32 master copy, `checkpoint core_attention`). The plan is made
+for the backend the steps compile on: on CPU it adds what XLA's CPU backend alone holds
+(`dslc.plan.memory.cpu_widening`). This is the table in docs/plan.md; tests/plan/test_plan.py
+asserts a few of its rows.
 
     python bench/bench_plan_accuracy.py                      # the whole table
+    python bench/bench_plan_accuracy.py --options            # issue 17's rows
     python bench/bench_plan_accuracy.py gpt_small [--mesh 2x2x4] [--set n_layers=8]
 """
 
@@ -15,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -69,6 +74,27 @@ train {
 }
 """
 STATE_SETTINGS = ("zero 0", "zero 1", "zero 2", "zero 3", "fsdp data")
+# Issue 17's options on repeated blocks: 16-bit parameters and gradients with an f32 master in
+# the optimizer state, and Megatron's selective recompute of attention's core.
+MASTER = ("param_dtype bf16", "compute_dtype bf16", "master_dtype f32")
+
+
+def with_master(text: str) -> str:
+    """The spec with 16-bit parameters and an f32 master copy instead of its own precision."""
+    text = re.sub(r"^\s*(param_dtype|compute_dtype|master_dtype)\b.*\n", "", text, flags=re.M)
+    return text.replace("train {", "train {\n" + "".join(f"  {s}\n" for s in MASTER), 1)
+
+
+def option_cases() -> list[Case]:
+    """gpt_small (pipelined) and llama_small with the master copy, llama_small's attention
+    blocks with `checkpoint core_attention`, and the residual MLP with the master copy."""
+    gpt, llama = ((SPECS / f"{n}.par").read_text() for n in ("gpt_small", "llama_small"))
+    return [
+        Case("gpt_small master", with_master(gpt)),
+        Case("llama_small master", with_master(llama)),
+        Case("llama_small core_attn", llama.replace("checkpoint full", "checkpoint core_attention")),
+        Case("residual_mlp master", with_master(RESIDUAL_MLP.replace("SETTING", "zero 1"))),
+    ]
 
 
 @dataclass(frozen=True)
@@ -92,7 +118,7 @@ def cases() -> list[Case]:
         if path.stem in SECOND_MESH:
             rows.append(Case(path.stem, path, SECOND_MESH[path.stem], reduced))
     rows += [Case(f"residual_mlp {s}", RESIDUAL_MLP.replace("SETTING", s)) for s in STATE_SETTINGS]
-    return rows
+    return rows + option_cases()
 
 
 def measure(case: Case) -> tuple[int, int, int, int]:
@@ -100,8 +126,11 @@ def measure(case: Case) -> tuple[int, int, int, int]:
     overrides = case.overrides or None
     analysis = dslc.analyze(case.source, mesh=case.mesh, overrides=overrides)
     assert analysis.program is not None, [d.message for d in analysis.diagnostics]
-    memory = plan(analysis.program).memory
     program = dslc.compile(case.source, mesh=case.mesh, overrides=overrides)
+    import jax  # after the device count is set, as dslc.compile does
+
+    # Planned for the backend it is compiled on (on CPU, with what that backend alone holds).
+    memory = plan(analysis.program, backend=jax.default_backend()).memory
     grads, step = program.compiled_memory("grads"), program.compiled_memory("train")
     return memory.grads_step, grads.total, memory.total, step.total
 
@@ -111,9 +140,12 @@ def main() -> None:
     parser.add_argument("specs", nargs="*", help="spec names or paths (default: the whole table)")
     parser.add_argument("--mesh", help="mesh sizes instead of each spec's default")
     parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="override a const")
+    parser.add_argument("--options", action="store_true", help="only the rows of issue 17's options")
     args = parser.parse_args()
     given = parse_overrides(args.set)
-    if args.specs:
+    if args.options:
+        rows = option_cases()
+    elif args.specs:
         paths = [Path(s) if s.endswith(".par") else SPECS / f"{s}.par" for s in args.specs]
         rows = [Case(p.stem, p, args.mesh, {**REDUCED.get(p.stem, {}), **given}) for p in paths]
     else:

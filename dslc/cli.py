@@ -576,12 +576,17 @@ def _plan(args: argparse.Namespace) -> int:
         return EXIT_ERRORS
     assert result.program is not None
     limit = None if args.device_memory is None else int(args.device_memory * (1 << 30))
-    report = plan(result.program, limit, hardware)
     if args.xla:
+        import jax
+
         from dslc.plan.report import Measured
 
         program = _compile(args)
+        # Planned for the backend XLA compiles for here (on CPU, with what it alone holds).
+        report = plan(result.program, limit, hardware, backend=jax.default_backend())
         report = replace(report, measured=Measured(*(program.compiled_memory(s).total for s in ("grads", "train"))))
+    else:
+        report = plan(result.program, limit, hardware)
     if args.format == "json":
         print(json.dumps(report.to_json(), indent=2))
     else:

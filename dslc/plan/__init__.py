@@ -22,12 +22,16 @@ from dslc.schedules import theoretical_bubble
 __all__ = ["ExpertLayer", "Flops", "Hardware", "Memory", "Pipeline", "Plan", "StepTime", "Transfer", "plan"]
 
 
-def plan(program: Program, device_memory: int | None = None, hardware: Hardware | None = None) -> Plan:
+def plan(
+    program: Program, device_memory: int | None = None, hardware: Hardware | None = None, backend: str | None = None
+) -> Plan:
     """The plan of one training step of `program`; `device_memory` (bytes per device), when
     given, is compared with the total; the step time is estimated on `hardware` (its
-    defaults when None), with the cost model `--mesh auto` ranks plans by."""
+    defaults when None), with the cost model `--mesh auto` ranks plans by. `backend`: the
+    XLA backend the step is compiled for, when the plan is held against it ("cpu" adds what
+    XLA's CPU backend alone holds: `dslc.plan.memory.cpu_widening`)."""
     hardware = hardware or Hardware()
-    mem = memory(program)
+    mem = memory(program, backend)
     transfers = tuple(communication(program))
     warnings = []
     if device_memory is not None and mem.total > device_memory:

@@ -26,7 +26,7 @@ and its backward tick needs that chunk's working set (dslc/plan/memory.py counts
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import assert_never
+from typing import Literal, assert_never
 
 from dslc.ir.nodes import (
     DTYPE_BYTES,
@@ -53,8 +53,22 @@ class Kept:
     peak: int = 0
 
 
+# Where 16-bit values are held in f32 (`cpu_widening` in dslc/plan/memory.py): nowhere; inside
+# a repeat's scan (XLA's CPU backend); here, inside one.
+Widen = Literal["none", "scans", "all"]
+
+
+def held_dtype(compute: str, widen: Widen) -> str:
+    """The dtype values computed in `compute` are held in: f32 for a 16-bit one when widened."""
+    return "f32" if widen == "all" and DTYPE_BYTES[compute] < 4 else compute
+
+
 def tensor_bytes(t: TensorType, mesh: Mesh, slices: int) -> int:
     return t.slice_numel(mesh, slices) * DTYPE_BYTES[t.dtype]
+
+
+def _held_bytes(t: TensorType, mesh: Mesh, slices: int, widen: Widen) -> int:
+    return t.slice_numel(mesh, slices) * DTYPE_BYTES[held_dtype(t.dtype, widen)]
 
 
 def weight_copies(layer: Layer, mesh: Mesh, compute: str) -> int:
@@ -62,7 +76,9 @@ def weight_copies(layer: Layer, mesh: Mesh, compute: str) -> int:
     return sum(w.type.local_nbytes(mesh) // DTYPE_BYTES[w.type.dtype] * DTYPE_BYTES[compute] for w in layer.weights)
 
 
-def kept_by(nodes: tuple[Node, ...], mesh: Mesh, compute: str, slices: int, recomputed: bool = False) -> Kept:
+def kept_by(
+    nodes: tuple[Node, ...], mesh: Mesh, compute: str, slices: int, recomputed: bool = False, widen: Widen = "none"
+) -> Kept:
     """What running `nodes` forward keeps for their backward pass, on one device.
 
     The backward pass visits the nodes last to first, freeing each node's residuals once it
@@ -70,27 +86,32 @@ def kept_by(nodes: tuple[Node, ...], mesh: Mesh, compute: str, slices: int, reco
     held: the peak is the largest (kept by nodes before i) + (node i's own peak). A repeat is
     one node here, as it is one `lax.scan` in the lowering. `recomputed`: the nodes run again
     inside a checkpointed block's backward, where XLA fuses elementwise chains into the ops
-    that read them (each rule's `recomputed_bytes`).
+    that read them (each rule's `recomputed_bytes`). `widen`: where 16-bit values are held
+    in f32 instead (`Widen`).
     """
     kept = peak = 0
     for node in nodes:
-        one = _kept_by_node(node, mesh, compute, slices, recomputed)
+        one = _kept_by_node(node, mesh, compute, slices, recomputed, widen)
         peak = max(peak, kept + one.peak)
         kept += one.kept
     return Kept(kept, max(peak, kept))
 
 
-def _kept_by_scan(run: Repeat, mesh: Mesh, compute: str, slices: int, recomputed: bool) -> Kept:
+def _kept_by_scan(run: Repeat, mesh: Mesh, compute: str, slices: int, recomputed: bool, widen: Widen) -> Kept:
     """A `lax.scan` over a repeat's layers stacks each step's residuals into one buffer per
     residual, which its backward loop frees only when the loop is done: while the first
     layer is differentiated, every layer's residuals are still held, the first's own
-    included."""
-    one = _kept_by_node(run.body, mesh, compute, slices, recomputed)
-    transient = _transient(run.body, mesh, compute, slices, recomputed)
+    included. XLA's CPU backend computes 16-bit matrix products in f32 and, converting a
+    scan's stacked 16-bit residuals for its backward, does so once for the whole stack before
+    the loop: under `widen` "scans" the scan holds them in f32."""
+    if widen == "scans" and run.count > 1:
+        widen = "all"
+    one = _kept_by_node(run.body, mesh, compute, slices, recomputed, widen)
+    transient = _transient(run.body, mesh, compute, slices, recomputed, widen)
     return Kept(run.count * one.kept, run.count * one.kept + transient)
 
 
-def _transient(node: Node, mesh: Mesh, compute: str, slices: int, recomputed: bool) -> int:
+def _transient(node: Node, mesh: Mesh, compute: str, slices: int, recomputed: bool, widen: Widen) -> int:
     """What differentiating `node` needs beyond what it kept, when none of what it kept is
     freed before it is done (its residuals sit in a scan's stacked buffers)."""
     match node:
@@ -98,58 +119,64 @@ def _transient(node: Node, mesh: Mesh, compute: str, slices: int, recomputed: bo
             return RULES[node.kind].workspace_bytes(node, mesh, compute, slices)
         case Block() if node.remat.reruns_block:
             # The body is recomputed as a whole, into the step's own temporaries.
-            one = _kept_by_node(node, mesh, compute, slices, recomputed)
+            one = _kept_by_node(node, mesh, compute, slices, recomputed, widen)
             return one.peak - one.kept
         case Block() if node.remat.policy == "core_attention":
             # Its own layers' working sets, one of them a layer's recomputed core besides.
-            return max((_transient(c, mesh, compute, slices, recomputed) for c in node.body), default=0) + max(
-                _cores(node, mesh, compute, slices), default=0
+            return max((_transient(c, mesh, compute, slices, recomputed, widen) for c in node.body), default=0) + max(
+                _cores(node, mesh, compute, slices, widen), default=0
             )
         case Block() | Residual():
-            return max((_transient(c, mesh, compute, slices, recomputed) for c in node.body), default=0)
+            return max((_transient(c, mesh, compute, slices, recomputed, widen) for c in node.body), default=0)
         case Repeat():
-            return _transient(node.body, mesh, compute, slices, recomputed)
+            return _transient(node.body, mesh, compute, slices, recomputed, widen)
         case Layout():
             return 0
         case _:
             assert_never(node)
 
 
-def _kept_by_node(node: Node, mesh: Mesh, compute: str, slices: int, recomputed: bool = False) -> Kept:
+def _kept_by_node(
+    node: Node, mesh: Mesh, compute: str, slices: int, recomputed: bool = False, widen: Widen = "none"
+) -> Kept:
     match node:
         case Layer():
             rule = RULES[node.kind]
             cast = any(w.type.dtype != compute for w in node.weights)
-            copies = weight_copies(node, mesh, compute) if cast else 0
+            # Widened, what it keeps is held in f32; what a recompute or its backward makes
+            # runs in the loop, one layer at a time, and is not.
+            width = compute if recomputed else held_dtype(compute, widen)
+            copies = weight_copies(node, mesh, width) if cast else 0
             residuals = rule.recomputed_bytes if recomputed else rule.residual_bytes
-            kept = residuals(node, mesh, compute, slices) + copies
+            kept = residuals(node, mesh, width, slices) + copies
             return Kept(kept, kept + rule.workspace_bytes(node, mesh, compute, slices))
         case Residual():
-            return kept_by(node.body, mesh, compute, slices, recomputed)
+            return kept_by(node.body, mesh, compute, slices, recomputed, widen)
         case Repeat():
-            return _kept_by_scan(node, mesh, compute, slices, recomputed)
+            return _kept_by_scan(node, mesh, compute, slices, recomputed, widen)
         case Layout():
             return Kept()
         case Block():
             # A checkpointed block's backward runs it again: what that materialises is the
             # working set.
-            inner = kept_by(node.body, mesh, compute, slices, recomputed or node.remat.reruns_block)
+            inner = kept_by(node.body, mesh, compute, slices, recomputed or node.remat.reruns_block, widen)
             match node.remat.policy:
                 case "none":
                     return inner
                 case "full":
-                    held = tensor_bytes(node.input, mesh, slices)
+                    held = _held_bytes(node.input, mesh, slices, widen)
                     return Kept(held, held + inner.peak)
                 case "selective":
-                    held = tensor_bytes(node.input, mesh, slices) + sum(
-                        tensor_bytes(layer.output, mesh, slices)
+                    held = _held_bytes(node.input, mesh, slices, widen) + sum(
+                        _held_bytes(layer.output, mesh, slices, widen)
                         for layer in layers(node.body)
                         if layer.path in node.remat.saved
                     )
-                    rerun = max((kept_by(run, mesh, compute, slices, True).peak for run in _reruns(node)), default=0)
+                    reruns = _reruns(node)
+                    rerun = max((kept_by(run, mesh, compute, slices, True, widen).peak for run in reruns), default=0)
                     return Kept(held, held + rerun)
                 case "core_attention":
-                    return without_cores(node, inner, mesh, compute, slices)
+                    return without_cores(node, inner, mesh, compute, slices, widen)
                 case other:
                     assert_never(other)
         case _:
@@ -174,14 +201,15 @@ def _reruns(block: Block) -> list[tuple[Node, ...]]:
     return [tuple(run) for run in runs if run]
 
 
-def _cores(block: Block, mesh: Mesh, compute: str, slices: int) -> list[int]:
-    return [RULES[layer.kind].core_bytes(layer, mesh, compute, slices) for layer in own_layers(block.body)]
+def _cores(block: Block, mesh: Mesh, compute: str, slices: int, widen: Widen) -> list[int]:
+    width = held_dtype(compute, widen)  # as the block would keep them: taken off its kept bytes
+    return [RULES[layer.kind].core_bytes(layer, mesh, width, slices) for layer in own_layers(block.body)]
 
 
-def without_cores(block: Block, inner: Kept, mesh: Mesh, compute: str, slices: int) -> Kept:
+def without_cores(block: Block, inner: Kept, mesh: Mesh, compute: str, slices: int, widen: Widen = "none") -> Kept:
     """`checkpoint core_attention`: what the block keeps less its own attention layers' cores
     (the scores and probabilities [b, heads, s, s]); the backward pass recomputes one core at
     a time, next to what is kept."""
-    cores = _cores(block, mesh, compute, slices)
+    cores = _cores(block, mesh, compute, slices, widen)
     kept = inner.kept - sum(cores)
     return Kept(kept, max(kept, inner.peak - sum(cores) + max(cores, default=0)))

@@ -24,7 +24,7 @@ import math
 from dataclasses import dataclass
 
 from dslc.ir.data_parallel import data_parallel_axes
-from dslc.ir.nodes import Mesh, Node, Program, Repeat, TensorType
+from dslc.ir.nodes import DTYPE_BYTES, Mesh, Node, Program, Repeat, TensorType
 from dslc.ir.placement import Placement, place
 from dslc.plan.activations import Kept, kept_by, tensor_bytes
 from dslc.plan.timetable import microbatch_slices, pipeline_figures
@@ -46,6 +46,8 @@ class Memory:
     temporaries: int
     details: tuple[tuple[str, int], ...]
     update: int = 0  # what the optimizer update holds beyond the gradient step's temporaries
+    # Gradients the training step writes into donated parameters' buffers (`cpu_widening`).
+    reused: int = 0
 
     @property
     def grads_step(self) -> int:
@@ -53,7 +55,7 @@ class Memory:
 
     @property
     def total(self) -> int:
-        return self.grads_step + self.optimizer + self.update
+        return self.grads_step + self.optimizer + self.update - self.reused
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,17 +120,23 @@ def training_state(program: Program, placement: Placement | None = None) -> Stat
     return State(params, grads, optimizer, accumulators, gathered, held, tuple(details))
 
 
-def memory(program: Program) -> Memory:
+def memory(program: Program, backend: str | None = None) -> Memory:
+    """Bytes per device of one training step. `backend`: the XLA backend the step is compiled
+    for, when known (`dslc plan --xla`, the accuracy table): on "cpu" the temporaries add what
+    that backend alone holds (`cpu_widening`); None plans for an accelerator."""
     mesh, train = program.mesh, program.train
     placement = place(program)
     state = training_state(program, placement)
     inputs = sum(inp.type.local_nbytes(mesh) for inp in program.inputs)
     details = list(state.details)
     temporaries = state.gathered
+    # XLA's CPU backend's f32 copies live from before a scan's forward loop to the end of its
+    # backward loop: beside the loops' own temporaries, not the step's end.
+    widened, reused, widen_details = cpu_widening(program, placement) if backend == "cpu" else (0, 0, [])
     if program.pipelined:
         acts, pipe_details, pipe_temps = pipeline_activations(program, state, placement)
-        details.extend(pipe_details)
-        temporaries += pipe_temps
+        details.extend(pipe_details + widen_details)
+        temporaries += pipe_temps + widened
     else:
         kept = kept_by(program.nodes, mesh, train.compute_dtype, microbatch_slices(program))
         acts = kept.peak
@@ -138,14 +146,16 @@ def memory(program: Program) -> Memory:
         )
         scans, scan_details = scan_temporaries(program, placement)
         summed, sum_details = summed_by_hand(program, placement)
-        temporaries += max(scans, summed)
-        details.extend(scan_details + sum_details)
+        temporaries += max(scans + widened, summed)
+        details.extend(scan_details + widen_details + sum_details)
     # The update writes each array's new value (under ZeRO 1 and 2 gathered whole again)
     # before it lands in the donated buffer: the largest of them, where the step's own
     # temporaries are not larger.
     new = max((_local(a.type, a.state(program).params, mesh) for a in placement.arrays), default=0)
     update = max(0, new - temporaries)
     details.append(("the optimizer update: the largest array's new value, beyond the temporaries", update))
+    if backend == "cpu":
+        details.append(("XLA's CPU backend: gradients in the widened parameters' donated buffers (less)", reused))
     return Memory(
         state.params,
         state.grads,
@@ -156,6 +166,7 @@ def memory(program: Program) -> Memory:
         temporaries,
         tuple(details),
         update,
+        reused,
     )
 
 
@@ -202,6 +213,48 @@ def scan_temporaries(program: Program, placement: Placement) -> tuple[int, list[
                 ),
             ]
     return best, details
+
+
+def cpu_widening(program: Program, placement: Placement) -> tuple[int, int, list[tuple[str, int]]]:
+    """What XLA's CPU backend holds beyond the plan of a 16-bit step: it computes 16-bit
+    matrix products in f32, converting their operands, and where the operand is sliced out of
+    a scan's stacked array (a repeat's weights, its saved residuals) it converts the whole
+    stack once, before the loop. At the step's peak it then holds an f32 copy of every 16-bit
+    stacked weight besides the weight itself (and one layer's f32 slice of it, which a loop
+    step computes with), and a scan's 16-bit residuals in f32 instead (under a pipeline,
+    those of the one slot a backward tick reads). An accelerator computes in 16 bits and
+    holds none of it.
+
+    Returns (those bytes, the bytes the training step saves, details). Without a pipeline the
+    16-bit stacked weights are dead once copied, and the training step, which donates them,
+    makes their stacked gradients in their buffers (a pipeline reads them on every tick)."""
+    mesh, compute = program.mesh, program.train.compute_dtype
+    weights = reused = 0
+    for array in placement.arrays:
+        layers = math.prod(array.type.shape[: array.lead])
+        if array.layers and "*" in array.name and layers > 1 and DTYPE_BYTES[array.type.dtype] < 4:
+            wide = array.type.local_nbytes(mesh) * 4 // DTYPE_BYTES[array.type.dtype]
+            weights += wide + wide // layers  # the stack's copy, and a step's layer sliced out of it
+            state = array.state(program)
+            reused += min(_local(array.type, state.params, mesh), _local(array.type, state.grads, mesh))
+    slices = microbatch_slices(program)
+    if program.pipelined:
+        pairs = [
+            (kept_by(c.nodes, mesh, compute, slices), kept_by(c.nodes, mesh, compute, slices, widen="scans"))
+            for c in program.chunks
+        ]
+        residuals = max((wide.kept - narrow.kept for narrow, wide in pairs), default=0)
+    else:
+        narrow = kept_by(program.nodes, mesh, compute, slices)
+        residuals = kept_by(program.nodes, mesh, compute, slices, widen="scans").peak - narrow.peak
+    return (
+        weights + residuals,
+        0 if program.pipelined else reused,
+        [
+            ("XLA's CPU backend: an f32 copy of each scan's 16-bit stacked weights, and of one layer's", weights),
+            ("XLA's CPU backend: a scan's 16-bit residuals held in f32", residuals),
+        ],
+    )
 
 
 def summed_by_hand(program: Program, placement: Placement) -> tuple[int, list[tuple[str, int]]]:

@@ -189,6 +189,8 @@ class Plan:
             ("temporaries", m.temporaries),
             ("optimizer update", m.update),
         ]
+        if m.reused:  # planned for XLA's CPU backend (`dslc.plan.memory.cpu_widening`)
+            rows.append(("less, in donated buffers", m.reused))
         lines += [f"  {name:<24}{format_bytes(size):>12}" for name, size in rows]
         lines.append(f"  {'total':<24}{format_bytes(m.total):>12}")
         lines += [f"    {format_bytes(size):>10}  {what}" for what, size in m.details]
