@@ -18,6 +18,7 @@ from dslc.kernels import SOURCES
 # holds `dslc.kernels` to this list). Name bound -> the import statement that binds it.
 PRELUDE_IMPORTS = {
     "functools": "import functools",
+    "itertools": "import itertools",
     "math": "import math",
     "re": "import re",
     "zlib": "import zlib",
