@@ -480,10 +480,7 @@ def _counted(targets: jax.Array, mask: jax.Array | None, ignore_index: int) -> j
 
 
 IDLE, FORWARD, BACKWARD, INPUT_GRAD, WEIGHT_GRAD = 0, 1, 2, 3, 4
-
-
 OP_CODES = {"F": FORWARD, "B": BACKWARD, "I": INPUT_GRAD, "W": WEIGHT_GRAD}
-
 
 # The executor's tables, each [tick][stage]:
 TABLE_ENTRIES = (
@@ -496,13 +493,9 @@ TABLE_ENTRIES = (
     "receive_activation",  # after the tick, store the activation arriving from stage - 1 here
     "receive_gradient",  # and the gradient arriving from stage + 1 here (-1: nothing arrives)
 )
-
-
 # Arrivals that only a placement other than a ring has (a V): from the other neighbour, or
 # made by the stage for its own next (or previous) chunk.
 OTHER_DIRECTIONS = ("activation_from_next", "gradient_from_previous", "keep_activation", "keep_gradient")
-
-
 # Where a value is stored, by what it is and which way it went.
 RECEIVED_IN = {
     ("activation", "next"): "receive_activation",
@@ -625,8 +618,6 @@ def schedule_tables(*timelines: str) -> dict[str, list[list[int]]]:
 # With `has_aux`, every chunk returns (that, aux), aux an f32 scalar added to the loss.
 # `inputs` holds the microbatch of every model input; `key` is None when not training.
 Chunk = Callable[[Any, jax.Array, dict[str, jax.Array], jax.Array | None], Any]
-
-
 # weights(stage_arrays) -> a chunk's weights, as its code computes with them.
 ChunkWeights = Callable[[dict[str, jax.Array]], dict[str, jax.Array]]
 

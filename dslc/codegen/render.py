@@ -204,8 +204,8 @@ def generate(
         "inputs": _inputs(program, builder),
         "stream": program.stream,
         # How weights are stored and initialised print with the parameters; the arithmetic after.
-        "storage": [d for d in kernels if d.module in ("storage", "params")],
-        "kernels": [d for d in kernels if d.module not in ("storage", "params")],
+        "storage": source.joined([d for d in kernels if d.module in ("storage", "params")]),
+        "kernels": source.joined([d for d in kernels if d.module not in ("storage", "params")]),
         "classes": [*builder.blocks, *top],
         "top": [c.name for c in top],
         "stages": stages,
