@@ -63,11 +63,16 @@ def constrain(x: jax.Array, spec: P) -> jax.Array:
     return lax.with_sharding_constraint(x, spec)
 
 
-def weight(param: nnx.Param, spec: P | None = None) -> jax.Array:
-    """A parameter as its layer computes with it, in the compute dtype; with `spec`, gathered
-    to that sharding first (parameters stored split over the data axes, ZeRO-3 and FSDP)."""
-    value = param[...] if spec is None else constrain(param[...], spec)
-    return value.astype(COMPUTE_DTYPE)
+def weights_of(layer: nnx.Dict, gather: dict[str, P] | None = None, transposed: str = "") -> dict[str, jax.Array]:
+    """A layer's parameters by name, as its kernel takes them: in the compute dtype; with
+    `gather`, each gathered to its sharding there first (parameters stored split over the data
+    axes, ZeRO-3 and FSDP); the one named `transposed` read the other way round (a head
+    reading a tied embedding's table)."""
+    out = {}
+    for name, param in layer.items():
+        value = (param[...] if gather is None else constrain(param[...], gather[name])).astype(COMPUTE_DTYPE)
+        out[name] = value.T if name == transposed else value
+    return out
 
 
 def layer_key(key: jax.Array | None, path: str) -> jax.Array | None:
@@ -1211,26 +1216,10 @@ class Gpt2Block(nnx.Module):
         # gpt2.par:38: residual
         h = x
         # gpt2.par:39 ln_1: layernorm(d, eps=eps)
-        h = layernorm(
-            h, scale=weight(self.ln_1["scale"]), bias=weight(self.ln_1["bias"]), eps=1e-05, dtype=COMPUTE_DTYPE
-        )
+        h = layernorm(h, **weights_of(self.ln_1), eps=1e-05, dtype=COMPUTE_DTYPE)
         h = checkpoint_name(constrain(h, P("data", None, None)), self.path + ".ln_1")
         # gpt2.par:40 attn: attention(d, heads, bias=true) shard q[_, model], q_bias[model], k[_, model], k...
-        h = attention(
-            h,
-            q=weight(self.attn["q"]),
-            k=weight(self.attn["k"]),
-            v=weight(self.attn["v"]),
-            o=weight(self.attn["o"]),
-            q_bias=weight(self.attn["q_bias"]),
-            k_bias=weight(self.attn["k_bias"]),
-            v_bias=weight(self.attn["v_bias"]),
-            o_bias=weight(self.attn["o_bias"]),
-            heads=12,
-            kv_heads=12,
-            causal=True,
-            dtype=COMPUTE_DTYPE,
-        )
+        h = attention(h, **weights_of(self.attn), heads=12, kv_heads=12, causal=True, dtype=COMPUTE_DTYPE)
         h = checkpoint_name(constrain(h, P("data", None, None)), self.path + ".attn")
         # gpt2.par:41 dropout(0.1)
         h = dropout(h, key=layer_key(key, self.path + ".dropout_0"), rate=0.1)
@@ -1239,18 +1228,16 @@ class Gpt2Block(nnx.Module):
         # gpt2.par:43: residual
         h = x
         # gpt2.par:44 ln_2: layernorm(d, eps=eps)
-        h = layernorm(
-            h, scale=weight(self.ln_2["scale"]), bias=weight(self.ln_2["bias"]), eps=1e-05, dtype=COMPUTE_DTYPE
-        )
+        h = layernorm(h, **weights_of(self.ln_2), eps=1e-05, dtype=COMPUTE_DTYPE)
         h = checkpoint_name(constrain(h, P("data", None, None)), self.path + ".ln_2")
         # gpt2.par:45 fc: linear(d, ffn) shard kernel[_, model], bias[model]
-        h = linear(h, kernel=weight(self.fc["kernel"]), bias=weight(self.fc["bias"]), dtype=COMPUTE_DTYPE)
+        h = linear(h, **weights_of(self.fc), dtype=COMPUTE_DTYPE)
         h = checkpoint_name(constrain(h, P("data", None, "model")), self.path + ".fc")
         # gpt2.par:46 gelu()
         h = gelu(h, approximate=True)
         h = checkpoint_name(constrain(h, P("data", None, "model")), self.path + ".gelu")
         # gpt2.par:47 proj: linear(ffn, d) shard kernel[model, _]
-        h = linear(h, kernel=weight(self.proj["kernel"]), bias=weight(self.proj["bias"]), dtype=COMPUTE_DTYPE)
+        h = linear(h, **weights_of(self.proj), dtype=COMPUTE_DTYPE)
         h = checkpoint_name(constrain(h, P("data", None, None)), self.path + ".proj")
         # gpt2.par:48 dropout(0.1)
         h = dropout(h, key=layer_key(key, self.path + ".dropout_1"), rate=0.1)
@@ -1272,10 +1259,10 @@ class Stage0(nnx.Module):
 
     def __call__(self, x: jax.Array, inputs: dict[str, jax.Array], key: jax.Array | None) -> jax.Array:
         # gpt2.par:53 wte: embed(vocab, d) shard table[model, _]
-        x = embed(x, table=weight(self.wte["table"]), dtype=COMPUTE_DTYPE)
+        x = embed(x, **weights_of(self.wte), dtype=COMPUTE_DTYPE)
         x = checkpoint_name(constrain(x, P("data", None, None)), "wte")
         # gpt2.par:54 wpe: position_embed(positions, d)
-        x = position_embed(x, table=weight(self.wpe["table"]))
+        x = position_embed(x, **weights_of(self.wpe))
         x = checkpoint_name(constrain(x, P("data", None, None)), "wpe")
         # gpt2.par:55 dropout(0.1)
         x = dropout(x, key=layer_key(key, "dropout"), rate=0.1)
@@ -1300,12 +1287,10 @@ class Stage1(nnx.Module):
         # gpt2.par:57 h: repeat layers gpt2_block(d, heads, ffn, eps)
         x = scan_layers(self.h, 6, x, inputs, key)
         # gpt2.par:59 ln_f: layernorm(d, eps=eps)
-        x = layernorm(
-            x, scale=weight(self.ln_f["scale"]), bias=weight(self.ln_f["bias"]), eps=1e-05, dtype=COMPUTE_DTYPE
-        )
+        x = layernorm(x, **weights_of(self.ln_f), eps=1e-05, dtype=COMPUTE_DTYPE)
         x = checkpoint_name(constrain(x, P("data", None, None)), "ln_f")
         # gpt2.par:60 lm_head: linear(d, vocab, bias=false) tie kernel = wte.table.T
-        x = linear(x, kernel=weight(self.lm_head["kernel"]).T, dtype=COMPUTE_DTYPE)
+        x = linear(x, **weights_of(self.lm_head, transposed="kernel"), dtype=COMPUTE_DTYPE)
         x = checkpoint_name(constrain(x, P("data", None, "model")), "lm_head")
         return x
 

@@ -63,11 +63,16 @@ def constrain(x: jax.Array, spec: P) -> jax.Array:
     return lax.with_sharding_constraint(x, spec)
 
 
-def weight(param: nnx.Param, spec: P | None = None) -> jax.Array:
-    """A parameter as its layer computes with it, in the compute dtype; with `spec`, gathered
-    to that sharding first (parameters stored split over the data axes, ZeRO-3 and FSDP)."""
-    value = param[...] if spec is None else constrain(param[...], spec)
-    return value.astype(COMPUTE_DTYPE)
+def weights_of(layer: nnx.Dict, gather: dict[str, P] | None = None, transposed: str = "") -> dict[str, jax.Array]:
+    """A layer's parameters by name, as its kernel takes them: in the compute dtype; with
+    `gather`, each gathered to its sharding there first (parameters stored split over the data
+    axes, ZeRO-3 and FSDP); the one named `transposed` read the other way round (a head
+    reading a tied embedding's table)."""
+    out = {}
+    for name, param in layer.items():
+        value = (param[...] if gather is None else constrain(param[...], gather[name])).astype(COMPUTE_DTYPE)
+        out[name] = value.T if name == transposed else value
+    return out
 
 
 def layer_key(key: jax.Array | None, path: str) -> jax.Array | None:
@@ -1220,35 +1225,25 @@ class GptBlock(nnx.Module):
         # gpt3_175b.par:31: residual
         h = x
         # gpt3_175b.par:32 ln1: layernorm(d)
-        h = layernorm(h, scale=weight(self.ln1["scale"]), bias=weight(self.ln1["bias"]), eps=1e-05, dtype=COMPUTE_DTYPE)
+        h = layernorm(h, **weights_of(self.ln1), eps=1e-05, dtype=COMPUTE_DTYPE)
         h = checkpoint_name(constrain(h, P("data", None, None)), self.path + ".ln1")
         # gpt3_175b.par:33 attn: attention(d, heads, causal=true) shard q[_, model], k[_, model], v[_, mode...
-        h = attention(
-            h,
-            q=weight(self.attn["q"]),
-            k=weight(self.attn["k"]),
-            v=weight(self.attn["v"]),
-            o=weight(self.attn["o"]),
-            heads=96,
-            kv_heads=96,
-            causal=True,
-            dtype=COMPUTE_DTYPE,
-        )
+        h = attention(h, **weights_of(self.attn), heads=96, kv_heads=96, causal=True, dtype=COMPUTE_DTYPE)
         h = checkpoint_name(constrain(h, P("data", None, None)), self.path + ".attn")
         x = x + h
         # gpt3_175b.par:35: residual
         h = x
         # gpt3_175b.par:36 ln2: layernorm(d)
-        h = layernorm(h, scale=weight(self.ln2["scale"]), bias=weight(self.ln2["bias"]), eps=1e-05, dtype=COMPUTE_DTYPE)
+        h = layernorm(h, **weights_of(self.ln2), eps=1e-05, dtype=COMPUTE_DTYPE)
         h = checkpoint_name(constrain(h, P("data", None, None)), self.path + ".ln2")
         # gpt3_175b.par:37 up: linear(d, ffn) shard kernel[_, model], bias[model]
-        h = linear(h, kernel=weight(self.up["kernel"]), bias=weight(self.up["bias"]), dtype=COMPUTE_DTYPE)
+        h = linear(h, **weights_of(self.up), dtype=COMPUTE_DTYPE)
         h = checkpoint_name(constrain(h, P("data", None, "model")), self.path + ".up")
         # gpt3_175b.par:38 gelu()
         h = gelu(h, approximate=True)
         h = checkpoint_name(constrain(h, P("data", None, "model")), self.path + ".gelu")
         # gpt3_175b.par:39 down: linear(ffn, d) shard kernel[model, _]
-        h = linear(h, kernel=weight(self.down["kernel"]), bias=weight(self.down["bias"]), dtype=COMPUTE_DTYPE)
+        h = linear(h, **weights_of(self.down), dtype=COMPUTE_DTYPE)
         h = checkpoint_name(constrain(h, P("data", None, None)), self.path + ".down")
         x = x + h
         return x
@@ -1265,7 +1260,7 @@ class Stage0(nnx.Module):
 
     def __call__(self, x: jax.Array, inputs: dict[str, jax.Array], key: jax.Array | None) -> jax.Array:
         # gpt3_175b.par:44 embed: embed(vocab, d) shard table[model, _]
-        x = embed(x, table=weight(self.embed["table"]), dtype=COMPUTE_DTYPE)
+        x = embed(x, **weights_of(self.embed), dtype=COMPUTE_DTYPE)
         x = checkpoint_name(constrain(x, P("data", None, None)), "embed")
         # gpt3_175b.par:46 blocks: repeat n_layers gpt_block(d, heads, ffn)
         x = scan_layers(self.blocks, 6, x, inputs, key)
@@ -1300,12 +1295,10 @@ class Stage15(nnx.Module):
         # gpt3_175b.par:46 blocks: repeat n_layers gpt_block(d, heads, ffn)
         x = scan_layers(self.blocks, 6, x, inputs, key)
         # gpt3_175b.par:48 ln_f: layernorm(d)
-        x = layernorm(
-            x, scale=weight(self.ln_f["scale"]), bias=weight(self.ln_f["bias"]), eps=1e-05, dtype=COMPUTE_DTYPE
-        )
+        x = layernorm(x, **weights_of(self.ln_f), eps=1e-05, dtype=COMPUTE_DTYPE)
         x = checkpoint_name(constrain(x, P("data", None, None)), "ln_f")
         # gpt3_175b.par:49 head: linear(d, vocab, bias=false) shard kernel[_, model]
-        x = linear(x, kernel=weight(self.head["kernel"]), dtype=COMPUTE_DTYPE)
+        x = linear(x, **weights_of(self.head), dtype=COMPUTE_DTYPE)
         x = checkpoint_name(constrain(x, P("data", None, "model")), "head")
         return x
 

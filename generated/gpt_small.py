@@ -63,11 +63,16 @@ def constrain(x: jax.Array, spec: P) -> jax.Array:
     return lax.with_sharding_constraint(x, spec)
 
 
-def weight(param: nnx.Param, spec: P | None = None) -> jax.Array:
-    """A parameter as its layer computes with it, in the compute dtype; with `spec`, gathered
-    to that sharding first (parameters stored split over the data axes, ZeRO-3 and FSDP)."""
-    value = param[...] if spec is None else constrain(param[...], spec)
-    return value.astype(COMPUTE_DTYPE)
+def weights_of(layer: nnx.Dict, gather: dict[str, P] | None = None, transposed: str = "") -> dict[str, jax.Array]:
+    """A layer's parameters by name, as its kernel takes them: in the compute dtype; with
+    `gather`, each gathered to its sharding there first (parameters stored split over the data
+    axes, ZeRO-3 and FSDP); the one named `transposed` read the other way round (a head
+    reading a tied embedding's table)."""
+    out = {}
+    for name, param in layer.items():
+        value = (param[...] if gather is None else constrain(param[...], gather[name])).astype(COMPUTE_DTYPE)
+        out[name] = value.T if name == transposed else value
+    return out
 
 
 def layer_key(key: jax.Array | None, path: str) -> jax.Array | None:
@@ -1205,20 +1210,10 @@ class GptBlock(nnx.Module):
         # gpt_small.par:22: residual
         h = x
         # gpt_small.par:23 ln1: layernorm(d)
-        h = layernorm(h, scale=weight(self.ln1["scale"]), bias=weight(self.ln1["bias"]), eps=1e-05, dtype=COMPUTE_DTYPE)
+        h = layernorm(h, **weights_of(self.ln1), eps=1e-05, dtype=COMPUTE_DTYPE)
         h = checkpoint_name(constrain(h, P("data", None, None)), self.path + ".ln1")
         # gpt_small.par:24 attn: attention(d, heads, causal=true) shard q[_, model], k[_, model], v[_, mode...
-        h = attention(
-            h,
-            q=weight(self.attn["q"]),
-            k=weight(self.attn["k"]),
-            v=weight(self.attn["v"]),
-            o=weight(self.attn["o"]),
-            heads=4,
-            kv_heads=4,
-            causal=True,
-            dtype=COMPUTE_DTYPE,
-        )
+        h = attention(h, **weights_of(self.attn), heads=4, kv_heads=4, causal=True, dtype=COMPUTE_DTYPE)
         h = checkpoint_name(constrain(h, P("data", None, None)), self.path + ".attn")
         # gpt_small.par:25 dropout(0.1)
         h = dropout(h, key=layer_key(key, self.path + ".dropout_0"), rate=0.1)
@@ -1227,16 +1222,16 @@ class GptBlock(nnx.Module):
         # gpt_small.par:27: residual
         h = x
         # gpt_small.par:28 ln2: layernorm(d)
-        h = layernorm(h, scale=weight(self.ln2["scale"]), bias=weight(self.ln2["bias"]), eps=1e-05, dtype=COMPUTE_DTYPE)
+        h = layernorm(h, **weights_of(self.ln2), eps=1e-05, dtype=COMPUTE_DTYPE)
         h = checkpoint_name(constrain(h, P("data", None, None)), self.path + ".ln2")
         # gpt_small.par:29 up: linear(d, ffn) shard kernel[_, model], bias[model]
-        h = linear(h, kernel=weight(self.up["kernel"]), bias=weight(self.up["bias"]), dtype=COMPUTE_DTYPE)
+        h = linear(h, **weights_of(self.up), dtype=COMPUTE_DTYPE)
         h = checkpoint_name(constrain(h, P("data", None, "model")), self.path + ".up")
         # gpt_small.par:30 gelu()
         h = gelu(h, approximate=True)
         h = checkpoint_name(constrain(h, P("data", None, "model")), self.path + ".gelu")
         # gpt_small.par:31 down: linear(ffn, d) shard kernel[model, _]
-        h = linear(h, kernel=weight(self.down["kernel"]), bias=weight(self.down["bias"]), dtype=COMPUTE_DTYPE)
+        h = linear(h, **weights_of(self.down), dtype=COMPUTE_DTYPE)
         h = checkpoint_name(constrain(h, P("data", None, None)), self.path + ".down")
         # gpt_small.par:32 dropout(0.1)
         h = dropout(h, key=layer_key(key, self.path + ".dropout_1"), rate=0.1)
@@ -1256,7 +1251,7 @@ class Stage0(nnx.Module):
 
     def __call__(self, x: jax.Array, inputs: dict[str, jax.Array], key: jax.Array | None) -> jax.Array:
         # gpt_small.par:37 embed: embed(vocab, d) shard table[model, _]
-        x = embed(x, table=weight(self.embed["table"]), dtype=COMPUTE_DTYPE)
+        x = embed(x, **weights_of(self.embed), dtype=COMPUTE_DTYPE)
         x = checkpoint_name(constrain(x, P("data", None, None)), "embed")
         # gpt_small.par:39 blocks: repeat n_layers gpt_block(d, heads, ffn)
         x = scan_layers(self.blocks, 2, x, inputs, key)
@@ -1278,12 +1273,10 @@ class Stage1(nnx.Module):
         # gpt_small.par:39 blocks: repeat n_layers gpt_block(d, heads, ffn)
         x = scan_layers(self.blocks, 2, x, inputs, key)
         # gpt_small.par:41 ln_f: layernorm(d)
-        x = layernorm(
-            x, scale=weight(self.ln_f["scale"]), bias=weight(self.ln_f["bias"]), eps=1e-05, dtype=COMPUTE_DTYPE
-        )
+        x = layernorm(x, **weights_of(self.ln_f), eps=1e-05, dtype=COMPUTE_DTYPE)
         x = checkpoint_name(constrain(x, P("data", None, None)), "ln_f")
         # gpt_small.par:42 head: linear(d, vocab, bias=false) shard kernel[_, model]
-        x = linear(x, kernel=weight(self.head["kernel"]), dtype=COMPUTE_DTYPE)
+        x = linear(x, **weights_of(self.head), dtype=COMPUTE_DTYPE)
         x = checkpoint_name(constrain(x, P("data", None, "model")), "head")
         return x
 

@@ -62,11 +62,16 @@ def constrain(x: jax.Array, spec: P) -> jax.Array:
     return lax.with_sharding_constraint(x, spec)
 
 
-def weight(param: nnx.Param, spec: P | None = None) -> jax.Array:
-    """A parameter as its layer computes with it, in the compute dtype; with `spec`, gathered
-    to that sharding first (parameters stored split over the data axes, ZeRO-3 and FSDP)."""
-    value = param[...] if spec is None else constrain(param[...], spec)
-    return value.astype(COMPUTE_DTYPE)
+def weights_of(layer: nnx.Dict, gather: dict[str, P] | None = None, transposed: str = "") -> dict[str, jax.Array]:
+    """A layer's parameters by name, as its kernel takes them: in the compute dtype; with
+    `gather`, each gathered to its sharding there first (parameters stored split over the data
+    axes, ZeRO-3 and FSDP); the one named `transposed` read the other way round (a head
+    reading a tied embedding's table)."""
+    out = {}
+    for name, param in layer.items():
+        value = (param[...] if gather is None else constrain(param[...], gather[name])).astype(COMPUTE_DTYPE)
+        out[name] = value.T if name == transposed else value
+    return out
 
 
 def layer_key(key: jax.Array | None, path: str) -> jax.Array | None:
@@ -646,15 +651,12 @@ class LlamaBlock(nnx.Module):
         # llama_small.par:23: residual
         h = x
         # llama_small.par:24 attn_norm: rmsnorm(d)
-        h = rmsnorm(h, scale=weight(self.attn_norm["scale"]), eps=1e-06, dtype=COMPUTE_DTYPE)
+        h = rmsnorm(h, **weights_of(self.attn_norm), eps=1e-06, dtype=COMPUTE_DTYPE)
         h = checkpoint_name(constrain(h, P("data", None, None)), self.path + ".attn_norm")
         # llama_small.par:25 attn: attention(d, heads, kv_heads=kv_heads, rope=true) shard q[_, model], k[_...
         h = attention(
             h,
-            q=weight(self.attn["q"]),
-            k=weight(self.attn["k"]),
-            v=weight(self.attn["v"]),
-            o=weight(self.attn["o"]),
+            **weights_of(self.attn),
             heads=8,
             kv_heads=4,
             causal=True,
@@ -666,13 +668,13 @@ class LlamaBlock(nnx.Module):
         # llama_small.par:27: residual
         h = x
         # llama_small.par:28 mlp_norm: rmsnorm(d)
-        h = rmsnorm(h, scale=weight(self.mlp_norm["scale"]), eps=1e-06, dtype=COMPUTE_DTYPE)
+        h = rmsnorm(h, **weights_of(self.mlp_norm), eps=1e-06, dtype=COMPUTE_DTYPE)
         h = checkpoint_name(constrain(h, P("data", None, None)), self.path + ".mlp_norm")
         # llama_small.par:29 gate_up: swiglu(d, ffn) shard gate[_, model], up[_, model]
-        h = swiglu(h, gate=weight(self.gate_up["gate"]), up=weight(self.gate_up["up"]), dtype=COMPUTE_DTYPE)
+        h = swiglu(h, **weights_of(self.gate_up), dtype=COMPUTE_DTYPE)
         h = checkpoint_name(constrain(h, P("data", None, "model")), self.path + ".gate_up")
         # llama_small.par:30 down: linear(ffn, d, bias=false) shard kernel[model, _]
-        h = linear(h, kernel=weight(self.down["kernel"]), dtype=COMPUTE_DTYPE)
+        h = linear(h, **weights_of(self.down), dtype=COMPUTE_DTYPE)
         h = checkpoint_name(constrain(h, P("data", None, None)), self.path + ".down")
         x = x + h
         return x
@@ -693,15 +695,15 @@ class LlamaSmall(nnx.Module):
 
     def __call__(self, x: jax.Array, inputs: dict[str, jax.Array], key: jax.Array | None) -> jax.Array:
         # llama_small.par:35 embed: embed(vocab, d) shard table[model, _]
-        x = embed(x, table=weight(self.embed["table"]), dtype=COMPUTE_DTYPE)
+        x = embed(x, **weights_of(self.embed), dtype=COMPUTE_DTYPE)
         x = checkpoint_name(constrain(x, P("data", None, None)), "embed")
         # llama_small.par:36 layers: repeat n_layers llama_block(d, heads, kv_heads, ffn)
         x = scan_layers(self.layers, 4, x, inputs, key)
         # llama_small.par:37 norm: rmsnorm(d)
-        x = rmsnorm(x, scale=weight(self.norm["scale"]), eps=1e-06, dtype=COMPUTE_DTYPE)
+        x = rmsnorm(x, **weights_of(self.norm), eps=1e-06, dtype=COMPUTE_DTYPE)
         x = checkpoint_name(constrain(x, P("data", None, None)), "norm")
         # llama_small.par:38 head: linear(d, vocab, bias=false) shard kernel[_, model]
-        x = linear(x, kernel=weight(self.head["kernel"]), dtype=COMPUTE_DTYPE)
+        x = linear(x, **weights_of(self.head), dtype=COMPUTE_DTYPE)
         x = checkpoint_name(constrain(x, P("data", None, "model")), "head")
         return x
 

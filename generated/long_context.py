@@ -62,11 +62,16 @@ def constrain(x: jax.Array, spec: P) -> jax.Array:
     return lax.with_sharding_constraint(x, spec)
 
 
-def weight(param: nnx.Param, spec: P | None = None) -> jax.Array:
-    """A parameter as its layer computes with it, in the compute dtype; with `spec`, gathered
-    to that sharding first (parameters stored split over the data axes, ZeRO-3 and FSDP)."""
-    value = param[...] if spec is None else constrain(param[...], spec)
-    return value.astype(COMPUTE_DTYPE)
+def weights_of(layer: nnx.Dict, gather: dict[str, P] | None = None, transposed: str = "") -> dict[str, jax.Array]:
+    """A layer's parameters by name, as its kernel takes them: in the compute dtype; with
+    `gather`, each gathered to its sharding there first (parameters stored split over the data
+    axes, ZeRO-3 and FSDP); the one named `transposed` read the other way round (a head
+    reading a tied embedding's table)."""
+    out = {}
+    for name, param in layer.items():
+        value = (param[...] if gather is None else constrain(param[...], gather[name])).astype(COMPUTE_DTYPE)
+        out[name] = value.T if name == transposed else value
+    return out
 
 
 def layer_key(key: jax.Array | None, path: str) -> jax.Array | None:
@@ -875,15 +880,12 @@ class Decoder(nnx.Module):
         # long_context.par:25: residual
         h = x
         # long_context.par:26 attn_norm: rmsnorm(d)
-        h = rmsnorm(h, scale=weight(self.attn_norm["scale"]), eps=1e-06, dtype=COMPUTE_DTYPE)
+        h = rmsnorm(h, **weights_of(self.attn_norm), eps=1e-06, dtype=COMPUTE_DTYPE)
         h = checkpoint_name(constrain(h, P("data", "context", None)), self.path + ".attn_norm")
         # long_context.par:27 attn: attention(d, heads, kv_heads=kv_heads, rope=true) shard q[_, model], k[...
         h = ring_attention(
             h,
-            q=weight(self.attn["q"]),
-            k=weight(self.attn["k"]),
-            v=weight(self.attn["v"]),
-            o=weight(self.attn["o"]),
+            **weights_of(self.attn),
             heads=4,
             kv_heads=2,
             causal=True,
@@ -896,13 +898,13 @@ class Decoder(nnx.Module):
         # long_context.par:29: residual
         h = x
         # long_context.par:30 mlp_norm: rmsnorm(d)
-        h = rmsnorm(h, scale=weight(self.mlp_norm["scale"]), eps=1e-06, dtype=COMPUTE_DTYPE)
+        h = rmsnorm(h, **weights_of(self.mlp_norm), eps=1e-06, dtype=COMPUTE_DTYPE)
         h = checkpoint_name(constrain(h, P("data", "context", None)), self.path + ".mlp_norm")
         # long_context.par:31 gate_up: swiglu(d, ffn) shard gate[_, model], up[_, model]
-        h = swiglu(h, gate=weight(self.gate_up["gate"]), up=weight(self.gate_up["up"]), dtype=COMPUTE_DTYPE)
+        h = swiglu(h, **weights_of(self.gate_up), dtype=COMPUTE_DTYPE)
         h = checkpoint_name(constrain(h, P("data", "context", "model")), self.path + ".gate_up")
         # long_context.par:32 down: linear(ffn, d, bias=false) shard kernel[model, _]
-        h = linear(h, kernel=weight(self.down["kernel"]), dtype=COMPUTE_DTYPE)
+        h = linear(h, **weights_of(self.down), dtype=COMPUTE_DTYPE)
         h = checkpoint_name(constrain(h, P("data", "context", None)), self.path + ".down")
         x = x + h
         return x
@@ -923,15 +925,15 @@ class LongContext(nnx.Module):
 
     def __call__(self, x: jax.Array, inputs: dict[str, jax.Array], key: jax.Array | None) -> jax.Array:
         # long_context.par:37 embed: embed(vocab, d) shard table[model, _]
-        x = embed(x, table=weight(self.embed["table"]), dtype=COMPUTE_DTYPE)
+        x = embed(x, **weights_of(self.embed), dtype=COMPUTE_DTYPE)
         x = checkpoint_name(constrain(x, P("data", "context", None)), "embed")
         # long_context.par:38 layers: repeat n_layers decoder(d, heads, kv_heads, ffn)
         x = scan_layers(self.layers, 2, x, inputs, key)
         # long_context.par:39 norm: rmsnorm(d)
-        x = rmsnorm(x, scale=weight(self.norm["scale"]), eps=1e-06, dtype=COMPUTE_DTYPE)
+        x = rmsnorm(x, **weights_of(self.norm), eps=1e-06, dtype=COMPUTE_DTYPE)
         x = checkpoint_name(constrain(x, P("data", "context", None)), "norm")
         # long_context.par:40 head: linear(d, vocab, bias=false) shard kernel[_, model]
-        x = linear(x, kernel=weight(self.head["kernel"]), dtype=COMPUTE_DTYPE)
+        x = linear(x, **weights_of(self.head), dtype=COMPUTE_DTYPE)
         x = checkpoint_name(constrain(x, P("data", "context", "model")), "head")
         return x
 

@@ -62,11 +62,16 @@ def constrain(x: jax.Array, spec: P) -> jax.Array:
     return lax.with_sharding_constraint(x, spec)
 
 
-def weight(param: nnx.Param, spec: P | None = None) -> jax.Array:
-    """A parameter as its layer computes with it, in the compute dtype; with `spec`, gathered
-    to that sharding first (parameters stored split over the data axes, ZeRO-3 and FSDP)."""
-    value = param[...] if spec is None else constrain(param[...], spec)
-    return value.astype(COMPUTE_DTYPE)
+def weights_of(layer: nnx.Dict, gather: dict[str, P] | None = None, transposed: str = "") -> dict[str, jax.Array]:
+    """A layer's parameters by name, as its kernel takes them: in the compute dtype; with
+    `gather`, each gathered to its sharding there first (parameters stored split over the data
+    axes, ZeRO-3 and FSDP); the one named `transposed` read the other way round (a head
+    reading a tied embedding's table)."""
+    out = {}
+    for name, param in layer.items():
+        value = (param[...] if gather is None else constrain(param[...], gather[name])).astype(COMPUTE_DTYPE)
+        out[name] = value.T if name == transposed else value
+    return out
 
 
 def layer_key(key: jax.Array | None, path: str) -> jax.Array | None:
@@ -739,33 +744,21 @@ class Decoder(nnx.Module):
         # moe_small.par:24: residual
         h = x
         # moe_small.par:25 ln1: layernorm(d)
-        h = layernorm(h, scale=weight(self.ln1["scale"]), bias=weight(self.ln1["bias"]), eps=1e-05, dtype=COMPUTE_DTYPE)
+        h = layernorm(h, **weights_of(self.ln1), eps=1e-05, dtype=COMPUTE_DTYPE)
         h = checkpoint_name(constrain(h, P(("data", "expert"), None, None)), self.path + ".ln1")
         # moe_small.par:26 attn: attention(d, heads, causal=true)
-        h = attention(
-            h,
-            q=weight(self.attn["q"]),
-            k=weight(self.attn["k"]),
-            v=weight(self.attn["v"]),
-            o=weight(self.attn["o"]),
-            heads=4,
-            kv_heads=4,
-            causal=True,
-            dtype=COMPUTE_DTYPE,
-        )
+        h = attention(h, **weights_of(self.attn), heads=4, kv_heads=4, causal=True, dtype=COMPUTE_DTYPE)
         h = checkpoint_name(constrain(h, P(("data", "expert"), None, None)), self.path + ".attn")
         x = x + h
         # moe_small.par:28: residual
         h = x
         # moe_small.par:29 ln2: layernorm(d)
-        h = layernorm(h, scale=weight(self.ln2["scale"]), bias=weight(self.ln2["bias"]), eps=1e-05, dtype=COMPUTE_DTYPE)
+        h = layernorm(h, **weights_of(self.ln2), eps=1e-05, dtype=COMPUTE_DTYPE)
         h = checkpoint_name(constrain(h, P(("data", "expert"), None, None)), self.path + ".ln2")
         # moe_small.par:30 moe: moe(d, hidden, experts, top_k=2, capacity=1.25) shard w_in[expert, _, _], w...
         h, more = moe(
             h,
-            router=weight(self.moe["router"]),
-            w_in=weight(self.moe["w_in"]),
-            w_out=weight(self.moe["w_out"]),
+            **weights_of(self.moe),
             top_k=2,
             capacity=1.25,
             aux_weight=0.01,
@@ -795,18 +788,16 @@ class MoeSmall(nnx.Module):
     def __call__(self, x: jax.Array, inputs: dict[str, jax.Array], key: jax.Array | None) -> tuple[jax.Array, Aux]:
         aux: Aux = {}  # the layers' auxiliary values, summed
         # moe_small.par:35 embed: embed(vocab, d)
-        x = embed(x, table=weight(self.embed["table"]), dtype=COMPUTE_DTYPE)
+        x = embed(x, **weights_of(self.embed), dtype=COMPUTE_DTYPE)
         x = checkpoint_name(constrain(x, P(("data", "expert"), None, None)), "embed")
         # moe_small.par:36 layers: repeat 2 decoder(d, heads)
         x, more = scan_layers(self.layers, 2, x, inputs, key)
         aux = add_aux(aux, more)
         # moe_small.par:37 ln_f: layernorm(d)
-        x = layernorm(
-            x, scale=weight(self.ln_f["scale"]), bias=weight(self.ln_f["bias"]), eps=1e-05, dtype=COMPUTE_DTYPE
-        )
+        x = layernorm(x, **weights_of(self.ln_f), eps=1e-05, dtype=COMPUTE_DTYPE)
         x = checkpoint_name(constrain(x, P(("data", "expert"), None, None)), "ln_f")
         # moe_small.par:38 head: linear(d, vocab, bias=false)
-        x = linear(x, kernel=weight(self.head["kernel"]), dtype=COMPUTE_DTYPE)
+        x = linear(x, **weights_of(self.head), dtype=COMPUTE_DTYPE)
         x = checkpoint_name(constrain(x, P(("data", "expert"), None, None)), "head")
         return x, aux
 

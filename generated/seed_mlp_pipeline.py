@@ -63,11 +63,16 @@ def constrain(x: jax.Array, spec: P) -> jax.Array:
     return lax.with_sharding_constraint(x, spec)
 
 
-def weight(param: nnx.Param, spec: P | None = None) -> jax.Array:
-    """A parameter as its layer computes with it, in the compute dtype; with `spec`, gathered
-    to that sharding first (parameters stored split over the data axes, ZeRO-3 and FSDP)."""
-    value = param[...] if spec is None else constrain(param[...], spec)
-    return value.astype(COMPUTE_DTYPE)
+def weights_of(layer: nnx.Dict, gather: dict[str, P] | None = None, transposed: str = "") -> dict[str, jax.Array]:
+    """A layer's parameters by name, as its kernel takes them: in the compute dtype; with
+    `gather`, each gathered to its sharding there first (parameters stored split over the data
+    axes, ZeRO-3 and FSDP); the one named `transposed` read the other way round (a head
+    reading a tied embedding's table)."""
+    out = {}
+    for name, param in layer.items():
+        value = (param[...] if gather is None else constrain(param[...], gather[name])).astype(COMPUTE_DTYPE)
+        out[name] = value.T if name == transposed else value
+    return out
 
 
 def layer_key(key: jax.Array | None, path: str) -> jax.Array | None:
@@ -1016,13 +1021,13 @@ class Stage0(nnx.Module):
 
     def __call__(self, x: jax.Array, inputs: dict[str, jax.Array], key: jax.Array | None) -> jax.Array:
         # seed_mlp_pipeline.par:21 fc1: linear(784, 512)
-        x = linear(x, kernel=weight(self.fc1["kernel"]), bias=weight(self.fc1["bias"]), dtype=COMPUTE_DTYPE)
+        x = linear(x, **weights_of(self.fc1), dtype=COMPUTE_DTYPE)
         x = checkpoint_name(constrain(x, P("data", None)), "fc1")
         # seed_mlp_pipeline.par:22 relu()
         x = relu(x)
         x = checkpoint_name(constrain(x, P("data", None)), "relu_0")
         # seed_mlp_pipeline.par:23 fc2: linear(512, 512)
-        x = linear(x, kernel=weight(self.fc2["kernel"]), bias=weight(self.fc2["bias"]), dtype=COMPUTE_DTYPE)
+        x = linear(x, **weights_of(self.fc2), dtype=COMPUTE_DTYPE)
         x = checkpoint_name(constrain(x, P("data", None)), "fc2")
         # seed_mlp_pipeline.par:24 relu()
         x = relu(x)
@@ -1041,13 +1046,13 @@ class Stage1(nnx.Module):
 
     def __call__(self, x: jax.Array, inputs: dict[str, jax.Array], key: jax.Array | None) -> jax.Array:
         # seed_mlp_pipeline.par:27 fc3: linear(512, 256)
-        x = linear(x, kernel=weight(self.fc3["kernel"]), bias=weight(self.fc3["bias"]), dtype=COMPUTE_DTYPE)
+        x = linear(x, **weights_of(self.fc3), dtype=COMPUTE_DTYPE)
         x = checkpoint_name(constrain(x, P("data", None)), "fc3")
         # seed_mlp_pipeline.par:28 relu()
         x = relu(x)
         x = checkpoint_name(constrain(x, P("data", None)), "relu_2")
         # seed_mlp_pipeline.par:29 fc4: linear(256, 256)
-        x = linear(x, kernel=weight(self.fc4["kernel"]), bias=weight(self.fc4["bias"]), dtype=COMPUTE_DTYPE)
+        x = linear(x, **weights_of(self.fc4), dtype=COMPUTE_DTYPE)
         x = checkpoint_name(constrain(x, P("data", None)), "fc4")
         # seed_mlp_pipeline.par:30 relu()
         x = relu(x)
@@ -1066,13 +1071,13 @@ class Stage2(nnx.Module):
 
     def __call__(self, x: jax.Array, inputs: dict[str, jax.Array], key: jax.Array | None) -> jax.Array:
         # seed_mlp_pipeline.par:33 fc5: linear(256, 128)
-        x = linear(x, kernel=weight(self.fc5["kernel"]), bias=weight(self.fc5["bias"]), dtype=COMPUTE_DTYPE)
+        x = linear(x, **weights_of(self.fc5), dtype=COMPUTE_DTYPE)
         x = checkpoint_name(constrain(x, P("data", None)), "fc5")
         # seed_mlp_pipeline.par:34 relu()
         x = relu(x)
         x = checkpoint_name(constrain(x, P("data", None)), "relu_4")
         # seed_mlp_pipeline.par:35 fc6: linear(128, 10)
-        x = linear(x, kernel=weight(self.fc6["kernel"]), bias=weight(self.fc6["bias"]), dtype=COMPUTE_DTYPE)
+        x = linear(x, **weights_of(self.fc6), dtype=COMPUTE_DTYPE)
         x = checkpoint_name(constrain(x, P("data", None)), "fc6")
         return x
 
