@@ -1325,20 +1325,7 @@ STAGES = (Stage0, *[Stage1] * 14, Stage15)
 # Each chunk's weights: its share of the stored arrays, by the names its class reads.
 CHUNK_WEIGHTS = (
     {"embed.table": Share("embed.table"), **layer_shares(PARAMETERS, "blocks.*.", (0, 6))},
-    {**layer_shares(PARAMETERS, "blocks.*.", (6, 12))},
-    {**layer_shares(PARAMETERS, "blocks.*.", (12, 18))},
-    {**layer_shares(PARAMETERS, "blocks.*.", (18, 24))},
-    {**layer_shares(PARAMETERS, "blocks.*.", (24, 30))},
-    {**layer_shares(PARAMETERS, "blocks.*.", (30, 36))},
-    {**layer_shares(PARAMETERS, "blocks.*.", (36, 42))},
-    {**layer_shares(PARAMETERS, "blocks.*.", (42, 48))},
-    {**layer_shares(PARAMETERS, "blocks.*.", (48, 54))},
-    {**layer_shares(PARAMETERS, "blocks.*.", (54, 60))},
-    {**layer_shares(PARAMETERS, "blocks.*.", (60, 66))},
-    {**layer_shares(PARAMETERS, "blocks.*.", (66, 72))},
-    {**layer_shares(PARAMETERS, "blocks.*.", (72, 78))},
-    {**layer_shares(PARAMETERS, "blocks.*.", (78, 84))},
-    {**layer_shares(PARAMETERS, "blocks.*.", (84, 90))},
+    *(layer_shares(PARAMETERS, "blocks.*.", (i, i + 6)) for i in range(6, 90, 6)),
     {
         **layer_shares(PARAMETERS, "blocks.*.", (90, 96)),
         "ln_f.scale": Share("ln_f.scale"),

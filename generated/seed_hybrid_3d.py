@@ -1215,8 +1215,8 @@ def scan_layers(
 STAGES = (Stage0, Stage0)
 # Each chunk's weights: its share of the stored arrays, by the names its class reads.
 CHUNK_WEIGHTS = (
-    {**layer_shares(PARAMETERS, "blocks.*.", (0, 12))},
-    {**layer_shares(PARAMETERS, "blocks.*.", (12, 24))},
+    layer_shares(PARAMETERS, "blocks.*.", (0, 12)),
+    layer_shares(PARAMETERS, "blocks.*.", (12, 24)),
 )
 
 

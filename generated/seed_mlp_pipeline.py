@@ -935,11 +935,6 @@ class Share(NamedTuple):
     shape: tuple[int, ...] | None = None
 
 
-def layer_shares(parameters: dict[str, Any], prefix: str, layers: tuple[int, int]) -> dict[str, Share]:
-    """A chunk's layers [start, stop) of every array a repeat stores under `prefix` (`blocks.*.`)."""
-    return {name: Share(name, (layers,)) for name in parameters if name.startswith(prefix)}
-
-
 def take_share(
     arrays: dict[str, jax.Array], share: Share, stage_rows: int | None, local: bool, dtype: Any
 ) -> jax.Array:

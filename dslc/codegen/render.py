@@ -181,7 +181,8 @@ def generate(
     # slices of the batch (accumulation steps, microbatches) weigh by their count.
     count = RULES[program.loss.kind].count_kernel if program.loss is not None else None
     data_axes = data_parallel_axes(program)
-    kernels = _kernels(program, count, data_axes)
+    chunk_weights = _chunk_weights(placement) if program.pipelined else []
+    kernels = _kernels(program, count, data_axes, any("layer_shares(" in entry for entry in chunk_weights))
     mesh_axes = program.mesh.names or ("replica",)
     mesh_shape = program.mesh.shape or (1,)
     context = {
@@ -209,7 +210,7 @@ def generate(
         "classes": [*builder.blocks, *top],
         "top": [c.name for c in top],
         "stages": stages,
-        "shares": _shares(placement) if program.pipelined else [],
+        "chunk_weights": chunk_weights,
         "loss": loss,
         "schedule": _schedule(program) if program.pipelined else None,
         "accumulate": program.train.accumulate,
@@ -386,12 +387,42 @@ def _entries_tuple(sharding: ir.Sharding) -> str:
     return "(" + ", ".join(entries) + ("," if len(entries) == 1 else "") + ")"
 
 
-def _shares(placement: Placement) -> list[list[str]]:
+def _chunk_weights(placement: Placement) -> list[str]:
+    """The entries of the `CHUNK_WEIGHTS` tuple, each with its comma (as its first line
+    follows 4 spaces): a chunk's dict of weights, or, for a chunk holding only a repeat's
+    layers, the `layer_shares(...)` that makes it; a run of three or more such chunks, each
+    holding the next equal share of the layers, as one loop over them."""
+    chunks = _shares(placement)
+    out: list[str] = []
+    while chunks:
+        entries, layers = chunks[0]
+        if layers is None:
+            out.append(bracketed(entries, "{", "}", 4, ","))
+            del chunks[0]
+            continue
+        prefix, (start, stop) = layers
+        step = stop - start
+        run = 1
+        while run < len(chunks) and chunks[run][1] == (prefix, (start + run * step, stop + run * step)):
+            run += 1
+        if run < 3:
+            out.append(f"layer_shares(PARAMETERS, {py(prefix)}, {py((start, stop))}),")
+            del chunks[0]
+            continue
+        shares = f"layer_shares(PARAMETERS, {py(prefix)}, (i, i + {step}))"
+        out.append(f"*({shares} for i in range({start}, {start + run * step}, {step})),")
+        del chunks[:run]
+    return out
+
+
+def _shares(placement: Placement) -> list[tuple[list[str], tuple[str, tuple[int, int]] | None]]:
     """Per chunk: the entries of its dict of weights, each name in the chunk and the
-    `Share(...)` that says where it is; a repeat's layers of all its arrays in one entry."""
-    out = []
+    `Share(...)` that says where it is, a repeat's layers of all its arrays in one entry; and
+    (prefix, layers) where that one entry is all the chunk holds, else None."""
+    out: list[tuple[list[str], tuple[str, tuple[int, int]] | None]] = []
     for chunk in placement.shares:
         entries = []
+        only: tuple[str, tuple[int, int]] | None = None
         items = list(chunk.items())
         while items:
             name, share = items[0]
@@ -399,6 +430,9 @@ def _shares(placement: Placement) -> list[list[str]]:
             if layers is not None:
                 prefix, count = layers
                 entries.append(f"**layer_shares(PARAMETERS, {py(prefix)}, {py(share.rows[0])})")
+                rows = share.rows[0]
+                if count == len(chunk) and not isinstance(rows, int):
+                    only = prefix, rows
                 del items[:count]
                 continue
             args = [py(share.stored)]
@@ -408,7 +442,7 @@ def _shares(placement: Placement) -> list[list[str]]:
                 args.append("shape=" + py(share.shape))
             entries.append(f"{py(name)}: Share({', '.join(args)})")
             del items[0]
-        out.append(entries)
+        out.append((entries, only))
     return out
 
 
@@ -478,7 +512,9 @@ def _wrapped(pieces: tuple[str, ...], width: int = 100) -> list[str]:
     return [py(" ".join(line) + " ") for line in lines[:-1]] + [py(" ".join(lines[-1]))]
 
 
-def _kernels(program: ir.Program, count: str | None, data_axes: ir.Axes) -> list[source.Definition]:
+def _kernels(
+    program: ir.Program, count: str | None, data_axes: ir.Axes, shares_layers: bool
+) -> list[source.Definition]:
     layers = ir.all_layers(program)
     wanted = ["named_key", "initial_array", "make_optimizer", "step_metrics", "to_weights", "from_weights"]
     if program.train.accumulate > 1:
@@ -495,7 +531,8 @@ def _kernels(program: ir.Program, count: str | None, data_axes: ir.Axes) -> list
     if any(RULES[layer.kind].has_aux for layer in layers):
         wanted += ["AUX_LOSS", "add_aux"]
     if program.pipelined:
-        wanted += ["pipeline_value_and_grad", "Pipeline", "schedule_tables", "Share", "take_share", "layer_shares"]
+        wanted += ["pipeline_value_and_grad", "Pipeline", "schedule_tables", "Share", "take_share"]
+        wanted += ["layer_shares"] * shares_layers
     if data_axes:
         wanted.append("data_parallel")
     return source.closure(wanted)
