@@ -30,7 +30,7 @@ import optax
 from flax import nnx
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jax.sharding import PartitionSpec as P
 
 # ---- the mesh ----------------------------------------------------------------------------------
@@ -39,9 +39,10 @@ MESH_AXES = ("data", "model", "stage")
 MESH_SHAPE = (2, 2, 2)
 DEVICES = 8
 COMPUTE_DTYPE = "float32"
+Arrays = dict[str, jax.Array]  # arrays by name: the parameters, their gradients, a batch
 
 
-def make_mesh() -> jax.sharding.Mesh:
+def make_mesh() -> Mesh:
     """The mesh on this machine's devices, or on simulated CPU devices when there are too few."""
     devices = jax.devices()
     if len(devices) < DEVICES:
@@ -63,7 +64,7 @@ def constrain(x: jax.Array, spec: P) -> jax.Array:
     return lax.with_sharding_constraint(x, spec)
 
 
-def weights_of(layer: nnx.Dict, gather: dict[str, P] | None = None, transposed: str = "") -> dict[str, jax.Array]:
+def weights_of(layer: nnx.Dict, gather: dict[str, P] | None = None, transposed: str = "") -> Arrays:
     """A layer's parameters by name, as its kernel takes them: in the compute dtype; with
     `gather`, each gathered to its sharding there first (parameters stored split over the data
     axes, ZeRO-3 and FSDP); the one named `transposed` read the other way round (a head
@@ -286,10 +287,10 @@ INPUTS = {
 STREAM = "tokens"  # the input the forward pass starts from
 
 
-def init_params(seed: int, mesh: jax.sharding.Mesh) -> dict[str, jax.Array]:
+def init_params(seed: int, mesh: Mesh) -> Arrays:
     """Fresh parameters, each generated straight into its shards (never whole on one device)."""
 
-    def create() -> dict[str, jax.Array]:
+    def create() -> Arrays:
         key = jax.random.key(seed)
         return {name: initial_array(name, p, key) for name, p in PARAMETERS.items()}
 
@@ -297,22 +298,21 @@ def init_params(seed: int, mesh: jax.sharding.Mesh) -> dict[str, jax.Array]:
     return jax.jit(create, out_shardings=shardings)()
 
 
-def export_weights(params: dict[str, jax.Array]) -> dict[str, np.ndarray]:
+def export_weights(params: Arrays) -> dict[str, np.ndarray]:
     """Every weight by its per-layer name, as numpy arrays."""
     return to_weights(PARAMETERS, {name: jax.device_get(value) for name, value in params.items()})
 
 
-def import_weights(weights: dict[str, np.ndarray], mesh: jax.sharding.Mesh) -> dict[str, jax.Array]:
+def import_weights(weights: dict[str, np.ndarray], mesh: Mesh) -> Arrays:
     """The stored arrays for weights given by their per-layer names, placed on the mesh."""
-    return {
-        name: jax.device_put(
-            value.astype(jnp.dtype(PARAMETERS[name].dtype)), NamedSharding(mesh, PARAMETERS[name].sharding)
-        )
-        for name, value in from_weights(PARAMETERS, weights).items()
-    }
+    placed = {}
+    for name, value in from_weights(PARAMETERS, weights).items():
+        p = PARAMETERS[name]
+        placed[name] = jax.device_put(value.astype(jnp.dtype(p.dtype)), NamedSharding(mesh, p.sharding))
+    return placed
 
 
-def place(batch: dict[str, np.ndarray], mesh: jax.sharding.Mesh) -> dict[str, jax.Array]:
+def place(batch: dict[str, np.ndarray], mesh: Mesh) -> Arrays:
     """Put each input on the mesh with its declared sharding."""
     placed = {}
     for name, spec in INPUTS.items():
@@ -1182,7 +1182,7 @@ def step_metrics(grads: Any) -> dict[str, jax.Array]:
 # ---- the model ---------------------------------------------------------------------------------
 
 
-def layers_of(params: dict[str, jax.Array], prefix: str) -> dict[str, jax.Array]:
+def layers_of(params: Arrays, prefix: str) -> Arrays:
     """The weights under `prefix` (a block's, or a repeat's stacked ones), named relative to it."""
     return {name[len(prefix) :]: value for name, value in params.items() if name.startswith(prefix)}
 
@@ -1190,7 +1190,7 @@ def layers_of(params: dict[str, jax.Array], prefix: str) -> dict[str, jax.Array]
 class Gpt2Block(nnx.Module):
     """Block `gpt2_block` of the spec. (gpt2.par:38-48)"""
 
-    def __init__(self, params: dict[str, jax.Array], path: str) -> None:
+    def __init__(self, params: Arrays, path: str) -> None:
         self.path = path
         # gpt2.par:39 ln_1: layernorm(d, eps=eps)
         self.ln_1 = nnx.Dict(scale=nnx.Param(params["ln_1.scale"]), bias=nnx.Param(params["ln_1.bias"]))
@@ -1212,7 +1212,7 @@ class Gpt2Block(nnx.Module):
         # gpt2.par:47 proj: linear(ffn, d) shard kernel[model, _]
         self.proj = nnx.Dict(kernel=nnx.Param(params["proj.kernel"]), bias=nnx.Param(params["proj.bias"]))
 
-    def __call__(self, x: jax.Array, inputs: dict[str, jax.Array], key: jax.Array | None) -> jax.Array:
+    def __call__(self, x: jax.Array, inputs: Arrays, key: jax.Array | None) -> jax.Array:
         # gpt2.par:38: residual
         h = x
         # gpt2.par:39 ln_1: layernorm(d, eps=eps)
@@ -1249,7 +1249,7 @@ class Gpt2Block(nnx.Module):
 class Stage0(nnx.Module):
     """Chunk 0 of the pipeline, run by stage 0. (gpt2.par:53-57)"""
 
-    def __init__(self, params: dict[str, jax.Array]) -> None:
+    def __init__(self, params: Arrays) -> None:
         # gpt2.par:53 wte: embed(vocab, d) shard table[model, _]
         self.wte = nnx.Dict(table=nnx.Param(params["wte.table"]))
         # gpt2.par:54 wpe: position_embed(positions, d)
@@ -1257,7 +1257,7 @@ class Stage0(nnx.Module):
         # gpt2.par:57 h: repeat layers gpt2_block(d, heads, ffn, eps)
         self.h = Gpt2Block(layers_of(params, "h.*."), "h")
 
-    def __call__(self, x: jax.Array, inputs: dict[str, jax.Array], key: jax.Array | None) -> jax.Array:
+    def __call__(self, x: jax.Array, inputs: Arrays, key: jax.Array | None) -> jax.Array:
         # gpt2.par:53 wte: embed(vocab, d) shard table[model, _]
         x = embed(x, **weights_of(self.wte), dtype=COMPUTE_DTYPE)
         x = checkpoint_name(constrain(x, P("data", None, None)), "wte")
@@ -1275,7 +1275,7 @@ class Stage0(nnx.Module):
 class Stage1(nnx.Module):
     """Chunk 1 of the pipeline, run by stage 1. (gpt2.par:57-60)"""
 
-    def __init__(self, params: dict[str, jax.Array]) -> None:
+    def __init__(self, params: Arrays) -> None:
         # gpt2.par:57 h: repeat layers gpt2_block(d, heads, ffn, eps)
         self.h = Gpt2Block(layers_of(params, "h.*."), "h")
         # gpt2.par:59 ln_f: layernorm(d, eps=eps)
@@ -1283,7 +1283,7 @@ class Stage1(nnx.Module):
         # gpt2.par:60 lm_head: linear(d, vocab, bias=false) tie kernel = wte.table.T
         self.lm_head = nnx.Dict(kernel=nnx.Param(params["wte.table"]))
 
-    def __call__(self, x: jax.Array, inputs: dict[str, jax.Array], key: jax.Array | None) -> jax.Array:
+    def __call__(self, x: jax.Array, inputs: Arrays, key: jax.Array | None) -> jax.Array:
         # gpt2.par:57 h: repeat layers gpt2_block(d, heads, ffn, eps)
         x = scan_layers(self.h, 6, x, inputs, key)
         # gpt2.par:59 ln_f: layernorm(d, eps=eps)
@@ -1295,9 +1295,7 @@ class Stage1(nnx.Module):
         return x
 
 
-def scan_layers(
-    layers: nnx.Module, count: int, x: jax.Array, inputs: dict[str, jax.Array], key: jax.Array | None
-) -> jax.Array:
+def scan_layers(layers: nnx.Module, count: int, x: jax.Array, inputs: Arrays, key: jax.Array | None) -> jax.Array:
     """A repeat's `count` layers as one `lax.scan`: `layers` holds every layer's weights stacked
     (the layer index first), and each step runs one layer on its own slice of them. One loop
     body instead of N copies keeps compile time flat in depth, and makes activation
@@ -1326,7 +1324,7 @@ CHUNK_WEIGHTS = (
 )
 
 
-def chunk_weights(c: int, arrays: dict[str, jax.Array], local: bool = False) -> dict[str, jax.Array]:
+def chunk_weights(c: int, arrays: Arrays, local: bool = False) -> Arrays:
     """Chunk c's weights, in the compute dtype, out of the stored arrays (`local`: out of one
     stage's pieces of them, inside the pipeline)."""
     return {
@@ -1335,7 +1333,7 @@ def chunk_weights(c: int, arrays: dict[str, jax.Array], local: bool = False) -> 
     }
 
 
-def forward(params: dict[str, jax.Array], inputs: dict[str, jax.Array], key: jax.Array | None = None) -> jax.Array:
+def forward(params: Arrays, inputs: Arrays, key: jax.Array | None = None) -> jax.Array:
     """The model's output before its loss, every chunk in turn on the whole batch (no pipeline)."""
     x = inputs[STREAM]
     for c, stage in enumerate(STAGES):
@@ -1343,12 +1341,12 @@ def forward(params: dict[str, jax.Array], inputs: dict[str, jax.Array], key: jax
     return x
 
 
-def loss_of(x: jax.Array, inputs: dict[str, jax.Array]) -> jax.Array:
+def loss_of(x: jax.Array, inputs: Arrays) -> jax.Array:
     # gpt2.par:61 loss: cross_entropy(targets)
     return cross_entropy(x, targets=inputs["targets"], ignore_index=-100, classes=50257)
 
 
-def loss(params: dict[str, jax.Array], batch: dict[str, jax.Array], key: jax.Array | None = None) -> jax.Array:
+def loss(params: Arrays, batch: Arrays, key: jax.Array | None = None) -> jax.Array:
     """The mean loss over the batch, unpipelined."""
     return loss_of(forward(params, batch, key), batch)
 
@@ -1376,23 +1374,15 @@ BOUNDARY = ((4, 1024, 768), "float32")  # the buffer stages hand over
 PIPELINE = Pipeline(SCHEDULE, axis="stage", stream=STREAM, microbatches=4, chunk_inputs=CHUNK_INPUTS, boundary=BOUNDARY)
 
 
-def value_and_grad(
-    params: dict[str, jax.Array], batch: dict[str, jax.Array], key: jax.Array | None, mesh: jax.sharding.Mesh
-) -> tuple[jax.Array, dict[str, jax.Array]]:
+def run_chunk(c: int, weights: Arrays, x: jax.Array, inputs: Arrays, key: jax.Array | None) -> jax.Array:
+    """Chunk c on one microbatch: its output, or the last chunk's loss."""
+    y = STAGES[c](weights)(x, inputs, key)
+    return loss_of(y, inputs) if c == len(STAGES) - 1 else y
+
+
+def value_and_grad(params: Arrays, batch: Arrays, key: jax.Array | None, mesh: Mesh) -> tuple[jax.Array, Arrays]:
     """The mean loss and its gradients, by running the schedule's table over the `stage` axis."""
-
-    def chunk(c: int) -> Callable[..., Any]:
-        last = c == len(STAGES) - 1
-
-        def run(
-            weights: dict[str, jax.Array], x: jax.Array, inputs: dict[str, jax.Array], key: jax.Array | None
-        ) -> jax.Array:
-            y = STAGES[c](weights)(x, inputs, key)
-            return loss_of(y, inputs) if last else y
-
-        return run
-
-    chunks = [chunk(c) for c in range(len(STAGES))]
+    chunks = [functools.partial(run_chunk, c) for c in range(len(STAGES))]
     shares = [functools.partial(chunk_weights, c, local=True) for c in range(len(STAGES))]
     return pipeline_value_and_grad(
         chunks, shares, params, batch, key, mesh=mesh, pipeline=PIPELINE, parameters=PARAMETERS, count=loss_count
@@ -1403,7 +1393,7 @@ ACCUMULATE = 1  # gradient accumulation steps per optimizer step
 OPTIMIZER = ("adamw", {"lr": 0.0006, "warmup": 100.0, "weight_decay": 0.1, "clip": 1.0})
 
 
-def loss_count(batch: dict[str, jax.Array]) -> jax.Array:
+def loss_count(batch: Arrays) -> jax.Array:
     """How many positions the loss averages over in `batch`: accumulation steps and
     microbatches weigh by their share of them."""
     return cross_entropy_count(targets=batch["targets"], ignore_index=-100, classes=50257)
@@ -1414,21 +1404,19 @@ def loss_count(batch: dict[str, jax.Array]) -> jax.Array:
 DATA_AXES = ("data",)
 
 
-def gradients(
-    params: dict[str, jax.Array], batch: dict[str, jax.Array], key: jax.Array | None, mesh: jax.sharding.Mesh
-) -> tuple[jax.Array, dict[str, jax.Array]]:
+def gradients(params: Arrays, batch: Arrays, key: jax.Array | None, mesh: Mesh) -> tuple[jax.Array, Arrays]:
     """The mean loss and its gradients over the batch, each device's rows (split over
     `DATA_AXES`) at once, summed over the devices at the end."""
     rows = functools.partial(value_and_grad, mesh=mesh)
     return data_parallel(rows, params, batch, key, mesh=mesh, axes=DATA_AXES, parameters=PARAMETERS, count=loss_count)
 
 
-def optimizer_state(optimizer: optax.GradientTransformation, params: dict[str, jax.Array]) -> Any:
+def optimizer_state(optimizer: optax.GradientTransformation, params: Arrays) -> Any:
     """The optimizer state: the optimizer's own state of the parameters."""
     return optimizer.init(params)
 
 
-def optimizer_shardings(state: Any, mesh: jax.sharding.Mesh) -> Any:
+def optimizer_shardings(state: Any, mesh: Mesh) -> Any:
     """Optimizer-state leaves shaped like a parameter follow its optimizer sharding."""
 
     def pick(path: tuple[Any, ...], leaf: Any) -> NamedSharding:
@@ -1441,7 +1429,7 @@ def optimizer_shardings(state: Any, mesh: jax.sharding.Mesh) -> Any:
     return jax.tree_util.tree_map_with_path(pick, state)
 
 
-def make_train_step(mesh: jax.sharding.Mesh, optimizer: optax.GradientTransformation) -> Callable[..., Any]:
+def make_train_step(mesh: Mesh, optimizer: optax.GradientTransformation) -> Callable[..., Any]:
     """One jitted optimizer step: (params, optimizer state, batch, key) -> the new two, the loss
     and the step's figures (`step_metrics`)."""
     # Each gradient where its optimizer state lives: its piece of it under ZeRO.
@@ -1450,23 +1438,18 @@ def make_train_step(mesh: jax.sharding.Mesh, optimizer: optax.GradientTransforma
     abstract = {name: jax.ShapeDtypeStruct(p.shape, p.dtype) for name, p in PARAMETERS.items()}
     state_shardings = optimizer_shardings(jax.eval_shape(functools.partial(optimizer_state, optimizer), abstract), mesh)
 
-    def step(
-        params: dict[str, jax.Array], opt_state: Any, batch: dict[str, jax.Array], key: jax.Array
-    ) -> tuple[dict[str, jax.Array], Any, jax.Array, dict[str, jax.Array]]:
+    def step(params: Arrays, opt_state: Any, batch: Arrays, key: jax.Array) -> tuple[Arrays, Any, jax.Array, Arrays]:
         value, grads = gradients(params, batch, key, mesh)
         grads = lax.with_sharding_constraint(grads, grad_shardings)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, value, step_metrics(grads)
 
     replicated = NamedSharding(mesh, P())
-    return jax.jit(
-        step, out_shardings=(param_shardings, state_shardings, replicated, replicated), donate_argnums=(0, 1)
-    )
+    outputs = (param_shardings, state_shardings, replicated, replicated)
+    return jax.jit(step, out_shardings=outputs, donate_argnums=(0, 1))
 
 
-def init_optimizer(
-    params: dict[str, jax.Array], optimizer: optax.GradientTransformation, mesh: jax.sharding.Mesh
-) -> Any:
+def init_optimizer(params: Arrays, optimizer: optax.GradientTransformation, mesh: Mesh) -> Any:
     """The optimizer state, split as the spec's ZeRO stage says."""
     init = functools.partial(optimizer_state, optimizer)
     return jax.jit(init, out_shardings=optimizer_shardings(jax.eval_shape(init, params), mesh))(params)

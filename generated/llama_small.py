@@ -29,7 +29,7 @@ import optax
 from flax import nnx
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jax.sharding import PartitionSpec as P
 
 # ---- the mesh ----------------------------------------------------------------------------------
@@ -38,9 +38,10 @@ MESH_AXES = ("data", "model")
 MESH_SHAPE = (2, 4)
 DEVICES = 8
 COMPUTE_DTYPE = "bfloat16"
+Arrays = dict[str, jax.Array]  # arrays by name: the parameters, their gradients, a batch
 
 
-def make_mesh() -> jax.sharding.Mesh:
+def make_mesh() -> Mesh:
     """The mesh on this machine's devices, or on simulated CPU devices when there are too few."""
     devices = jax.devices()
     if len(devices) < DEVICES:
@@ -62,7 +63,7 @@ def constrain(x: jax.Array, spec: P) -> jax.Array:
     return lax.with_sharding_constraint(x, spec)
 
 
-def weights_of(layer: nnx.Dict, gather: dict[str, P] | None = None, transposed: str = "") -> dict[str, jax.Array]:
+def weights_of(layer: nnx.Dict, gather: dict[str, P] | None = None, transposed: str = "") -> Arrays:
     """A layer's parameters by name, as its kernel takes them: in the compute dtype; with
     `gather`, each gathered to its sharding there first (parameters stored split over the data
     axes, ZeRO-3 and FSDP); the one named `transposed` read the other way round (a head
@@ -72,11 +73,6 @@ def weights_of(layer: nnx.Dict, gather: dict[str, P] | None = None, transposed: 
         value = (param[...] if gather is None else constrain(param[...], gather[name])).astype(COMPUTE_DTYPE)
         out[name] = value.T if name == transposed else value
     return out
-
-
-def layer_key(key: jax.Array | None, path: str) -> jax.Array | None:
-    """The random key of one layer (dropout), or None when not training."""
-    return None if key is None else named_key(key, path)
 
 
 # ---- parameters and inputs ---------------------------------------------------------------------
@@ -283,10 +279,10 @@ INPUTS = {
 STREAM = "tokens"  # the input the forward pass starts from
 
 
-def init_params(seed: int, mesh: jax.sharding.Mesh) -> dict[str, jax.Array]:
+def init_params(seed: int, mesh: Mesh) -> Arrays:
     """Fresh parameters, each generated straight into its shards (never whole on one device)."""
 
-    def create() -> dict[str, jax.Array]:
+    def create() -> Arrays:
         key = jax.random.key(seed)
         return {name: initial_array(name, p, key) for name, p in PARAMETERS.items()}
 
@@ -294,22 +290,21 @@ def init_params(seed: int, mesh: jax.sharding.Mesh) -> dict[str, jax.Array]:
     return jax.jit(create, out_shardings=shardings)()
 
 
-def export_weights(params: dict[str, jax.Array]) -> dict[str, np.ndarray]:
+def export_weights(params: Arrays) -> dict[str, np.ndarray]:
     """Every weight by its per-layer name, as numpy arrays."""
     return to_weights(PARAMETERS, {name: jax.device_get(value) for name, value in params.items()})
 
 
-def import_weights(weights: dict[str, np.ndarray], mesh: jax.sharding.Mesh) -> dict[str, jax.Array]:
+def import_weights(weights: dict[str, np.ndarray], mesh: Mesh) -> Arrays:
     """The stored arrays for weights given by their per-layer names, placed on the mesh."""
-    return {
-        name: jax.device_put(
-            value.astype(jnp.dtype(PARAMETERS[name].dtype)), NamedSharding(mesh, PARAMETERS[name].sharding)
-        )
-        for name, value in from_weights(PARAMETERS, weights).items()
-    }
+    placed = {}
+    for name, value in from_weights(PARAMETERS, weights).items():
+        p = PARAMETERS[name]
+        placed[name] = jax.device_put(value.astype(jnp.dtype(p.dtype)), NamedSharding(mesh, p.sharding))
+    return placed
 
 
-def place(batch: dict[str, np.ndarray], mesh: jax.sharding.Mesh) -> dict[str, jax.Array]:
+def place(batch: dict[str, np.ndarray], mesh: Mesh) -> Arrays:
     """Put each input on the mesh with its declared sharding."""
     placed = {}
     for name, spec in INPUTS.items():
@@ -617,7 +612,7 @@ def step_metrics(grads: Any) -> dict[str, jax.Array]:
 # ---- the model ---------------------------------------------------------------------------------
 
 
-def layers_of(params: dict[str, jax.Array], prefix: str) -> dict[str, jax.Array]:
+def layers_of(params: Arrays, prefix: str) -> Arrays:
     """The weights under `prefix` (a block's, or a repeat's stacked ones), named relative to it."""
     return {name[len(prefix) :]: value for name, value in params.items() if name.startswith(prefix)}
 
@@ -625,7 +620,7 @@ def layers_of(params: dict[str, jax.Array], prefix: str) -> dict[str, jax.Array]
 class LlamaBlock(nnx.Module):
     """Block `llama_block` of the spec. (llama_small.par:23-30)"""
 
-    def __init__(self, params: dict[str, jax.Array], path: str) -> None:
+    def __init__(self, params: Arrays, path: str) -> None:
         self.path = path
         # llama_small.par:24 attn_norm: rmsnorm(d)
         self.attn_norm = nnx.Dict(scale=nnx.Param(params["attn_norm.scale"]))
@@ -643,11 +638,11 @@ class LlamaBlock(nnx.Module):
         # llama_small.par:30 down: linear(ffn, d, bias=false) shard kernel[model, _]
         self.down = nnx.Dict(kernel=nnx.Param(params["down.kernel"]))
 
-    def __call__(self, x: jax.Array, inputs: dict[str, jax.Array], key: jax.Array | None) -> jax.Array:
+    def __call__(self, x: jax.Array, inputs: Arrays, key: jax.Array | None) -> jax.Array:
         # Checkpointed: the backward pass recomputes this block's activations from its input.
         return jax.checkpoint(lambda block, h: block.forward(h, inputs, key))(self, x)
 
-    def forward(self, x: jax.Array, inputs: dict[str, jax.Array], key: jax.Array | None) -> jax.Array:
+    def forward(self, x: jax.Array, inputs: Arrays, key: jax.Array | None) -> jax.Array:
         # llama_small.par:23: residual
         h = x
         # llama_small.par:24 attn_norm: rmsnorm(d)
@@ -683,7 +678,7 @@ class LlamaBlock(nnx.Module):
 class LlamaSmall(nnx.Module):
     """The `llama_small` model. (llama_small.par:35-38)"""
 
-    def __init__(self, params: dict[str, jax.Array]) -> None:
+    def __init__(self, params: Arrays) -> None:
         # llama_small.par:35 embed: embed(vocab, d) shard table[model, _]
         self.embed = nnx.Dict(table=nnx.Param(params["embed.table"]))
         # llama_small.par:36 layers: repeat n_layers llama_block(d, heads, kv_heads, ffn)
@@ -693,7 +688,7 @@ class LlamaSmall(nnx.Module):
         # llama_small.par:38 head: linear(d, vocab, bias=false) shard kernel[_, model]
         self.head = nnx.Dict(kernel=nnx.Param(params["head.kernel"]))
 
-    def __call__(self, x: jax.Array, inputs: dict[str, jax.Array], key: jax.Array | None) -> jax.Array:
+    def __call__(self, x: jax.Array, inputs: Arrays, key: jax.Array | None) -> jax.Array:
         # llama_small.par:35 embed: embed(vocab, d) shard table[model, _]
         x = embed(x, **weights_of(self.embed), dtype=COMPUTE_DTYPE)
         x = checkpoint_name(constrain(x, P("data", None, None)), "embed")
@@ -708,9 +703,7 @@ class LlamaSmall(nnx.Module):
         return x
 
 
-def scan_layers(
-    layers: nnx.Module, count: int, x: jax.Array, inputs: dict[str, jax.Array], key: jax.Array | None
-) -> jax.Array:
+def scan_layers(layers: nnx.Module, count: int, x: jax.Array, inputs: Arrays, key: jax.Array | None) -> jax.Array:
     """A repeat's `count` layers as one `lax.scan`: `layers` holds every layer's weights stacked
     (the layer index first), and each step runs one layer on its own slice of them. One loop
     body instead of N copies keeps compile time flat in depth, and makes activation
@@ -725,18 +718,18 @@ def scan_layers(
     return lax.scan(body, x, (jnp.arange(count), stacked))[0]
 
 
-def forward(params: dict[str, jax.Array], inputs: dict[str, jax.Array], key: jax.Array | None = None) -> jax.Array:
+def forward(params: Arrays, inputs: Arrays, key: jax.Array | None = None) -> jax.Array:
     """The model's output before its loss."""
     x = inputs[STREAM]
     return LlamaSmall(params)(x, inputs, key)
 
 
-def loss_of(x: jax.Array, inputs: dict[str, jax.Array]) -> jax.Array:
+def loss_of(x: jax.Array, inputs: Arrays) -> jax.Array:
     # llama_small.par:39 loss: cross_entropy(targets)
     return cross_entropy(x, targets=inputs["targets"], ignore_index=-100)
 
 
-def loss(params: dict[str, jax.Array], batch: dict[str, jax.Array], key: jax.Array | None = None) -> jax.Array:
+def loss(params: Arrays, batch: Arrays, key: jax.Array | None = None) -> jax.Array:
     """The mean loss over the batch."""
     return loss_of(forward(params, batch, key), batch)
 
@@ -744,9 +737,7 @@ def loss(params: dict[str, jax.Array], batch: dict[str, jax.Array], key: jax.Arr
 # ---- loss, gradients and the training step -----------------------------------------------------
 
 
-def value_and_grad(
-    params: dict[str, jax.Array], batch: dict[str, jax.Array], key: jax.Array | None, mesh: jax.sharding.Mesh
-) -> tuple[jax.Array, dict[str, jax.Array]]:
+def value_and_grad(params: Arrays, batch: Arrays, key: jax.Array | None, mesh: Mesh) -> tuple[jax.Array, Arrays]:
     """The mean loss and its gradients."""
     return jax.value_and_grad(loss)(params, batch, key)
 
@@ -755,7 +746,7 @@ ACCUMULATE = 1  # gradient accumulation steps per optimizer step
 OPTIMIZER = ("adamw", {"lr": 0.001, "warmup": 50.0})
 
 
-def loss_count(batch: dict[str, jax.Array]) -> jax.Array:
+def loss_count(batch: Arrays) -> jax.Array:
     """How many positions the loss averages over in `batch`: accumulation steps and
     microbatches weigh by their share of them."""
     return cross_entropy_count(targets=batch["targets"], ignore_index=-100)
@@ -766,21 +757,19 @@ def loss_count(batch: dict[str, jax.Array]) -> jax.Array:
 DATA_AXES = ("data",)
 
 
-def gradients(
-    params: dict[str, jax.Array], batch: dict[str, jax.Array], key: jax.Array | None, mesh: jax.sharding.Mesh
-) -> tuple[jax.Array, dict[str, jax.Array]]:
+def gradients(params: Arrays, batch: Arrays, key: jax.Array | None, mesh: Mesh) -> tuple[jax.Array, Arrays]:
     """The mean loss and its gradients over the batch, each device's rows (split over
     `DATA_AXES`) at once, summed over the devices at the end."""
     rows = functools.partial(value_and_grad, mesh=mesh)
     return data_parallel(rows, params, batch, key, mesh=mesh, axes=DATA_AXES, parameters=PARAMETERS, count=loss_count)
 
 
-def optimizer_state(optimizer: optax.GradientTransformation, params: dict[str, jax.Array]) -> Any:
+def optimizer_state(optimizer: optax.GradientTransformation, params: Arrays) -> Any:
     """The optimizer state: the optimizer's own state of the parameters."""
     return optimizer.init(params)
 
 
-def optimizer_shardings(state: Any, mesh: jax.sharding.Mesh) -> Any:
+def optimizer_shardings(state: Any, mesh: Mesh) -> Any:
     """Optimizer-state leaves shaped like a parameter follow its optimizer sharding."""
 
     def pick(path: tuple[Any, ...], leaf: Any) -> NamedSharding:
@@ -793,7 +782,7 @@ def optimizer_shardings(state: Any, mesh: jax.sharding.Mesh) -> Any:
     return jax.tree_util.tree_map_with_path(pick, state)
 
 
-def make_train_step(mesh: jax.sharding.Mesh, optimizer: optax.GradientTransformation) -> Callable[..., Any]:
+def make_train_step(mesh: Mesh, optimizer: optax.GradientTransformation) -> Callable[..., Any]:
     """One jitted optimizer step: (params, optimizer state, batch, key) -> the new two, the loss
     and the step's figures (`step_metrics`)."""
     # Each gradient where its optimizer state lives: its piece of it under ZeRO.
@@ -802,23 +791,18 @@ def make_train_step(mesh: jax.sharding.Mesh, optimizer: optax.GradientTransforma
     abstract = {name: jax.ShapeDtypeStruct(p.shape, p.dtype) for name, p in PARAMETERS.items()}
     state_shardings = optimizer_shardings(jax.eval_shape(functools.partial(optimizer_state, optimizer), abstract), mesh)
 
-    def step(
-        params: dict[str, jax.Array], opt_state: Any, batch: dict[str, jax.Array], key: jax.Array
-    ) -> tuple[dict[str, jax.Array], Any, jax.Array, dict[str, jax.Array]]:
+    def step(params: Arrays, opt_state: Any, batch: Arrays, key: jax.Array) -> tuple[Arrays, Any, jax.Array, Arrays]:
         value, grads = gradients(params, batch, key, mesh)
         grads = lax.with_sharding_constraint(grads, grad_shardings)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, value, step_metrics(grads)
 
     replicated = NamedSharding(mesh, P())
-    return jax.jit(
-        step, out_shardings=(param_shardings, state_shardings, replicated, replicated), donate_argnums=(0, 1)
-    )
+    outputs = (param_shardings, state_shardings, replicated, replicated)
+    return jax.jit(step, out_shardings=outputs, donate_argnums=(0, 1))
 
 
-def init_optimizer(
-    params: dict[str, jax.Array], optimizer: optax.GradientTransformation, mesh: jax.sharding.Mesh
-) -> Any:
+def init_optimizer(params: Arrays, optimizer: optax.GradientTransformation, mesh: Mesh) -> Any:
     """The optimizer state, split as the spec's ZeRO stage says."""
     init = functools.partial(optimizer_state, optimizer)
     return jax.jit(init, out_shardings=optimizer_shardings(jax.eval_shape(init, params), mesh))(params)

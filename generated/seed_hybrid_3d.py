@@ -30,7 +30,7 @@ import optax
 from flax import nnx
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jax.sharding import PartitionSpec as P
 
 # ---- the mesh ----------------------------------------------------------------------------------
@@ -39,9 +39,10 @@ MESH_AXES = ("data", "model", "pipeline")
 MESH_SHAPE = (2, 4, 2)
 DEVICES = 16
 COMPUTE_DTYPE = "float32"
+Arrays = dict[str, jax.Array]  # arrays by name: the parameters, their gradients, a batch
 
 
-def make_mesh() -> jax.sharding.Mesh:
+def make_mesh() -> Mesh:
     """The mesh on this machine's devices, or on simulated CPU devices when there are too few."""
     devices = jax.devices()
     if len(devices) < DEVICES:
@@ -63,7 +64,7 @@ def constrain(x: jax.Array, spec: P) -> jax.Array:
     return lax.with_sharding_constraint(x, spec)
 
 
-def weights_of(layer: nnx.Dict, gather: dict[str, P] | None = None, transposed: str = "") -> dict[str, jax.Array]:
+def weights_of(layer: nnx.Dict, gather: dict[str, P] | None = None, transposed: str = "") -> Arrays:
     """A layer's parameters by name, as its kernel takes them: in the compute dtype; with
     `gather`, each gathered to its sharding there first (parameters stored split over the data
     axes, ZeRO-3 and FSDP); the one named `transposed` read the other way round (a head
@@ -73,11 +74,6 @@ def weights_of(layer: nnx.Dict, gather: dict[str, P] | None = None, transposed: 
         value = (param[...] if gather is None else constrain(param[...], gather[name])).astype(COMPUTE_DTYPE)
         out[name] = value.T if name == transposed else value
     return out
-
-
-def layer_key(key: jax.Array | None, path: str) -> jax.Array | None:
-    """The random key of one layer (dropout), or None when not training."""
-    return None if key is None else named_key(key, path)
 
 
 # ---- parameters and inputs ---------------------------------------------------------------------
@@ -280,10 +276,10 @@ INPUTS = {
 STREAM = "x"  # the input the forward pass starts from
 
 
-def init_params(seed: int, mesh: jax.sharding.Mesh) -> dict[str, jax.Array]:
+def init_params(seed: int, mesh: Mesh) -> Arrays:
     """Fresh parameters, each generated straight into its shards (never whole on one device)."""
 
-    def create() -> dict[str, jax.Array]:
+    def create() -> Arrays:
         key = jax.random.key(seed)
         return {name: initial_array(name, p, key) for name, p in PARAMETERS.items()}
 
@@ -291,22 +287,21 @@ def init_params(seed: int, mesh: jax.sharding.Mesh) -> dict[str, jax.Array]:
     return jax.jit(create, out_shardings=shardings)()
 
 
-def export_weights(params: dict[str, jax.Array]) -> dict[str, np.ndarray]:
+def export_weights(params: Arrays) -> dict[str, np.ndarray]:
     """Every weight by its per-layer name, as numpy arrays."""
     return to_weights(PARAMETERS, {name: jax.device_get(value) for name, value in params.items()})
 
 
-def import_weights(weights: dict[str, np.ndarray], mesh: jax.sharding.Mesh) -> dict[str, jax.Array]:
+def import_weights(weights: dict[str, np.ndarray], mesh: Mesh) -> Arrays:
     """The stored arrays for weights given by their per-layer names, placed on the mesh."""
-    return {
-        name: jax.device_put(
-            value.astype(jnp.dtype(PARAMETERS[name].dtype)), NamedSharding(mesh, PARAMETERS[name].sharding)
-        )
-        for name, value in from_weights(PARAMETERS, weights).items()
-    }
+    placed = {}
+    for name, value in from_weights(PARAMETERS, weights).items():
+        p = PARAMETERS[name]
+        placed[name] = jax.device_put(value.astype(jnp.dtype(p.dtype)), NamedSharding(mesh, p.sharding))
+    return placed
 
 
-def place(batch: dict[str, np.ndarray], mesh: jax.sharding.Mesh) -> dict[str, jax.Array]:
+def place(batch: dict[str, np.ndarray], mesh: Mesh) -> Arrays:
     """Put each input on the mesh with its declared sharding."""
     placed = {}
     for name, spec in INPUTS.items():
@@ -1127,7 +1122,7 @@ def step_metrics(grads: Any) -> dict[str, jax.Array]:
 # ---- the model ---------------------------------------------------------------------------------
 
 
-def layers_of(params: dict[str, jax.Array], prefix: str) -> dict[str, jax.Array]:
+def layers_of(params: Arrays, prefix: str) -> Arrays:
     """The weights under `prefix` (a block's, or a repeat's stacked ones), named relative to it."""
     return {name[len(prefix) :]: value for name, value in params.items() if name.startswith(prefix)}
 
@@ -1135,7 +1130,7 @@ def layers_of(params: dict[str, jax.Array], prefix: str) -> dict[str, jax.Array]
 class TransformerLayer(nnx.Module):
     """Block `transformer_layer` of the spec. (seed_hybrid_3d.par:20-28)"""
 
-    def __init__(self, params: dict[str, jax.Array], path: str) -> None:
+    def __init__(self, params: Arrays, path: str) -> None:
         self.path = path
         # seed_hybrid_3d.par:21 ln1: layernorm(hidden)
         self.ln1 = nnx.Dict(scale=nnx.Param(params["ln1.scale"]), bias=nnx.Param(params["ln1.bias"]))
@@ -1153,7 +1148,7 @@ class TransformerLayer(nnx.Module):
         # seed_hybrid_3d.par:28 down: linear(4 * hidden, hidden) shard kernel[model, _]
         self.down = nnx.Dict(kernel=nnx.Param(params["down.kernel"]), bias=nnx.Param(params["down.bias"]))
 
-    def __call__(self, x: jax.Array, inputs: dict[str, jax.Array], key: jax.Array | None) -> jax.Array:
+    def __call__(self, x: jax.Array, inputs: Arrays, key: jax.Array | None) -> jax.Array:
         # seed_hybrid_3d.par:20: residual
         h = x
         # seed_hybrid_3d.par:21 ln1: layernorm(hidden)
@@ -1182,21 +1177,19 @@ class TransformerLayer(nnx.Module):
 
 
 class Stage0(nnx.Module):
-    """Chunks 0-1 of the pipeline, each running its own share of the layers. (seed_hybrid_3d.par:34-34)"""
+    """Chunks 0-1 of the pipeline, each running its own share of the layers. (seed_hybrid_3d.par:34)"""
 
-    def __init__(self, params: dict[str, jax.Array]) -> None:
+    def __init__(self, params: Arrays) -> None:
         # seed_hybrid_3d.par:34 blocks: repeat layers transformer_layer(hidden, heads)
         self.blocks = TransformerLayer(layers_of(params, "blocks.*."), "blocks")
 
-    def __call__(self, x: jax.Array, inputs: dict[str, jax.Array], key: jax.Array | None) -> jax.Array:
+    def __call__(self, x: jax.Array, inputs: Arrays, key: jax.Array | None) -> jax.Array:
         # seed_hybrid_3d.par:34 blocks: repeat layers transformer_layer(hidden, heads)
         x = scan_layers(self.blocks, 12, x, inputs, key)
         return x
 
 
-def scan_layers(
-    layers: nnx.Module, count: int, x: jax.Array, inputs: dict[str, jax.Array], key: jax.Array | None
-) -> jax.Array:
+def scan_layers(layers: nnx.Module, count: int, x: jax.Array, inputs: Arrays, key: jax.Array | None) -> jax.Array:
     """A repeat's `count` layers as one `lax.scan`: `layers` holds every layer's weights stacked
     (the layer index first), and each step runs one layer on its own slice of them. One loop
     body instead of N copies keeps compile time flat in depth, and makes activation
@@ -1220,7 +1213,7 @@ CHUNK_WEIGHTS = (
 )
 
 
-def chunk_weights(c: int, arrays: dict[str, jax.Array], local: bool = False) -> dict[str, jax.Array]:
+def chunk_weights(c: int, arrays: Arrays, local: bool = False) -> Arrays:
     """Chunk c's weights, in the compute dtype, out of the stored arrays (`local`: out of one
     stage's pieces of them, inside the pipeline)."""
     return {
@@ -1229,7 +1222,7 @@ def chunk_weights(c: int, arrays: dict[str, jax.Array], local: bool = False) -> 
     }
 
 
-def forward(params: dict[str, jax.Array], inputs: dict[str, jax.Array], key: jax.Array | None = None) -> jax.Array:
+def forward(params: Arrays, inputs: Arrays, key: jax.Array | None = None) -> jax.Array:
     """The model's output before its loss, every chunk in turn on the whole batch (no pipeline)."""
     x = inputs[STREAM]
     for c, stage in enumerate(STAGES):
@@ -1237,12 +1230,12 @@ def forward(params: dict[str, jax.Array], inputs: dict[str, jax.Array], key: jax
     return x
 
 
-def loss_of(x: jax.Array, inputs: dict[str, jax.Array]) -> jax.Array:
+def loss_of(x: jax.Array, inputs: Arrays) -> jax.Array:
     # seed_hybrid_3d.par:36 loss: mse(y)
     return mse(x, targets=inputs["y"])
 
 
-def loss(params: dict[str, jax.Array], batch: dict[str, jax.Array], key: jax.Array | None = None) -> jax.Array:
+def loss(params: Arrays, batch: Arrays, key: jax.Array | None = None) -> jax.Array:
     """The mean loss over the batch, unpipelined."""
     return loss_of(forward(params, batch, key), batch)
 
@@ -1272,23 +1265,15 @@ PIPELINE = Pipeline(
 )
 
 
-def value_and_grad(
-    params: dict[str, jax.Array], batch: dict[str, jax.Array], key: jax.Array | None, mesh: jax.sharding.Mesh
-) -> tuple[jax.Array, dict[str, jax.Array]]:
+def run_chunk(c: int, weights: Arrays, x: jax.Array, inputs: Arrays, key: jax.Array | None) -> jax.Array:
+    """Chunk c on one microbatch: its output, or the last chunk's loss."""
+    y = STAGES[c](weights)(x, inputs, key)
+    return loss_of(y, inputs) if c == len(STAGES) - 1 else y
+
+
+def value_and_grad(params: Arrays, batch: Arrays, key: jax.Array | None, mesh: Mesh) -> tuple[jax.Array, Arrays]:
     """The mean loss and its gradients, by running the schedule's table over the `pipeline` axis."""
-
-    def chunk(c: int) -> Callable[..., Any]:
-        last = c == len(STAGES) - 1
-
-        def run(
-            weights: dict[str, jax.Array], x: jax.Array, inputs: dict[str, jax.Array], key: jax.Array | None
-        ) -> jax.Array:
-            y = STAGES[c](weights)(x, inputs, key)
-            return loss_of(y, inputs) if last else y
-
-        return run
-
-    chunks = [chunk(c) for c in range(len(STAGES))]
+    chunks = [functools.partial(run_chunk, c) for c in range(len(STAGES))]
     shares = [functools.partial(chunk_weights, c, local=True) for c in range(len(STAGES))]
     return pipeline_value_and_grad(
         chunks, shares, params, batch, key, mesh=mesh, pipeline=PIPELINE, parameters=PARAMETERS
@@ -1304,21 +1289,19 @@ OPTIMIZER = ("adamw", {})
 DATA_AXES = ("data",)
 
 
-def gradients(
-    params: dict[str, jax.Array], batch: dict[str, jax.Array], key: jax.Array | None, mesh: jax.sharding.Mesh
-) -> tuple[jax.Array, dict[str, jax.Array]]:
+def gradients(params: Arrays, batch: Arrays, key: jax.Array | None, mesh: Mesh) -> tuple[jax.Array, Arrays]:
     """The mean loss and its gradients over the batch, each device's rows (split over
     `DATA_AXES`) at once, summed over the devices at the end."""
     rows = functools.partial(value_and_grad, mesh=mesh)
     return data_parallel(rows, params, batch, key, mesh=mesh, axes=DATA_AXES, parameters=PARAMETERS)
 
 
-def optimizer_state(optimizer: optax.GradientTransformation, params: dict[str, jax.Array]) -> Any:
+def optimizer_state(optimizer: optax.GradientTransformation, params: Arrays) -> Any:
     """The optimizer state: the optimizer's own state of the parameters."""
     return optimizer.init(params)
 
 
-def optimizer_shardings(state: Any, mesh: jax.sharding.Mesh) -> Any:
+def optimizer_shardings(state: Any, mesh: Mesh) -> Any:
     """Optimizer-state leaves shaped like a parameter follow its optimizer sharding."""
 
     def pick(path: tuple[Any, ...], leaf: Any) -> NamedSharding:
@@ -1331,7 +1314,7 @@ def optimizer_shardings(state: Any, mesh: jax.sharding.Mesh) -> Any:
     return jax.tree_util.tree_map_with_path(pick, state)
 
 
-def make_train_step(mesh: jax.sharding.Mesh, optimizer: optax.GradientTransformation) -> Callable[..., Any]:
+def make_train_step(mesh: Mesh, optimizer: optax.GradientTransformation) -> Callable[..., Any]:
     """One jitted optimizer step: (params, optimizer state, batch, key) -> the new two, the loss
     and the step's figures (`step_metrics`)."""
     # Each gradient where its optimizer state lives: its piece of it under ZeRO.
@@ -1340,23 +1323,18 @@ def make_train_step(mesh: jax.sharding.Mesh, optimizer: optax.GradientTransforma
     abstract = {name: jax.ShapeDtypeStruct(p.shape, p.dtype) for name, p in PARAMETERS.items()}
     state_shardings = optimizer_shardings(jax.eval_shape(functools.partial(optimizer_state, optimizer), abstract), mesh)
 
-    def step(
-        params: dict[str, jax.Array], opt_state: Any, batch: dict[str, jax.Array], key: jax.Array
-    ) -> tuple[dict[str, jax.Array], Any, jax.Array, dict[str, jax.Array]]:
+    def step(params: Arrays, opt_state: Any, batch: Arrays, key: jax.Array) -> tuple[Arrays, Any, jax.Array, Arrays]:
         value, grads = gradients(params, batch, key, mesh)
         grads = lax.with_sharding_constraint(grads, grad_shardings)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, value, step_metrics(grads)
 
     replicated = NamedSharding(mesh, P())
-    return jax.jit(
-        step, out_shardings=(param_shardings, state_shardings, replicated, replicated), donate_argnums=(0, 1)
-    )
+    outputs = (param_shardings, state_shardings, replicated, replicated)
+    return jax.jit(step, out_shardings=outputs, donate_argnums=(0, 1))
 
 
-def init_optimizer(
-    params: dict[str, jax.Array], optimizer: optax.GradientTransformation, mesh: jax.sharding.Mesh
-) -> Any:
+def init_optimizer(params: Arrays, optimizer: optax.GradientTransformation, mesh: Mesh) -> Any:
     """The optimizer state, split as the spec's ZeRO stage says."""
     init = functools.partial(optimizer_state, optimizer)
     return jax.jit(init, out_shardings=optimizer_shardings(jax.eval_shape(init, params), mesh))(params)

@@ -41,6 +41,8 @@ _MODULE_NAMES = {
     "Parameter",
     "Input",
     "Aux",
+    "Arrays",
+    "Mesh",
     "PARAMETERS",
     "INPUTS",
     "STREAM",
@@ -208,6 +210,10 @@ def generate(
         "storage": source.joined([d for d in kernels if d.module in ("storage", "params")]),
         "kernels": source.joined([d for d in kernels if d.module not in ("storage", "params")]),
         "classes": [*builder.blocks, *top],
+        # Whether a layer draws random numbers (dropout), and whether a repeat runs as a scan:
+        # only then does the module define what they call.
+        "random": any(RULES[layer.kind].random for layer in ir.all_layers(program)),
+        "scans": any(s.kind == "scan" for c in [*builder.blocks, *top] for s in c.statements),
         "top": [c.name for c in top],
         "stages": stages,
         "chunk_weights": chunk_weights,
@@ -238,7 +244,9 @@ def _mesh_text(axes: tuple[str, ...], shape: tuple[int, ...]) -> str:
 
 def _lines(file: str, nodes: tuple[ir.Node, ...]) -> str:
     lines = [n.span.line for n in nodes if n.span.line > 0]
-    return f"{file}:{min(lines)}-{max(lines)}" if lines else file
+    if not lines:
+        return file
+    return f"{file}:{min(lines)}" if min(lines) == max(lines) else f"{file}:{min(lines)}-{max(lines)}"
 
 
 def _ranges(indices: list[int]) -> str:
@@ -485,10 +493,10 @@ def _schedule(program: ir.Program) -> dict[str, object]:
     timeline = to_text(schedule).rstrip("\n").split("\n")
     command = f"dslc schedule --kind {p.schedule} --stages {stages} --microbatches {p.microbatches}"
     return {
-        # The timeline as `dslc schedule` draws it, where it fits in a comment.
-        "timeline": timeline
-        if max(map(len, timeline)) <= 110
-        else [timeline[0], f"(too wide for here: `{command} --virtual {p.virtual}` draws it)"],
+        # The timeline as `dslc schedule` draws it, where it fits in a comment; else the
+        # command that draws it.
+        "timeline": timeline if max(map(len, timeline)) <= 110 else [],
+        "draw": f"{command} --virtual {p.virtual}",
         "kind": p.schedule,
         "stages": stages,
         "microbatches": p.microbatches,
@@ -549,7 +557,7 @@ def _imports(kernels: list[source.Definition]) -> list[str]:
     lines = {source.PRELUDE_IMPORTS[n] for n in needed}
     lines |= {
         "import argparse",
-        "from jax.sharding import NamedSharding",
+        "from jax.sharding import Mesh, NamedSharding",
         "from jax.sharding import PartitionSpec as P",
     }
     lines |= {"from typing import NamedTuple"}
