@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import math
 import re
 import zlib
@@ -29,7 +30,7 @@ import optax
 from flax import nnx
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jax.sharding import PartitionSpec as P
 
 # ---- the mesh ----------------------------------------------------------------------------------
@@ -38,9 +39,10 @@ MESH_AXES = ("data", "model", "stage")
 MESH_SHAPE = (8, 8, 16)
 DEVICES = 1024
 COMPUTE_DTYPE = "bfloat16"
+Arrays = dict[str, jax.Array]  # arrays by name: the parameters, their gradients, a batch
 
 
-def make_mesh() -> jax.sharding.Mesh:
+def make_mesh() -> Mesh:
     """The mesh on this machine's devices, or on simulated CPU devices when there are too few."""
     devices = jax.devices()
     if len(devices) < DEVICES:
@@ -62,16 +64,16 @@ def constrain(x: jax.Array, spec: P) -> jax.Array:
     return lax.with_sharding_constraint(x, spec)
 
 
-def weight(param: nnx.Param, spec: P | None = None) -> jax.Array:
-    """A parameter as its layer computes with it, in the compute dtype; with `spec`, gathered
-    to that sharding first (parameters stored split over the data axes, ZeRO-3 and FSDP)."""
-    value = param[...] if spec is None else constrain(param[...], spec)
-    return value.astype(COMPUTE_DTYPE)
-
-
-def layer_key(key: jax.Array | None, path: str) -> jax.Array | None:
-    """The random key of one layer (dropout), or None when not training."""
-    return None if key is None else named_key(key, path)
+def weights_of(layer: nnx.Dict, gather: dict[str, P] | None = None, transposed: str = "") -> Arrays:
+    """A layer's parameters by name, as its kernel takes them: in the compute dtype; with
+    `gather`, each gathered to its sharding there first (parameters stored split over the data
+    axes, ZeRO-3 and FSDP); the one named `transposed` read the other way round (a head
+    reading a tied embedding's table)."""
+    out = {}
+    for name, param in layer.items():
+        value = (param[...] if gather is None else constrain(param[...], gather[name])).astype(COMPUTE_DTYPE)
+        out[name] = value.T if name == transposed else value
+    return out
 
 
 # ---- parameters and inputs ---------------------------------------------------------------------
@@ -133,15 +135,6 @@ def expand_names(pattern: str, lengths: tuple[int, ...], first: int = 0) -> list
     return [n[:-1] for n in names]
 
 
-def unravel(flat: int, dims: tuple[int, ...]) -> tuple[int, ...]:
-    """The row-major index of element `flat` of an array of shape `dims`."""
-    out = []
-    for n in reversed(dims):
-        out.append(flat % n)
-        flat //= n
-    return tuple(reversed(out))
-
-
 class Held(NamedTuple):
     """One weight in a stored array: its per-layer name, where it is in the array (an index of
     its leading dimensions; padding aside), its shape and how it is initialised."""
@@ -161,8 +154,9 @@ def weight_names(name: str, p: Parameter) -> list[Held]:
                 continue
             stars = row.name.count("*")
             dims = row.shape[:stars]
-            for flat, layer in enumerate(expand_names(row.name, dims, row.first)):
-                out.append(Held(layer, (r, *unravel(flat, dims)), row.shape[stars:], row.init))
+            indices = itertools.product(*map(range, dims))  # row-major, as the names run
+            for index, layer in zip(indices, expand_names(row.name, dims, row.first), strict=True):
+                out.append(Held(layer, (r, *index), row.shape[stars:], row.init))
         return out
     dims = p.shape[: sum(p.layers)]
     lengths, at = [], 0
@@ -172,9 +166,9 @@ def weight_names(name: str, p: Parameter) -> list[Held]:
     inner = p.shape[len(dims) :]
     if p.padding:
         inner = tuple(n - pad for n, pad in zip(inner, p.padding, strict=True))
-    return [
-        Held(layer, unravel(flat, dims), inner, p.init) for flat, layer in enumerate(expand_names(name, tuple(lengths)))
-    ]
+    indices = itertools.product(*map(range, dims))  # row-major, as the names run
+    names = expand_names(name, tuple(lengths))
+    return [Held(layer, index, inner, p.init) for index, layer in zip(indices, names, strict=True)]
 
 
 def to_weights(parameters: dict[str, Parameter], arrays: dict[str, Any]) -> dict[str, Any]:
@@ -310,10 +304,10 @@ INPUTS = {
 STREAM = "tokens"  # the input the forward pass starts from
 
 
-def init_params(seed: int, mesh: jax.sharding.Mesh) -> dict[str, jax.Array]:
+def init_params(seed: int, mesh: Mesh) -> Arrays:
     """Fresh parameters, each generated straight into its shards (never whole on one device)."""
 
-    def create() -> dict[str, jax.Array]:
+    def create() -> Arrays:
         key = jax.random.key(seed)
         return {name: initial_array(name, p, key) for name, p in PARAMETERS.items()}
 
@@ -321,22 +315,21 @@ def init_params(seed: int, mesh: jax.sharding.Mesh) -> dict[str, jax.Array]:
     return jax.jit(create, out_shardings=shardings)()
 
 
-def export_weights(params: dict[str, jax.Array]) -> dict[str, np.ndarray]:
+def export_weights(params: Arrays) -> dict[str, np.ndarray]:
     """Every weight by its per-layer name, as numpy arrays."""
     return to_weights(PARAMETERS, {name: jax.device_get(value) for name, value in params.items()})
 
 
-def import_weights(weights: dict[str, np.ndarray], mesh: jax.sharding.Mesh) -> dict[str, jax.Array]:
+def import_weights(weights: dict[str, np.ndarray], mesh: Mesh) -> Arrays:
     """The stored arrays for weights given by their per-layer names, placed on the mesh."""
-    return {
-        name: jax.device_put(
-            value.astype(jnp.dtype(PARAMETERS[name].dtype)), NamedSharding(mesh, PARAMETERS[name].sharding)
-        )
-        for name, value in from_weights(PARAMETERS, weights).items()
-    }
+    placed = {}
+    for name, value in from_weights(PARAMETERS, weights).items():
+        p = PARAMETERS[name]
+        placed[name] = jax.device_put(value.astype(jnp.dtype(p.dtype)), NamedSharding(mesh, p.sharding))
+    return placed
 
 
-def place(batch: dict[str, np.ndarray], mesh: jax.sharding.Mesh) -> dict[str, jax.Array]:
+def place(batch: dict[str, np.ndarray], mesh: Mesh) -> Arrays:
     """Put each input on the mesh with its declared sharding."""
     placed = {}
     for name, spec in INPUTS.items():
@@ -496,10 +489,7 @@ def _counted(targets: jax.Array, mask: jax.Array | None, ignore_index: int) -> j
 
 
 IDLE, FORWARD, BACKWARD, INPUT_GRAD, WEIGHT_GRAD = 0, 1, 2, 3, 4
-
-
 OP_CODES = {"F": FORWARD, "B": BACKWARD, "I": INPUT_GRAD, "W": WEIGHT_GRAD}
-
 
 # The executor's tables, each [tick][stage]:
 TABLE_ENTRIES = (
@@ -512,13 +502,9 @@ TABLE_ENTRIES = (
     "receive_activation",  # after the tick, store the activation arriving from stage - 1 here
     "receive_gradient",  # and the gradient arriving from stage + 1 here (-1: nothing arrives)
 )
-
-
 # Arrivals that only a placement other than a ring has (a V): from the other neighbour, or
 # made by the stage for its own next (or previous) chunk.
 OTHER_DIRECTIONS = ("activation_from_next", "gradient_from_previous", "keep_activation", "keep_gradient")
-
-
 # Where a value is stored, by what it is and which way it went.
 RECEIVED_IN = {
     ("activation", "next"): "receive_activation",
@@ -641,8 +627,6 @@ def schedule_tables(*timelines: str) -> dict[str, list[list[int]]]:
 # With `has_aux`, every chunk returns (that, aux), aux an f32 scalar added to the loss.
 # `inputs` holds the microbatch of every model input; `key` is None when not training.
 Chunk = Callable[[Any, jax.Array, dict[str, jax.Array], jax.Array | None], Any]
-
-
 # weights(stage_arrays) -> a chunk's weights, as its code computes with them.
 ChunkWeights = Callable[[dict[str, jax.Array]], dict[str, jax.Array]]
 
@@ -1078,9 +1062,8 @@ def learning_rate(hyper: dict[str, float]) -> optax.Schedule:
     h = {**OPTIMIZER_DEFAULTS, **hyper}
     lr, warmup = h["lr"], int(h["warmup"])
     if "decay_steps" in h:
-        return optax.warmup_cosine_decay_schedule(
-            0.0, lr, warmup, max(int(h["decay_steps"]), warmup + 1), end_value=lr / 10
-        )
+        steps = max(int(h["decay_steps"]), warmup + 1)
+        return optax.warmup_cosine_decay_schedule(0.0, lr, warmup, steps, end_value=lr / 10)
     if warmup == 0:
         return optax.constant_schedule(lr)
     return optax.join_schedules([optax.linear_schedule(0.0, lr, warmup), optax.constant_schedule(lr)], [warmup])
@@ -1115,29 +1098,26 @@ def data_parallel(
     """Mean loss and gradients over the batch, each device working through its own rows of
     it, the gradients summed over the data-parallel `axes` once, at the end.
 
-    `value_and_grad(params, rows, key)` runs in `jax.shard_map`, manual over `axes` (every
-    other mesh axis stays automatic): it sees the rows of every input this device holds
-    (their first dimension is split over `axes`) and the parameters, whole along `axes`
-    (`parameters[name].sharding`), and returns its rows' mean loss and gradients. However
-    many slices it cuts its rows into (microbatches, accumulation steps), their gradients
-    stay partial sums on each device, returned unsummed (stacked along a new leading
-    dimension, one block per device), instead of reduced per slice as XLA's partitioner
-    would where each is made.
+    `value_and_grad(params, rows, key)` runs in `jax.shard_map`, manual over `axes` (the other
+    mesh axes stay automatic), on this device's rows of every input and the parameters, whole
+    along `axes`. It returns its rows' mean loss and gradients: partial sums on each device,
+    however many slices it cuts its rows into (microbatches, accumulation steps), rather than
+    reduced per slice as XLA's partitioner would where each is made.
 
-    A second map, manual over the whole mesh, then sums each device's block once: a
-    reduce-scatter where the parameter's `update_sharding` keeps the gradient split over
-    `axes` (ZeRO 2, and ZeRO 1's optimizer state, whose pieces the update runs on), leaving
-    each device its piece, else an all-reduce. In that map every device holds just its own
-    piece along the other axes, so nothing is gathered over them first (and XLA's CPU
-    backend, which cannot promote a 16-bit all-reduce in a partly manual map, has none to
-    promote).
+    A second map, manual over the whole mesh, sums each device's block of them once: a
+    reduce-scatter where the parameter's `update_sharding` keeps the gradient split over `axes`
+    (ZeRO 2, and ZeRO 1's optimizer state, whose pieces the update runs on), else an
+    all-reduce. There each device holds just its own piece along the other axes, so nothing is
+    gathered over them first (and XLA's CPU backend, which cannot promote a 16-bit all-reduce
+    in a partly manual map, has none to promote).
 
-    Each device's loss and gradients weigh by its share of the batch: one over the devices,
-    or, for a loss that averages over the positions it counts (`count`), its share of the
-    batch's counted positions, so the result is the whole batch's mean. Each device draws
+    Each device weighs by its share of the batch (of its counted positions, for a loss that
+    averages over those: `count`), so the result is the whole batch's mean. Each device draws
     its own random numbers (its key folded with its index along `axes`).
     """
     devices = math.prod(mesh.shape[a] for a in axes)
+    # A device's block of each gradient: the parameter's sharding, behind the new dimension.
+    blocks = {name: PartitionSpec(None, *parameters[name].sharding) for name in params}
 
     def body(
         params: dict[str, jax.Array], rows: dict[str, jax.Array], key: jax.Array
@@ -1150,11 +1130,7 @@ def data_parallel(
             counted = count(rows).astype(jnp.float32)
             share = counted / jnp.maximum(lax.psum(counted, axes), 1.0)
         weighed = {name: (g * share.astype(g.dtype))[None] for name, g in grads.items()}
-        unsummed = {
-            name: lax.with_sharding_constraint(g, PartitionSpec(None, *parameters[name].sharding))
-            for name, g in weighed.items()
-        }
-        return lax.psum(loss * share, axes), unsummed
+        return lax.psum(loss * share, axes), lax.with_sharding_constraint(weighed, blocks)
 
     def reduce(grads: dict[str, jax.Array]) -> dict[str, jax.Array]:
         out = {}
@@ -1166,25 +1142,18 @@ def data_parallel(
         return out
 
     key_given = key is not None
-    whole = PartitionSpec()
+    # The parameters whole along `axes`, the batch and the gradients' blocks split over them.
+    # Gradients are taken inside, per device: replication needs no tracking (`check_vma`;
+    # with it, jax would sum every slice's gradient over `axes` as it is made).
+    whole, split = PartitionSpec(), PartitionSpec(axes)
     loss, stacked = jax.shard_map(
-        body,
-        mesh=mesh,
-        in_specs=({name: whole for name in params}, {name: PartitionSpec(axes) for name in batch}, whole),
-        out_specs=(whole, {name: PartitionSpec(axes) for name in params}),
-        axis_names=set(axes),
-        # Gradients are taken inside, per device: replication needs no tracking here (with
-        # it, jax would sum every slice's gradient over `axes` as it is made).
-        check_vma=False,
+        body, mesh=mesh, in_specs=(whole, split, whole), out_specs=(whole, split), axis_names=set(axes), check_vma=False
     )(params, batch, key if key is not None else jax.random.key(0))
-    summed = jax.shard_map(
-        reduce,
-        mesh=mesh,
-        in_specs=({name: PartitionSpec(axes, *parameters[name].sharding) for name in params},),
-        out_specs={name: _summed_spec(parameters[name].update_sharding, axes) for name in params},
-        check_vma=False,
-    )(stacked)
-    return loss, summed
+    # The sum, manual over the whole mesh: each device's block, its own piece along every axis.
+    stacked_specs = {name: PartitionSpec(axes, *parameters[name].sharding) for name in params}
+    summed_specs = {name: _summed_spec(parameters[name].update_sharding, axes) for name in params}
+    summed = jax.shard_map(reduce, mesh=mesh, in_specs=(stacked_specs,), out_specs=summed_specs, check_vma=False)
+    return loss, summed(stacked)
 
 
 def _scatter_dim(spec: PartitionSpec, axes: tuple[str, ...]) -> int | None:
@@ -1204,9 +1173,8 @@ def _summed_spec(spec: PartitionSpec, axes: tuple[str, ...]) -> PartitionSpec:
     reduce-scatters over `axes`, else `spec` without them (the gradient whole along them)."""
     if _scatter_dim(spec, axes) is not None:
         return spec
-    return PartitionSpec(
-        *(tuple(a for a in ((e,) if isinstance(e, str) else tuple(e or ())) if a not in axes) or None for e in spec)
-    )
+    names = [(entry,) if isinstance(entry, str) else tuple(entry or ()) for entry in spec]
+    return PartitionSpec(*(tuple(a for a in entry if a not in axes) or None for entry in names))
 
 
 def step_metrics(grads: Any) -> dict[str, jax.Array]:
@@ -1218,7 +1186,7 @@ def step_metrics(grads: Any) -> dict[str, jax.Array]:
 # ---- the model ---------------------------------------------------------------------------------
 
 
-def layers_of(params: dict[str, jax.Array], prefix: str) -> dict[str, jax.Array]:
+def layers_of(params: Arrays, prefix: str) -> Arrays:
     """The weights under `prefix` (a block's, or a repeat's stacked ones), named relative to it."""
     return {name[len(prefix) :]: value for name, value in params.items() if name.startswith(prefix)}
 
@@ -1226,7 +1194,7 @@ def layers_of(params: dict[str, jax.Array], prefix: str) -> dict[str, jax.Array]
 class GptBlock(nnx.Module):
     """Block `gpt_block` of the spec. (gpt3_175b.par:31-39)"""
 
-    def __init__(self, params: dict[str, jax.Array], path: str) -> None:
+    def __init__(self, params: Arrays, path: str) -> None:
         self.path = path
         # gpt3_175b.par:32 ln1: layernorm(d)
         self.ln1 = nnx.Dict(scale=nnx.Param(params["ln1.scale"]), bias=nnx.Param(params["ln1.bias"]))
@@ -1244,43 +1212,33 @@ class GptBlock(nnx.Module):
         # gpt3_175b.par:39 down: linear(ffn, d) shard kernel[model, _]
         self.down = nnx.Dict(kernel=nnx.Param(params["down.kernel"]), bias=nnx.Param(params["down.bias"]))
 
-    def __call__(self, x: jax.Array, inputs: dict[str, jax.Array], key: jax.Array | None) -> jax.Array:
+    def __call__(self, x: jax.Array, inputs: Arrays, key: jax.Array | None) -> jax.Array:
         # Checkpointed: the backward pass recomputes this block's activations from its input.
         return jax.checkpoint(lambda block, h: block.forward(h, inputs, key))(self, x)
 
-    def forward(self, x: jax.Array, inputs: dict[str, jax.Array], key: jax.Array | None) -> jax.Array:
+    def forward(self, x: jax.Array, inputs: Arrays, key: jax.Array | None) -> jax.Array:
         # gpt3_175b.par:31: residual
         h = x
         # gpt3_175b.par:32 ln1: layernorm(d)
-        h = layernorm(h, scale=weight(self.ln1["scale"]), bias=weight(self.ln1["bias"]), eps=1e-05, dtype=COMPUTE_DTYPE)
+        h = layernorm(h, **weights_of(self.ln1), eps=1e-05, dtype=COMPUTE_DTYPE)
         h = checkpoint_name(constrain(h, P("data", None, None)), self.path + ".ln1")
         # gpt3_175b.par:33 attn: attention(d, heads, causal=true) shard q[_, model], k[_, model], v[_, mode...
-        h = attention(
-            h,
-            q=weight(self.attn["q"]),
-            k=weight(self.attn["k"]),
-            v=weight(self.attn["v"]),
-            o=weight(self.attn["o"]),
-            heads=96,
-            kv_heads=96,
-            causal=True,
-            dtype=COMPUTE_DTYPE,
-        )
+        h = attention(h, **weights_of(self.attn), heads=96, kv_heads=96, causal=True, dtype=COMPUTE_DTYPE)
         h = checkpoint_name(constrain(h, P("data", None, None)), self.path + ".attn")
         x = x + h
         # gpt3_175b.par:35: residual
         h = x
         # gpt3_175b.par:36 ln2: layernorm(d)
-        h = layernorm(h, scale=weight(self.ln2["scale"]), bias=weight(self.ln2["bias"]), eps=1e-05, dtype=COMPUTE_DTYPE)
+        h = layernorm(h, **weights_of(self.ln2), eps=1e-05, dtype=COMPUTE_DTYPE)
         h = checkpoint_name(constrain(h, P("data", None, None)), self.path + ".ln2")
         # gpt3_175b.par:37 up: linear(d, ffn) shard kernel[_, model], bias[model]
-        h = linear(h, kernel=weight(self.up["kernel"]), bias=weight(self.up["bias"]), dtype=COMPUTE_DTYPE)
+        h = linear(h, **weights_of(self.up), dtype=COMPUTE_DTYPE)
         h = checkpoint_name(constrain(h, P("data", None, "model")), self.path + ".up")
         # gpt3_175b.par:38 gelu()
         h = gelu(h, approximate=True)
         h = checkpoint_name(constrain(h, P("data", None, "model")), self.path + ".gelu")
         # gpt3_175b.par:39 down: linear(ffn, d) shard kernel[model, _]
-        h = linear(h, kernel=weight(self.down["kernel"]), bias=weight(self.down["bias"]), dtype=COMPUTE_DTYPE)
+        h = linear(h, **weights_of(self.down), dtype=COMPUTE_DTYPE)
         h = checkpoint_name(constrain(h, P("data", None, None)), self.path + ".down")
         x = x + h
         return x
@@ -1289,15 +1247,15 @@ class GptBlock(nnx.Module):
 class Stage0(nnx.Module):
     """Chunk 0 of the pipeline, run by stage 0. (gpt3_175b.par:44-46)"""
 
-    def __init__(self, params: dict[str, jax.Array]) -> None:
+    def __init__(self, params: Arrays) -> None:
         # gpt3_175b.par:44 embed: embed(vocab, d) shard table[model, _]
         self.embed = nnx.Dict(table=nnx.Param(params["embed.table"]))
         # gpt3_175b.par:46 blocks: repeat n_layers gpt_block(d, heads, ffn)
         self.blocks = GptBlock(layers_of(params, "blocks.*."), "blocks")
 
-    def __call__(self, x: jax.Array, inputs: dict[str, jax.Array], key: jax.Array | None) -> jax.Array:
+    def __call__(self, x: jax.Array, inputs: Arrays, key: jax.Array | None) -> jax.Array:
         # gpt3_175b.par:44 embed: embed(vocab, d) shard table[model, _]
-        x = embed(x, table=weight(self.embed["table"]), dtype=COMPUTE_DTYPE)
+        x = embed(x, **weights_of(self.embed), dtype=COMPUTE_DTYPE)
         x = checkpoint_name(constrain(x, P("data", None, None)), "embed")
         # gpt3_175b.par:46 blocks: repeat n_layers gpt_block(d, heads, ffn)
         x = scan_layers(self.blocks, 6, x, inputs, key)
@@ -1305,13 +1263,13 @@ class Stage0(nnx.Module):
 
 
 class Stage1(nnx.Module):
-    """Chunks 1-14 of the pipeline, each running its own share of the layers. (gpt3_175b.par:46-46)"""
+    """Chunks 1-14 of the pipeline, each running its own share of the layers. (gpt3_175b.par:46)"""
 
-    def __init__(self, params: dict[str, jax.Array]) -> None:
+    def __init__(self, params: Arrays) -> None:
         # gpt3_175b.par:46 blocks: repeat n_layers gpt_block(d, heads, ffn)
         self.blocks = GptBlock(layers_of(params, "blocks.*."), "blocks")
 
-    def __call__(self, x: jax.Array, inputs: dict[str, jax.Array], key: jax.Array | None) -> jax.Array:
+    def __call__(self, x: jax.Array, inputs: Arrays, key: jax.Array | None) -> jax.Array:
         # gpt3_175b.par:46 blocks: repeat n_layers gpt_block(d, heads, ffn)
         x = scan_layers(self.blocks, 6, x, inputs, key)
         return x
@@ -1320,7 +1278,7 @@ class Stage1(nnx.Module):
 class Stage15(nnx.Module):
     """Chunk 15 of the pipeline, run by stage 15. (gpt3_175b.par:46-49)"""
 
-    def __init__(self, params: dict[str, jax.Array]) -> None:
+    def __init__(self, params: Arrays) -> None:
         # gpt3_175b.par:46 blocks: repeat n_layers gpt_block(d, heads, ffn)
         self.blocks = GptBlock(layers_of(params, "blocks.*."), "blocks")
         # gpt3_175b.par:48 ln_f: layernorm(d)
@@ -1328,23 +1286,19 @@ class Stage15(nnx.Module):
         # gpt3_175b.par:49 head: linear(d, vocab, bias=false) shard kernel[_, model]
         self.head = nnx.Dict(kernel=nnx.Param(params["head.kernel"]))
 
-    def __call__(self, x: jax.Array, inputs: dict[str, jax.Array], key: jax.Array | None) -> jax.Array:
+    def __call__(self, x: jax.Array, inputs: Arrays, key: jax.Array | None) -> jax.Array:
         # gpt3_175b.par:46 blocks: repeat n_layers gpt_block(d, heads, ffn)
         x = scan_layers(self.blocks, 6, x, inputs, key)
         # gpt3_175b.par:48 ln_f: layernorm(d)
-        x = layernorm(
-            x, scale=weight(self.ln_f["scale"]), bias=weight(self.ln_f["bias"]), eps=1e-05, dtype=COMPUTE_DTYPE
-        )
+        x = layernorm(x, **weights_of(self.ln_f), eps=1e-05, dtype=COMPUTE_DTYPE)
         x = checkpoint_name(constrain(x, P("data", None, None)), "ln_f")
         # gpt3_175b.par:49 head: linear(d, vocab, bias=false) shard kernel[_, model]
-        x = linear(x, kernel=weight(self.head["kernel"]), dtype=COMPUTE_DTYPE)
+        x = linear(x, **weights_of(self.head), dtype=COMPUTE_DTYPE)
         x = checkpoint_name(constrain(x, P("data", None, "model")), "head")
         return x
 
 
-def scan_layers(
-    layers: nnx.Module, count: int, x: jax.Array, inputs: dict[str, jax.Array], key: jax.Array | None
-) -> jax.Array:
+def scan_layers(layers: nnx.Module, count: int, x: jax.Array, inputs: Arrays, key: jax.Array | None) -> jax.Array:
     """A repeat's `count` layers as one `lax.scan`: `layers` holds every layer's weights stacked
     (the layer index first), and each step runs one layer on its own slice of them. One loop
     body instead of N copies keeps compile time flat in depth, and makes activation
@@ -1364,20 +1318,7 @@ STAGES = (Stage0, *[Stage1] * 14, Stage15)
 # Each chunk's weights: its share of the stored arrays, by the names its class reads.
 CHUNK_WEIGHTS = (
     {"embed.table": Share("embed.table"), **layer_shares(PARAMETERS, "blocks.*.", (0, 6))},
-    {**layer_shares(PARAMETERS, "blocks.*.", (6, 12))},
-    {**layer_shares(PARAMETERS, "blocks.*.", (12, 18))},
-    {**layer_shares(PARAMETERS, "blocks.*.", (18, 24))},
-    {**layer_shares(PARAMETERS, "blocks.*.", (24, 30))},
-    {**layer_shares(PARAMETERS, "blocks.*.", (30, 36))},
-    {**layer_shares(PARAMETERS, "blocks.*.", (36, 42))},
-    {**layer_shares(PARAMETERS, "blocks.*.", (42, 48))},
-    {**layer_shares(PARAMETERS, "blocks.*.", (48, 54))},
-    {**layer_shares(PARAMETERS, "blocks.*.", (54, 60))},
-    {**layer_shares(PARAMETERS, "blocks.*.", (60, 66))},
-    {**layer_shares(PARAMETERS, "blocks.*.", (66, 72))},
-    {**layer_shares(PARAMETERS, "blocks.*.", (72, 78))},
-    {**layer_shares(PARAMETERS, "blocks.*.", (78, 84))},
-    {**layer_shares(PARAMETERS, "blocks.*.", (84, 90))},
+    *(layer_shares(PARAMETERS, "blocks.*.", (i, i + 6)) for i in range(6, 90, 6)),
     {
         **layer_shares(PARAMETERS, "blocks.*.", (90, 96)),
         "ln_f.scale": Share("ln_f.scale"),
@@ -1387,7 +1328,7 @@ CHUNK_WEIGHTS = (
 )
 
 
-def chunk_weights(c: int, arrays: dict[str, jax.Array], local: bool = False) -> dict[str, jax.Array]:
+def chunk_weights(c: int, arrays: Arrays, local: bool = False) -> Arrays:
     """Chunk c's weights, in the compute dtype, out of the stored arrays (`local`: out of one
     stage's pieces of them, inside the pipeline)."""
     return {
@@ -1396,7 +1337,7 @@ def chunk_weights(c: int, arrays: dict[str, jax.Array], local: bool = False) -> 
     }
 
 
-def forward(params: dict[str, jax.Array], inputs: dict[str, jax.Array], key: jax.Array | None = None) -> jax.Array:
+def forward(params: Arrays, inputs: Arrays, key: jax.Array | None = None) -> jax.Array:
     """The model's output before its loss, every chunk in turn on the whole batch (no pipeline)."""
     x = inputs[STREAM]
     for c, stage in enumerate(STAGES):
@@ -1404,12 +1345,12 @@ def forward(params: dict[str, jax.Array], inputs: dict[str, jax.Array], key: jax
     return x
 
 
-def loss_of(x: jax.Array, inputs: dict[str, jax.Array]) -> jax.Array:
+def loss_of(x: jax.Array, inputs: Arrays) -> jax.Array:
     # gpt3_175b.par:50 loss: cross_entropy(targets)
     return cross_entropy(x, targets=inputs["targets"], ignore_index=-100)
 
 
-def loss(params: dict[str, jax.Array], batch: dict[str, jax.Array], key: jax.Array | None = None) -> jax.Array:
+def loss(params: Arrays, batch: Arrays, key: jax.Array | None = None) -> jax.Array:
     """The mean loss over the batch, unpipelined."""
     return loss_of(forward(params, batch, key), batch)
 
@@ -1420,9 +1361,7 @@ def loss(params: dict[str, jax.Array], batch: dict[str, jax.Array], key: jax.Arr
 # stage 0 first (`F3` the forward of microbatch 3, `B3` its backward, `.` an idle tick;
 # `read_timeline` says the rest). `schedule_tables` makes the executor's table of it: one row
 # per tick, one column per stage (`pipeline_value_and_grad` says what each entry means).
-#
-#   1f1b: 16 stages, 192 microbatches, 1 chunk per stage
-#   (too wide for here: `dslc schedule --kind 1f1b --stages 16 --microbatches 192 --virtual 1` draws it)
+# `dslc schedule --kind 1f1b --stages 16 --microbatches 192 --virtual 1` draws it (too wide for here).
 TIMELINES = (
     "F0..F15 .x15 (B0 F16)..(B175 F191) (B176 .)..(B190 .) B191",
     ". F0..F14 .x14 (B0 F15)..(B176 F191) (B177 .)..(B190 .) B191",
@@ -1450,23 +1389,15 @@ PIPELINE = Pipeline(
 )
 
 
-def value_and_grad(
-    params: dict[str, jax.Array], batch: dict[str, jax.Array], key: jax.Array | None, mesh: jax.sharding.Mesh
-) -> tuple[jax.Array, dict[str, jax.Array]]:
+def run_chunk(c: int, weights: Arrays, x: jax.Array, inputs: Arrays, key: jax.Array | None) -> jax.Array:
+    """Chunk c on one microbatch: its output, or the last chunk's loss."""
+    y = STAGES[c](weights)(x, inputs, key)
+    return loss_of(y, inputs) if c == len(STAGES) - 1 else y
+
+
+def value_and_grad(params: Arrays, batch: Arrays, key: jax.Array | None, mesh: Mesh) -> tuple[jax.Array, Arrays]:
     """The mean loss and its gradients, by running the schedule's table over the `stage` axis."""
-
-    def chunk(c: int) -> Callable[..., Any]:
-        last = c == len(STAGES) - 1
-
-        def run(
-            weights: dict[str, jax.Array], x: jax.Array, inputs: dict[str, jax.Array], key: jax.Array | None
-        ) -> jax.Array:
-            y = STAGES[c](weights)(x, inputs, key)
-            return loss_of(y, inputs) if last else y
-
-        return run
-
-    chunks = [chunk(c) for c in range(len(STAGES))]
+    chunks = [functools.partial(run_chunk, c) for c in range(len(STAGES))]
     shares = [functools.partial(chunk_weights, c, local=True) for c in range(len(STAGES))]
     return pipeline_value_and_grad(
         chunks, shares, params, batch, key, mesh=mesh, pipeline=PIPELINE, parameters=PARAMETERS, count=loss_count
@@ -1477,7 +1408,7 @@ ACCUMULATE = 1  # gradient accumulation steps per optimizer step
 OPTIMIZER = ("adamw", {"lr": 6e-05, "warmup": 375.0, "weight_decay": 0.1, "clip": 1.0})
 
 
-def loss_count(batch: dict[str, jax.Array]) -> jax.Array:
+def loss_count(batch: Arrays) -> jax.Array:
     """How many positions the loss averages over in `batch`: accumulation steps and
     microbatches weigh by their share of them."""
     return cross_entropy_count(targets=batch["targets"], ignore_index=-100)
@@ -1488,21 +1419,19 @@ def loss_count(batch: dict[str, jax.Array]) -> jax.Array:
 DATA_AXES = ("data",)
 
 
-def gradients(
-    params: dict[str, jax.Array], batch: dict[str, jax.Array], key: jax.Array | None, mesh: jax.sharding.Mesh
-) -> tuple[jax.Array, dict[str, jax.Array]]:
+def gradients(params: Arrays, batch: Arrays, key: jax.Array | None, mesh: Mesh) -> tuple[jax.Array, Arrays]:
     """The mean loss and its gradients over the batch, each device's rows (split over
     `DATA_AXES`) at once, summed over the devices at the end."""
     rows = functools.partial(value_and_grad, mesh=mesh)
     return data_parallel(rows, params, batch, key, mesh=mesh, axes=DATA_AXES, parameters=PARAMETERS, count=loss_count)
 
 
-def optimizer_state(optimizer: optax.GradientTransformation, params: dict[str, jax.Array]) -> Any:
+def optimizer_state(optimizer: optax.GradientTransformation, params: Arrays) -> Any:
     """The optimizer state: the optimizer's own state of the parameters."""
     return optimizer.init(params)
 
 
-def optimizer_shardings(state: Any, mesh: jax.sharding.Mesh) -> Any:
+def optimizer_shardings(state: Any, mesh: Mesh) -> Any:
     """Optimizer-state leaves shaped like a parameter follow its optimizer sharding."""
 
     def pick(path: tuple[Any, ...], leaf: Any) -> NamedSharding:
@@ -1515,7 +1444,7 @@ def optimizer_shardings(state: Any, mesh: jax.sharding.Mesh) -> Any:
     return jax.tree_util.tree_map_with_path(pick, state)
 
 
-def make_train_step(mesh: jax.sharding.Mesh, optimizer: optax.GradientTransformation) -> Callable[..., Any]:
+def make_train_step(mesh: Mesh, optimizer: optax.GradientTransformation) -> Callable[..., Any]:
     """One jitted optimizer step: (params, optimizer state, batch, key) -> the new two, the loss
     and the step's figures (`step_metrics`)."""
     # Each gradient where its optimizer state lives: its piece of it under ZeRO.
@@ -1524,23 +1453,18 @@ def make_train_step(mesh: jax.sharding.Mesh, optimizer: optax.GradientTransforma
     abstract = {name: jax.ShapeDtypeStruct(p.shape, p.dtype) for name, p in PARAMETERS.items()}
     state_shardings = optimizer_shardings(jax.eval_shape(functools.partial(optimizer_state, optimizer), abstract), mesh)
 
-    def step(
-        params: dict[str, jax.Array], opt_state: Any, batch: dict[str, jax.Array], key: jax.Array
-    ) -> tuple[dict[str, jax.Array], Any, jax.Array, dict[str, jax.Array]]:
+    def step(params: Arrays, opt_state: Any, batch: Arrays, key: jax.Array) -> tuple[Arrays, Any, jax.Array, Arrays]:
         value, grads = gradients(params, batch, key, mesh)
         grads = lax.with_sharding_constraint(grads, grad_shardings)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, value, step_metrics(grads)
 
     replicated = NamedSharding(mesh, P())
-    return jax.jit(
-        step, out_shardings=(param_shardings, state_shardings, replicated, replicated), donate_argnums=(0, 1)
-    )
+    outputs = (param_shardings, state_shardings, replicated, replicated)
+    return jax.jit(step, out_shardings=outputs, donate_argnums=(0, 1))
 
 
-def init_optimizer(
-    params: dict[str, jax.Array], optimizer: optax.GradientTransformation, mesh: jax.sharding.Mesh
-) -> Any:
+def init_optimizer(params: Arrays, optimizer: optax.GradientTransformation, mesh: Mesh) -> Any:
     """The optimizer state, split as the spec's ZeRO stage says."""
     init = functools.partial(optimizer_state, optimizer)
     return jax.jit(init, out_shardings=optimizer_shardings(jax.eval_shape(init, params), mesh))(params)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import math
 import zlib
 from collections.abc import Callable
@@ -28,7 +29,7 @@ import optax
 from flax import nnx
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jax.sharding import PartitionSpec as P
 
 # ---- the mesh ----------------------------------------------------------------------------------
@@ -37,9 +38,10 @@ MESH_AXES = ("data", "context", "model")
 MESH_SHAPE = (2, 4, 2)
 DEVICES = 16
 COMPUTE_DTYPE = "float32"
+Arrays = dict[str, jax.Array]  # arrays by name: the parameters, their gradients, a batch
 
 
-def make_mesh() -> jax.sharding.Mesh:
+def make_mesh() -> Mesh:
     """The mesh on this machine's devices, or on simulated CPU devices when there are too few."""
     devices = jax.devices()
     if len(devices) < DEVICES:
@@ -61,16 +63,16 @@ def constrain(x: jax.Array, spec: P) -> jax.Array:
     return lax.with_sharding_constraint(x, spec)
 
 
-def weight(param: nnx.Param, spec: P | None = None) -> jax.Array:
-    """A parameter as its layer computes with it, in the compute dtype; with `spec`, gathered
-    to that sharding first (parameters stored split over the data axes, ZeRO-3 and FSDP)."""
-    value = param[...] if spec is None else constrain(param[...], spec)
-    return value.astype(COMPUTE_DTYPE)
-
-
-def layer_key(key: jax.Array | None, path: str) -> jax.Array | None:
-    """The random key of one layer (dropout), or None when not training."""
-    return None if key is None else named_key(key, path)
+def weights_of(layer: nnx.Dict, gather: dict[str, P] | None = None, transposed: str = "") -> Arrays:
+    """A layer's parameters by name, as its kernel takes them: in the compute dtype; with
+    `gather`, each gathered to its sharding there first (parameters stored split over the data
+    axes, ZeRO-3 and FSDP); the one named `transposed` read the other way round (a head
+    reading a tied embedding's table)."""
+    out = {}
+    for name, param in layer.items():
+        value = (param[...] if gather is None else constrain(param[...], gather[name])).astype(COMPUTE_DTYPE)
+        out[name] = value.T if name == transposed else value
+    return out
 
 
 # ---- parameters and inputs ---------------------------------------------------------------------
@@ -132,15 +134,6 @@ def expand_names(pattern: str, lengths: tuple[int, ...], first: int = 0) -> list
     return [n[:-1] for n in names]
 
 
-def unravel(flat: int, dims: tuple[int, ...]) -> tuple[int, ...]:
-    """The row-major index of element `flat` of an array of shape `dims`."""
-    out = []
-    for n in reversed(dims):
-        out.append(flat % n)
-        flat //= n
-    return tuple(reversed(out))
-
-
 class Held(NamedTuple):
     """One weight in a stored array: its per-layer name, where it is in the array (an index of
     its leading dimensions; padding aside), its shape and how it is initialised."""
@@ -160,8 +153,9 @@ def weight_names(name: str, p: Parameter) -> list[Held]:
                 continue
             stars = row.name.count("*")
             dims = row.shape[:stars]
-            for flat, layer in enumerate(expand_names(row.name, dims, row.first)):
-                out.append(Held(layer, (r, *unravel(flat, dims)), row.shape[stars:], row.init))
+            indices = itertools.product(*map(range, dims))  # row-major, as the names run
+            for index, layer in zip(indices, expand_names(row.name, dims, row.first), strict=True):
+                out.append(Held(layer, (r, *index), row.shape[stars:], row.init))
         return out
     dims = p.shape[: sum(p.layers)]
     lengths, at = [], 0
@@ -171,9 +165,9 @@ def weight_names(name: str, p: Parameter) -> list[Held]:
     inner = p.shape[len(dims) :]
     if p.padding:
         inner = tuple(n - pad for n, pad in zip(inner, p.padding, strict=True))
-    return [
-        Held(layer, unravel(flat, dims), inner, p.init) for flat, layer in enumerate(expand_names(name, tuple(lengths)))
-    ]
+    indices = itertools.product(*map(range, dims))  # row-major, as the names run
+    names = expand_names(name, tuple(lengths))
+    return [Held(layer, index, inner, p.init) for index, layer in zip(indices, names, strict=True)]
 
 
 def to_weights(parameters: dict[str, Parameter], arrays: dict[str, Any]) -> dict[str, Any]:
@@ -279,10 +273,10 @@ INPUTS = {
 STREAM = "tokens"  # the input the forward pass starts from
 
 
-def init_params(seed: int, mesh: jax.sharding.Mesh) -> dict[str, jax.Array]:
+def init_params(seed: int, mesh: Mesh) -> Arrays:
     """Fresh parameters, each generated straight into its shards (never whole on one device)."""
 
-    def create() -> dict[str, jax.Array]:
+    def create() -> Arrays:
         key = jax.random.key(seed)
         return {name: initial_array(name, p, key) for name, p in PARAMETERS.items()}
 
@@ -290,22 +284,21 @@ def init_params(seed: int, mesh: jax.sharding.Mesh) -> dict[str, jax.Array]:
     return jax.jit(create, out_shardings=shardings)()
 
 
-def export_weights(params: dict[str, jax.Array]) -> dict[str, np.ndarray]:
+def export_weights(params: Arrays) -> dict[str, np.ndarray]:
     """Every weight by its per-layer name, as numpy arrays."""
     return to_weights(PARAMETERS, {name: jax.device_get(value) for name, value in params.items()})
 
 
-def import_weights(weights: dict[str, np.ndarray], mesh: jax.sharding.Mesh) -> dict[str, jax.Array]:
+def import_weights(weights: dict[str, np.ndarray], mesh: Mesh) -> Arrays:
     """The stored arrays for weights given by their per-layer names, placed on the mesh."""
-    return {
-        name: jax.device_put(
-            value.astype(jnp.dtype(PARAMETERS[name].dtype)), NamedSharding(mesh, PARAMETERS[name].sharding)
-        )
-        for name, value in from_weights(PARAMETERS, weights).items()
-    }
+    placed = {}
+    for name, value in from_weights(PARAMETERS, weights).items():
+        p = PARAMETERS[name]
+        placed[name] = jax.device_put(value.astype(jnp.dtype(p.dtype)), NamedSharding(mesh, p.sharding))
+    return placed
 
 
-def place(batch: dict[str, np.ndarray], mesh: jax.sharding.Mesh) -> dict[str, jax.Array]:
+def place(batch: dict[str, np.ndarray], mesh: Mesh) -> Arrays:
     """Put each input on the mesh with its declared sharding."""
     placed = {}
     for name, spec in INPUTS.items():
@@ -819,9 +812,8 @@ def learning_rate(hyper: dict[str, float]) -> optax.Schedule:
     h = {**OPTIMIZER_DEFAULTS, **hyper}
     lr, warmup = h["lr"], int(h["warmup"])
     if "decay_steps" in h:
-        return optax.warmup_cosine_decay_schedule(
-            0.0, lr, warmup, max(int(h["decay_steps"]), warmup + 1), end_value=lr / 10
-        )
+        steps = max(int(h["decay_steps"]), warmup + 1)
+        return optax.warmup_cosine_decay_schedule(0.0, lr, warmup, steps, end_value=lr / 10)
     if warmup == 0:
         return optax.constant_schedule(lr)
     return optax.join_schedules([optax.linear_schedule(0.0, lr, warmup), optax.constant_schedule(lr)], [warmup])
@@ -851,7 +843,7 @@ def step_metrics(grads: Any) -> dict[str, jax.Array]:
 # ---- the model ---------------------------------------------------------------------------------
 
 
-def layers_of(params: dict[str, jax.Array], prefix: str) -> dict[str, jax.Array]:
+def layers_of(params: Arrays, prefix: str) -> Arrays:
     """The weights under `prefix` (a block's, or a repeat's stacked ones), named relative to it."""
     return {name[len(prefix) :]: value for name, value in params.items() if name.startswith(prefix)}
 
@@ -859,7 +851,7 @@ def layers_of(params: dict[str, jax.Array], prefix: str) -> dict[str, jax.Array]
 class Decoder(nnx.Module):
     """Block `decoder` of the spec. (long_context.par:25-32)"""
 
-    def __init__(self, params: dict[str, jax.Array], path: str) -> None:
+    def __init__(self, params: Arrays, path: str) -> None:
         self.path = path
         # long_context.par:26 attn_norm: rmsnorm(d)
         self.attn_norm = nnx.Dict(scale=nnx.Param(params["attn_norm.scale"]))
@@ -877,19 +869,16 @@ class Decoder(nnx.Module):
         # long_context.par:32 down: linear(ffn, d, bias=false) shard kernel[model, _]
         self.down = nnx.Dict(kernel=nnx.Param(params["down.kernel"]))
 
-    def __call__(self, x: jax.Array, inputs: dict[str, jax.Array], key: jax.Array | None) -> jax.Array:
+    def __call__(self, x: jax.Array, inputs: Arrays, key: jax.Array | None) -> jax.Array:
         # long_context.par:25: residual
         h = x
         # long_context.par:26 attn_norm: rmsnorm(d)
-        h = rmsnorm(h, scale=weight(self.attn_norm["scale"]), eps=1e-06, dtype=COMPUTE_DTYPE)
+        h = rmsnorm(h, **weights_of(self.attn_norm), eps=1e-06, dtype=COMPUTE_DTYPE)
         h = checkpoint_name(constrain(h, P("data", "context", None)), self.path + ".attn_norm")
         # long_context.par:27 attn: attention(d, heads, kv_heads=kv_heads, rope=true) shard q[_, model], k[...
         h = ring_attention(
             h,
-            q=weight(self.attn["q"]),
-            k=weight(self.attn["k"]),
-            v=weight(self.attn["v"]),
-            o=weight(self.attn["o"]),
+            **weights_of(self.attn),
             heads=4,
             kv_heads=2,
             causal=True,
@@ -902,13 +891,13 @@ class Decoder(nnx.Module):
         # long_context.par:29: residual
         h = x
         # long_context.par:30 mlp_norm: rmsnorm(d)
-        h = rmsnorm(h, scale=weight(self.mlp_norm["scale"]), eps=1e-06, dtype=COMPUTE_DTYPE)
+        h = rmsnorm(h, **weights_of(self.mlp_norm), eps=1e-06, dtype=COMPUTE_DTYPE)
         h = checkpoint_name(constrain(h, P("data", "context", None)), self.path + ".mlp_norm")
         # long_context.par:31 gate_up: swiglu(d, ffn) shard gate[_, model], up[_, model]
-        h = swiglu(h, gate=weight(self.gate_up["gate"]), up=weight(self.gate_up["up"]), dtype=COMPUTE_DTYPE)
+        h = swiglu(h, **weights_of(self.gate_up), dtype=COMPUTE_DTYPE)
         h = checkpoint_name(constrain(h, P("data", "context", "model")), self.path + ".gate_up")
         # long_context.par:32 down: linear(ffn, d, bias=false) shard kernel[model, _]
-        h = linear(h, kernel=weight(self.down["kernel"]), dtype=COMPUTE_DTYPE)
+        h = linear(h, **weights_of(self.down), dtype=COMPUTE_DTYPE)
         h = checkpoint_name(constrain(h, P("data", "context", None)), self.path + ".down")
         x = x + h
         return x
@@ -917,7 +906,7 @@ class Decoder(nnx.Module):
 class LongContext(nnx.Module):
     """The `long_context` model. (long_context.par:37-40)"""
 
-    def __init__(self, params: dict[str, jax.Array]) -> None:
+    def __init__(self, params: Arrays) -> None:
         # long_context.par:37 embed: embed(vocab, d) shard table[model, _]
         self.embed = nnx.Dict(table=nnx.Param(params["embed.table"]))
         # long_context.par:38 layers: repeat n_layers decoder(d, heads, kv_heads, ffn)
@@ -927,24 +916,22 @@ class LongContext(nnx.Module):
         # long_context.par:40 head: linear(d, vocab, bias=false) shard kernel[_, model]
         self.head = nnx.Dict(kernel=nnx.Param(params["head.kernel"]))
 
-    def __call__(self, x: jax.Array, inputs: dict[str, jax.Array], key: jax.Array | None) -> jax.Array:
+    def __call__(self, x: jax.Array, inputs: Arrays, key: jax.Array | None) -> jax.Array:
         # long_context.par:37 embed: embed(vocab, d) shard table[model, _]
-        x = embed(x, table=weight(self.embed["table"]), dtype=COMPUTE_DTYPE)
+        x = embed(x, **weights_of(self.embed), dtype=COMPUTE_DTYPE)
         x = checkpoint_name(constrain(x, P("data", "context", None)), "embed")
         # long_context.par:38 layers: repeat n_layers decoder(d, heads, kv_heads, ffn)
         x = scan_layers(self.layers, 2, x, inputs, key)
         # long_context.par:39 norm: rmsnorm(d)
-        x = rmsnorm(x, scale=weight(self.norm["scale"]), eps=1e-06, dtype=COMPUTE_DTYPE)
+        x = rmsnorm(x, **weights_of(self.norm), eps=1e-06, dtype=COMPUTE_DTYPE)
         x = checkpoint_name(constrain(x, P("data", "context", None)), "norm")
         # long_context.par:40 head: linear(d, vocab, bias=false) shard kernel[_, model]
-        x = linear(x, kernel=weight(self.head["kernel"]), dtype=COMPUTE_DTYPE)
+        x = linear(x, **weights_of(self.head), dtype=COMPUTE_DTYPE)
         x = checkpoint_name(constrain(x, P("data", "context", "model")), "head")
         return x
 
 
-def scan_layers(
-    layers: nnx.Module, count: int, x: jax.Array, inputs: dict[str, jax.Array], key: jax.Array | None
-) -> jax.Array:
+def scan_layers(layers: nnx.Module, count: int, x: jax.Array, inputs: Arrays, key: jax.Array | None) -> jax.Array:
     """A repeat's `count` layers as one `lax.scan`: `layers` holds every layer's weights stacked
     (the layer index first), and each step runs one layer on its own slice of them. One loop
     body instead of N copies keeps compile time flat in depth, and makes activation
@@ -959,18 +946,18 @@ def scan_layers(
     return lax.scan(body, x, (jnp.arange(count), stacked))[0]
 
 
-def forward(params: dict[str, jax.Array], inputs: dict[str, jax.Array], key: jax.Array | None = None) -> jax.Array:
+def forward(params: Arrays, inputs: Arrays, key: jax.Array | None = None) -> jax.Array:
     """The model's output before its loss."""
     x = inputs[STREAM]
     return LongContext(params)(x, inputs, key)
 
 
-def loss_of(x: jax.Array, inputs: dict[str, jax.Array]) -> jax.Array:
+def loss_of(x: jax.Array, inputs: Arrays) -> jax.Array:
     # long_context.par:41 loss: cross_entropy(targets)
     return cross_entropy(x, targets=inputs["targets"], ignore_index=-100)
 
 
-def loss(params: dict[str, jax.Array], batch: dict[str, jax.Array], key: jax.Array | None = None) -> jax.Array:
+def loss(params: Arrays, batch: Arrays, key: jax.Array | None = None) -> jax.Array:
     """The mean loss over the batch."""
     return loss_of(forward(params, batch, key), batch)
 
@@ -978,9 +965,7 @@ def loss(params: dict[str, jax.Array], batch: dict[str, jax.Array], key: jax.Arr
 # ---- loss, gradients and the training step -----------------------------------------------------
 
 
-def value_and_grad(
-    params: dict[str, jax.Array], batch: dict[str, jax.Array], key: jax.Array | None, mesh: jax.sharding.Mesh
-) -> tuple[jax.Array, dict[str, jax.Array]]:
+def value_and_grad(params: Arrays, batch: Arrays, key: jax.Array | None, mesh: Mesh) -> tuple[jax.Array, Arrays]:
     """The mean loss and its gradients."""
     return jax.value_and_grad(loss)(params, batch, key)
 
@@ -989,25 +974,23 @@ ACCUMULATE = 1  # gradient accumulation steps per optimizer step
 OPTIMIZER = ("adamw", {"lr": 0.001, "warmup": 20.0})
 
 
-def loss_count(batch: dict[str, jax.Array]) -> jax.Array:
+def loss_count(batch: Arrays) -> jax.Array:
     """How many positions the loss averages over in `batch`: accumulation steps and
     microbatches weigh by their share of them."""
     return cross_entropy_count(targets=batch["targets"], ignore_index=-100)
 
 
-def gradients(
-    params: dict[str, jax.Array], batch: dict[str, jax.Array], key: jax.Array | None, mesh: jax.sharding.Mesh
-) -> tuple[jax.Array, dict[str, jax.Array]]:
+def gradients(params: Arrays, batch: Arrays, key: jax.Array | None, mesh: Mesh) -> tuple[jax.Array, Arrays]:
     """The mean loss and its gradients over the batch, at once."""
     return value_and_grad(params, batch, key, mesh)
 
 
-def optimizer_state(optimizer: optax.GradientTransformation, params: dict[str, jax.Array]) -> Any:
+def optimizer_state(optimizer: optax.GradientTransformation, params: Arrays) -> Any:
     """The optimizer state: the optimizer's own state of the parameters."""
     return optimizer.init(params)
 
 
-def optimizer_shardings(state: Any, mesh: jax.sharding.Mesh) -> Any:
+def optimizer_shardings(state: Any, mesh: Mesh) -> Any:
     """Optimizer-state leaves shaped like a parameter follow its optimizer sharding."""
 
     def pick(path: tuple[Any, ...], leaf: Any) -> NamedSharding:
@@ -1020,7 +1003,7 @@ def optimizer_shardings(state: Any, mesh: jax.sharding.Mesh) -> Any:
     return jax.tree_util.tree_map_with_path(pick, state)
 
 
-def make_train_step(mesh: jax.sharding.Mesh, optimizer: optax.GradientTransformation) -> Callable[..., Any]:
+def make_train_step(mesh: Mesh, optimizer: optax.GradientTransformation) -> Callable[..., Any]:
     """One jitted optimizer step: (params, optimizer state, batch, key) -> the new two, the loss
     and the step's figures (`step_metrics`)."""
     # Each gradient where its optimizer state lives: its piece of it under ZeRO.
@@ -1029,23 +1012,18 @@ def make_train_step(mesh: jax.sharding.Mesh, optimizer: optax.GradientTransforma
     abstract = {name: jax.ShapeDtypeStruct(p.shape, p.dtype) for name, p in PARAMETERS.items()}
     state_shardings = optimizer_shardings(jax.eval_shape(functools.partial(optimizer_state, optimizer), abstract), mesh)
 
-    def step(
-        params: dict[str, jax.Array], opt_state: Any, batch: dict[str, jax.Array], key: jax.Array
-    ) -> tuple[dict[str, jax.Array], Any, jax.Array, dict[str, jax.Array]]:
+    def step(params: Arrays, opt_state: Any, batch: Arrays, key: jax.Array) -> tuple[Arrays, Any, jax.Array, Arrays]:
         value, grads = gradients(params, batch, key, mesh)
         grads = lax.with_sharding_constraint(grads, grad_shardings)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, value, step_metrics(grads)
 
     replicated = NamedSharding(mesh, P())
-    return jax.jit(
-        step, out_shardings=(param_shardings, state_shardings, replicated, replicated), donate_argnums=(0, 1)
-    )
+    outputs = (param_shardings, state_shardings, replicated, replicated)
+    return jax.jit(step, out_shardings=outputs, donate_argnums=(0, 1))
 
 
-def init_optimizer(
-    params: dict[str, jax.Array], optimizer: optax.GradientTransformation, mesh: jax.sharding.Mesh
-) -> Any:
+def init_optimizer(params: Arrays, optimizer: optax.GradientTransformation, mesh: Mesh) -> Any:
     """The optimizer state, split as the spec's ZeRO stage says."""
     init = functools.partial(optimizer_state, optimizer)
     return jax.jit(init, out_shardings=optimizer_shardings(jax.eval_shape(init, params), mesh))(params)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import math
 import re
 import zlib
@@ -29,7 +30,7 @@ import optax
 from flax import nnx
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jax.sharding import PartitionSpec as P
 
 # ---- the mesh ----------------------------------------------------------------------------------
@@ -38,9 +39,10 @@ MESH_AXES = ("data", "stage")
 MESH_SHAPE = (1, 3)
 DEVICES = 3
 COMPUTE_DTYPE = "float32"
+Arrays = dict[str, jax.Array]  # arrays by name: the parameters, their gradients, a batch
 
 
-def make_mesh() -> jax.sharding.Mesh:
+def make_mesh() -> Mesh:
     """The mesh on this machine's devices, or on simulated CPU devices when there are too few."""
     devices = jax.devices()
     if len(devices) < DEVICES:
@@ -62,16 +64,16 @@ def constrain(x: jax.Array, spec: P) -> jax.Array:
     return lax.with_sharding_constraint(x, spec)
 
 
-def weight(param: nnx.Param, spec: P | None = None) -> jax.Array:
-    """A parameter as its layer computes with it, in the compute dtype; with `spec`, gathered
-    to that sharding first (parameters stored split over the data axes, ZeRO-3 and FSDP)."""
-    value = param[...] if spec is None else constrain(param[...], spec)
-    return value.astype(COMPUTE_DTYPE)
-
-
-def layer_key(key: jax.Array | None, path: str) -> jax.Array | None:
-    """The random key of one layer (dropout), or None when not training."""
-    return None if key is None else named_key(key, path)
+def weights_of(layer: nnx.Dict, gather: dict[str, P] | None = None, transposed: str = "") -> Arrays:
+    """A layer's parameters by name, as its kernel takes them: in the compute dtype; with
+    `gather`, each gathered to its sharding there first (parameters stored split over the data
+    axes, ZeRO-3 and FSDP); the one named `transposed` read the other way round (a head
+    reading a tied embedding's table)."""
+    out = {}
+    for name, param in layer.items():
+        value = (param[...] if gather is None else constrain(param[...], gather[name])).astype(COMPUTE_DTYPE)
+        out[name] = value.T if name == transposed else value
+    return out
 
 
 # ---- parameters and inputs ---------------------------------------------------------------------
@@ -133,15 +135,6 @@ def expand_names(pattern: str, lengths: tuple[int, ...], first: int = 0) -> list
     return [n[:-1] for n in names]
 
 
-def unravel(flat: int, dims: tuple[int, ...]) -> tuple[int, ...]:
-    """The row-major index of element `flat` of an array of shape `dims`."""
-    out = []
-    for n in reversed(dims):
-        out.append(flat % n)
-        flat //= n
-    return tuple(reversed(out))
-
-
 class Held(NamedTuple):
     """One weight in a stored array: its per-layer name, where it is in the array (an index of
     its leading dimensions; padding aside), its shape and how it is initialised."""
@@ -161,8 +154,9 @@ def weight_names(name: str, p: Parameter) -> list[Held]:
                 continue
             stars = row.name.count("*")
             dims = row.shape[:stars]
-            for flat, layer in enumerate(expand_names(row.name, dims, row.first)):
-                out.append(Held(layer, (r, *unravel(flat, dims)), row.shape[stars:], row.init))
+            indices = itertools.product(*map(range, dims))  # row-major, as the names run
+            for index, layer in zip(indices, expand_names(row.name, dims, row.first), strict=True):
+                out.append(Held(layer, (r, *index), row.shape[stars:], row.init))
         return out
     dims = p.shape[: sum(p.layers)]
     lengths, at = [], 0
@@ -172,9 +166,9 @@ def weight_names(name: str, p: Parameter) -> list[Held]:
     inner = p.shape[len(dims) :]
     if p.padding:
         inner = tuple(n - pad for n, pad in zip(inner, p.padding, strict=True))
-    return [
-        Held(layer, unravel(flat, dims), inner, p.init) for flat, layer in enumerate(expand_names(name, tuple(lengths)))
-    ]
+    indices = itertools.product(*map(range, dims))  # row-major, as the names run
+    names = expand_names(name, tuple(lengths))
+    return [Held(layer, index, inner, p.init) for index, layer in zip(indices, names, strict=True)]
 
 
 def to_weights(parameters: dict[str, Parameter], arrays: dict[str, Any]) -> dict[str, Any]:
@@ -309,10 +303,10 @@ INPUTS = {
 STREAM = "images"  # the input the forward pass starts from
 
 
-def init_params(seed: int, mesh: jax.sharding.Mesh) -> dict[str, jax.Array]:
+def init_params(seed: int, mesh: Mesh) -> Arrays:
     """Fresh parameters, each generated straight into its shards (never whole on one device)."""
 
-    def create() -> dict[str, jax.Array]:
+    def create() -> Arrays:
         key = jax.random.key(seed)
         return {name: initial_array(name, p, key) for name, p in PARAMETERS.items()}
 
@@ -320,22 +314,21 @@ def init_params(seed: int, mesh: jax.sharding.Mesh) -> dict[str, jax.Array]:
     return jax.jit(create, out_shardings=shardings)()
 
 
-def export_weights(params: dict[str, jax.Array]) -> dict[str, np.ndarray]:
+def export_weights(params: Arrays) -> dict[str, np.ndarray]:
     """Every weight by its per-layer name, as numpy arrays."""
     return to_weights(PARAMETERS, {name: jax.device_get(value) for name, value in params.items()})
 
 
-def import_weights(weights: dict[str, np.ndarray], mesh: jax.sharding.Mesh) -> dict[str, jax.Array]:
+def import_weights(weights: dict[str, np.ndarray], mesh: Mesh) -> Arrays:
     """The stored arrays for weights given by their per-layer names, placed on the mesh."""
-    return {
-        name: jax.device_put(
-            value.astype(jnp.dtype(PARAMETERS[name].dtype)), NamedSharding(mesh, PARAMETERS[name].sharding)
-        )
-        for name, value in from_weights(PARAMETERS, weights).items()
-    }
+    placed = {}
+    for name, value in from_weights(PARAMETERS, weights).items():
+        p = PARAMETERS[name]
+        placed[name] = jax.device_put(value.astype(jnp.dtype(p.dtype)), NamedSharding(mesh, p.sharding))
+    return placed
 
 
-def place(batch: dict[str, np.ndarray], mesh: jax.sharding.Mesh) -> dict[str, jax.Array]:
+def place(batch: dict[str, np.ndarray], mesh: Mesh) -> Arrays:
     """Put each input on the mesh with its declared sharding."""
     placed = {}
     for name, spec in INPUTS.items():
@@ -403,10 +396,7 @@ def _counted(targets: jax.Array, mask: jax.Array | None, ignore_index: int) -> j
 
 
 IDLE, FORWARD, BACKWARD, INPUT_GRAD, WEIGHT_GRAD = 0, 1, 2, 3, 4
-
-
 OP_CODES = {"F": FORWARD, "B": BACKWARD, "I": INPUT_GRAD, "W": WEIGHT_GRAD}
-
 
 # The executor's tables, each [tick][stage]:
 TABLE_ENTRIES = (
@@ -419,13 +409,9 @@ TABLE_ENTRIES = (
     "receive_activation",  # after the tick, store the activation arriving from stage - 1 here
     "receive_gradient",  # and the gradient arriving from stage + 1 here (-1: nothing arrives)
 )
-
-
 # Arrivals that only a placement other than a ring has (a V): from the other neighbour, or
 # made by the stage for its own next (or previous) chunk.
 OTHER_DIRECTIONS = ("activation_from_next", "gradient_from_previous", "keep_activation", "keep_gradient")
-
-
 # Where a value is stored, by what it is and which way it went.
 RECEIVED_IN = {
     ("activation", "next"): "receive_activation",
@@ -548,8 +534,6 @@ def schedule_tables(*timelines: str) -> dict[str, list[list[int]]]:
 # With `has_aux`, every chunk returns (that, aux), aux an f32 scalar added to the loss.
 # `inputs` holds the microbatch of every model input; `key` is None when not training.
 Chunk = Callable[[Any, jax.Array, dict[str, jax.Array], jax.Array | None], Any]
-
-
 # weights(stage_arrays) -> a chunk's weights, as its code computes with them.
 ChunkWeights = Callable[[dict[str, jax.Array]], dict[str, jax.Array]]
 
@@ -946,11 +930,6 @@ class Share(NamedTuple):
     shape: tuple[int, ...] | None = None
 
 
-def layer_shares(parameters: dict[str, Any], prefix: str, layers: tuple[int, int]) -> dict[str, Share]:
-    """A chunk's layers [start, stop) of every array a repeat stores under `prefix` (`blocks.*.`)."""
-    return {name: Share(name, (layers,)) for name in parameters if name.startswith(prefix)}
-
-
 def take_share(
     arrays: dict[str, jax.Array], share: Share, stage_rows: int | None, local: bool, dtype: Any
 ) -> jax.Array:
@@ -985,9 +964,8 @@ def learning_rate(hyper: dict[str, float]) -> optax.Schedule:
     h = {**OPTIMIZER_DEFAULTS, **hyper}
     lr, warmup = h["lr"], int(h["warmup"])
     if "decay_steps" in h:
-        return optax.warmup_cosine_decay_schedule(
-            0.0, lr, warmup, max(int(h["decay_steps"]), warmup + 1), end_value=lr / 10
-        )
+        steps = max(int(h["decay_steps"]), warmup + 1)
+        return optax.warmup_cosine_decay_schedule(0.0, lr, warmup, steps, end_value=lr / 10)
     if warmup == 0:
         return optax.constant_schedule(lr)
     return optax.join_schedules([optax.linear_schedule(0.0, lr, warmup), optax.constant_schedule(lr)], [warmup])
@@ -1017,29 +995,24 @@ def step_metrics(grads: Any) -> dict[str, jax.Array]:
 # ---- the model ---------------------------------------------------------------------------------
 
 
-def layers_of(params: dict[str, jax.Array], prefix: str) -> dict[str, jax.Array]:
-    """The weights under `prefix` (a block's, or a repeat's stacked ones), named relative to it."""
-    return {name[len(prefix) :]: value for name, value in params.items() if name.startswith(prefix)}
-
-
 class Stage0(nnx.Module):
     """Chunk 0 of the pipeline, run by stage 0. (seed_mlp_pipeline.par:21-24)"""
 
-    def __init__(self, params: dict[str, jax.Array]) -> None:
+    def __init__(self, params: Arrays) -> None:
         # seed_mlp_pipeline.par:21 fc1: linear(784, 512)
         self.fc1 = nnx.Dict(kernel=nnx.Param(params["fc1.kernel"]), bias=nnx.Param(params["fc1.bias"]))
         # seed_mlp_pipeline.par:23 fc2: linear(512, 512)
         self.fc2 = nnx.Dict(kernel=nnx.Param(params["fc2.kernel"]), bias=nnx.Param(params["fc2.bias"]))
 
-    def __call__(self, x: jax.Array, inputs: dict[str, jax.Array], key: jax.Array | None) -> jax.Array:
+    def __call__(self, x: jax.Array, inputs: Arrays, key: jax.Array | None) -> jax.Array:
         # seed_mlp_pipeline.par:21 fc1: linear(784, 512)
-        x = linear(x, kernel=weight(self.fc1["kernel"]), bias=weight(self.fc1["bias"]), dtype=COMPUTE_DTYPE)
+        x = linear(x, **weights_of(self.fc1), dtype=COMPUTE_DTYPE)
         x = checkpoint_name(constrain(x, P("data", None)), "fc1")
         # seed_mlp_pipeline.par:22 relu()
         x = relu(x)
         x = checkpoint_name(constrain(x, P("data", None)), "relu_0")
         # seed_mlp_pipeline.par:23 fc2: linear(512, 512)
-        x = linear(x, kernel=weight(self.fc2["kernel"]), bias=weight(self.fc2["bias"]), dtype=COMPUTE_DTYPE)
+        x = linear(x, **weights_of(self.fc2), dtype=COMPUTE_DTYPE)
         x = checkpoint_name(constrain(x, P("data", None)), "fc2")
         # seed_mlp_pipeline.par:24 relu()
         x = relu(x)
@@ -1050,21 +1023,21 @@ class Stage0(nnx.Module):
 class Stage1(nnx.Module):
     """Chunk 1 of the pipeline, run by stage 1. (seed_mlp_pipeline.par:27-30)"""
 
-    def __init__(self, params: dict[str, jax.Array]) -> None:
+    def __init__(self, params: Arrays) -> None:
         # seed_mlp_pipeline.par:27 fc3: linear(512, 256)
         self.fc3 = nnx.Dict(kernel=nnx.Param(params["fc3.kernel"]), bias=nnx.Param(params["fc3.bias"]))
         # seed_mlp_pipeline.par:29 fc4: linear(256, 256)
         self.fc4 = nnx.Dict(kernel=nnx.Param(params["fc4.kernel"]), bias=nnx.Param(params["fc4.bias"]))
 
-    def __call__(self, x: jax.Array, inputs: dict[str, jax.Array], key: jax.Array | None) -> jax.Array:
+    def __call__(self, x: jax.Array, inputs: Arrays, key: jax.Array | None) -> jax.Array:
         # seed_mlp_pipeline.par:27 fc3: linear(512, 256)
-        x = linear(x, kernel=weight(self.fc3["kernel"]), bias=weight(self.fc3["bias"]), dtype=COMPUTE_DTYPE)
+        x = linear(x, **weights_of(self.fc3), dtype=COMPUTE_DTYPE)
         x = checkpoint_name(constrain(x, P("data", None)), "fc3")
         # seed_mlp_pipeline.par:28 relu()
         x = relu(x)
         x = checkpoint_name(constrain(x, P("data", None)), "relu_2")
         # seed_mlp_pipeline.par:29 fc4: linear(256, 256)
-        x = linear(x, kernel=weight(self.fc4["kernel"]), bias=weight(self.fc4["bias"]), dtype=COMPUTE_DTYPE)
+        x = linear(x, **weights_of(self.fc4), dtype=COMPUTE_DTYPE)
         x = checkpoint_name(constrain(x, P("data", None)), "fc4")
         # seed_mlp_pipeline.par:30 relu()
         x = relu(x)
@@ -1075,40 +1048,23 @@ class Stage1(nnx.Module):
 class Stage2(nnx.Module):
     """Chunk 2 of the pipeline, run by stage 2. (seed_mlp_pipeline.par:33-35)"""
 
-    def __init__(self, params: dict[str, jax.Array]) -> None:
+    def __init__(self, params: Arrays) -> None:
         # seed_mlp_pipeline.par:33 fc5: linear(256, 128)
         self.fc5 = nnx.Dict(kernel=nnx.Param(params["fc5.kernel"]), bias=nnx.Param(params["fc5.bias"]))
         # seed_mlp_pipeline.par:35 fc6: linear(128, 10)
         self.fc6 = nnx.Dict(kernel=nnx.Param(params["fc6.kernel"]), bias=nnx.Param(params["fc6.bias"]))
 
-    def __call__(self, x: jax.Array, inputs: dict[str, jax.Array], key: jax.Array | None) -> jax.Array:
+    def __call__(self, x: jax.Array, inputs: Arrays, key: jax.Array | None) -> jax.Array:
         # seed_mlp_pipeline.par:33 fc5: linear(256, 128)
-        x = linear(x, kernel=weight(self.fc5["kernel"]), bias=weight(self.fc5["bias"]), dtype=COMPUTE_DTYPE)
+        x = linear(x, **weights_of(self.fc5), dtype=COMPUTE_DTYPE)
         x = checkpoint_name(constrain(x, P("data", None)), "fc5")
         # seed_mlp_pipeline.par:34 relu()
         x = relu(x)
         x = checkpoint_name(constrain(x, P("data", None)), "relu_4")
         # seed_mlp_pipeline.par:35 fc6: linear(128, 10)
-        x = linear(x, kernel=weight(self.fc6["kernel"]), bias=weight(self.fc6["bias"]), dtype=COMPUTE_DTYPE)
+        x = linear(x, **weights_of(self.fc6), dtype=COMPUTE_DTYPE)
         x = checkpoint_name(constrain(x, P("data", None)), "fc6")
         return x
-
-
-def scan_layers(
-    layers: nnx.Module, count: int, x: jax.Array, inputs: dict[str, jax.Array], key: jax.Array | None
-) -> jax.Array:
-    """A repeat's `count` layers as one `lax.scan`: `layers` holds every layer's weights stacked
-    (the layer index first), and each step runs one layer on its own slice of them. One loop
-    body instead of N copies keeps compile time flat in depth, and makes activation
-    checkpointing save memory."""
-    graphdef, stacked = nnx.split(layers)
-
-    def body(h: jax.Array, step: tuple[jax.Array, Any]) -> tuple[jax.Array, None]:
-        index, state = step
-        layer_key = None if key is None else jax.random.fold_in(key, index)
-        return nnx.merge(graphdef, state)(h, inputs, layer_key), None
-
-    return lax.scan(body, x, (jnp.arange(count), stacked))[0]
 
 
 # The class of each chunk of the pipeline, in model order.
@@ -1136,7 +1092,7 @@ CHUNK_WEIGHTS = (
 )
 
 
-def chunk_weights(c: int, arrays: dict[str, jax.Array], local: bool = False) -> dict[str, jax.Array]:
+def chunk_weights(c: int, arrays: Arrays, local: bool = False) -> Arrays:
     """Chunk c's weights, in the compute dtype, out of the stored arrays (`local`: out of one
     stage's pieces of them, inside the pipeline)."""
     return {
@@ -1145,7 +1101,7 @@ def chunk_weights(c: int, arrays: dict[str, jax.Array], local: bool = False) -> 
     }
 
 
-def forward(params: dict[str, jax.Array], inputs: dict[str, jax.Array], key: jax.Array | None = None) -> jax.Array:
+def forward(params: Arrays, inputs: Arrays, key: jax.Array | None = None) -> jax.Array:
     """The model's output before its loss, every chunk in turn on the whole batch (no pipeline)."""
     x = inputs[STREAM]
     for c, stage in enumerate(STAGES):
@@ -1153,12 +1109,12 @@ def forward(params: dict[str, jax.Array], inputs: dict[str, jax.Array], key: jax
     return x
 
 
-def loss_of(x: jax.Array, inputs: dict[str, jax.Array]) -> jax.Array:
+def loss_of(x: jax.Array, inputs: Arrays) -> jax.Array:
     # seed_mlp_pipeline.par:36 loss: cross_entropy(labels)
     return cross_entropy(x, targets=inputs["labels"], ignore_index=-100)
 
 
-def loss(params: dict[str, jax.Array], batch: dict[str, jax.Array], key: jax.Array | None = None) -> jax.Array:
+def loss(params: Arrays, batch: Arrays, key: jax.Array | None = None) -> jax.Array:
     """The mean loss over the batch, unpipelined."""
     return loss_of(forward(params, batch, key), batch)
 
@@ -1188,23 +1144,15 @@ BOUNDARY = ((8, 512), "float32")  # the buffer stages hand over
 PIPELINE = Pipeline(SCHEDULE, axis="stage", stream=STREAM, microbatches=4, chunk_inputs=CHUNK_INPUTS, boundary=BOUNDARY)
 
 
-def value_and_grad(
-    params: dict[str, jax.Array], batch: dict[str, jax.Array], key: jax.Array | None, mesh: jax.sharding.Mesh
-) -> tuple[jax.Array, dict[str, jax.Array]]:
+def run_chunk(c: int, weights: Arrays, x: jax.Array, inputs: Arrays, key: jax.Array | None) -> jax.Array:
+    """Chunk c on one microbatch: its output, or the last chunk's loss."""
+    y = STAGES[c](weights)(x, inputs, key)
+    return loss_of(y, inputs) if c == len(STAGES) - 1 else y
+
+
+def value_and_grad(params: Arrays, batch: Arrays, key: jax.Array | None, mesh: Mesh) -> tuple[jax.Array, Arrays]:
     """The mean loss and its gradients, by running the schedule's table over the `stage` axis."""
-
-    def chunk(c: int) -> Callable[..., Any]:
-        last = c == len(STAGES) - 1
-
-        def run(
-            weights: dict[str, jax.Array], x: jax.Array, inputs: dict[str, jax.Array], key: jax.Array | None
-        ) -> jax.Array:
-            y = STAGES[c](weights)(x, inputs, key)
-            return loss_of(y, inputs) if last else y
-
-        return run
-
-    chunks = [chunk(c) for c in range(len(STAGES))]
+    chunks = [functools.partial(run_chunk, c) for c in range(len(STAGES))]
     shares = [functools.partial(chunk_weights, c, local=True) for c in range(len(STAGES))]
     return pipeline_value_and_grad(
         chunks, shares, params, batch, key, mesh=mesh, pipeline=PIPELINE, parameters=PARAMETERS, count=loss_count
@@ -1215,25 +1163,23 @@ ACCUMULATE = 1  # gradient accumulation steps per optimizer step
 OPTIMIZER = ("adamw", {})
 
 
-def loss_count(batch: dict[str, jax.Array]) -> jax.Array:
+def loss_count(batch: Arrays) -> jax.Array:
     """How many positions the loss averages over in `batch`: accumulation steps and
     microbatches weigh by their share of them."""
     return cross_entropy_count(targets=batch["labels"], ignore_index=-100)
 
 
-def gradients(
-    params: dict[str, jax.Array], batch: dict[str, jax.Array], key: jax.Array | None, mesh: jax.sharding.Mesh
-) -> tuple[jax.Array, dict[str, jax.Array]]:
+def gradients(params: Arrays, batch: Arrays, key: jax.Array | None, mesh: Mesh) -> tuple[jax.Array, Arrays]:
     """The mean loss and its gradients over the batch, at once."""
     return value_and_grad(params, batch, key, mesh)
 
 
-def optimizer_state(optimizer: optax.GradientTransformation, params: dict[str, jax.Array]) -> Any:
+def optimizer_state(optimizer: optax.GradientTransformation, params: Arrays) -> Any:
     """The optimizer state: the optimizer's own state of the parameters."""
     return optimizer.init(params)
 
 
-def optimizer_shardings(state: Any, mesh: jax.sharding.Mesh) -> Any:
+def optimizer_shardings(state: Any, mesh: Mesh) -> Any:
     """Optimizer-state leaves shaped like a parameter follow its optimizer sharding."""
 
     def pick(path: tuple[Any, ...], leaf: Any) -> NamedSharding:
@@ -1246,7 +1192,7 @@ def optimizer_shardings(state: Any, mesh: jax.sharding.Mesh) -> Any:
     return jax.tree_util.tree_map_with_path(pick, state)
 
 
-def make_train_step(mesh: jax.sharding.Mesh, optimizer: optax.GradientTransformation) -> Callable[..., Any]:
+def make_train_step(mesh: Mesh, optimizer: optax.GradientTransformation) -> Callable[..., Any]:
     """One jitted optimizer step: (params, optimizer state, batch, key) -> the new two, the loss
     and the step's figures (`step_metrics`)."""
     # Each gradient where its optimizer state lives: its piece of it under ZeRO.
@@ -1255,23 +1201,18 @@ def make_train_step(mesh: jax.sharding.Mesh, optimizer: optax.GradientTransforma
     abstract = {name: jax.ShapeDtypeStruct(p.shape, p.dtype) for name, p in PARAMETERS.items()}
     state_shardings = optimizer_shardings(jax.eval_shape(functools.partial(optimizer_state, optimizer), abstract), mesh)
 
-    def step(
-        params: dict[str, jax.Array], opt_state: Any, batch: dict[str, jax.Array], key: jax.Array
-    ) -> tuple[dict[str, jax.Array], Any, jax.Array, dict[str, jax.Array]]:
+    def step(params: Arrays, opt_state: Any, batch: Arrays, key: jax.Array) -> tuple[Arrays, Any, jax.Array, Arrays]:
         value, grads = gradients(params, batch, key, mesh)
         grads = lax.with_sharding_constraint(grads, grad_shardings)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, value, step_metrics(grads)
 
     replicated = NamedSharding(mesh, P())
-    return jax.jit(
-        step, out_shardings=(param_shardings, state_shardings, replicated, replicated), donate_argnums=(0, 1)
-    )
+    outputs = (param_shardings, state_shardings, replicated, replicated)
+    return jax.jit(step, out_shardings=outputs, donate_argnums=(0, 1))
 
 
-def init_optimizer(
-    params: dict[str, jax.Array], optimizer: optax.GradientTransformation, mesh: jax.sharding.Mesh
-) -> Any:
+def init_optimizer(params: Arrays, optimizer: optax.GradientTransformation, mesh: Mesh) -> Any:
     """The optimizer state, split as the spec's ZeRO stage says."""
     init = functools.partial(optimizer_state, optimizer)
     return jax.jit(init, out_shardings=optimizer_shardings(jax.eval_shape(init, params), mesh))(params)

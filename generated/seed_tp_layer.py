@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import math
 import zlib
 from collections.abc import Callable
@@ -28,7 +29,7 @@ import optax
 from flax import nnx
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
-from jax.sharding import NamedSharding
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 # ---- the mesh ----------------------------------------------------------------------------------
@@ -37,9 +38,10 @@ MESH_AXES = ("data", "model")
 MESH_SHAPE = (2, 4)
 DEVICES = 8
 COMPUTE_DTYPE = "float32"
+Arrays = dict[str, jax.Array]  # arrays by name: the parameters, their gradients, a batch
 
 
-def make_mesh() -> jax.sharding.Mesh:
+def make_mesh() -> Mesh:
     """The mesh on this machine's devices, or on simulated CPU devices when there are too few."""
     devices = jax.devices()
     if len(devices) < DEVICES:
@@ -61,16 +63,16 @@ def constrain(x: jax.Array, spec: P) -> jax.Array:
     return lax.with_sharding_constraint(x, spec)
 
 
-def weight(param: nnx.Param, spec: P | None = None) -> jax.Array:
-    """A parameter as its layer computes with it, in the compute dtype; with `spec`, gathered
-    to that sharding first (parameters stored split over the data axes, ZeRO-3 and FSDP)."""
-    value = param[...] if spec is None else constrain(param[...], spec)
-    return value.astype(COMPUTE_DTYPE)
-
-
-def layer_key(key: jax.Array | None, path: str) -> jax.Array | None:
-    """The random key of one layer (dropout), or None when not training."""
-    return None if key is None else named_key(key, path)
+def weights_of(layer: nnx.Dict, gather: dict[str, P] | None = None, transposed: str = "") -> Arrays:
+    """A layer's parameters by name, as its kernel takes them: in the compute dtype; with
+    `gather`, each gathered to its sharding there first (parameters stored split over the data
+    axes, ZeRO-3 and FSDP); the one named `transposed` read the other way round (a head
+    reading a tied embedding's table)."""
+    out = {}
+    for name, param in layer.items():
+        value = (param[...] if gather is None else constrain(param[...], gather[name])).astype(COMPUTE_DTYPE)
+        out[name] = value.T if name == transposed else value
+    return out
 
 
 # ---- parameters and inputs ---------------------------------------------------------------------
@@ -132,15 +134,6 @@ def expand_names(pattern: str, lengths: tuple[int, ...], first: int = 0) -> list
     return [n[:-1] for n in names]
 
 
-def unravel(flat: int, dims: tuple[int, ...]) -> tuple[int, ...]:
-    """The row-major index of element `flat` of an array of shape `dims`."""
-    out = []
-    for n in reversed(dims):
-        out.append(flat % n)
-        flat //= n
-    return tuple(reversed(out))
-
-
 class Held(NamedTuple):
     """One weight in a stored array: its per-layer name, where it is in the array (an index of
     its leading dimensions; padding aside), its shape and how it is initialised."""
@@ -160,8 +153,9 @@ def weight_names(name: str, p: Parameter) -> list[Held]:
                 continue
             stars = row.name.count("*")
             dims = row.shape[:stars]
-            for flat, layer in enumerate(expand_names(row.name, dims, row.first)):
-                out.append(Held(layer, (r, *unravel(flat, dims)), row.shape[stars:], row.init))
+            indices = itertools.product(*map(range, dims))  # row-major, as the names run
+            for index, layer in zip(indices, expand_names(row.name, dims, row.first), strict=True):
+                out.append(Held(layer, (r, *index), row.shape[stars:], row.init))
         return out
     dims = p.shape[: sum(p.layers)]
     lengths, at = [], 0
@@ -171,9 +165,9 @@ def weight_names(name: str, p: Parameter) -> list[Held]:
     inner = p.shape[len(dims) :]
     if p.padding:
         inner = tuple(n - pad for n, pad in zip(inner, p.padding, strict=True))
-    return [
-        Held(layer, unravel(flat, dims), inner, p.init) for flat, layer in enumerate(expand_names(name, tuple(lengths)))
-    ]
+    indices = itertools.product(*map(range, dims))  # row-major, as the names run
+    names = expand_names(name, tuple(lengths))
+    return [Held(layer, index, inner, p.init) for index, layer in zip(indices, names, strict=True)]
 
 
 def to_weights(parameters: dict[str, Parameter], arrays: dict[str, Any]) -> dict[str, Any]:
@@ -272,10 +266,10 @@ INPUTS = {
 STREAM = "x"  # the input the forward pass starts from
 
 
-def init_params(seed: int, mesh: jax.sharding.Mesh) -> dict[str, jax.Array]:
+def init_params(seed: int, mesh: Mesh) -> Arrays:
     """Fresh parameters, each generated straight into its shards (never whole on one device)."""
 
-    def create() -> dict[str, jax.Array]:
+    def create() -> Arrays:
         key = jax.random.key(seed)
         return {name: initial_array(name, p, key) for name, p in PARAMETERS.items()}
 
@@ -283,22 +277,21 @@ def init_params(seed: int, mesh: jax.sharding.Mesh) -> dict[str, jax.Array]:
     return jax.jit(create, out_shardings=shardings)()
 
 
-def export_weights(params: dict[str, jax.Array]) -> dict[str, np.ndarray]:
+def export_weights(params: Arrays) -> dict[str, np.ndarray]:
     """Every weight by its per-layer name, as numpy arrays."""
     return to_weights(PARAMETERS, {name: jax.device_get(value) for name, value in params.items()})
 
 
-def import_weights(weights: dict[str, np.ndarray], mesh: jax.sharding.Mesh) -> dict[str, jax.Array]:
+def import_weights(weights: dict[str, np.ndarray], mesh: Mesh) -> Arrays:
     """The stored arrays for weights given by their per-layer names, placed on the mesh."""
-    return {
-        name: jax.device_put(
-            value.astype(jnp.dtype(PARAMETERS[name].dtype)), NamedSharding(mesh, PARAMETERS[name].sharding)
-        )
-        for name, value in from_weights(PARAMETERS, weights).items()
-    }
+    placed = {}
+    for name, value in from_weights(PARAMETERS, weights).items():
+        p = PARAMETERS[name]
+        placed[name] = jax.device_put(value.astype(jnp.dtype(p.dtype)), NamedSharding(mesh, p.sharding))
+    return placed
 
 
-def place(batch: dict[str, np.ndarray], mesh: jax.sharding.Mesh) -> dict[str, jax.Array]:
+def place(batch: dict[str, np.ndarray], mesh: Mesh) -> Arrays:
     """Put each input on the mesh with its declared sharding."""
     placed = {}
     for name, spec in INPUTS.items():
@@ -437,9 +430,8 @@ def learning_rate(hyper: dict[str, float]) -> optax.Schedule:
     h = {**OPTIMIZER_DEFAULTS, **hyper}
     lr, warmup = h["lr"], int(h["warmup"])
     if "decay_steps" in h:
-        return optax.warmup_cosine_decay_schedule(
-            0.0, lr, warmup, max(int(h["decay_steps"]), warmup + 1), end_value=lr / 10
-        )
+        steps = max(int(h["decay_steps"]), warmup + 1)
+        return optax.warmup_cosine_decay_schedule(0.0, lr, warmup, steps, end_value=lr / 10)
     if warmup == 0:
         return optax.constant_schedule(lr)
     return optax.join_schedules([optax.linear_schedule(0.0, lr, warmup), optax.constant_schedule(lr)], [warmup])
@@ -469,15 +461,10 @@ def step_metrics(grads: Any) -> dict[str, jax.Array]:
 # ---- the model ---------------------------------------------------------------------------------
 
 
-def layers_of(params: dict[str, jax.Array], prefix: str) -> dict[str, jax.Array]:
-    """The weights under `prefix` (a block's, or a repeat's stacked ones), named relative to it."""
-    return {name[len(prefix) :]: value for name, value in params.items() if name.startswith(prefix)}
-
-
 class SeedTpLayer(nnx.Module):
     """The `seed_tp_layer` model. (seed_tp_layer.par:21-25)"""
 
-    def __init__(self, params: dict[str, jax.Array]) -> None:
+    def __init__(self, params: Arrays) -> None:
         # seed_tp_layer.par:22 ln1: layernorm(hidden)
         self.ln1 = nnx.Dict(scale=nnx.Param(params["ln1.scale"]), bias=nnx.Param(params["ln1.bias"]))
         # seed_tp_layer.par:23 attn: attention(hidden, heads, causal=false) shard q[_, model], k[_, model],...
@@ -494,73 +481,46 @@ class SeedTpLayer(nnx.Module):
         # seed_tp_layer.par:29 down: linear(ffn, hidden) shard kernel[model, _]
         self.down = nnx.Dict(kernel=nnx.Param(params["down.kernel"]), bias=nnx.Param(params["down.bias"]))
 
-    def __call__(self, x: jax.Array, inputs: dict[str, jax.Array], key: jax.Array | None) -> jax.Array:
+    def __call__(self, x: jax.Array, inputs: Arrays, key: jax.Array | None) -> jax.Array:
         # seed_tp_layer.par:21: residual
         h = x
         # seed_tp_layer.par:22 ln1: layernorm(hidden)
-        h = layernorm(h, scale=weight(self.ln1["scale"]), bias=weight(self.ln1["bias"]), eps=1e-05, dtype=COMPUTE_DTYPE)
+        h = layernorm(h, **weights_of(self.ln1), eps=1e-05, dtype=COMPUTE_DTYPE)
         h = checkpoint_name(constrain(h, P("data", None, None)), "ln1")
         # seed_tp_layer.par:23 attn: attention(hidden, heads, causal=false) shard q[_, model], k[_, model],...
-        h = attention(
-            h,
-            q=weight(self.attn["q"]),
-            k=weight(self.attn["k"]),
-            v=weight(self.attn["v"]),
-            o=weight(self.attn["o"]),
-            heads=12,
-            kv_heads=12,
-            causal=False,
-            dtype=COMPUTE_DTYPE,
-        )
+        h = attention(h, **weights_of(self.attn), heads=12, kv_heads=12, causal=False, dtype=COMPUTE_DTYPE)
         h = checkpoint_name(constrain(h, P("data", None, None)), "attn")
         x = x + h
         # seed_tp_layer.par:25: residual
         h = x
         # seed_tp_layer.par:26 ln2: layernorm(hidden)
-        h = layernorm(h, scale=weight(self.ln2["scale"]), bias=weight(self.ln2["bias"]), eps=1e-05, dtype=COMPUTE_DTYPE)
+        h = layernorm(h, **weights_of(self.ln2), eps=1e-05, dtype=COMPUTE_DTYPE)
         h = checkpoint_name(constrain(h, P("data", None, None)), "ln2")
         # seed_tp_layer.par:27 up: linear(hidden, ffn) shard kernel[_, model], bias[model]
-        h = linear(h, kernel=weight(self.up["kernel"]), bias=weight(self.up["bias"]), dtype=COMPUTE_DTYPE)
+        h = linear(h, **weights_of(self.up), dtype=COMPUTE_DTYPE)
         h = checkpoint_name(constrain(h, P("data", None, "model")), "up")
         # seed_tp_layer.par:28 gelu()
         h = gelu(h, approximate=True)
         h = checkpoint_name(constrain(h, P("data", None, "model")), "gelu")
         # seed_tp_layer.par:29 down: linear(ffn, hidden) shard kernel[model, _]
-        h = linear(h, kernel=weight(self.down["kernel"]), bias=weight(self.down["bias"]), dtype=COMPUTE_DTYPE)
+        h = linear(h, **weights_of(self.down), dtype=COMPUTE_DTYPE)
         h = checkpoint_name(constrain(h, P("data", None, None)), "down")
         x = x + h
         return x
 
 
-def scan_layers(
-    layers: nnx.Module, count: int, x: jax.Array, inputs: dict[str, jax.Array], key: jax.Array | None
-) -> jax.Array:
-    """A repeat's `count` layers as one `lax.scan`: `layers` holds every layer's weights stacked
-    (the layer index first), and each step runs one layer on its own slice of them. One loop
-    body instead of N copies keeps compile time flat in depth, and makes activation
-    checkpointing save memory."""
-    graphdef, stacked = nnx.split(layers)
-
-    def body(h: jax.Array, step: tuple[jax.Array, Any]) -> tuple[jax.Array, None]:
-        index, state = step
-        layer_key = None if key is None else jax.random.fold_in(key, index)
-        return nnx.merge(graphdef, state)(h, inputs, layer_key), None
-
-    return lax.scan(body, x, (jnp.arange(count), stacked))[0]
-
-
-def forward(params: dict[str, jax.Array], inputs: dict[str, jax.Array], key: jax.Array | None = None) -> jax.Array:
+def forward(params: Arrays, inputs: Arrays, key: jax.Array | None = None) -> jax.Array:
     """The model's output before its loss."""
     x = inputs[STREAM]
     return SeedTpLayer(params)(x, inputs, key)
 
 
-def loss_of(x: jax.Array, inputs: dict[str, jax.Array]) -> jax.Array:
+def loss_of(x: jax.Array, inputs: Arrays) -> jax.Array:
     # seed_tp_layer.par:31 loss: mse(y)
     return mse(x, targets=inputs["y"])
 
 
-def loss(params: dict[str, jax.Array], batch: dict[str, jax.Array], key: jax.Array | None = None) -> jax.Array:
+def loss(params: Arrays, batch: Arrays, key: jax.Array | None = None) -> jax.Array:
     """The mean loss over the batch."""
     return loss_of(forward(params, batch, key), batch)
 
@@ -568,9 +528,7 @@ def loss(params: dict[str, jax.Array], batch: dict[str, jax.Array], key: jax.Arr
 # ---- loss, gradients and the training step -----------------------------------------------------
 
 
-def value_and_grad(
-    params: dict[str, jax.Array], batch: dict[str, jax.Array], key: jax.Array | None, mesh: jax.sharding.Mesh
-) -> tuple[jax.Array, dict[str, jax.Array]]:
+def value_and_grad(params: Arrays, batch: Arrays, key: jax.Array | None, mesh: Mesh) -> tuple[jax.Array, Arrays]:
     """The mean loss and its gradients."""
     return jax.value_and_grad(loss)(params, batch, key)
 
@@ -579,19 +537,17 @@ ACCUMULATE = 1  # gradient accumulation steps per optimizer step
 OPTIMIZER = ("adamw", {})
 
 
-def gradients(
-    params: dict[str, jax.Array], batch: dict[str, jax.Array], key: jax.Array | None, mesh: jax.sharding.Mesh
-) -> tuple[jax.Array, dict[str, jax.Array]]:
+def gradients(params: Arrays, batch: Arrays, key: jax.Array | None, mesh: Mesh) -> tuple[jax.Array, Arrays]:
     """The mean loss and its gradients over the batch, at once."""
     return value_and_grad(params, batch, key, mesh)
 
 
-def optimizer_state(optimizer: optax.GradientTransformation, params: dict[str, jax.Array]) -> Any:
+def optimizer_state(optimizer: optax.GradientTransformation, params: Arrays) -> Any:
     """The optimizer state: the optimizer's own state of the parameters."""
     return optimizer.init(params)
 
 
-def optimizer_shardings(state: Any, mesh: jax.sharding.Mesh) -> Any:
+def optimizer_shardings(state: Any, mesh: Mesh) -> Any:
     """Optimizer-state leaves shaped like a parameter follow its optimizer sharding."""
 
     def pick(path: tuple[Any, ...], leaf: Any) -> NamedSharding:
@@ -604,7 +560,7 @@ def optimizer_shardings(state: Any, mesh: jax.sharding.Mesh) -> Any:
     return jax.tree_util.tree_map_with_path(pick, state)
 
 
-def make_train_step(mesh: jax.sharding.Mesh, optimizer: optax.GradientTransformation) -> Callable[..., Any]:
+def make_train_step(mesh: Mesh, optimizer: optax.GradientTransformation) -> Callable[..., Any]:
     """One jitted optimizer step: (params, optimizer state, batch, key) -> the new two, the loss
     and the step's figures (`step_metrics`)."""
     # Each gradient where its optimizer state lives: its piece of it under ZeRO.
@@ -613,23 +569,18 @@ def make_train_step(mesh: jax.sharding.Mesh, optimizer: optax.GradientTransforma
     abstract = {name: jax.ShapeDtypeStruct(p.shape, p.dtype) for name, p in PARAMETERS.items()}
     state_shardings = optimizer_shardings(jax.eval_shape(functools.partial(optimizer_state, optimizer), abstract), mesh)
 
-    def step(
-        params: dict[str, jax.Array], opt_state: Any, batch: dict[str, jax.Array], key: jax.Array
-    ) -> tuple[dict[str, jax.Array], Any, jax.Array, dict[str, jax.Array]]:
+    def step(params: Arrays, opt_state: Any, batch: Arrays, key: jax.Array) -> tuple[Arrays, Any, jax.Array, Arrays]:
         value, grads = gradients(params, batch, key, mesh)
         grads = lax.with_sharding_constraint(grads, grad_shardings)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, value, step_metrics(grads)
 
     replicated = NamedSharding(mesh, P())
-    return jax.jit(
-        step, out_shardings=(param_shardings, state_shardings, replicated, replicated), donate_argnums=(0, 1)
-    )
+    outputs = (param_shardings, state_shardings, replicated, replicated)
+    return jax.jit(step, out_shardings=outputs, donate_argnums=(0, 1))
 
 
-def init_optimizer(
-    params: dict[str, jax.Array], optimizer: optax.GradientTransformation, mesh: jax.sharding.Mesh
-) -> Any:
+def init_optimizer(params: Arrays, optimizer: optax.GradientTransformation, mesh: Mesh) -> Any:
     """The optimizer state, split as the spec's ZeRO stage says."""
     init = functools.partial(optimizer_state, optimizer)
     return jax.jit(init, out_shardings=optimizer_shardings(jax.eval_shape(init, params), mesh))(params)

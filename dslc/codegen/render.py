@@ -41,6 +41,8 @@ _MODULE_NAMES = {
     "Parameter",
     "Input",
     "Aux",
+    "Arrays",
+    "Mesh",
     "PARAMETERS",
     "INPUTS",
     "STREAM",
@@ -181,7 +183,8 @@ def generate(
     # slices of the batch (accumulation steps, microbatches) weigh by their count.
     count = RULES[program.loss.kind].count_kernel if program.loss is not None else None
     data_axes = data_parallel_axes(program)
-    kernels = _kernels(program, count, data_axes)
+    chunk_weights = _chunk_weights(placement) if program.pipelined else []
+    kernels = _kernels(program, count, data_axes, any("layer_shares(" in entry for entry in chunk_weights))
     mesh_axes = program.mesh.names or ("replica",)
     mesh_shape = program.mesh.shape or (1,)
     context = {
@@ -204,12 +207,16 @@ def generate(
         "inputs": _inputs(program, builder),
         "stream": program.stream,
         # How weights are stored and initialised print with the parameters; the arithmetic after.
-        "storage": [d for d in kernels if d.module in ("storage", "params")],
-        "kernels": [d for d in kernels if d.module not in ("storage", "params")],
+        "storage": source.joined([d for d in kernels if d.module in ("storage", "params")]),
+        "kernels": source.joined([d for d in kernels if d.module not in ("storage", "params")]),
         "classes": [*builder.blocks, *top],
+        # Whether a layer draws random numbers (dropout), and whether a repeat runs as a scan:
+        # only then does the module define what they call.
+        "random": any(RULES[layer.kind].random for layer in ir.all_layers(program)),
+        "scans": any(s.kind == "scan" for c in [*builder.blocks, *top] for s in c.statements),
         "top": [c.name for c in top],
         "stages": stages,
-        "shares": _shares(placement) if program.pipelined else [],
+        "chunk_weights": chunk_weights,
         "loss": loss,
         "schedule": _schedule(program) if program.pipelined else None,
         "accumulate": program.train.accumulate,
@@ -237,7 +244,9 @@ def _mesh_text(axes: tuple[str, ...], shape: tuple[int, ...]) -> str:
 
 def _lines(file: str, nodes: tuple[ir.Node, ...]) -> str:
     lines = [n.span.line for n in nodes if n.span.line > 0]
-    return f"{file}:{min(lines)}-{max(lines)}" if lines else file
+    if not lines:
+        return file
+    return f"{file}:{min(lines)}" if min(lines) == max(lines) else f"{file}:{min(lines)}-{max(lines)}"
 
 
 def _ranges(indices: list[int]) -> str:
@@ -386,12 +395,42 @@ def _entries_tuple(sharding: ir.Sharding) -> str:
     return "(" + ", ".join(entries) + ("," if len(entries) == 1 else "") + ")"
 
 
-def _shares(placement: Placement) -> list[list[str]]:
+def _chunk_weights(placement: Placement) -> list[str]:
+    """The entries of the `CHUNK_WEIGHTS` tuple, each with its comma (as its first line
+    follows 4 spaces): a chunk's dict of weights, or, for a chunk holding only a repeat's
+    layers, the `layer_shares(...)` that makes it; a run of three or more such chunks, each
+    holding the next equal share of the layers, as one loop over them."""
+    chunks = _shares(placement)
+    out: list[str] = []
+    while chunks:
+        entries, layers = chunks[0]
+        if layers is None:
+            out.append(bracketed(entries, "{", "}", 4, ","))
+            del chunks[0]
+            continue
+        prefix, (start, stop) = layers
+        step = stop - start
+        run = 1
+        while run < len(chunks) and chunks[run][1] == (prefix, (start + run * step, stop + run * step)):
+            run += 1
+        if run < 3:
+            out.append(f"layer_shares(PARAMETERS, {py(prefix)}, {py((start, stop))}),")
+            del chunks[0]
+            continue
+        shares = f"layer_shares(PARAMETERS, {py(prefix)}, (i, i + {step}))"
+        out.append(f"*({shares} for i in range({start}, {start + run * step}, {step})),")
+        del chunks[:run]
+    return out
+
+
+def _shares(placement: Placement) -> list[tuple[list[str], tuple[str, tuple[int, int]] | None]]:
     """Per chunk: the entries of its dict of weights, each name in the chunk and the
-    `Share(...)` that says where it is; a repeat's layers of all its arrays in one entry."""
-    out = []
+    `Share(...)` that says where it is, a repeat's layers of all its arrays in one entry; and
+    (prefix, layers) where that one entry is all the chunk holds, else None."""
+    out: list[tuple[list[str], tuple[str, tuple[int, int]] | None]] = []
     for chunk in placement.shares:
         entries = []
+        only: tuple[str, tuple[int, int]] | None = None
         items = list(chunk.items())
         while items:
             name, share = items[0]
@@ -399,6 +438,9 @@ def _shares(placement: Placement) -> list[list[str]]:
             if layers is not None:
                 prefix, count = layers
                 entries.append(f"**layer_shares(PARAMETERS, {py(prefix)}, {py(share.rows[0])})")
+                rows = share.rows[0]
+                if count == len(chunk) and not isinstance(rows, int):
+                    only = prefix, rows
                 del items[:count]
                 continue
             args = [py(share.stored)]
@@ -408,7 +450,7 @@ def _shares(placement: Placement) -> list[list[str]]:
                 args.append("shape=" + py(share.shape))
             entries.append(f"{py(name)}: Share({', '.join(args)})")
             del items[0]
-        out.append(entries)
+        out.append((entries, only))
     return out
 
 
@@ -451,10 +493,10 @@ def _schedule(program: ir.Program) -> dict[str, object]:
     timeline = to_text(schedule).rstrip("\n").split("\n")
     command = f"dslc schedule --kind {p.schedule} --stages {stages} --microbatches {p.microbatches}"
     return {
-        # The timeline as `dslc schedule` draws it, where it fits in a comment.
-        "timeline": timeline
-        if max(map(len, timeline)) <= 110
-        else [timeline[0], f"(too wide for here: `{command} --virtual {p.virtual}` draws it)"],
+        # The timeline as `dslc schedule` draws it, where it fits in a comment; else the
+        # command that draws it.
+        "timeline": timeline if max(map(len, timeline)) <= 110 else [],
+        "draw": f"{command} --virtual {p.virtual}",
         "kind": p.schedule,
         "stages": stages,
         "microbatches": p.microbatches,
@@ -478,7 +520,9 @@ def _wrapped(pieces: tuple[str, ...], width: int = 100) -> list[str]:
     return [py(" ".join(line) + " ") for line in lines[:-1]] + [py(" ".join(lines[-1]))]
 
 
-def _kernels(program: ir.Program, count: str | None, data_axes: ir.Axes) -> list[source.Definition]:
+def _kernels(
+    program: ir.Program, count: str | None, data_axes: ir.Axes, shares_layers: bool
+) -> list[source.Definition]:
     layers = ir.all_layers(program)
     wanted = ["named_key", "initial_array", "make_optimizer", "step_metrics", "to_weights", "from_weights"]
     if program.train.accumulate > 1:
@@ -495,7 +539,8 @@ def _kernels(program: ir.Program, count: str | None, data_axes: ir.Axes) -> list
     if any(RULES[layer.kind].has_aux for layer in layers):
         wanted += ["AUX_LOSS", "add_aux"]
     if program.pipelined:
-        wanted += ["pipeline_value_and_grad", "Pipeline", "schedule_tables", "Share", "take_share", "layer_shares"]
+        wanted += ["pipeline_value_and_grad", "Pipeline", "schedule_tables", "Share", "take_share"]
+        wanted += ["layer_shares"] * shares_layers
     if data_axes:
         wanted.append("data_parallel")
     return source.closure(wanted)
@@ -512,7 +557,7 @@ def _imports(kernels: list[source.Definition]) -> list[str]:
     lines = {source.PRELUDE_IMPORTS[n] for n in needed}
     lines |= {
         "import argparse",
-        "from jax.sharding import NamedSharding",
+        "from jax.sharding import Mesh, NamedSharding",
         "from jax.sharding import PartitionSpec as P",
     }
     lines |= {"from typing import NamedTuple"}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import itertools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from dslc.kernels import SOURCES
 # holds `dslc.kernels` to this list). Name bound -> the import statement that binds it.
 PRELUDE_IMPORTS = {
     "functools": "import functools",
+    "itertools": "import itertools",
     "math": "import math",
     "re": "import re",
     "zlib": "import zlib",
@@ -42,6 +44,9 @@ class Definition:
     source: str
     uses: frozenset[str]  # module-level names it refers to
     module: str  # the kernel module it comes from (`layers`)
+    lines: tuple[int, int]  # where its source is in the module: first and last line
+    blank_before: int  # the blank lines right above it there
+    statement: bool  # an assignment, not a function or a class
 
 
 @functools.cache
@@ -54,22 +59,39 @@ def definitions(module: Path) -> dict[str, Definition]:
     for node in tree.body:
         match node:
             case ast.FunctionDef(name=name) | ast.ClassDef(name=name):
-                names = [name]
+                names, statement = [name], False
             case ast.Assign(targets=targets):
                 names = [n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)]
+                statement = True
             case ast.AnnAssign(target=ast.Name(id=name)):
-                names = [name]
+                names, statement = [name], True
             case _:
                 continue
         start = min([node.lineno, *(d.lineno for d in getattr(node, "decorator_list", []))])
         # Comments directly above a definition belong to it.
         while start > 1 and lines[start - 2].lstrip().startswith("#"):
             start -= 1
-        source = "\n".join(lines[start - 1 : node.end_lineno])
+        end = node.end_lineno or node.lineno
+        blank = 0
+        while start - blank > 1 and not lines[start - blank - 2].strip():
+            blank += 1
+        source = "\n".join(lines[start - 1 : end])
         uses = frozenset(n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load))
         for name in names:
-            found[name] = Definition(name, source, uses, module.stem)
+            found[name] = Definition(name, source, uses, module.stem, (start, end), blank, statement)
     return found
+
+
+def joined(definitions: list[Definition]) -> str:
+    """The definitions' source, one after another as a module lays them out: two blank lines
+    around a function or a class; between assignments that follow each other in their kernel
+    module, the blank lines they have there (constants that belong together stay together)."""
+    parts = [d.source for d in definitions[:1]]
+    for previous, d in itertools.pairwise(definitions):
+        between = d.lines[0] - previous.lines[1] - 1  # nothing but blank lines, when adjacent
+        together = previous.statement and d.statement and previous.module == d.module and between == d.blank_before
+        parts.append("\n" * (1 + (between if together else 2)) + d.source)
+    return "".join(parts)
 
 
 def imported_names(module: Path) -> set[str]:

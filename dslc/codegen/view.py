@@ -35,7 +35,9 @@ class Path:
 
 @dataclass(frozen=True, slots=True)
 class WeightArg:
-    keyword: str
+    """One weight a layer's kernel takes, under its name: the attribute holding the layer's
+    weights, and how the weight is read from there."""
+
     attribute: str
     name: str
     sharding: ir.Sharding | None  # the sharding it is gathered to, where it is stored split
@@ -198,7 +200,6 @@ class Builder:
             gather = self.program.train.zero >= 3
             weights = tuple(
                 WeightArg(
-                    w.name,
                     attr,
                     w.name,
                     w.stored.type.sharding if gather else None,

@@ -8,6 +8,7 @@ loads on any mesh. Plain Python and numpy: the compiler's planner reads the same
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Any, NamedTuple
 
@@ -68,15 +69,6 @@ def expand_names(pattern: str, lengths: tuple[int, ...], first: int = 0) -> list
     return [n[:-1] for n in names]
 
 
-def unravel(flat: int, dims: tuple[int, ...]) -> tuple[int, ...]:
-    """The row-major index of element `flat` of an array of shape `dims`."""
-    out = []
-    for n in reversed(dims):
-        out.append(flat % n)
-        flat //= n
-    return tuple(reversed(out))
-
-
 class Held(NamedTuple):
     """One weight in a stored array: its per-layer name, where it is in the array (an index of
     its leading dimensions; padding aside), its shape and how it is initialised."""
@@ -96,8 +88,9 @@ def weight_names(name: str, p: Parameter) -> list[Held]:
                 continue
             stars = row.name.count("*")
             dims = row.shape[:stars]
-            for flat, layer in enumerate(expand_names(row.name, dims, row.first)):
-                out.append(Held(layer, (r, *unravel(flat, dims)), row.shape[stars:], row.init))
+            indices = itertools.product(*map(range, dims))  # row-major, as the names run
+            for index, layer in zip(indices, expand_names(row.name, dims, row.first), strict=True):
+                out.append(Held(layer, (r, *index), row.shape[stars:], row.init))
         return out
     dims = p.shape[: sum(p.layers)]
     lengths, at = [], 0
@@ -107,9 +100,9 @@ def weight_names(name: str, p: Parameter) -> list[Held]:
     inner = p.shape[len(dims) :]
     if p.padding:
         inner = tuple(n - pad for n, pad in zip(inner, p.padding, strict=True))
-    return [
-        Held(layer, unravel(flat, dims), inner, p.init) for flat, layer in enumerate(expand_names(name, tuple(lengths)))
-    ]
+    indices = itertools.product(*map(range, dims))  # row-major, as the names run
+    names = expand_names(name, tuple(lengths))
+    return [Held(layer, index, inner, p.init) for index, layer in zip(indices, names, strict=True)]
 
 
 def to_weights(parameters: dict[str, Parameter], arrays: dict[str, Any]) -> dict[str, Any]:

@@ -31,9 +31,8 @@ def learning_rate(hyper: dict[str, float]) -> optax.Schedule:
     h = {**OPTIMIZER_DEFAULTS, **hyper}
     lr, warmup = h["lr"], int(h["warmup"])
     if "decay_steps" in h:
-        return optax.warmup_cosine_decay_schedule(
-            0.0, lr, warmup, max(int(h["decay_steps"]), warmup + 1), end_value=lr / 10
-        )
+        steps = max(int(h["decay_steps"]), warmup + 1)
+        return optax.warmup_cosine_decay_schedule(0.0, lr, warmup, steps, end_value=lr / 10)
     if warmup == 0:
         return optax.constant_schedule(lr)
     return optax.join_schedules([optax.linear_schedule(0.0, lr, warmup), optax.constant_schedule(lr)], [warmup])
@@ -130,29 +129,26 @@ def data_parallel(
     """Mean loss and gradients over the batch, each device working through its own rows of
     it, the gradients summed over the data-parallel `axes` once, at the end.
 
-    `value_and_grad(params, rows, key)` runs in `jax.shard_map`, manual over `axes` (every
-    other mesh axis stays automatic): it sees the rows of every input this device holds
-    (their first dimension is split over `axes`) and the parameters, whole along `axes`
-    (`parameters[name].sharding`), and returns its rows' mean loss and gradients. However
-    many slices it cuts its rows into (microbatches, accumulation steps), their gradients
-    stay partial sums on each device, returned unsummed (stacked along a new leading
-    dimension, one block per device), instead of reduced per slice as XLA's partitioner
-    would where each is made.
+    `value_and_grad(params, rows, key)` runs in `jax.shard_map`, manual over `axes` (the other
+    mesh axes stay automatic), on this device's rows of every input and the parameters, whole
+    along `axes`. It returns its rows' mean loss and gradients: partial sums on each device,
+    however many slices it cuts its rows into (microbatches, accumulation steps), rather than
+    reduced per slice as XLA's partitioner would where each is made.
 
-    A second map, manual over the whole mesh, then sums each device's block once: a
-    reduce-scatter where the parameter's `update_sharding` keeps the gradient split over
-    `axes` (ZeRO 2, and ZeRO 1's optimizer state, whose pieces the update runs on), leaving
-    each device its piece, else an all-reduce. In that map every device holds just its own
-    piece along the other axes, so nothing is gathered over them first (and XLA's CPU
-    backend, which cannot promote a 16-bit all-reduce in a partly manual map, has none to
-    promote).
+    A second map, manual over the whole mesh, sums each device's block of them once: a
+    reduce-scatter where the parameter's `update_sharding` keeps the gradient split over `axes`
+    (ZeRO 2, and ZeRO 1's optimizer state, whose pieces the update runs on), else an
+    all-reduce. There each device holds just its own piece along the other axes, so nothing is
+    gathered over them first (and XLA's CPU backend, which cannot promote a 16-bit all-reduce
+    in a partly manual map, has none to promote).
 
-    Each device's loss and gradients weigh by its share of the batch: one over the devices,
-    or, for a loss that averages over the positions it counts (`count`), its share of the
-    batch's counted positions, so the result is the whole batch's mean. Each device draws
+    Each device weighs by its share of the batch (of its counted positions, for a loss that
+    averages over those: `count`), so the result is the whole batch's mean. Each device draws
     its own random numbers (its key folded with its index along `axes`).
     """
     devices = math.prod(mesh.shape[a] for a in axes)
+    # A device's block of each gradient: the parameter's sharding, behind the new dimension.
+    blocks = {name: PartitionSpec(None, *parameters[name].sharding) for name in params}
 
     def body(
         params: dict[str, jax.Array], rows: dict[str, jax.Array], key: jax.Array
@@ -165,11 +161,7 @@ def data_parallel(
             counted = count(rows).astype(jnp.float32)
             share = counted / jnp.maximum(lax.psum(counted, axes), 1.0)
         weighed = {name: (g * share.astype(g.dtype))[None] for name, g in grads.items()}
-        unsummed = {
-            name: lax.with_sharding_constraint(g, PartitionSpec(None, *parameters[name].sharding))
-            for name, g in weighed.items()
-        }
-        return lax.psum(loss * share, axes), unsummed
+        return lax.psum(loss * share, axes), lax.with_sharding_constraint(weighed, blocks)
 
     def reduce(grads: dict[str, jax.Array]) -> dict[str, jax.Array]:
         out = {}
@@ -181,25 +173,18 @@ def data_parallel(
         return out
 
     key_given = key is not None
-    whole = PartitionSpec()
+    # The parameters whole along `axes`, the batch and the gradients' blocks split over them.
+    # Gradients are taken inside, per device: replication needs no tracking (`check_vma`;
+    # with it, jax would sum every slice's gradient over `axes` as it is made).
+    whole, split = PartitionSpec(), PartitionSpec(axes)
     loss, stacked = jax.shard_map(
-        body,
-        mesh=mesh,
-        in_specs=({name: whole for name in params}, {name: PartitionSpec(axes) for name in batch}, whole),
-        out_specs=(whole, {name: PartitionSpec(axes) for name in params}),
-        axis_names=set(axes),
-        # Gradients are taken inside, per device: replication needs no tracking here (with
-        # it, jax would sum every slice's gradient over `axes` as it is made).
-        check_vma=False,
+        body, mesh=mesh, in_specs=(whole, split, whole), out_specs=(whole, split), axis_names=set(axes), check_vma=False
     )(params, batch, key if key is not None else jax.random.key(0))
-    summed = jax.shard_map(
-        reduce,
-        mesh=mesh,
-        in_specs=({name: PartitionSpec(axes, *parameters[name].sharding) for name in params},),
-        out_specs={name: _summed_spec(parameters[name].update_sharding, axes) for name in params},
-        check_vma=False,
-    )(stacked)
-    return loss, summed
+    # The sum, manual over the whole mesh: each device's block, its own piece along every axis.
+    stacked_specs = {name: PartitionSpec(axes, *parameters[name].sharding) for name in params}
+    summed_specs = {name: _summed_spec(parameters[name].update_sharding, axes) for name in params}
+    summed = jax.shard_map(reduce, mesh=mesh, in_specs=(stacked_specs,), out_specs=summed_specs, check_vma=False)
+    return loss, summed(stacked)
 
 
 def _scatter_dim(spec: PartitionSpec, axes: tuple[str, ...]) -> int | None:
@@ -219,6 +204,5 @@ def _summed_spec(spec: PartitionSpec, axes: tuple[str, ...]) -> PartitionSpec:
     reduce-scatters over `axes`, else `spec` without them (the gradient whole along them)."""
     if _scatter_dim(spec, axes) is not None:
         return spec
-    return PartitionSpec(
-        *(tuple(a for a in ((e,) if isinstance(e, str) else tuple(e or ())) if a not in axes) or None for e in spec)
-    )
+    names = [(entry,) if isinstance(entry, str) else tuple(entry or ()) for entry in spec]
+    return PartitionSpec(*(tuple(a for a in entry if a not in axes) or None for entry in names))

@@ -281,7 +281,8 @@ def test_hostile_names_and_text_reach_the_module_inert(tmp_path: Path) -> None:
     imported = {
         alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names
     } | {node.module.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
-    assert imported <= {"__future__", "argparse", "functools", "math", "zlib", "typing", "collections", "jax"} | {
+    assert imported <= {"__future__", "argparse", "functools", "itertools", "math", "zlib", "typing", "collections"} | {
+        "jax",
         "numpy",
         "optax",
         "flax",
