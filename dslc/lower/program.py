@@ -225,7 +225,9 @@ class Program:
             params, opt_state, loss, metrics = self._step(model.arrays(), opt_state, self.place(batch, loss=True), key)
         for name, value in params.items():
             model.params[name].set_value(value)
-        return opt_state, {"loss": float(loss)} | {name: float(value) for name, value in metrics.items()}
+        # One transfer for all of the step's figures (each float() of an array is one).
+        figures = jax.device_get({"loss": loss, **metrics})
+        return opt_state, {name: float(value) for name, value in figures.items()}
 
     def learning_rate(self, step: int) -> float:
         """The spec's learning-rate schedule at `step`."""
