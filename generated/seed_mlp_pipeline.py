@@ -686,6 +686,8 @@ class _Executor:
         self.tables, self.key, self.loss_weights = tables, key, loss_weights
         self.axis, self.stream, self.M = pipeline.axis, pipeline.stream, pipeline.microbatches
         self.chunk_inputs, (self.shape, self.dtype) = pipeline.chunk_inputs, pipeline.boundary
+        # Each microbatch's dropout key, made once rather than hashed again every tick.
+        self.keys = None if key is None else jax.vmap(lambda m: jax.random.fold_in(key, m))(jnp.arange(self.M))
         self.C = len(chunks)
         self.used = sorted({int(code) for row in pipeline.table["op"] for code in row})
         # Each buffer has one slot more than the table uses: the scratch slot that ticks with
@@ -764,11 +766,10 @@ class _Executor:
     def tick(self, carry: Any, t: jax.Array) -> tuple[Any, None]:
         stash, stash_x, acts, grads_in, gacc, loss = carry
         s = lax.axis_index(self.axis)
-        P = lax.axis_size(self.axis)
         entry = {name: table[t, s] for name, table in self.tables.items()}
         op, c, m = entry["op"], entry["chunk"], entry["microbatch"]
         inputs = {k: v[m] for k, v in self.micro.items()}
-        key = jax.random.fold_in(self.key, m) if self.key is not None else None
+        key = self.keys[m] if self.keys is not None else None
 
         def slot(name: str, buffer: str | None = None) -> jax.Array:
             """The table's slot for `name`, or the scratch slot of its buffer when it has none."""
@@ -810,18 +811,41 @@ class _Executor:
         )
         gacc = {name: gacc[name] + added[name] for name in gacc}
 
-        # Unconditional ring sends: every stage, every tick, outside the switches.
-        up = [(i, (i + 1) % P) for i in range(P)]
-        down = [(i, (i - 1) % P) for i in range(P)]
-        acts = acts.at[slot("receive_activation", "activation_slot")].set(lax.ppermute(y, self.axis, up))
-        grads_in = grads_in.at[slot("receive_gradient", "gradient_slot")].set(lax.ppermute(dx, self.axis, down))
-        if "activation_from_next" in self.tables:
-            # A V: values also go the other way round, or stay where they were made.
-            acts = acts.at[slot("activation_from_next", "activation_slot")].set(lax.ppermute(y, self.axis, down))
+        # Unconditional ring sends: every stage, every tick, outside the switches. A V also
+        # sends values the other way round, and keeps some where they were made.
+        v = "activation_from_next" in self.tables
+        arrived = self.send([(y, 1), (dx, -1), *([(y, -1), (dx, 1)] if v else [])])
+        acts = acts.at[slot("receive_activation", "activation_slot")].set(arrived[0])
+        grads_in = grads_in.at[slot("receive_gradient", "gradient_slot")].set(arrived[1])
+        if v:
+            acts = acts.at[slot("activation_from_next", "activation_slot")].set(arrived[2])
             acts = acts.at[slot("keep_activation", "activation_slot")].set(y)
-            grads_in = grads_in.at[slot("gradient_from_previous", "gradient_slot")].set(lax.ppermute(dx, self.axis, up))
+            grads_in = grads_in.at[slot("gradient_from_previous", "gradient_slot")].set(arrived[3])
             grads_in = grads_in.at[slot("keep_gradient", "gradient_slot")].set(dx)
         return (stash, stash_x, acts, grads_in, gacc, loss), None
+
+    def send(self, outgoing: list[tuple[jax.Array, int]]) -> list[jax.Array]:
+        """Each boundary buffer sent `step` stages round the ring (1: to the next stage, -1:
+        to the previous one); what arrives, in the same order.
+
+        Buffers that go the same way travel as one collective: the same bytes, one
+        rendezvous fewer (on two stages, up and down are one permutation). Where
+        `sends_by_gather` says so, all of them travel as one all-gather over the stage axis
+        instead, each stage picking what its senders sent."""
+        P = lax.axis_size(self.axis)
+        if sends_by_gather():
+            every = lax.all_gather(jnp.stack([y for y, _ in outgoing]), self.axis)
+            me = lax.axis_index(self.axis)
+            return [every[(me - step) % P, k] for k, (_, step) in enumerate(outgoing)]
+        ways: dict[tuple[tuple[int, int], ...], list[int]] = {}
+        for i, (_, step) in enumerate(outgoing):
+            ways.setdefault(tuple((s, (s + step) % P) for s in range(P)), []).append(i)
+        arrived = [y for y, _ in outgoing]
+        for perm, members in ways.items():
+            stacked = lax.ppermute(jnp.stack([outgoing[i][0] for i in members]), self.axis, perm)
+            for k, i in enumerate(members):
+                arrived[i] = stacked[k]
+        return arrived
 
     # ---- the branches -----------------------------------------------------------------------
 
@@ -897,6 +921,15 @@ class _Executor:
     def _unpack(self, c: int, rows: tuple[jax.Array, ...]) -> list[jax.Array]:
         _, placement = self.residual_layout
         return [rows[b] for b in placement[c]]
+
+
+def sends_by_gather() -> bool:
+    """Whether the ticks' sends go as one all-gather over the stage axis rather than as
+    permutations. On XLA's CPU backend a collective-permute over the stage axis costs several
+    all-gathers of the same buffers (simulated devices sharing cores: measured 0.4-1.2 ms for
+    a tick's two permutations, 0.12-0.34 ms for one all-gather of both), which outweighs the
+    all-gather's P-fold bytes; elsewhere a permutation moves only what each stage needs."""
+    return jax.default_backend() == "cpu"
 
 
 def _residuals(pull: Any, primals: tuple[Any, ...]) -> tuple[list[tuple[str, Any]], list[jax.Array]]:
