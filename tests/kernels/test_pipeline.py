@@ -89,9 +89,9 @@ def test_seed_mlp_two_chunks_per_stage_matches_autodiff(kind: str) -> None:
 
 @pytest.mark.parametrize("kind", ["1f1b", "zb-v"])
 def test_sends_as_permutations_match_autodiff(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    # On CPU the ticks' sends travel as one all-gather over the stage axis (`sends_by_gather`),
-    # elsewhere as permutations, those going the same way as one: run those here too. Three
-    # stages, so up and down are two permutations; a V sends each value both ways.
+    # On CPU a tick's send travels as one all-gather over the stage axis (`sends_by_gather`),
+    # elsewhere as a permutation each way round the ring: run those here too, on three stages
+    # (up and down two permutations), for a ring and for a V (which reads both arrivals).
     text = (SPECS / "seed_mlp_pipeline.par").read_text()
     if kind == "zb-v":
         program = dslc.compile(_with_schedule(_seed_mlp_six_chunks(), kind), overrides={"batch": 24})
