@@ -18,6 +18,12 @@ All start from dslc's initial weights (exported, loaded by name) and train on th
 Printed: a numerics check (dropout 0: the losses must agree), compile times, the median
 steady-state step both as a training loop calls it and as the bare compiled step, the ratios
 dslc / hand-written, and the collectives XLA placed in each compiled program.
+
+With `--floor`, the pipelined step is taken apart: the same ticks without their sends, and
+each stage's forward and backward ticks back to back with neither sends nor bubble (both with
+wrong numbers, for timing only), next to the unpipelined step. Wall time on these simulated
+devices follows the slowest chain of collectives when the machine is idle and the CPU time
+when it is loaded, so the process CPU time of each step is printed beside it.
 """
 
 from __future__ import annotations
@@ -458,19 +464,28 @@ def check_numerics(runs: list[Contender]) -> None:
     print(f"  max |weight - dslc's| after {CHECK_STEPS} steps: " + "  ".join(f"{k} {v:.1e}" for k, v in drift.items()))
 
 
-Samples = dict[str, tuple[list[float], list[float]]]
+# Per run: milliseconds per training-loop step, per bare compiled step, and the process CPU
+# time of each bare step (all threads: what the step costs the machine, whatever else runs).
+Samples = dict[str, tuple[list[float], list[float], list[float]]]
 
 
-def time_steps(runs: list[Contender], compiled: dict[str, Compiled], steps: int) -> Samples:
-    """Milliseconds per training-loop step and per bare compiled step, for each run. Every
-    run takes one step per round, in turn, so load from other processes falls on all alike."""
-    calls = [(c.name, 0, c.train_step) for c in runs] + [(c.name, 1, compiled[c.name].jitted_step) for c in runs]
-    times: dict[str, tuple[list[float], list[float]]] = {c.name: ([], []) for c in runs}
+def time_steps(
+    runs: list[Contender], compiled: dict[str, Compiled], steps: int, extra: dict[str, Compiled] | None = None
+) -> Samples:
+    """Milliseconds per training-loop step and per bare compiled step, for each run, and per
+    bare step of each `extra` compiled step. Every run takes one step per round, in turn, so
+    load from other processes falls on all alike."""
+    calls = [(c.name, 0, c.train_step) for c in runs]
+    calls += [(name, 1, done.jitted_step) for name, done in (compiled | (extra or {})).items()]
+    times: Samples = {name: ([], [], []) for name, _, _ in calls}
     for round_ in range(WARMUP_ROUNDS + steps):
         for name, kind, call in calls:
+            cpu = time.process_time()
             elapsed, _ = seconds(call)
             if round_ >= WARMUP_ROUNDS:
                 times[name][kind].append(elapsed * 1e3)
+                if kind == 1:
+                    times[name][2].append((time.process_time() - cpu) * 1e3)
     return times
 
 
@@ -482,11 +497,11 @@ def report(runs: list[Contender], compiled: dict[str, Compiled], times: Samples,
         print(f"  {c.name:<12} {front:>9} {compiled[c.name].lower_s:>7.2f} {compiled[c.name].compile_s:>8.2f}")
 
     # The minimum is printed beside the median: on a shared machine it is the steadier figure.
-    medians = {name: (statistics.median(loop), statistics.median(bare)) for name, (loop, bare) in times.items()}
-    minima = {name: (min(loop), min(bare)) for name, (loop, bare) in times.items()}
+    medians = {c.name: tuple(statistics.median(times[c.name][i]) for i in (0, 1, 2)) for c in runs}
+    minima = {c.name: tuple(min(times[c.name][i]) for i in (0, 1, 2)) for c in runs}
     print(f"\nsteady-state train step over {steps} interleaved rounds, ms, median (min):")
     print(f"  {'':<26} {'train_step':>17} {'jitted step':>17}")
-    for name in times:
+    for name in medians:
         cells = (f"{medians[name][i]:.2f} ({minima[name][i]:.2f})" for i in (0, 1))
         print(f"  {name:<26} " + " ".join(f"{cell:>17}" for cell in cells))
     print(f"  ratio of medians (of minima); target <= {TARGET_RATIO}:")
@@ -501,11 +516,12 @@ def report(runs: list[Contender], compiled: dict[str, Compiled], times: Samples,
     # pipelined one idles devices in its bubble, so the ratio bounds the executor's overhead
     # rather than predicting a GPU's.
     ticks = pipeline_ticks(runs[0])
-    for i, label in ((0, "train_step"), (1, "jitted step")):
+    for i, label in ((0, "train_step"), (1, "jitted step"), (2, "jitted step, process CPU time")):
         pipe, flat = medians["dslc"][i], medians["dslc-nopipe"][i]
+        of_minima = minima["dslc"][i] / minima["dslc-nopipe"][i]
         print(
-            f"  dslc / dslc-nopipe, {label}: {pipe / flat:.3f} (target <= {PIPELINE_TARGET}); "
-            f"{ticks} ticks, {(pipe - flat) / ticks:+.3f} ms per tick over the unpipelined step"
+            f"  dslc / dslc-nopipe, {label}: {pipe / flat:.3f} (of minima {of_minima:.3f}; target <= "
+            f"{PIPELINE_TARGET}); {ticks} ticks, {(pipe - flat) / ticks:+.3f} ms per tick over the unpipelined step"
         )
 
     print("\ncollectives in the compiled HLO, forward | train step (an op in a loop body counts once):")
@@ -514,6 +530,57 @@ def report(runs: list[Contender], compiled: dict[str, Compiled], times: Samples,
         done = compiled[c.name]
         cells = "".join(f"{f'{done.forward_collectives[op]} | {done.step_collectives[op]}':>20}" for op in COLLECTIVES)
         print(f"  {c.name:<12}{cells}")
+
+
+# ---- the pipeline's floor (--floor) ----------------------------------------------------------
+
+
+def floor_variants(weights: dict[str, np.ndarray], batch: dict[str, np.ndarray]) -> dict[str, Compiled]:
+    """The pipelined spec twice more, its generated executor altered so that the numbers are
+    wrong but the work is what is to be timed: `no sends` runs the schedule's ticks with every
+    send replaced by the value sent (no collective over the stage axis); `compute alone` also
+    replaces the table by every stage's forward and backward ticks back to back (no bubble)."""
+    variants = {}
+    for name in ("no sends", "compute alone"):
+        run = DslcContender(name, spec_text(dropout=True, pipeline=True), weights, batch)
+        module = run.program.module
+        module._Executor.send = lambda self, value: (value, value)
+        if name == "compute alone":
+            pipeline = module.PIPELINE
+            timeline = " ".join(
+                [f"F{m}" for m in range(pipeline.microbatches)] + [f"B{m}" for m in range(pipeline.microbatches)]
+            )
+            module.PIPELINE = pipeline._replace(table=module.schedule_tables(*[timeline] * len(module.TIMELINES)))
+        variants[name] = run.compile()
+    return variants
+
+
+def report_floor(runs: list[Contender], times: Samples) -> None:
+    """The pipelined step's time taken apart: its sends, its bubble, its compute."""
+    ticks, run = pipeline_ticks(runs[0]), runs[0]
+    assert isinstance(run, DslcContender)
+    busy = 2 * run.program.module.PIPELINE.microbatches  # each stage's forward and backward ticks
+    rows = (
+        ("dslc", f"pipelined ({ticks} ticks)"),
+        ("no sends", f"the same {ticks} ticks, no sends"),
+        ("compute alone", f"compute alone ({busy} ticks, no bubble, no sends)"),
+        ("dslc-nopipe", "unpipelined"),
+    )
+    print("\nthe pipeline's cost, jitted step, ms: wall median (10th percentile) | process CPU median; / unpipelined")
+    flat = [statistics.median(times["dslc-nopipe"][i]) for i in (1, 2)]
+    for name, label in rows:
+        wall, cpu = sorted(times[name][1]), times[name][2]
+        tenth = wall[len(wall) // 10]
+        print(
+            f"  {label:<46} {statistics.median(wall):7.2f} ({tenth:7.2f}) | {statistics.median(cpu):7.2f};"
+            f"  {statistics.median(wall) / flat[0]:.3f} | {statistics.median(cpu) / flat[1]:.3f}"
+        )
+    wall = {name: statistics.median(times[name][1]) for name, _ in rows}
+    print(
+        f"  sends {(wall['dslc'] - wall['no sends']) / ticks:+.3f} ms per tick; the bubble's "
+        f"{ticks - busy} ticks {wall['no sends'] - wall['compute alone']:+.2f} ms; the floor without sends "
+        f"(no sends / unpipelined) {wall['no sends'] / wall['dslc-nopipe']:.3f}"
+    )
 
 
 def pipeline_ticks(run: Contender) -> int:
@@ -525,6 +592,9 @@ def pipeline_ticks(run: Contender) -> int:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20, help="timed steps to take the median of")
+    parser.add_argument(
+        "--floor", action="store_true", help="also time the pipelined step without its sends, and its compute alone"
+    )
     args = parser.parse_args()
 
     # dslc's fresh weights and example batch are everyone's starting point.
@@ -540,7 +610,11 @@ def main() -> int:
 
     runs = contenders(mesh, weights, batch, dropout=True)
     compiled = {c.name: c.compile() for c in runs}
-    report(runs, compiled, time_steps(runs, compiled, args.steps), args.steps)
+    extra = floor_variants(weights, batch) if args.floor else {}
+    times = time_steps(runs, compiled, args.steps, extra)
+    report(runs, compiled, times, args.steps)
+    if args.floor:
+        report_floor(runs, times)
     return 0
 
 

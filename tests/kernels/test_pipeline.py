@@ -87,6 +87,23 @@ def test_seed_mlp_two_chunks_per_stage_matches_autodiff(kind: str) -> None:
     assert_matches_autodiff(program)
 
 
+@pytest.mark.parametrize("kind", ["1f1b", "zb-v"])
+def test_sends_as_permutations_match_autodiff(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # On CPU a tick's send travels as one all-gather over the stage axis (`sends_by_gather`),
+    # elsewhere as a permutation each way round the ring: run those here too, on three stages
+    # (up and down two permutations), for a ring and for a V (which reads both arrivals).
+    text = (SPECS / "seed_mlp_pipeline.par").read_text()
+    if kind == "zb-v":
+        program = dslc.compile(_with_schedule(_seed_mlp_six_chunks(), kind), overrides={"batch": 24})
+    else:
+        program = dslc.compile(_with_schedule(text, kind))
+    monkeypatch.setattr(program.module, "sends_by_gather", lambda: False)
+    with jax.set_mesh(program.mesh):
+        hlo = program.lower("grads").compile().as_text()
+    assert "collective-permute(" in hlo
+    assert_matches_autodiff(program)
+
+
 # gpipe, 1f1b and zb-h1 on one chunk per stage are checked on the seed MLP above (and 1f1b,
 # gpt_small's own schedule, against a single-device reference in test_numerics.py).
 @pytest.mark.parametrize("kind", ["interleaved-1f1b", "zb-v", "v-half"])
