@@ -378,7 +378,8 @@ def attention(
     softmax from the kept queries and keys rather than keeping its [batch, heads, seq, seq]
     intermediates (Korthikanti et al.'s selective recomputation)."""
     b, s, _ = x.shape
-    queries, keys, values = _project(x.astype(dtype), q, k, v, q_bias, k_bias, v_bias, heads=heads, kv_heads=kv_heads)
+    h = x.astype(dtype)
+    queries, keys, values = _heads(h, q, q_bias, heads), _heads(h, k, k_bias, kv_heads), _heads(h, v, v_bias, kv_heads)
     head_dim = queries.shape[-1]
     if rope is not None:
         positions = jnp.arange(s)
@@ -402,26 +403,10 @@ def _attention_core(queries: jax.Array, keys: jax.Array, values: jax.Array, *, c
     return jnp.einsum("bkgqs,bskd->bqkgd", probs, values)
 
 
-def _project(
-    x: jax.Array,
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    q_bias: jax.Array | None,
-    k_bias: jax.Array | None,
-    v_bias: jax.Array | None,
-    *,
-    heads: int,
-    kv_heads: int,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Queries [b, s, heads, head_dim], keys and values [b, s, kv_heads, head_dim] of x [b, s, dim]."""
-    b, s, _ = x.shape
-
-    def one(w: jax.Array, bias: jax.Array | None, n: int) -> jax.Array:
-        y = jnp.einsum("bsd,de->bse", x, w)
-        return (y if bias is None else y + bias).reshape(b, s, n, w.shape[-1] // n)
-
-    return one(q, q_bias, heads), one(k, k_bias, kv_heads), one(v, v_bias, kv_heads)
+def _heads(x: jax.Array, w: jax.Array, bias: jax.Array | None, n: int) -> jax.Array:
+    """x [b, s, dim] projected by w (and its bias) into n heads: [b, s, n, head_dim]."""
+    y = jnp.einsum("bsd,de->bse", x, w)
+    return (y if bias is None else y + bias).reshape(*x.shape[:2], n, w.shape[-1] // n)
 
 
 def _project_out(heads_out: jax.Array, o: jax.Array, o_bias: jax.Array | None) -> jax.Array:
@@ -666,11 +651,7 @@ def pipeline_value_and_grad(
         chunk_inputs=[(rows, *shape[1:]) for shape in pipeline.chunk_inputs],
         boundary=((rows, *pipeline.boundary[0][1:]), pipeline.boundary[1]),
     )
-    tables = {
-        name: jnp.asarray(np.asarray(table[name], np.int32))
-        for name in (*TABLE_ENTRIES, *OTHER_DIRECTIONS)
-        if name in table
-    }
+    tables = {name: jnp.asarray(np.asarray(rows, np.int32)) for name, rows in table.items()}
 
     def along(dim: int | None) -> PartitionSpec:
         return PartitionSpec() if dim is None else PartitionSpec(*(None,) * dim, axis)
@@ -847,14 +828,8 @@ class _Executor:
         # Forward: branch 0 does nothing, branch 1 + c runs chunk c.
         is_forward = op == FORWARD
         x = acts[slot("activation_slot")]
-        y, rows, gained = lax.switch(
-            jnp.where(is_forward, c + 1, 0),
-            [self.no_forward, *(self.forward(i) for i in range(self.C))],
-            x,
-            inputs,
-            key,
-            m,
-        )
+        forwards = [self.no_forward, *(self.forward(i) for i in range(self.C))]
+        y, rows, gained = lax.switch(jnp.where(is_forward, c + 1, 0), forwards, x, inputs, key, m)
         keep = jnp.where(is_forward, slot("stash_slot"), self.scratch["stash_slot"])
         stash = tuple(buffer.at[keep].set(row) for buffer, row in zip(stash, rows, strict=True))
         stash_x = stash_x.at[keep].set(x)
@@ -868,23 +843,13 @@ class _Executor:
             branches += [self.backward(i, code) for i in range(self.C)]
             index = jnp.where(op == code, 1 + k * self.C + c, index)
         read = jnp.where(index > 0, slot("stash_slot"), self.scratch["stash_slot"])
-        added, dx = lax.switch(
-            index,
-            branches,
-            tuple(buffer[read] for buffer in stash),
-            stash_x[read],
-            grads_in[slot("gradient_slot")],
-            inputs,
-            key,
-            m,
-        )
+        kept = tuple(buffer[read] for buffer in stash)
+        added, dx = lax.switch(index, branches, kept, stash_x[read], grads_in[slot("gradient_slot")], inputs, key, m)
         gacc = {name: gacc[name] + added[name] for name in gacc}
 
-        # Ring sends outside the switches, by every stage alike: at a tick where nothing
-        # arrives anywhere (the table says so) nobody sends, so no branch ever holds a
-        # collective that some stages skip. A stage runs one op a tick, so it sends its
-        # forward's output or its backward's input gradient, never both: one buffer, to both
-        # neighbours, and each keeps what its table expects.
+        # Ring sends outside the switches, by every stage alike (none at a tick where nothing
+        # arrives anywhere). A stage runs one op a tick: it sends its forward's output or its
+        # backward's input gradient, one buffer to both neighbours, and each keeps what it expects.
         from_previous, from_next = lax.cond(
             jnp.asarray(self.arrives)[t],
             self.send,
@@ -902,10 +867,8 @@ class _Executor:
         return (stash, stash_x, acts, grads_in, gacc, loss), None
 
     def send(self, value: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """`value` sent to both neighbours round the ring: what arrives from the previous
-        stage and from the next. Where `sends_by_gather` says so, it travels as one all-gather
-        over the stage axis; otherwise as one permutation each way (one in all on two stages,
-        where the previous stage is the next)."""
+        """`value` sent to both neighbours round the ring: what arrives from the previous stage
+        and from the next, by one all-gather (`sends_by_gather`) or one permutation each way."""
         P = lax.axis_size(self.axis)
         if sends_by_gather():
             every = lax.all_gather(value, self.axis)
@@ -992,12 +955,9 @@ class _Executor:
 
 
 def sends_by_gather() -> bool:
-    """Whether the ticks' sends go as one all-gather over the stage axis rather than as
-    permutations. On XLA's CPU backend a collective-permute over the stage axis costs many
-    all-gathers of the same buffer (16 simulated devices on 2 cores, a tick's boundary buffer:
-    0.8-1.1 ms for the two permutations of a ring, 0.05-0.07 ms for one all-gather), which
-    outweighs the all-gather's P-fold bytes; elsewhere a permutation moves only what each stage
-    needs."""
+    """Whether a tick's sends go as one all-gather over the stage axis, not as permutations: on
+    XLA's CPU backend a ring's two collective-permutes take 0.8-1.1 ms, one all-gather of the
+    same buffer 0.05-0.07 ms (16 simulated devices); elsewhere a permutation moves less."""
     return jax.default_backend() == "cpu"
 
 

@@ -370,7 +370,8 @@ def attention(
     softmax from the kept queries and keys rather than keeping its [batch, heads, seq, seq]
     intermediates (Korthikanti et al.'s selective recomputation)."""
     b, s, _ = x.shape
-    queries, keys, values = _project(x.astype(dtype), q, k, v, q_bias, k_bias, v_bias, heads=heads, kv_heads=kv_heads)
+    h = x.astype(dtype)
+    queries, keys, values = _heads(h, q, q_bias, heads), _heads(h, k, k_bias, kv_heads), _heads(h, v, v_bias, kv_heads)
     head_dim = queries.shape[-1]
     if rope is not None:
         positions = jnp.arange(s)
@@ -394,26 +395,10 @@ def _attention_core(queries: jax.Array, keys: jax.Array, values: jax.Array, *, c
     return jnp.einsum("bkgqs,bskd->bqkgd", probs, values)
 
 
-def _project(
-    x: jax.Array,
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    q_bias: jax.Array | None,
-    k_bias: jax.Array | None,
-    v_bias: jax.Array | None,
-    *,
-    heads: int,
-    kv_heads: int,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Queries [b, s, heads, head_dim], keys and values [b, s, kv_heads, head_dim] of x [b, s, dim]."""
-    b, s, _ = x.shape
-
-    def one(w: jax.Array, bias: jax.Array | None, n: int) -> jax.Array:
-        y = jnp.einsum("bsd,de->bse", x, w)
-        return (y if bias is None else y + bias).reshape(b, s, n, w.shape[-1] // n)
-
-    return one(q, q_bias, heads), one(k, k_bias, kv_heads), one(v, v_bias, kv_heads)
+def _heads(x: jax.Array, w: jax.Array, bias: jax.Array | None, n: int) -> jax.Array:
+    """x [b, s, dim] projected by w (and its bias) into n heads: [b, s, n, head_dim]."""
+    y = jnp.einsum("bsd,de->bse", x, w)
+    return (y if bias is None else y + bias).reshape(*x.shape[:2], n, w.shape[-1] // n)
 
 
 def _project_out(heads_out: jax.Array, o: jax.Array, o_bias: jax.Array | None) -> jax.Array:
@@ -539,8 +524,8 @@ def _ring_attention_shard(
     x = x.astype(dtype)
     if causal:
         x = _zigzag(x, axis, ring)
-    queries, keys, values = _project(
-        x, w["q"], w["k"], w["v"], w.get("q_bias"), w.get("k_bias"), w.get("v_bias"), heads=heads, kv_heads=kv_heads
+    queries, keys, values = (
+        _heads(x, w[n], w.get(f"{n}_bias"), c) for n, c in (("q", heads), ("k", kv_heads), ("v", kv_heads))
     )
     head_dim = queries.shape[-1]
     if rope is not None:
