@@ -23,6 +23,7 @@ import dslc
 from bench.bench_plan_accuracy import RESIDUAL_MLP, SECOND_MESH, STATE_SETTINGS, option_cases, with_master
 from dslc import cli
 from dslc.plan import Plan, plan
+from dslc.plan.timetable import pipeline_figures
 from tests.conftest import ROOT, SPECS, TEST_SPECS, compiled
 
 TOLERANCE = 0.10
@@ -364,6 +365,18 @@ def test_layer_collectives_are_counted_once_per_microbatch() -> None:
         assert four[key][0] == two[key][0], key
     for key in [k for k in four if k[2] == "gradients"]:
         assert four[key] == two[key], key
+
+
+@pytest.mark.parametrize(("mesh", "neighbours"), [("2x4x2", 1), ("1x2x4", 2)])
+def test_pipeline_sends_one_buffer_a_tick_to_each_neighbour(mesh: str, neighbours: int) -> None:
+    """The executor sends one boundary buffer a tick to both neighbours round the ring: one
+    permutation on two stages (the previous stage is the next), two on more."""
+    analysis = dslc.analyze(SPECS / "gpt_small.par", mesh=mesh)
+    assert analysis.program is not None
+    figures = pipeline_figures(analysis.program)
+    assert figures is not None
+    sends = [t for t in plan(analysis.program).communication if t.kind == "ppermute"]
+    assert [(t.axes, t.phase, t.count) for t in sends] == [(("stage",), "pipeline", neighbours * figures.ticks)]
 
 
 def test_plan_xla_compiles_the_steps_and_shows_both_figures(capsys: pytest.CaptureFixture[str]) -> None:
