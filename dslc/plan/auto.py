@@ -47,7 +47,7 @@ from dslc.ir.evaluate import ScalarValue
 from dslc.ir.nodes import Mesh, MeshAxis, Program, TensorType, weights_by_path
 from dslc.plan.activations import tensor_bytes
 from dslc.plan.auto_report import AutoPlan, Candidate, Excluded
-from dslc.plan.communication import Transfer, communication, ring_bytes
+from dslc.plan.communication import Transfer, communication, ring_bytes, sends_per_tick
 from dslc.plan.flops import busiest_stage_flops, flops
 from dslc.plan.memory import Memory, memory
 from dslc.plan.memory import training_state as memory_state
@@ -458,14 +458,15 @@ class AutoPlanner:
         return pending
 
     def _sends(self, costed: _Costed, microbatches: int, fig: Figures) -> list[Transfer]:
-        """The pipeline executor's sends, as `communication` counts them: one activation and one
-        gradient buffer (a microbatch at the widest stage boundary) every tick."""
+        """The pipeline executor's sends, as `communication` counts them: a buffer (a microbatch
+        at the widest stage boundary) to both neighbours every tick."""
         program = costed.program
         assert program.pipeline is not None
         accumulate = program.train.accumulate
-        count = 2 * fig.ticks * accumulate
+        stages = program.mesh.size((program.pipeline.axis,))
+        count = sends_per_tick(stages) * fig.ticks * accumulate
         boundary = costed.boundary(microbatches * accumulate)
-        sent = ring_bytes("ppermute", program.mesh.size((program.pipeline.axis,)), boundary) * count
+        sent = ring_bytes("ppermute", stages, boundary) * count
         return [Transfer("ppermute", (program.pipeline.axis,), "pipeline", sent, count)] if sent else []
 
     def _judge(self, pending: _Pending) -> Candidate:

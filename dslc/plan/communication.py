@@ -223,6 +223,12 @@ def _ends(axes: Axes, sharding: Sharding) -> bool:
     return any(len(entry) >= len(axes) and entry[len(entry) - len(axes) :] == axes for entry in sharding)
 
 
+def sends_per_tick(stages: int) -> int:
+    """Permutations a pipeline tick makes: one buffer to both neighbours round the ring of
+    `stages`, one permutation in all on two stages (the previous stage is the next)."""
+    return 1 if stages == 2 else 2
+
+
 def _pipeline_sends(program: Program, totals: Totals) -> None:
     """The executor sends one buffer (a microbatch at the widest stage boundary) a tick to both
     neighbours: two permutations, one on two stages. It skips ticks at which nothing arrives
@@ -234,10 +240,8 @@ def _pipeline_sends(program: Program, totals: Totals) -> None:
     mesh = program.mesh
     slices = microbatch_slices(program)
     boundary = max((tensor_bytes(t, mesh, slices) for t in program.boundaries), default=0)
-    neighbours = 1 if mesh.size((p.axis,)) == 2 else 2
-    _add(
-        totals, mesh, "ppermute", (p.axis,), "pipeline", boundary, neighbours * figures.ticks * program.train.accumulate
-    )
+    sends = sends_per_tick(mesh.size((p.axis,))) * figures.ticks * program.train.accumulate
+    _add(totals, mesh, "ppermute", (p.axis,), "pipeline", boundary, sends)
     for array in place(program).arrays:
         if array.split_dim is None:
             continue
