@@ -1312,9 +1312,9 @@ def optimizer_shardings(state: Any, mesh: Mesh) -> Any:
     return jax.tree_util.tree_map_with_path(pick, state)
 
 
-def make_train_step(mesh: Mesh, optimizer: optax.GradientTransformation) -> Callable[..., Any]:
+def make_train_step(mesh: Mesh, optimizer: optax.GradientTransformation, metrics: bool = True) -> Callable[..., Any]:
     """One jitted optimizer step: (params, optimizer state, batch, key) -> the new two, the loss
-    and the step's figures (`step_metrics`)."""
+    and the step's figures (`step_metrics`; none without `metrics`, sparing their collectives)."""
     # Each gradient where its optimizer state lives: its piece of it under ZeRO.
     grad_shardings = {name: NamedSharding(mesh, p.update_sharding) for name, p in PARAMETERS.items()}
     param_shardings = {name: NamedSharding(mesh, p.sharding) for name, p in PARAMETERS.items()}
@@ -1325,7 +1325,7 @@ def make_train_step(mesh: Mesh, optimizer: optax.GradientTransformation) -> Call
         value, grads = gradients(params, batch, key, mesh)
         grads = lax.with_sharding_constraint(grads, grad_shardings)
         updates, opt_state = optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, value, step_metrics(grads)
+        return optax.apply_updates(params, updates), opt_state, value, step_metrics(grads) if metrics else {}
 
     replicated = NamedSharding(mesh, P())
     outputs = (param_shardings, state_shardings, replicated, replicated)
@@ -1354,7 +1354,7 @@ def main() -> None:
         params = init_params(args.seed, mesh)
         optimizer = make_optimizer(*OPTIMIZER)
         opt_state = init_optimizer(params, optimizer, mesh)
-        step = make_train_step(mesh, optimizer)
+        step = make_train_step(mesh, optimizer, metrics=False)
         for i in range(args.steps):
             batch = place(random_batch(args.seed + i), mesh)
             params, opt_state, value, _ = step(params, opt_state, batch, jax.random.key(i))
