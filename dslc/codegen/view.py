@@ -247,7 +247,7 @@ class Builder:
 def kernel_call(layer: ir.Layer, dtype: str) -> tuple[str, dict[str, object]]:
     """The kernel a layer calls and its static keyword arguments, computing in `dtype`."""
     rule = RULES[layer.kind]
-    a = rule.parse(dict(layer.attrs))
+    a = rule.args_of(layer)
     weights = {w.name: w.type.sharding for w in layer.weights}
     return rule.kernel(a, layer.operand), rule.kernel_args(a, dtype, layer.operand, weights)
 
