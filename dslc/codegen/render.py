@@ -540,7 +540,8 @@ def _kernels(
         wanted += ["AUX_LOSS", "add_aux"]
     if program.pipelined:
         wanted += ["pipeline_value_and_grad", "Pipeline", "schedule_tables", "Share", "take_share"]
-        wanted += ["layer_shares"] * shares_layers
+        if shares_layers:
+            wanted.append("layer_shares")
     if data_axes:
         wanted.append("data_parallel")
     return source.closure(wanted)

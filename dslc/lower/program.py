@@ -240,8 +240,9 @@ class Program:
 
     def lower(self, step: Literal["forward", "grads", "train"] = "train") -> Any:
         """The forward pass, the gradient step (`grads`) or the whole training step (`train`, as
-        `train_step` runs it: parameters and optimizer state donated) lowered for abstract arrays with the program's
-        shardings: `.compile()` it to read XLA's memory analysis or its optimized HLO."""
+        `train_step` runs it: parameters and optimizer state donated) lowered for abstract
+        arrays with the program's shardings: `.compile()` it to read XLA's memory analysis or
+        its optimized HLO."""
         with jax.set_mesh(self.mesh):
             return self.trace(step).lower()
 

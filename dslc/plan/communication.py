@@ -33,8 +33,8 @@ Rules:
   its forward's output or its backward's input gradient) to both neighbours, one permutation
   each way (one in all on two stages, where they are the same stage); a weight kept split
   over the stage axis between steps (an embedding, a head) is gathered once per step and its
-  gradient reduce-scattered back. No
-  gradient is summed over the stage axis: each stage holds only its own weights.
+  gradient reduce-scattered back. No gradient is summed over the stage axis: each stage holds
+  only its own weights.
 """
 
 from __future__ import annotations
