@@ -178,6 +178,9 @@ def to_weights(parameters: dict[str, Parameter], arrays: dict[str, Any]) -> dict
     out = {}
     for name, p in parameters.items():
         value = np.asarray(arrays[name])
+        # A stored array of another shape would hand out slices of the wrong numbers.
+        if value.shape != p.shape:
+            raise ValueError(f"stored array {name} has shape {value.shape}, not {p.shape}")
         for held in weight_names(name, p):
             out[held.name] = np.array(value[held.at][tuple(slice(0, n) for n in held.shape)], copy=True)
     return out
@@ -290,9 +293,9 @@ class Input(NamedTuple):
 
 
 INPUTS = {
-    # llama.par:33 input tokens: i32[batch @ data, seq]
+    # llama.par:35 input tokens: i32[batch @ data, seq]
     "tokens": Input((16, 2048), "int32", P("data", None), 32000),
-    # llama.par:34 input targets: i32[batch @ data, seq]
+    # llama.par:36 input targets: i32[batch @ data, seq]
     "targets": Input((16, 2048), "int32", P("data", None), 32000),
 }
 STREAM = "tokens"  # the input the forward pass starts from
@@ -1134,13 +1137,7 @@ def data_parallel(
         return lax.psum(loss * share, axes), lax.with_sharding_constraint(weighed, blocks)
 
     def reduce(grads: dict[str, jax.Array]) -> dict[str, jax.Array]:
-        out = {}
-        for name, g in grads.items():
-            dim = _scatter_dim(parameters[name].update_sharding, axes)
-            out[name] = (
-                lax.psum(g[0], axes) if dim is None else lax.psum_scatter(g[0], axes, scatter_dimension=dim, tiled=True)
-            )
-        return out
+        return {name: _sum_into(g[0], parameters[name], axes, mesh) for name, g in grads.items()}
 
     key_given = key is not None
     # The parameters whole along `axes`, the batch and the gradients' blocks split over them.
@@ -1152,30 +1149,37 @@ def data_parallel(
     )(params, batch, key if key is not None else jax.random.key(0))
     # The sum, manual over the whole mesh: each device's block, its own piece along every axis.
     stacked_specs = {name: PartitionSpec(axes, *parameters[name].sharding) for name in params}
-    summed_specs = {name: _summed_spec(parameters[name].update_sharding, axes) for name in params}
+    summed_specs = {name: parameters[name].update_sharding for name in params}
     summed = jax.shard_map(reduce, mesh=mesh, in_specs=(stacked_specs,), out_specs=summed_specs, check_vma=False)
     return loss, summed(stacked)
 
 
-def _scatter_dim(spec: PartitionSpec, axes: tuple[str, ...]) -> int | None:
-    """The dimension a gradient kept split over `axes` (ZeRO) is split along, when they end
-    its entry in that order: where a device holds its piece along the entry's other axes, a
-    reduce-scatter over `axes` then leaves it its piece. None for a gradient whole along
-    them, which an all-reduce sums."""
-    for dim, entry in enumerate(spec):
-        names = (entry,) if isinstance(entry, str) else tuple(entry or ())
-        if len(names) >= len(axes) and names[len(names) - len(axes) :] == axes:
-            return dim
-    return None
+def _sum_into(block: jax.Array, parameter: Parameter, axes: tuple[str, ...], mesh: jax.sharding.Mesh) -> jax.Array:
+    """This device's piece, where the optimizer updates it (`update_sharding`), of a gradient's
+    sum over `axes`, from its block (its partial sum, held as the parameter is). ZeRO adds
+    axes after those a dimension holds (`ir.state.spread`), data-parallel or not (a batch over
+    `(data, expert)`: XLA sums `expert` inside the step). Slowest-varying first, an added one
+    of `axes` is reduce-scattered over; any other holds the same block on each of its devices,
+    which keeps its own part (a slice). The rest of `axes` is all-reduced."""
+    scattered: set[str] = set()
+    for dim, entry in enumerate(parameter.update_sharding):
+        held = _names(parameter.sharding[dim]) if dim < len(parameter.sharding) else ()
+        added = _names(entry)
+        assert added[: len(held)] == held, (parameter, dim)  # ZeRO only ever adds axes
+        for axis in added[len(held) :]:
+            if axis in axes:
+                block = lax.psum_scatter(block, axis, scatter_dimension=dim, tiled=True)
+                scattered.add(axis)
+            else:
+                size = block.shape[dim] // mesh.shape[axis]
+                block = lax.dynamic_slice_in_dim(block, lax.axis_index(axis) * size, size, dim)
+    whole = tuple(a for a in axes if a not in scattered)
+    return lax.psum(block, whole) if whole else block
 
 
-def _summed_spec(spec: PartitionSpec, axes: tuple[str, ...]) -> PartitionSpec:
-    """Where `data_parallel`'s sum leaves a gradient kept as `spec`: as `spec` where it
-    reduce-scatters over `axes`, else `spec` without them (the gradient whole along them)."""
-    if _scatter_dim(spec, axes) is not None:
-        return spec
-    names = [(entry,) if isinstance(entry, str) else tuple(entry or ()) for entry in spec]
-    return PartitionSpec(*(tuple(a for a in entry if a not in axes) or None for entry in names))
+def _names(entry: Any) -> tuple[str, ...]:
+    """The mesh axes of one PartitionSpec entry."""
+    return (entry,) if isinstance(entry, str) else tuple(entry or ())
 
 
 def step_metrics(grads: Any) -> dict[str, jax.Array]:
@@ -1193,24 +1197,24 @@ def layers_of(params: Arrays, prefix: str) -> Arrays:
 
 
 class LlamaBlock(nnx.Module):
-    """Block `llama_block` of the spec. (llama.par:37-44)"""
+    """Block `llama_block` of the spec. (llama.par:39-46)"""
 
     def __init__(self, params: Arrays, path: str) -> None:
         self.path = path
-        # llama.par:38 attn_norm: rmsnorm(d, eps=eps)
+        # llama.par:40 attn_norm: rmsnorm(d, eps=eps)
         self.attn_norm = nnx.Dict(scale=nnx.Param(params["attn_norm.scale"]))
-        # llama.par:39 attn: attention(d, heads, kv_heads=kv_heads, rope=true, rope_base=rope_base, qkv_bia...
+        # llama.par:41 attn: attention(d, heads, kv_heads=kv_heads, rope=true, rope_base=rope_base, qkv_bia...
         self.attn = nnx.Dict(
             q=nnx.Param(params["attn.q"]),
             k=nnx.Param(params["attn.k"]),
             v=nnx.Param(params["attn.v"]),
             o=nnx.Param(params["attn.o"]),
         )
-        # llama.par:42 mlp_norm: rmsnorm(d, eps=eps)
+        # llama.par:44 mlp_norm: rmsnorm(d, eps=eps)
         self.mlp_norm = nnx.Dict(scale=nnx.Param(params["mlp_norm.scale"]))
-        # llama.par:43 gate_up: swiglu(d, ffn) shard gate[_, model], up[_, model]
+        # llama.par:45 gate_up: swiglu(d, ffn) shard gate[_, model], up[_, model]
         self.gate_up = nnx.Dict(gate=nnx.Param(params["gate_up.gate"]), up=nnx.Param(params["gate_up.up"]))
-        # llama.par:44 down: linear(ffn, d, bias=false) shard kernel[model, _]
+        # llama.par:46 down: linear(ffn, d, bias=false) shard kernel[model, _]
         self.down = nnx.Dict(kernel=nnx.Param(params["down.kernel"]))
 
     def __call__(self, x: jax.Array, inputs: Arrays, key: jax.Array | None) -> jax.Array:
@@ -1218,12 +1222,12 @@ class LlamaBlock(nnx.Module):
         return jax.checkpoint(lambda block, h: block.forward(h, inputs, key))(self, x)
 
     def forward(self, x: jax.Array, inputs: Arrays, key: jax.Array | None) -> jax.Array:
-        # llama.par:37: residual
+        # llama.par:39: residual
         h = x
-        # llama.par:38 attn_norm: rmsnorm(d, eps=eps)
+        # llama.par:40 attn_norm: rmsnorm(d, eps=eps)
         h = rmsnorm(h, **weights_of(self.attn_norm), eps=1e-05, dtype=COMPUTE_DTYPE)
         h = checkpoint_name(constrain(h, P("data", None, None)), self.path + ".attn_norm")
-        # llama.par:39 attn: attention(d, heads, kv_heads=kv_heads, rope=true, rope_base=rope_base, qkv_bia...
+        # llama.par:41 attn: attention(d, heads, kv_heads=kv_heads, rope=true, rope_base=rope_base, qkv_bia...
         h = attention(
             h,
             **weights_of(self.attn),
@@ -1235,15 +1239,15 @@ class LlamaBlock(nnx.Module):
         )
         h = checkpoint_name(constrain(h, P("data", None, None)), self.path + ".attn")
         x = x + h
-        # llama.par:41: residual
+        # llama.par:43: residual
         h = x
-        # llama.par:42 mlp_norm: rmsnorm(d, eps=eps)
+        # llama.par:44 mlp_norm: rmsnorm(d, eps=eps)
         h = rmsnorm(h, **weights_of(self.mlp_norm), eps=1e-05, dtype=COMPUTE_DTYPE)
         h = checkpoint_name(constrain(h, P("data", None, None)), self.path + ".mlp_norm")
-        # llama.par:43 gate_up: swiglu(d, ffn) shard gate[_, model], up[_, model]
+        # llama.par:45 gate_up: swiglu(d, ffn) shard gate[_, model], up[_, model]
         h = swiglu(h, **weights_of(self.gate_up), dtype=COMPUTE_DTYPE)
         h = checkpoint_name(constrain(h, P("data", None, "model")), self.path + ".gate_up")
-        # llama.par:44 down: linear(ffn, d, bias=false) shard kernel[model, _]
+        # llama.par:46 down: linear(ffn, d, bias=false) shard kernel[model, _]
         h = linear(h, **weights_of(self.down), dtype=COMPUTE_DTYPE)
         h = checkpoint_name(constrain(h, P("data", None, None)), self.path + ".down")
         x = x + h
@@ -1251,41 +1255,41 @@ class LlamaBlock(nnx.Module):
 
 
 class Stage0(nnx.Module):
-    """Chunk 0 of the pipeline, run by stage 0. (llama.par:49-51)"""
+    """Chunk 0 of the pipeline, run by stage 0. (llama.par:51-53)"""
 
     def __init__(self, params: Arrays) -> None:
-        # llama.par:49 embed: embed(vocab, d) shard table[model, _]
+        # llama.par:51 embed: embed(vocab, d) shard table[model, _]
         self.embed = nnx.Dict(table=nnx.Param(params["embed.table"]))
-        # llama.par:51 layers: repeat layers llama_block(d, heads, kv_heads, ffn, eps, rope_base, qkv_bias)
+        # llama.par:53 layers: repeat layers llama_block(d, heads, kv_heads, ffn, eps, rope_base, qkv_bias)
         self.layers = LlamaBlock(layers_of(params, "layers.*."), "layers")
 
     def __call__(self, x: jax.Array, inputs: Arrays, key: jax.Array | None) -> jax.Array:
-        # llama.par:49 embed: embed(vocab, d) shard table[model, _]
+        # llama.par:51 embed: embed(vocab, d) shard table[model, _]
         x = embed(x, **weights_of(self.embed), dtype=COMPUTE_DTYPE)
         x = checkpoint_name(constrain(x, P("data", None, None)), "embed")
-        # llama.par:51 layers: repeat layers llama_block(d, heads, kv_heads, ffn, eps, rope_base, qkv_bias)
+        # llama.par:53 layers: repeat layers llama_block(d, heads, kv_heads, ffn, eps, rope_base, qkv_bias)
         x = scan_layers(self.layers, 11, x, inputs, key)
         return x
 
 
 class Stage1(nnx.Module):
-    """Chunk 1 of the pipeline, run by stage 1. (llama.par:51-54)"""
+    """Chunk 1 of the pipeline, run by stage 1. (llama.par:53-56)"""
 
     def __init__(self, params: Arrays) -> None:
-        # llama.par:51 layers: repeat layers llama_block(d, heads, kv_heads, ffn, eps, rope_base, qkv_bias)
+        # llama.par:53 layers: repeat layers llama_block(d, heads, kv_heads, ffn, eps, rope_base, qkv_bias)
         self.layers = LlamaBlock(layers_of(params, "layers.*."), "layers")
-        # llama.par:53 norm: rmsnorm(d, eps=eps)
+        # llama.par:55 norm: rmsnorm(d, eps=eps)
         self.norm = nnx.Dict(scale=nnx.Param(params["norm.scale"]))
-        # llama.par:54 head: linear(d, vocab, bias=false) shard kernel[_, model]
+        # llama.par:56 head: linear(d, vocab, bias=false) shard kernel[_, model]
         self.head = nnx.Dict(kernel=nnx.Param(params["head.kernel"]))
 
     def __call__(self, x: jax.Array, inputs: Arrays, key: jax.Array | None) -> jax.Array:
-        # llama.par:51 layers: repeat layers llama_block(d, heads, kv_heads, ffn, eps, rope_base, qkv_bias)
+        # llama.par:53 layers: repeat layers llama_block(d, heads, kv_heads, ffn, eps, rope_base, qkv_bias)
         x = scan_layers(self.layers, 11, x, inputs, key)
-        # llama.par:53 norm: rmsnorm(d, eps=eps)
+        # llama.par:55 norm: rmsnorm(d, eps=eps)
         x = rmsnorm(x, **weights_of(self.norm), eps=1e-05, dtype=COMPUTE_DTYPE)
         x = checkpoint_name(constrain(x, P("data", None, None)), "norm")
-        # llama.par:54 head: linear(d, vocab, bias=false) shard kernel[_, model]
+        # llama.par:56 head: linear(d, vocab, bias=false) shard kernel[_, model]
         x = linear(x, **weights_of(self.head), dtype=COMPUTE_DTYPE)
         x = checkpoint_name(constrain(x, P("data", None, "model")), "head")
         return x
@@ -1337,7 +1341,7 @@ def forward(params: Arrays, inputs: Arrays, key: jax.Array | None = None) -> jax
 
 
 def loss_of(x: jax.Array, inputs: Arrays) -> jax.Array:
-    # llama.par:55 loss: cross_entropy(targets)
+    # llama.par:57 loss: cross_entropy(targets)
     return cross_entropy(x, targets=inputs["targets"], ignore_index=-100)
 
 

@@ -177,6 +177,9 @@ def to_weights(parameters: dict[str, Parameter], arrays: dict[str, Any]) -> dict
     out = {}
     for name, p in parameters.items():
         value = np.asarray(arrays[name])
+        # A stored array of another shape would hand out slices of the wrong numbers.
+        if value.shape != p.shape:
+            raise ValueError(f"stored array {name} has shape {value.shape}, not {p.shape}")
         for held in weight_names(name, p):
             out[held.name] = np.array(value[held.at][tuple(slice(0, n) for n in held.shape)], copy=True)
     return out

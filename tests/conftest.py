@@ -55,6 +55,11 @@ if TYPE_CHECKING:
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--update-goldens", action="store_true", help="rewrite golden files from current output")
+    parser.addoption(
+        "--layouts",
+        default="sample",
+        help="tests/lower/test_layouts.py: `sample` (the suite's seeded sample), `all`, or combination ids",
+    )
 
 
 @pytest.fixture(scope="session", autouse=True)

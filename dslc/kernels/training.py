@@ -164,13 +164,7 @@ def data_parallel(
         return lax.psum(loss * share, axes), lax.with_sharding_constraint(weighed, blocks)
 
     def reduce(grads: dict[str, jax.Array]) -> dict[str, jax.Array]:
-        out = {}
-        for name, g in grads.items():
-            dim = _scatter_dim(parameters[name].update_sharding, axes)
-            out[name] = (
-                lax.psum(g[0], axes) if dim is None else lax.psum_scatter(g[0], axes, scatter_dimension=dim, tiled=True)
-            )
-        return out
+        return {name: _sum_into(g[0], parameters[name], axes, mesh) for name, g in grads.items()}
 
     key_given = key is not None
     # The parameters whole along `axes`, the batch and the gradients' blocks split over them.
@@ -182,27 +176,34 @@ def data_parallel(
     )(params, batch, key if key is not None else jax.random.key(0))
     # The sum, manual over the whole mesh: each device's block, its own piece along every axis.
     stacked_specs = {name: PartitionSpec(axes, *parameters[name].sharding) for name in params}
-    summed_specs = {name: _summed_spec(parameters[name].update_sharding, axes) for name in params}
+    summed_specs = {name: parameters[name].update_sharding for name in params}
     summed = jax.shard_map(reduce, mesh=mesh, in_specs=(stacked_specs,), out_specs=summed_specs, check_vma=False)
     return loss, summed(stacked)
 
 
-def _scatter_dim(spec: PartitionSpec, axes: tuple[str, ...]) -> int | None:
-    """The dimension a gradient kept split over `axes` (ZeRO) is split along, when they end
-    its entry in that order: where a device holds its piece along the entry's other axes, a
-    reduce-scatter over `axes` then leaves it its piece. None for a gradient whole along
-    them, which an all-reduce sums."""
-    for dim, entry in enumerate(spec):
-        names = (entry,) if isinstance(entry, str) else tuple(entry or ())
-        if len(names) >= len(axes) and names[len(names) - len(axes) :] == axes:
-            return dim
-    return None
+def _sum_into(block: jax.Array, parameter: Parameter, axes: tuple[str, ...], mesh: jax.sharding.Mesh) -> jax.Array:
+    """This device's piece, where the optimizer updates it (`update_sharding`), of a gradient's
+    sum over `axes`, from its block (its partial sum, held as the parameter is). ZeRO adds
+    axes after those a dimension holds (`ir.state.spread`), data-parallel or not (a batch over
+    `(data, expert)`: XLA sums `expert` inside the step). Slowest-varying first, an added one
+    of `axes` is reduce-scattered over; any other holds the same block on each of its devices,
+    which keeps its own part (a slice). The rest of `axes` is all-reduced."""
+    scattered: set[str] = set()
+    for dim, entry in enumerate(parameter.update_sharding):
+        held = _names(parameter.sharding[dim]) if dim < len(parameter.sharding) else ()
+        added = _names(entry)
+        assert added[: len(held)] == held, (parameter, dim)  # ZeRO only ever adds axes
+        for axis in added[len(held) :]:
+            if axis in axes:
+                block = lax.psum_scatter(block, axis, scatter_dimension=dim, tiled=True)
+                scattered.add(axis)
+            else:
+                size = block.shape[dim] // mesh.shape[axis]
+                block = lax.dynamic_slice_in_dim(block, lax.axis_index(axis) * size, size, dim)
+    whole = tuple(a for a in axes if a not in scattered)
+    return lax.psum(block, whole) if whole else block
 
 
-def _summed_spec(spec: PartitionSpec, axes: tuple[str, ...]) -> PartitionSpec:
-    """Where `data_parallel`'s sum leaves a gradient kept as `spec`: as `spec` where it
-    reduce-scatters over `axes`, else `spec` without them (the gradient whole along them)."""
-    if _scatter_dim(spec, axes) is not None:
-        return spec
-    names = [(entry,) if isinstance(entry, str) else tuple(entry or ()) for entry in spec]
-    return PartitionSpec(*(tuple(a for a in entry if a not in axes) or None for entry in names))
+def _names(entry: Any) -> tuple[str, ...]:
+    """The mesh axes of one PartitionSpec entry."""
+    return (entry,) if isinstance(entry, str) else tuple(entry or ())

@@ -107,12 +107,22 @@ class Program:
     def import_weights(self, model: DslcModel, weights: Mapping[str, Any]) -> None:
         """Load a dict of arrays by per-layer name. Every name and shape is checked before
         any value is replaced, so a mismatch leaves the model as it was."""
+        for name, value in self._placed(weights).items():
+            model.params[name].set_value(value)
+
+    def load(self, weights: Mapping[str, Any]) -> DslcModel:
+        """A model holding `weights` (by per-layer name, checked as `import_weights` checks
+        them), placed on the mesh without initialising a model first."""
+        placed = self._placed(weights)
+        with jax.set_mesh(self.mesh):
+            return DslcModel(placed)
+
+    def _placed(self, weights: Mapping[str, Any]) -> Params:
         problems = mismatches(self.ir, {name: tuple(np.shape(value)) for name, value in weights.items()})
         if problems:
             raise WeightsError("cannot load weights, nothing was loaded: " + "; ".join(problems))
-        placed = self.module.import_weights(dict(weights), self.mesh)
-        for name, value in placed.items():
-            model.params[name].set_value(value)
+        placed: Params = self.module.import_weights(dict(weights), self.mesh)
+        return placed
 
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every weight's per-layer name and shape."""
