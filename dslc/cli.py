@@ -95,16 +95,25 @@ def _parser() -> argparse.ArgumentParser:
     init.add_argument("spec", help="path of the .par file")
     init.add_argument("--mesh", help="mesh sizes in the spec's axis order, e.g. 2x4x2")
     init.add_argument("--seed", type=_count, default=0, help="the weights' random seed, a whole number (default 0)")
-    init.add_argument("-o", "--output", required=True, help="where to write the weights (.npz)")
+    init.add_argument(
+        "-o", "--output", required=True, help="where to write the weights (.npz; bfloat16 weights as float32, exactly)"
+    )
     _set_arg(init)
     init.set_defaults(run=_init)
 
     run = sub.add_parser("run", help="run the forward pass (and with --grads, the loss and gradients)")
     run.add_argument("spec", help="path of the .par file")
     run.add_argument("--mesh", help="mesh sizes in the spec's axis order, e.g. 2x4x2")
-    run.add_argument("--weights", required=True, help="weights (.npz, as written by `dslc init`)")
+    run.add_argument(
+        "--weights", required=True, help="weights: a .npz (dslc init, dslc import) or a `dslc train` run folder"
+    )
     run.add_argument("--inputs", required=True, help="inputs (.npz, one array per declared input)")
-    run.add_argument("-o", "--output", required=True, help="where to write the results (.npz)")
+    run.add_argument(
+        "-o",
+        "--output",
+        required=True,
+        help="where to write the results (.npz; bfloat16 results are written as float32, which numpy reads)",
+    )
     run.add_argument("--grads", action="store_true", help="also write `loss` and `grad/NAME` for every weight")
     _set_arg(run)
     run.set_defaults(run=_run)
@@ -418,12 +427,12 @@ def _compile(args: argparse.Namespace) -> Any:
     """The spec as a Program, or the exit that explains why not."""
     from dslc.frontend import CompileError
     from dslc.lower import compile
-    from dslc.lower.devices import DeviceError
+    from dslc.lower.devices import DeviceError, PlatformError
 
     path = _spec_path(args)
     try:
         return compile(path, args.mesh, args.set, args.schedule)
-    except ValueError as exc:  # a malformed --mesh or --set
+    except (ValueError, PlatformError) as exc:  # a malformed --mesh or --set; an accelerator not installed
         raise UsageError(str(exc)) from None
     except CompileError as exc:
         sys.stderr.write(str(exc) + "\n")
@@ -448,12 +457,20 @@ def _load_npz(path_text: str) -> dict[str, Any]:
 
 
 def _save_npz(path_text: str, arrays: dict[str, Any]) -> None:
+    """Write arrays as an .npz that plain numpy reads: bfloat16, which numpy has no type for
+    (it would read such an array as raw `|V2` bytes), is widened to float32, exactly; dslc
+    reads it back into bfloat16 weights unchanged."""
     import io
 
+    import ml_dtypes
     import numpy as np
 
+    readable: dict[str, Any] = {}
+    for name, value in arrays.items():
+        array = np.asarray(value)
+        readable[name] = array.astype(np.float32) if array.dtype == ml_dtypes.bfloat16 else array
     buffer = io.BytesIO()
-    np.savez(buffer, **arrays)
+    np.savez(buffer, **readable)
     write_atomic(Path(path_text), buffer.getvalue())
 
 
@@ -468,15 +485,18 @@ def _init(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     program = _compile(args)  # first: it decides how many host devices jax starts with
+    from dslc.interop import CheckpointError
     from dslc.ir.inputs import check_inputs, read_inputs
     from dslc.lower.program import WeightsError
 
-    weights = _load_npz(args.weights)
+    try:
+        weights = _weights_given(args, program)
+    except CheckpointError as exc:
+        return _checkpoint_errors(_checked(args), exc)
     inputs = _load_npz(args.inputs)
     try:
         check_inputs(program.ir, inputs, read_inputs(program.ir, loss=args.grads))  # before any compilation
-        model = program.init(0)
-        program.import_weights(model, weights)
+        model = program.load(weights)
         results = {"output": program.forward(model, inputs)}
         if args.grads:
             results["loss"] = program.loss(model, inputs)
@@ -532,7 +552,7 @@ def _export(args: argparse.Namespace) -> int:
 
     result = _checked(args)
     try:
-        weights = _weights_to_export(args, result)
+        weights = _weights_given(args)
         done = export_checkpoint(
             result, weights, Path(args.output), untie=args.untie, dtype=args.dtype, source=Path(args.weights)
         )
@@ -543,14 +563,16 @@ def _export(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _weights_to_export(args: argparse.Namespace, result: Analysis) -> dict[str, Any]:
-    """--weights: a .npz, or a `dslc train` run folder (its newest checkpoint, restored on the mesh)."""
+def _weights_given(args: argparse.Namespace, program: Any = None) -> dict[str, Any]:
+    """--weights: a .npz, or a `dslc train` run folder (its newest checkpoint, restored onto
+    `program`'s mesh, the spec compiled when not given). A folder that holds no run's
+    checkpoint raises CheckpointError."""
     source = Path(args.weights)
     if not source.is_dir():
         return _load_npz(args.weights)
     from dslc.train.weights import trained_weights
 
-    step, weights = trained_weights(_compile(args), source)
+    step, weights = trained_weights(program if program is not None else _compile(args), source)
     print(f"{source}: the parameters of checkpoint {step}", file=sys.stderr)
     return weights
 
@@ -794,7 +816,12 @@ def _initial_weights(args: argparse.Namespace) -> dict[str, Any]:
     except CheckpointError as exc:
         raise _Exit(_checkpoint_errors(result, exc)) from None
     except (OSError, ValueError) as exc:
-        print(f"dslc: error: cannot read weights from {source}: {exc}", file=sys.stderr)
+        print(
+            f"dslc: error: cannot read weights from {source}: {exc}\n"
+            "  = help: --init-from takes a .npz (as `dslc init` and `dslc import` write) or a Hugging Face "
+            "checkpoint folder (config.json and .safetensors files)",
+            file=sys.stderr,
+        )
         raise _Exit(EXIT_ERRORS) from None
 
 

@@ -45,6 +45,11 @@ def read_npz(path: Path) -> dict[str, Any]:
     except (OSError, EOFError, zipfile.BadZipFile, zlib.error) as exc:
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc) or type(exc).__name__
         raise UnreadableArrays(f"cannot read {path}: {reason} (a damaged or truncated archive?)") from None
+    if path.suffix == ".safetensors":
+        raise UnreadableArrays(
+            f"{path} is one file of a Hugging Face checkpoint, not an .npz archive: give the folder that holds it "
+            f"({path.parent}), with its config.json"
+        )
     raise UnreadableArrays(f"{path} is not an .npz archive (a zip of .npy arrays, as numpy.savez writes)")
 
 

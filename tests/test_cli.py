@@ -273,3 +273,15 @@ AUTO = ("--mesh", "auto", "--devices", "4", "--device-memory", "1")
 def test_schedule_usage_errors(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = run(capsys, *argv)
     assert code == 2 and message in err
+
+
+def test_an_accelerator_jax_cannot_start_is_a_usage_error(tmp_path: Path) -> None:
+    """JAX_PLATFORMS naming a platform whose jax plugin is not installed: what to install."""
+    env = {**os.environ, "JAX_PLATFORMS": "cuda"}
+    args = [sys.executable, "-m", "dslc.cli", "init", str(SPECS / "tiny.par"), "-o", str(tmp_path / "w.npz")]
+    done = subprocess.run(args, capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert "internal error" not in done.stderr
+    assert "jax cannot start the platform JAX_PLATFORMS='cuda'" in done.stderr
+    assert "pip install -e '.[cuda]'" in done.stderr
+    assert not (tmp_path / "w.npz").exists()

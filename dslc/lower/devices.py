@@ -64,13 +64,34 @@ def make_mesh(mesh: Mesh) -> jax.sharding.Mesh:
     request_host_devices(mesh.devices)
     import jax
 
-    devices = jax.devices()
+    devices = _devices()
     if len(devices) < mesh.devices:
         raise DeviceError(_shortfall(mesh, devices))
     names = mesh.names or ("replica",)
     shape = mesh.shape or (1,)
     auto = (jax.sharding.AxisType.Auto,) * len(names)
     return jax.make_mesh(shape, names, axis_types=auto, devices=devices[: mesh.devices])
+
+
+class PlatformError(DeviceError):
+    """jax cannot start the platform the environment asks for (`JAX_PLATFORMS`): a usage
+    problem of the installation, not of the spec."""
+
+
+def _devices() -> list[jax.Device]:
+    """jax's devices; a platform it cannot start is a PlatformError that says what to install."""
+    import jax
+
+    try:
+        return jax.devices()
+    except (RuntimeError, AssertionError) as exc:  # jax 0.10 asserts when a named platform has no plugin
+        asked = os.environ.get("JAX_PLATFORMS", "")
+        detail = str(exc).split(" (set JAX_PLATFORMS")[0].strip() or "no such backend is installed"
+        raise PlatformError(
+            f"jax cannot start the platform JAX_PLATFORMS={asked!r} asks for ({detail}); for NVIDIA GPUs install "
+            "jax's CUDA wheels with `pip install -e '.[cuda]'`, for TPUs `pip install -e '.[tpu]'`; or unset "
+            "JAX_PLATFORMS (JAX_PLATFORMS=cpu simulates the mesh on this machine's CPU)"
+        ) from None
 
 
 def _shortfall(mesh: Mesh, devices: list[jax.Device]) -> str:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from dslc.files import read_npz
 from dslc.frontend import Analysis
 from dslc.interop import plan_import
 from dslc.interop.errors import file_problem
@@ -27,11 +28,10 @@ if TYPE_CHECKING:
 def initial_weights(source: Path, analysis: Analysis) -> dict[str, np.ndarray]:
     """Every weight by dotted name. A folder that is not a checkpoint the spec can read, or
     weights that do not fit it, raise `dslc.interop.CheckpointError`; a file that is not an
-    .npz, OSError or ValueError."""
+    .npz, `dslc.files.UnreadableArrays` (a ValueError) saying what it is instead."""
     if source.is_dir():
         return dict(plan_import(analysis, source).arrays())
-    with np.load(source, allow_pickle=False) as data:
-        weights = {name: data[name] for name in data.files}
+    weights = read_npz(source)
     assert analysis.program is not None
     problems = mismatches(analysis.program, {name: value.shape for name, value in weights.items()})
     if problems:

@@ -241,6 +241,45 @@ def test_cli_init_and_run_simulate_the_mesh_and_match_the_python_api(tmp_path: P
         assert {k.removeprefix("grad/") for k in out.files if k.startswith("grad/")} == set(grads)
 
 
+BF16_LINEAR = """model half
+mesh data=2
+input x: f32[4 @ data, 8]
+input y: f32[4 @ data, 8]
+forward(x) {
+  fc: linear(8, 8)
+  loss: mse(y)
+}
+train {
+  param_dtype bf16
+  compute_dtype bf16
+}
+"""
+
+
+def test_cli_writes_bf16_results_and_weights_as_float32_numpy_reads(tmp_path: Path) -> None:
+    """numpy has no bfloat16: such an array in an .npz reads as raw `|V2` bytes nothing can
+    subtract. `init` and `run` write float32 (exactly the bf16 values) and read it back."""
+    (tmp_path / "half.par").write_text(BF16_LINEAR)
+    assert _dslc("init", "half.par", "-o", "w.npz", cwd=tmp_path).returncode == 0
+    rng = np.random.default_rng(0)
+    np.savez(tmp_path / "x.npz", x=rng.standard_normal((4, 8), np.float32), y=rng.standard_normal((4, 8), np.float32))
+    run = _dslc("run", "half.par", "--weights", "w.npz", "--inputs", "x.npz", "-o", "y.npz", "--grads", cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    program = dslc.compile(tmp_path / "half.par")
+    model = program.init(0)
+    with np.load(tmp_path / "w.npz") as weights:
+        assert weights["fc.kernel"].dtype == np.float32
+        program.import_weights(model, {name: weights[name] for name in weights.files})
+    with np.load(tmp_path / "x.npz") as inputs:
+        batch = {name: inputs[name] for name in inputs.files}
+    want = np.asarray(program.forward(model, batch))
+    assert want.dtype == jax.numpy.bfloat16
+    with np.load(tmp_path / "y.npz") as out:
+        for name in ("output", "grad/fc.kernel"):
+            assert out[name].dtype == np.float32, name
+        np.testing.assert_array_equal(out["output"] - want.astype(np.float32), 0)
+
+
 def test_cli_run_rejects_weights_of_another_spec_without_writing(tmp_path: Path) -> None:
     assert _dslc("init", str(SPECS / "tiny.par"), "-o", "w.npz", cwd=tmp_path).returncode == 0
     np.savez(tmp_path / "x.npz", x=np.zeros((2, 128, 768), np.float32))  # its declared input

@@ -67,6 +67,24 @@ def test_a_run_gives_its_newest_checkpoint_for_export(run: Path, tmp_path: Path)
         assert step == 1 and all(np.array_equal(first[n], start[n]) for n in start.files)
 
 
+def test_a_run_folder_gives_dslc_run_its_weights(run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`dslc run --weights RUN` runs the run's newest checkpoint, as `dslc export` takes it."""
+    program = dslc.compile(TINY)
+    batch = program.example_batch(3)
+    np.savez(tmp_path / "x.npz", **batch)
+    argv = ["run", str(TINY), "--weights", str(run / "run"), "--inputs", str(tmp_path / "x.npz")]
+    assert main([*argv, "-o", str(tmp_path / "y.npz")]) == 0
+    step, weights = trained_weights(program, run / "run")  # another test takes checkpoint 2 away
+    assert f"the parameters of checkpoint {step}" in capsys.readouterr().err
+    model = program.init(0)
+    program.import_weights(model, weights)
+    with np.load(tmp_path / "y.npz") as out:
+        np.testing.assert_array_equal(out["output"], np.asarray(program.forward(model, batch)))
+    not_a_run = ["run", str(TINY), "--weights", str(tmp_path), "--inputs", str(tmp_path / "x.npz")]
+    assert main([*not_a_run, "-o", str(tmp_path / "z.npz")]) == 1
+    assert "error[C007]: holds no checkpoint of a `dslc train` run" in capsys.readouterr().err
+
+
 def test_a_folder_without_a_run_is_not_exported(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     code = main(
         ["export", str(SPECS / "gpt2.par"), "--weights", str(tmp_path), "-o", str(tmp_path / "out"), *_set(GPT2_SET)]
@@ -100,6 +118,8 @@ def test_a_run_of_another_shape_is_refused_for_export(run: Path) -> None:
         (["--init-from-missing"], 2, "no such file or folder"),
         (["--config-disagrees"], 1, "error[C001]: config.json's `n_layer` is 3"),
         (["--not-an-npz"], 1, "cannot read weights from"),
+        (["--notes"], 1, "notes.txt is not an .npz archive"),
+        (["--one-file-of-a-checkpoint"], 1, "is one file of a Hugging Face checkpoint, not an .npz archive: give the"),
         (["--other-spec"], 1, "error[C007]: the weights do not fit the spec"),
     ],
 )
@@ -119,12 +139,19 @@ def test_weights_that_cannot_start_a_run_are_refused(
         case ["--not-an-npz"]:
             source = tmp_path / "w.npz"
             source.write_text("not an archive")
+        case ["--notes"]:
+            source = tmp_path / "notes.txt"
+            source.write_text("to do: fine-tune\n")
+        case ["--one-file-of-a-checkpoint"]:
+            source = source / "model.safetensors"
         case ["--other-spec"]:
             spec, sizes = TINY, {}
             source = tmp_path / "w.npz"
             np.savez(source, **{"embed.table": np.zeros((3, 3), np.float32)})
     assert main(["train", str(spec), "--init-from", str(source), *argv, *_set(sizes)]) == code
-    assert said in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert said in err
+    assert "pickle" not in err  # numpy's advice for a file it cannot read
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
