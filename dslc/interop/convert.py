@@ -21,9 +21,10 @@ import numpy as np
 from dslc.diagnostics import Diagnostic, error, sort_key
 from dslc.files import write_atomic
 from dslc.frontend import Analysis
+from dslc.interop.advice import follows
 from dslc.interop.errors import CheckpointError, file_problem, file_span
 from dslc.interop.gpt2 import GPT2
-from dslc.interop.hf_config import CONFIG, GPT2Config, LlamaConfig, read_config
+from dslc.interop.hf_config import CONFIG, GPT2Config, LlamaConfig, parse_config, read_config_json
 from dslc.interop.llama import Llama
 from dslc.interop.mapping import (
     HEAD,
@@ -32,11 +33,13 @@ from dslc.interop.mapping import (
     Requirement,
     Structure,
     TensorMap,
+    disagreeing,
     disagreements,
     match,
     unmet,
     unsupported,
 )
+from dslc.interop.remembered import comment_for, recall
 from dslc.interop.safetensors_io import FLOAT_DTYPES, INDEX, SINGLE, TensorFiles, npz_writer, write_safetensors
 from dslc.ir import nodes as ir
 from dslc.ir.weights import mismatches
@@ -59,6 +62,7 @@ class Family(Protocol):
     def head_and_table(self, m: Matched) -> tuple[str, str]: ...
     def tensors(self, m: Matched, tied: bool) -> list[TensorMap]: ...
     def config(self, m: Matched, program: ir.Program, tied: bool, dtype: str) -> dict[str, object]: ...
+    def keep(self, written: Mapping[str, object], original: Mapping[str, object]) -> dict[str, object]: ...
 
 
 FAMILIES: tuple[Family, ...] = (GPT2(), Llama())
@@ -102,6 +106,7 @@ class ImportPlan:
     copy: str | None  # a spec's head that holds a copy of the tied table (transposed), not the table itself
     stored_head: str | None  # a tied checkpoint's head, where it is stored anyway: it must be the table
     dtype: np.dtype
+    config: Mapping[str, object]  # config.json as the folder holds it, every field
 
     def arrays(self) -> Iterator[tuple[str, np.ndarray]]:
         """Every weight of the spec by its dotted name, read one checkpoint tensor at a time."""
@@ -152,12 +157,19 @@ def plan_import(analysis: Analysis, folder: Path) -> ImportPlan:
     CheckpointError says every way in which it does not fit."""
     program = _program(analysis)
     config_path = folder / CONFIG
-    config = read_config(folder)
+    config_json = read_config_json(folder)
+    config = parse_config(config_json, config_path)
+    assert isinstance(config_json, dict)  # parse_config takes nothing else
     family = _family_of(config.model_type)
     matched = match(family.structure, program)
+    disagree = disagreeing(family.facts(config, matched, program), analysis)
+
+    def facts_of(other: ir.Program) -> list[Fact]:
+        return family.facts(config, match(family.structure, other), other)
+
     _raise_if(
         unmet(family.requirements(matched), family.name)
-        + disagreements(family.facts(config, matched, program), analysis, config_path)
+        + disagreements(disagree, analysis, config_path, follows(disagree, analysis, facts_of) if disagree else None)
         + unsupported(config_path, family.unsupported(config, program))
     )
     files = TensorFiles(folder)
@@ -173,16 +185,27 @@ def plan_import(analysis: Analysis, folder: Path) -> ImportPlan:
     stored_head = next((name for name in files.tensors if family.canonical(name) == HEAD), None) if tied else None
     dtype = np.dtype(np.float64) if program.train.param_dtype == "f64" else np.dtype(np.float32)
     return ImportPlan(
-        family, config.model_type, files, maps, found, shapes, table if tied else None, copy, stored_head, dtype
+        family,
+        config.model_type,
+        files,
+        maps,
+        found,
+        shapes,
+        table if tied else None,
+        copy,
+        stored_head,
+        dtype,
+        config_json,
     )
 
 
 def import_checkpoint(analysis: Analysis, folder: Path, out: Path) -> Imported:
     """Write the checkpoint in `folder` as the spec's weights (.npz by dotted name) to `out`;
-    nothing is written unless all of it fits."""
+    nothing is written unless all of it fits. The archive keeps the checkpoint's config.json
+    for `export_checkpoint` (see dslc/interop/remembered.py)."""
     plan = plan_import(analysis, folder)
     parameters = 0
-    with npz_writer(out) as npz:
+    with npz_writer(out, comment_for(plan.config)) as npz:
         for name, array in plan.arrays():
             npz.add(name, array)
             parameters += array.size
@@ -319,15 +342,21 @@ def export_checkpoint(
     untie: bool = False,
     dtype: str | None = None,
     source: Path | None = None,
+    original: Mapping[str, object] | None = None,
 ) -> Exported:
     """Write `weights` (by dotted name, as `dslc init` or `dslc import` write them) as a
     Hugging Face checkpoint folder: config.json and model.safetensors, a tied head stored once.
-    `source` is where the weights came from, for the messages."""
+    `source` is where the weights came from, named in the messages. `original` is the
+    config.json they were imported from (`ImportPlan.config`); by default, the one a .npz
+    `source` keeps. Its fields the spec does not determine are written again (token ids, a
+    longer `max_position_embeddings`, ...), those it does come from the spec."""
     program = _program(analysis)
     family, matched = recognise(program)
     _raise_if(unmet(family.requirements(matched), family.name))
     where = source or folder
     _check_weights(weights, program, where)
+    if original is None and source is not None and source.is_file():
+        original = recall(source)
     tied = family.tied(matched, program) and not untie
     head, table = family.head_and_table(matched)
     if tied and not family.ties(matched) and not np.array_equal(weights[head], weights[table].T):
@@ -346,6 +375,9 @@ def export_checkpoint(
     maps = family.tensors(matched, tied)
     tensors = {m.name: _assemble(m, weights, np_dtype) for m in maps}
     config = family.config(matched, program, tied, torch_dtype)
+    # Weights of another family's checkpoint cannot fit this spec: such a config is not theirs.
+    if original is not None and original.get("model_type") in family.model_types:
+        config = family.keep(config, original)
     _prepare(folder)
     write_safetensors(folder / SINGLE, tensors)
     write_atomic(folder / CONFIG, json.dumps(config, indent=2) + "\n")

@@ -9,7 +9,8 @@ Codes (docs/checkpoints.md lists them with examples):
   C004  config.json is missing, is not JSON, or holds a value of the wrong kind
   C005  the tensor files cannot be used: none, truncated, damaged, or not what the index says
   C006  a tensor is missing, unexpected, of the wrong shape or dtype, or stored transposed
-  C007  weights to export do not fit the spec, or a tied head is no longer its embedding
+  C007  weights to export do not fit the spec, a tied head is no longer its embedding, or the
+        config.json they keep from their import is damaged
 """
 
 from __future__ import annotations

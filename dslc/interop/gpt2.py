@@ -9,6 +9,7 @@ The head is tied to `wte` (`lm_head.weight`, [vocab, d], is stored only when it 
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 
 from dslc.interop.hf_config import GPT2Config, LlamaConfig
 from dslc.interop.mapping import Fact, FamilyBase, Matched, Requirement, Structure, TensorMap, layer_weight
@@ -35,6 +36,8 @@ class GPT2(FamilyBase):
     prefix = PREFIX
     buffer = _BUFFER
     tied_by_default = True
+    # GPT2Config's other names for n_embd, n_positions, n_head and n_layer.
+    determined = frozenset({"hidden_size", "max_position_embeddings", "num_attention_heads", "num_hidden_layers"})
 
     def requirements(self, m: Matched) -> list[Requirement]:
         wte = m.prefix[0]
@@ -209,3 +212,9 @@ class GPT2(FamilyBase):
             "tie_word_embeddings": tied,
             "torch_dtype": dtype,
         }
+
+    def keep(self, written: Mapping[str, object], original: Mapping[str, object]) -> dict[str, object]:
+        out = super().keep(written, original)
+        if "n_ctx" in out:  # older configs' n_positions, which transformers no longer reads
+            out["n_ctx"] = written["n_positions"]
+        return out

@@ -110,8 +110,9 @@ MODEL_TYPES = ("gpt2", "llama", "mistral", "qwen2")
 _ADAPTER: TypeAdapter[GPT2Config | LlamaConfig] = TypeAdapter(HFConfig)
 
 
-def read_config(folder: Path) -> GPT2Config | LlamaConfig:
-    """The folder's config.json, validated; a CheckpointError (C004) when it cannot be used."""
+def read_config_json(folder: Path) -> object:
+    """The folder's config.json as JSON, not yet validated (`parse_config` does); a
+    CheckpointError (C004) when it cannot be read or is not JSON."""
     path = folder / CONFIG
     try:
         text = path.read_text(encoding="utf-8")
@@ -123,10 +124,12 @@ def read_config(folder: Path) -> GPT2Config | LlamaConfig:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise file_problem(path, "C004", f"not JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}") from None
-    return parse_config(data, path)
+    return data
 
 
 def parse_config(data: object, path: Path) -> GPT2Config | LlamaConfig:
+    """config.json's content (at `path`, for the messages), validated; a CheckpointError
+    (C004) when it cannot be used."""
     if not isinstance(data, dict):
         raise file_problem(path, "C004", "not a JSON object")
     model_type = data.get("model_type")

@@ -11,6 +11,7 @@ Layout: `model.embed_tokens`; per layer `input_layernorm`, `self_attn.{q,k,v,o}_
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 
 from dslc.interop.hf_config import GPT2Config, LlamaConfig
 from dslc.interop.mapping import Fact, FamilyBase, Matched, Requirement, Structure, TensorMap, layer_weight
@@ -34,6 +35,8 @@ class Llama(FamilyBase):
     prefix = PREFIX
     buffer = _BUFFER
     tied_by_default = False
+    # Written for a Llama, left out for a Qwen2 (whose q, k and v biases its type says).
+    determined = frozenset({"attention_bias", "mlp_bias"})
 
     def requirements(self, m: Matched) -> list[Requirement]:
         out = [self.head_has_no_bias(m)]
@@ -193,6 +196,20 @@ class Llama(FamilyBase):
         }
         if not qwen2:
             out |= {"attention_bias": bool(attn.attr("bias")), "mlp_bias": False}
+        return out
+
+    def keep(self, written: Mapping[str, object], original: Mapping[str, object]) -> dict[str, object]:
+        """Also the original's `max_position_embeddings` where it is longer than the spec's
+        sequence: the spec was run shorter than the model can go, which leaves the model as
+        long as it was (rotary embeddings learn nothing per position)."""
+        out = super().keep(written, original)
+        longest, seq = original.get("max_position_embeddings"), written["max_position_embeddings"]
+        if isinstance(longest, int) and isinstance(seq, int) and not isinstance(longest, bool) and longest > seq:
+            out["max_position_embeddings"] = longest
+        # transformers 5 keeps the rotary base here too: it must be the spec's.
+        rope = original.get("rope_parameters")
+        if isinstance(rope, dict) and "rope_theta" in rope:
+            out["rope_parameters"] = {**rope, "rope_theta": written["rope_theta"]}
         return out
 
 

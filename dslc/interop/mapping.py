@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -148,32 +148,58 @@ class Requirement:
     fix: str
 
 
-def disagreements(facts: Sequence[Fact], analysis: Analysis, config: Path) -> list[Diagnostic]:
-    """A C001 for each config key the spec disagrees with (once per key: the first layer that
-    disagrees, and how many do)."""
+@dataclass(frozen=True, slots=True)
+class Disagreement:
+    """A config key the spec disagrees with: the first fact that says so, how many do, and the
+    `--set` that fixes it (the constant and the config's value) where the spec declares a
+    constant that holds it; None where only an edit of the spec does (`fact.fix`)."""
+
+    fact: Fact
+    count: int
+    setting: tuple[str, object] | None
+
+
+def disagreeing(facts: Sequence[Fact], analysis: Analysis) -> list[Disagreement]:
+    """The config keys the spec disagrees with, once per key, in the order of `facts`."""
     program = analysis.program
     assert program is not None
     constants = dict(program.constants)
-    declared = (
-        {item.name.text: item for item in analysis.module.items if isinstance(item, ast.ConstDecl)}
-        if (analysis.module)
-        else {}
-    )
-    out: list[Diagnostic] = []
+    declared = declared_constants(analysis)
+    out: list[Disagreement] = []
     for key in dict.fromkeys(f.key for f in facts):
-        wrong = [f for f in facts if f.key == key and not _same(f.config, f.spec)]
+        wrong = [f for f in facts if f.key == key and not same(f.config, f.spec)]
         if not wrong:
             continue
         f = wrong[0]
-        message = f"config.json's `{key}` is {_json(f.config)}, but the spec's {f.what} {_is(f.spec)}"
+        # A `--set` fixes it where the constant is declared and is what gives the spec its value.
+        settable = f.constant is not None and f.constant in declared and same(constants.get(f.constant), f.spec)
+        out.append(Disagreement(f, len(wrong), (f.constant, f.config) if settable and f.constant is not None else None))
+    return out
+
+
+def disagreements(
+    found: Sequence[Disagreement], analysis: Analysis, config: Path, follows: Mapping[str, str] | None = None
+) -> list[Diagnostic]:
+    """A C001 for each disagreement: at the constant that holds it with the `--set` that fixes
+    it, or else at the layer with the edit that does. A key in `follows` is one that other
+    suggested `--set`s fix (named there): it is reported, with no fix of its own."""
+    declared = declared_constants(analysis)
+    out: list[Diagnostic] = []
+    for found_one in found:
+        f = found_one.fact
+        message = f"config.json's `{f.key}` is {_json(f.config)}, but the spec's {f.what} {_is(f.spec)}"
         notes = [f"in {config}"]
-        if len(wrong) > 1:
-            notes.append(f"{len(wrong)} layers of the spec disagree with it")
-        if f.constant in declared and _same(constants.get(f.constant), f.spec):
-            decl = declared[f.constant]
+        if found_one.count > 1:
+            notes.append(f"{found_one.count} layers of the spec disagree with it")
+        fixed_by = (follows or {}).get(f.key)
+        if fixed_by is not None:
+            notes.append(f"`{fixed_by}` {'fix' if fixed_by.count('--set') > 1 else 'fixes'} this too")
+        if found_one.setting is not None:
+            name, value = found_one.setting
+            decl = declared[name]
             written = decl.value
-            if isinstance(written, ast.IntLit | ast.FloatLit | ast.BoolLit) and not _same(written.value, f.spec):
-                notes.append(f"`{f.constant}` is {_json(f.spec)} here, set on the command line")
+            if isinstance(written, ast.IntLit | ast.FloatLit | ast.BoolLit) and not same(written.value, f.spec):
+                notes.append(f"`{name}` is {_json(f.spec)} here, set on the command line")
             out.append(
                 error(
                     "C001",
@@ -181,12 +207,24 @@ def disagreements(facts: Sequence[Fact], analysis: Analysis, config: Path) -> li
                     decl.span,
                     labels=[Label(f.layer.span, f"used by `{f.layer.path}`")],
                     notes=notes,
-                    help=f"--set {f.constant}={_json(f.config)}",
+                    help=None if fixed_by is not None else set_flag(name, value),
                 )
             )
         else:
-            out.append(error("C001", message, f.layer.span, notes=notes, help=f.fix))
+            out.append(error("C001", message, f.layer.span, notes=notes, help=None if fixed_by is not None else f.fix))
     return out
+
+
+def declared_constants(analysis: Analysis) -> dict[str, ast.ConstDecl]:
+    """The constants the spec's text declares, by name, in the order it declares them."""
+    if analysis.module is None:
+        return {}
+    return {item.name.text: item for item in analysis.module.items if isinstance(item, ast.ConstDecl)}
+
+
+def set_flag(name: str, value: object) -> str:
+    """The `--set` that gives constant `name` the config's `value`."""
+    return f"--set {name}={_json(value)}"
 
 
 def unmet(requirements: Sequence[Requirement], family: str) -> list[Diagnostic]:
@@ -207,7 +245,8 @@ def unsupported(config: Path, problems: Sequence[tuple[str, str]]) -> list[Diagn
     return [error("C003", message, file_span(config), notes=[note] if note else []) for message, note in problems]
 
 
-def _same(a: object, b: object) -> bool:
+def same(a: object, b: object) -> bool:
+    """Whether the config's value and the spec's are the same (1 and 1.0 are; true and 1 are not)."""
     if isinstance(a, bool) or isinstance(b, bool):
         return a is b
     if isinstance(a, int | float) and isinstance(b, int | float):
@@ -266,6 +305,23 @@ class FamilyBase:
     prefix: str
     buffer: re.Pattern[str]
     tied_by_default: bool
+    # Keys of a config.json the spec determines that `config` may not write: other names for
+    # the sizes it writes, settings it writes for some model types only.
+    determined: frozenset[str] = frozenset()
+
+    def keep(self, written: Mapping[str, object], original: Mapping[str, object]) -> dict[str, object]:
+        """config.json for export: each size and setting the spec determines as `written`
+        says, and every other field of the `original` config.json the weights were imported
+        from (dslc/interop/remembered.py), in the original's order."""
+        out: dict[str, object] = {}
+        for key, value in original.items():
+            if key in written:
+                out[key] = written[key]
+            elif key == "dtype":  # what newer transformers call `torch_dtype`
+                out[key] = written["torch_dtype"]
+            elif key not in self.determined:
+                out[key] = value
+        return out | {key: value for key, value in written.items() if key not in out}
 
     def canonical(self, name: str) -> str:
         """The name `save_pretrained` gives a tensor."""

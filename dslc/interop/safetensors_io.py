@@ -147,10 +147,12 @@ class NpzWriter:
 
 
 @contextmanager
-def npz_writer(path: Path) -> Iterator[NpzWriter]:
+def npz_writer(path: Path, comment: bytes = b"") -> Iterator[NpzWriter]:
     """An NpzWriter whose archive replaces `path` when the block ends, and is deleted when it
-    raises (nothing half-written is ever left at `path`)."""
+    raises (nothing half-written is ever left at `path`). `comment` is the archive's comment
+    (at most 65,535 bytes), which numpy does not read: see dslc/interop/remembered.py."""
     with atomic_path(path) as tmp, zipfile.ZipFile(tmp, "w", zipfile.ZIP_STORED, allowZip64=True) as archive:
+        archive.comment = comment
         yield NpzWriter(archive)
 
 

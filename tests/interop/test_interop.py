@@ -66,6 +66,10 @@ def f32_llama(folder: Path) -> Path:
     return path
 
 
+# The line of specs/llama.par that declares `eps`, where a disagreeing epsilon is reported.
+EPS_LINE = next(i for i, line in enumerate((SPECS / "llama.par").read_text().splitlines(), 1) if "const eps" in line)
+
+
 def batch(vocab: int, seed: int = 1) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
     tokens = rng.integers(0, vocab, size=(8, 16)).astype(np.int32)
@@ -177,8 +181,7 @@ def test_export_writes_the_checkpoint_back_byte_for_byte(
     assert code == 0, err
     assert (out / "model.safetensors").read_bytes() == (case["folder"] / "model.safetensors").read_bytes()
     written = json.loads((out / "config.json").read_text())
-    # The spec knows the sequence it was trained on, not the checkpoint's longest.
-    same = set(written) & set(config) - {"max_position_embeddings"}
+    same = set(written) & set(config)
     assert {k: written[k] for k in same} == {k: config[k] for k in same}
     assert same >= {"vocab_size", "torch_dtype"}
     assert family != "gpt2" or ("tied to the embedding" in printed and written["tie_word_embeddings"] is True)
@@ -450,7 +453,10 @@ def test_export_refuses_weights_of_another_spec(
         ({"model_type": "mistral", "sliding_window": 4096}, []),
         (
             {"rms_norm_eps": 1e-6},
-            ["llama_f32.par:26:1: error[C001]: config.json's `rms_norm_eps` is 1e-06", "= help: --set eps=1e-06"],
+            [
+                f"llama_f32.par:{EPS_LINE}:1: error[C001]: config.json's `rms_norm_eps` is 1e-06",
+                "= help: --set eps=1e-06",
+            ],
         ),
         (
             {"tie_word_embeddings": True},
@@ -497,3 +503,141 @@ def test_every_checkpoint_diagnostic_is_documented_and_tested() -> None:
     tests = (ROOT / "tests" / "interop" / "test_interop.py", ROOT / "tests" / "train" / "test_init_from.py")
     tested = set(re.findall(r"error\[(C0\d\d)\]", "".join(p.read_text() for p in tests)))
     assert emitted and emitted == documented == tested
+
+
+@pytest.mark.parametrize(
+    ("family", "change", "needed", "follows"),
+    [
+        # specs/gpt2.par declares `const ffn = 4 * d`: `--set d=64` makes the MLP 256 wide too.
+        ("gpt2", {"n_embd": 64}, ["--set d=64"], {"n_inner": "`--set d=64` fixes this too"}),
+        # A config that states head_dim = hidden_size / heads: the width's `--set` gives it.
+        ("llama", {"hidden_size": 64, "head_dim": 16}, ["--set d=64"], {"head_dim": "`--set d=64` fixes this too"}),
+        # ... or the width's and the heads' together, neither alone.
+        (
+            "llama",
+            {"hidden_size": 64, "num_attention_heads": 2, "head_dim": 32},
+            ["--set d=64", "--set heads=2"],
+            {"head_dim": "`--set d=64 --set heads=2` fix this too"},
+        ),
+        # 3 layers do not split over the spec's 2 stages: the advice is the same, the `--set`
+        # of the layers needed and not named for the head width.
+        (
+            "llama",
+            {"hidden_size": 64, "num_attention_heads": 2, "head_dim": 32, "num_hidden_layers": 3},
+            ["--set d=64", "--set heads=2", "--set layers=3"],
+            {"head_dim": "`--set d=64 --set heads=2` fix this too"},
+        ),
+    ],
+)
+def test_a_mismatch_that_a_suggested_set_fixes_gets_no_advice_of_its_own(
+    family: str,
+    change: dict[str, object],
+    needed: list[str],
+    follows: dict[str, str],
+    llama: dict[str, Any],
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+) -> None:
+    """Each mismatch is still reported, but only the `--set`s that are needed are suggested:
+    one that follows from them says so instead of asking for a `--set` or an edit of its own."""
+    spec, config, sizes = {
+        "gpt2": (GPT2, GPT2_CONFIG, GPT2_SET),
+        "llama": (llama["spec"], LLAMA_CONFIG, LLAMA_SET),
+    }[family]
+    given = {k: v for k, v in sizes.items() if k != "d"}
+    folder = write_checkpoint(tmp_path / "checkpoint", {**config, **change}, {})  # no tensors: config first
+    code, _, err = run(capsys, "import", spec, folder, "-o", tmp_path / "w.npz", *flags(given))
+    assert code == 1, err
+    assert sorted(re.findall(r"= help: (.*)", err)) == sorted(needed), err
+    for key, note in follows.items():
+        report = next(part for part in re.split(r"\n(?=\S)", err) if f"config.json's `{key}`" in part)
+        assert f"= note: {note}" in report and "= help" not in report, err
+    # With the suggested `--set`s, the config fits and import goes on to the tensors (none here).
+    sets = [part for fix in needed for part in fix.split(" ", 1)]
+    argv = ["import", spec, folder, "-o", tmp_path / "w.npz", "--mesh", "1x1x1", *flags(given), *sets]
+    code, _, err = run(capsys, *argv)
+    assert code == 1 and "C001" not in err and "tensors of the spec missing" in err, err
+
+
+@pytest.mark.parametrize(
+    ("family", "change", "dtype", "exported"),
+    [
+        # Every field is the original's: the spec states the same sizes, and GPT-2's n_ctx follows n_positions.
+        ("gpt2", {"n_ctx": 32, "_name_or_path": "tiny-gpt2", "use_cache": True}, None, {"tie_word_embeddings": True}),
+        # A model that goes longer than the spec's 16 tokens still does; the dtype is the export's.
+        (
+            "llama",
+            {"max_position_embeddings": 256, "bos_token_id": 1, "eos_token_id": 2, "dtype": "float32"},
+            "bf16",
+            {"head_dim": 8, "torch_dtype": "bfloat16", "dtype": "bfloat16"},
+        ),
+        # One that goes shorter is exported as long as the spec runs it.
+        (
+            "llama",
+            {"max_position_embeddings": 8, "pad_token_id": 0},
+            None,
+            {"head_dim": 8, "max_position_embeddings": 16},
+        ),
+    ],
+)
+def test_export_keeps_what_the_imported_config_said(
+    family: str,
+    change: dict[str, object],
+    dtype: str | None,
+    exported: dict[str, object],
+    gpt2: dict[str, Any],
+    llama: dict[str, Any],
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+) -> None:
+    """Import keeps the checkpoint's config.json with the weights, and export writes its fields
+    again (token ids, a longer context, names): only what the spec determines comes from it."""
+    case, spec, sizes, config = {
+        "gpt2": (gpt2, GPT2, GPT2_SET, GPT2_CONFIG),
+        "llama": (llama, llama["spec"], LLAMA_SET, LLAMA_CONFIG),
+    }[family]
+    config = {**config, **change}
+    folder = write_checkpoint(tmp_path / "checkpoint", config, case["tensors"])
+    weights = tmp_path / "w.npz"
+    code, _, err = run(capsys, "import", spec, folder, "-o", weights, *flags(sizes))
+    assert code == 0, err
+    with np.load(weights) as kept, np.load(case["weights"]) as plain:
+        assert sorted(kept.files) == sorted(plain.files)  # the weights alone, to every reader
+    dtype_flags = ["--dtype", dtype] if dtype else []
+    code, _, err = run(
+        capsys, "export", spec, "--weights", weights, "-o", tmp_path / "out", *dtype_flags, *flags(sizes)
+    )
+    assert code == 0, err
+    assert _exported(tmp_path / "out")[0] == {**config, **exported}
+    # Weights saved anew keep no config: the export states the spec's alone, as before.
+    with np.load(weights) as kept:
+        np.savez(tmp_path / "anew.npz", **{n: kept[n] for n in kept.files})
+    code, _, err = run(
+        capsys, "export", spec, "--weights", tmp_path / "anew.npz", "-o", tmp_path / "again", *flags(sizes)
+    )
+    assert code == 0, err
+    assert not set(change) - {"max_position_embeddings", "dtype"} & set(_exported(tmp_path / "again")[0])
+
+
+def test_a_damaged_kept_config_is_refused_for_export(
+    gpt2: dict[str, Any], capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    import zipfile
+
+    weights = tmp_path / "w.npz"
+    weights.write_bytes(gpt2["weights"].read_bytes())
+    with zipfile.ZipFile(weights, "a") as archive:
+        archive.comment = b"dslc import: config.json\n{not json"
+    out = tmp_path / "out"
+    code, printed, err = run(capsys, "export", GPT2, "--weights", weights, "-o", out, *flags(GPT2_SET))
+    assert code == 1 and printed == ""
+    assert "w.npz: error[C007]: the config.json these weights were imported with, kept in the archive's comment" in err
+    assert "import the checkpoint again" in err and "Traceback" not in err
+    assert not out.exists()
+
+
+def test_a_config_too_long_for_the_archive_comment_is_not_kept() -> None:
+    from dslc.interop.remembered import LIMIT, MARK, comment_for
+
+    assert comment_for(GPT2_CONFIG).startswith(MARK) and len(comment_for(GPT2_CONFIG)) < 1000
+    assert comment_for({**GPT2_CONFIG, "id2label": {str(i): "x" * 8 for i in range(LIMIT // 8)}}) == b""
