@@ -5,7 +5,8 @@ dotted name and the optimizer state, saved per shard) and `run` (a JSON `RunStat
 seed, data position and what the spec looked like). Orbax writes a step into a temporary
 directory and renames it into place only when every item is complete, so a process killed
 mid-save leaves the previous checkpoints as they were and the half-written one is never
-listed (and is removed the next time the folder is opened).
+listed (and is removed the next time the folder is opened). A save stopped by a second
+Ctrl-C is removed at once, once the writes it started have ended (`discard_unfinished`).
 
 Restoring reads the arrays straight into the shardings of the program being resumed, so a
 run saved on one mesh continues on another.
@@ -15,6 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,8 +33,12 @@ from dslc.lower.program import DslcModel
 KEEP = 3
 # Test hook: "STEP:MARKER" makes the save of checkpoint STEP stop half-way, after orbax has
 # started writing the step's temporary directory and before it commits it, and write the
-# temporary directory's path to the file MARKER; the process then waits to be killed.
+# temporary directory's path to the file MARKER; the process then waits to be killed (or
+# interrupted).
 PAUSE_ENV = "DSLC_TRAIN_PAUSE_IN_SAVE"
+# How long an interrupted save's writes may take to end before its temporary directory is
+# removed; past it the directory is left to orbax's clean-up when the folder is next opened.
+WRITES_END_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -95,18 +102,61 @@ class Checkpoints:
         registry.add("run", ocp.args.JsonSave, run_handler)
         registry.add("run", ocp.args.JsonRestore, run_handler)
         self._manager = ocp.CheckpointManager(directory.absolute(), options=options, handler_registry=registry)
+        self._closed = False
+        # The threads an interrupted save left behind: orbax's writers, which may still be
+        # writing into its temporary directory.
+        self._writers: list[threading.Thread] = []
 
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
 
+    def committed_step(self) -> int | None:
+        """The newest checkpoint on disk, listed afresh: a save that was interrupted may or
+        may not have committed its step before it stopped."""
+        self._manager.reload()
+        return self._manager.latest_step()
+
     def save(self, model: DslcModel, opt_state: Any, state: RunState) -> None:
-        self._manager.save(
-            state.step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardSave({"params": model.arrays(), "optimizer": opt_state}),
-                run=ocp.args.JsonSave(dataclasses.asdict(state)),
-            ),
-        )
+        before = set(threading.enumerate())
+        try:
+            self._manager.save(
+                state.step,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardSave({"params": model.arrays(), "optimizer": opt_state}),
+                    run=ocp.args.JsonSave(dataclasses.asdict(state)),
+                ),
+            )
+        except BaseException:  # Ctrl-C above all, which stops orbax wherever it is
+            self._writers = [t for t in threading.enumerate() if t not in before]
+            raise
+
+    def unfinished(self) -> list[Path]:
+        """The temporary directories of saves that never committed."""
+        try:
+            return sorted(p for p in self.directory.iterdir() if ocp.path.step.TMP_DIR_SUFFIX in p.name)
+        except OSError:
+            return []
+
+    def discard_unfinished(self) -> list[Path]:
+        """Remove the temporary directories of saves that never committed, and return those
+        still there. An interrupted save's writes are waited for first (up to WRITES_END_S):
+        removing a directory while they go on would see them recreate parts of it; one
+        whose writes do not end in time is left (and listed).
+
+        Only after `close`: orbax's own clean-up of earlier unfinished saves, started when
+        the folder was opened, is over by then."""
+        assert self._closed, "discard_unfinished runs after close"
+        deadline = time.monotonic() + WRITES_END_S
+        try:
+            for thread in self._writers:
+                thread.join(max(deadline - time.monotonic(), 0.0))
+        except KeyboardInterrupt:  # yet another Ctrl-C: stop waiting, leave the directory
+            return self.unfinished()
+        if any(thread.is_alive() for thread in self._writers):
+            return self.unfinished()
+        for path in self.unfinished():
+            shutil.rmtree(path, ignore_errors=True)  # another process of the run may remove it too
+        return self.unfinished()
 
     def run_state(self, step: int) -> RunState:
         restored = self._manager.restore(step, args=ocp.args.Composite(run=ocp.args.JsonRestore()))
@@ -124,11 +174,14 @@ class Checkpoints:
         return restored.state["optimizer"]
 
     def close(self) -> None:
+        if self._closed:
+            return
         # The manager starts removing unfinished saves in a thread when it opens, and only a
         # save waits for that thread; a process that ends before it finishes (a refused
         # `--resume`) would get a traceback from it at interpreter shutdown.
         self._manager._maybe_await_cleanup_tmp_directory()
         self._manager.close()
+        self._closed = True
 
 
 class _PausingJsonHandler(ocp.JsonCheckpointHandler):

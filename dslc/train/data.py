@@ -13,6 +13,7 @@ import hashlib
 from pathlib import Path
 
 from dslc.ir import nodes as ir
+from dslc.ir.inputs import integer_bounds
 from dslc.train.corpus import stdlib_corpus
 from dslc.train.dataset import DataError, Dataset
 from dslc.train.digits import CLASSES, NATIVE_SIDE, DigitImages, image_side, load_digits
@@ -31,7 +32,7 @@ def dataset_for(program: ir.Program, data: Path | None = None) -> Dataset:
     target = program.input(str(loss.attr("targets")))
     others = [i for i in program.inputs if i.name not in (stream.name, target.name)]
     if not others and _is_language_model(program, stream, target, loss):
-        vocab = _token_count(program, loss, embedded=data is None)
+        vocab = _token_count(program, stream, target, embedded=data is None)
         found = _stdlib_tokens() if data is None else open_data(data, vocab)
         held_out = NextTokens(found.held_out, vocab, stream, target, found.description + " (held out)", "")
         return NextTokens(found.train, vocab, stream, target, found.description, found.fingerprint, held_out)
@@ -98,11 +99,11 @@ def _is_language_model(program: ir.Program, stream: ir.Input, target: ir.Input, 
     )
 
 
-def _token_count(program: ir.Program, loss: ir.Layer, embedded: bool) -> int:
-    """Token ids must index both the embedding table and the logits."""
-    embed = _embedding(program)
-    assert embed is not None
-    vocab = min(embed.int_attr("vocab"), loss.input.shape[-1])
+def _token_count(program: ir.Program, stream: ir.Input, target: ir.Input, embedded: bool) -> int:
+    """Token ids are both inputs and targets: each must index the embedding table and be a
+    class the loss counts (below a padded vocabulary's logits), as `Program` checks a batch."""
+    bounds = integer_bounds(program)
+    vocab = min(bounds[stream.name], bounds[target.name])
     if embedded and vocab < 128:
         raise DataError(
             f"spec `{program.name}` is a language model over {vocab} token ids; the embedded corpus (Python's "

@@ -3,7 +3,8 @@
 A step donates its parameters and optimizer state to the computation; interrupting it part
 way would leave neither the old state nor the new one to save. So the first Ctrl-C only asks
 the loop to stop after the step under way (and its checkpoint); a second one stops at once,
-as Python normally does, without saving.
+as Python normally does, without saving: the loop then says which checkpoint the run can
+resume from and removes the one it may have been writing.
 """
 
 from __future__ import annotations

@@ -106,7 +106,8 @@ def train(program: Program, options: TrainOptions, log: Callable[[str], None] | 
     """Train `program` on its data as `options` say. `log` (standard error by default, beside
     the progress display) gets what a person should read before it starts; in a
     multi-process run only process 0 logs. Ctrl-C finishes the step under way, saves it and
-    raises TrainInterrupted."""
+    raises TrainInterrupted; a second one stops at once, logs which checkpoint is kept,
+    removes the one half-written, and lets KeyboardInterrupt through."""
     leader = jax.process_index() == 0
     log = (log or _to_stderr) if leader else _nowhere
     dataset = dataset_for(program.ir, options.data)
@@ -117,6 +118,13 @@ def train(program: Program, options: TrainOptions, log: Callable[[str], None] | 
     checkpoints = _open_run(options.out)
     try:
         return _train(program, dataset, checkpoints, options, log, leader)
+    except KeyboardInterrupt:
+        # A second Ctrl-C (or one before training began) stops inside a step or a save,
+        # which may have committed its checkpoint or left it half-written.
+        kept = _committed_step(checkpoints)
+        checkpoints.close()
+        log(_stopped_at_once(checkpoints, kept))
+        raise
     finally:
         checkpoints.close()
 
@@ -281,6 +289,31 @@ def _start_from(program: Program, model: DslcModel, weights: Mapping[str, np.nda
         program.import_weights(model, weights)
     except WeightsError as exc:
         raise TrainError(f"--init-from: {exc}") from None
+
+
+def _committed_step(checkpoints: Checkpoints) -> int | None:
+    try:
+        return checkpoints.committed_step()
+    except (OSError, ValueError):  # a checkpoint's metadata unreadable: the newest this run knows of
+        return checkpoints.latest_step()
+
+
+def _stopped_at_once(checkpoints: Checkpoints, kept: int | None) -> str:
+    """What a run stopped without saving leaves, after removing its half-written checkpoint."""
+    left = checkpoints.discard_unfinished()
+    if kept is None:
+        said = "stopped without saving; no checkpoint was kept (train again without --resume)"
+    else:
+        said = (
+            f"stopped without saving; the run can resume from its checkpoint at step {kept} in "
+            f"{checkpoints.directory} (the same command with --resume)"
+        )
+    if left:
+        said += (
+            f"\n{left[0]} is a checkpoint that was still being written (not used to resume); "
+            "the next run in this folder removes it"
+        )
+    return said
 
 
 def _saved_state(checkpoints: Checkpoints, step: int | None) -> RunState | None:

@@ -12,8 +12,9 @@
   judges, are skipped).
 
 Files are memory-mapped and never read whole: a batch reads its windows, and each process of
-a multi-process run reads only the rows of the batch its devices hold. Without a `val` file
-the last twentieth of the stream is held out for evaluation.
+a multi-process run reads only the rows of the batch its devices hold. Token files are read
+through once when opened, a slice at a time, for an id outside the vocabulary. Without a
+`val` file the last twentieth of the stream is held out for evaluation.
 
 Why not Grain (the JAX ecosystem's data loader): its strengths are random access into record
 files, worker processes and checkpointable iterators. Here a batch is a pure function of the
@@ -41,6 +42,9 @@ BYTES = 256
 HELD_OUT = 0.05
 # A .bin file holds uint16 ids unless the vocabulary needs more.
 UINT16_IDS = 1 << 16
+# Ids checked per slice of a token file: a multi-GB file is read once, a slice at a time,
+# never whole (64 MiB of uint32).
+CHECK_CHUNK = 1 << 24
 _BINARY_PROBE = 8192
 
 
@@ -150,7 +154,31 @@ def _token_file(path: Path, vocab: int) -> TokenStream:
     if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
         shape = "x".join(map(str, ids.shape))
         raise DataError(f"--data {path}: a token file is a flat array of integer ids, this one is {ids.dtype}[{shape}]")
+    _check_ids(path, ids, vocab)
     return TokenStream((ids,), byte_level=False)
+
+
+def _check_ids(path: Path, ids: np.ndarray, vocab: int) -> None:
+    """DataError naming the first id of `ids` outside 0 .. vocab - 1.
+
+    The whole file is checked before training: a batch meets a bad id only when it samples
+    it, which may be hours into a run (and never in a short one). One vectorised pass, a
+    slice of the memory map at a time, so a file larger than memory is never held whole."""
+    limits = np.iinfo(ids.dtype)
+    too_high = limits.max >= vocab  # never for uint16 ids and a vocabulary of 65,536 or more
+    negative = limits.min < 0
+    if not (too_high or negative):
+        return
+    for start in range(0, len(ids), CHECK_CHUNK):
+        chunk = ids[start : start + CHECK_CHUNK]
+        # A reduction per slice finds whether it holds a bad id; only such a slice (the
+        # last one read) is searched for the first.
+        if (too_high and chunk.max() >= vocab) or (negative and chunk.min() < 0):
+            first = int(np.argmax((chunk < 0) | (chunk >= vocab)))
+            raise DataError(
+                f"--data {path}: token id {int(chunk[first])} at position {start + first:,} is outside the spec's "
+                f"vocabulary of {vocab} (ids 0 .. {vocab - 1})"
+            )
 
 
 def _text_files(folder: Path) -> list[Path]:

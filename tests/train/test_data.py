@@ -21,6 +21,7 @@ import pytest
 from dslc.cli import main
 from dslc.frontend import analyze
 from dslc.ir import nodes as ir
+from dslc.train import tokens as tokens_module
 from dslc.train.data import dataset_for
 from dslc.train.dataset import DataError
 from dslc.train.tokens import HELD_OUT, NextTokens, TokenStream, open_data
@@ -82,7 +83,8 @@ def test_token_files_are_mapped_not_read_and_split_off_a_held_out_tail(tmp_path:
     np.save(tmp_path / "tokens.npy", tokens.astype(np.uint32))
     assert open_data(tmp_path / "tokens.npy", vocab=256).train.parts[0].dtype == np.uint32
     # A vocabulary beyond uint16 reads .bin files as uint32.
-    assert open_data(tmp_path / "train.bin", vocab=100_000).train.parts[0].dtype == np.uint32
+    tokens.astype(np.uint32).tofile(tmp_path / "wide.bin")
+    assert open_data(tmp_path / "wide.bin", vocab=100_000).train.parts[0].dtype == np.uint32
 
 
 def test_a_folder_with_train_and_val_is_nanogpts_layout(tmp_path: Path) -> None:
@@ -167,14 +169,56 @@ def test_unusable_data_is_refused_with_what_is_wrong(tmp_path: Path, kind: str, 
     assert str(caught.value).startswith(f"--data {path}: ") and message in str(caught.value)
 
 
-def test_ids_beyond_the_vocabulary_name_their_position(tmp_path: Path) -> None:
+def test_ids_beyond_the_vocabulary_in_a_batch_name_their_position() -> None:
+    # open_data refuses such a file before training; a batch still checks its windows, for
+    # a file rewritten under a running process.
+    program = checked(TINY)
     tokens = periodic_tokens(5000)
     tokens[1234] = 300
-    tokens.tofile(tmp_path / "t.bin")
-    data = dataset_for(checked(TINY), tmp_path / "t.bin")
+    stream = TokenStream((tokens,), byte_level=False)
+    data = NextTokens(stream, 256, program.input("tokens"), program.input("targets"), "t.bin", "")
     with pytest.raises(DataError, match=r"token id 300 at position 1,234 \(step \d+\) is not below .* 256"):
         for step in range(100):
             data.batch(0, step)
+
+
+@pytest.mark.parametrize(
+    ("name", "dtype", "position", "value"),
+    [
+        ("first.bin", np.uint16, 0, 256),
+        ("end-of-chunk.bin", np.uint16, 999, 65535),
+        ("next-chunk.bin", np.uint16, 1000, 300),
+        ("last.bin", np.uint16, 4999, 256),
+        ("negative.npy", np.int32, 2500, -1),
+    ],
+)
+def test_a_token_file_is_checked_whole_a_slice_at_a_time_when_opened(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str, dtype: type, position: int, value: int
+) -> None:
+    monkeypatch.setattr(tokens_module, "CHECK_CHUNK", 1000)  # five slices
+    tokens = periodic_tokens(5000).astype(dtype)
+    tokens[position] = value
+    tokens[position + 1 :: 700] = 257  # later offenders: the first is the one named
+    path = tmp_path / name
+    if path.suffix == ".npy":
+        np.save(path, tokens)
+    else:
+        tokens.tofile(path)
+    with pytest.raises(DataError) as caught:
+        open_data(path, vocab=256)
+    assert str(caught.value) == (
+        f"--data {path}: token id {value} at position {position:,} is outside the spec's vocabulary of 256 "
+        "(ids 0 .. 255)"
+    )
+
+
+def test_the_held_out_file_of_a_folder_is_checked_too(tmp_path: Path) -> None:
+    periodic_tokens(5000).tofile(tmp_path / "train.bin")
+    held_out = periodic_tokens(700)
+    held_out[650] = 1000
+    held_out.tofile(tmp_path / "val.bin")
+    with pytest.raises(DataError, match=r"^--data .*val\.bin: token id 1000 at position 650 is outside"):
+        open_data(tmp_path, vocab=256)
 
 
 # --- training ----------------------------------------------------------------------------------
@@ -254,11 +298,22 @@ def test_ctrl_c_saves_a_checkpoint_and_prints_how_to_resume(tmp_path: Path) -> N
     assert "stopping after this step" in log.read_text() and "Traceback" not in log.read_text()
 
 
-def test_a_token_file_for_a_larger_vocabulary_stops_with_its_position(
+def test_an_id_beyond_the_vocabulary_anywhere_in_a_token_file_stops_the_run_before_it_starts(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
-    np.full(5000, 300, np.uint16).tofile(tmp_path / "gpt2.bin")  # ids of a larger tokenizer
-    code = main(["train", TINY, "--data", str(tmp_path / "gpt2.bin"), "--steps", "2", "--out", str(tmp_path / "r")])
+    # One bad id in 200,000: a run of a step or two would never sample it, a long one only
+    # hours in. The whole file is checked before any step compiles, so this ends in seconds.
+    tokens = periodic_tokens()
+    tokens[123_456] = 300  # an id of a larger tokenizer
+    path = tmp_path / "tokens.bin"
+    tokens.tofile(path)
+    began = time.monotonic()
+    code = main(["train", TINY, "--data", str(path), "--steps", "2", "--out", str(tmp_path / "r")])
+    seconds = time.monotonic() - began
     err = capsys.readouterr().err
-    assert code == 2 and "Traceback" not in err
-    assert err.splitlines()[-1].startswith("dslc: error: token file ") and "token id 300 at position" in err
+    assert code == 2 and err.splitlines() == [
+        f"dslc: error: --data {path}: token id 300 at position 123,456 is outside the spec's vocabulary of 256 "
+        "(ids 0 .. 255)"
+    ], err
+    assert not (tmp_path / "r").exists()
+    assert seconds < 30, seconds  # seen: 0.2 s (jax already started); compiling the step takes longer

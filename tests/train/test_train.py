@@ -12,6 +12,7 @@ import signal
 import struct
 import subprocess
 import sys
+import threading
 import time
 import zlib
 from pathlib import Path
@@ -349,6 +350,81 @@ def test_kill_during_a_save_leaves_the_previous_checkpoint_usable(
     assert "resumed from the checkpoint at step 2" in err
     assert losses(run) == {s: uninterrupted[s] for s in (1, 2, 3, 4)}
     assert not partial.exists()  # orbax cleans up the unfinished save
+
+
+@pytest.mark.parametrize("paused", [3, 1])
+def test_a_second_ctrl_c_during_a_save_says_what_was_kept_and_removes_the_unfinished_save(
+    tmp_path: Path, paused: int
+) -> None:
+    # The first Ctrl-C lands while checkpoint `paused` is half-written (the test hook holds
+    # the save there), the second stops the run inside that save.
+    run, marker, log = tmp_path / "run", tmp_path / "paused", tmp_path / "log"
+    env = {**os.environ, PAUSE_ENV: f"{paused}:{marker}"}
+    command = [sys.executable, "-m", "dslc.cli", "train", TINY, "--steps", "10", "--checkpoint-every", "1"]
+    with log.open("w") as stderr:
+        child = subprocess.Popen(
+            [*command, "--out", str(run)], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=stderr, text=True
+        )
+        try:
+            deadline = time.monotonic() + 180
+            while not marker.exists():
+                assert child.poll() is None, log.read_text()
+                assert time.monotonic() < deadline, "the save never reached the pause"
+                time.sleep(0.1)
+            partial = Path(marker.read_text()).parent  # the temporary directory of the paused checkpoint
+            assert partial.is_dir() and ".orbax-checkpoint-tmp" in partial.name
+            os.kill(child.pid, signal.SIGINT)
+            while "Ctrl-C again to stop now" not in log.read_text():
+                assert child.poll() is None and time.monotonic() < deadline, log.read_text()
+                time.sleep(0.1)
+            os.kill(child.pid, signal.SIGINT)
+            out, _ = child.communicate(timeout=120)
+        finally:
+            child.kill()
+            child.wait()
+    err = log.read_text()
+    assert child.returncode == 130, err
+    assert out == "" and "Traceback" not in err
+    assert not partial.exists(), "the half-written checkpoint is removed"
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [str(s) for s in range(1, paused)]
+    last = err.splitlines()[-1]
+    if paused > 1:
+        assert last == (
+            f"stopped without saving; the run can resume from its checkpoint at step {paused - 1} "
+            f"in {run / 'checkpoints'} (the same command with --resume)"
+        )
+    else:
+        assert last == "stopped without saving; no checkpoint was kept (train again without --resume)"
+
+
+def test_an_unfinished_save_whose_writes_go_on_is_left_for_the_next_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Removing a temporary directory while an interrupted save still writes into it would
+    # see the writes recreate parts of it: it is left, and said where.
+    from dslc.train import checkpoint
+    from dslc.train.loop import _stopped_at_once
+
+    monkeypatch.setattr(checkpoint, "WRITES_END_S", 0.2)
+    checkpoints = checkpoint.Checkpoints(tmp_path)
+    checkpoints.close()
+    partial = tmp_path / "4.orbax-checkpoint-tmp"
+    partial.mkdir()
+    done = threading.Event()
+    writer = threading.Thread(target=done.wait)
+    writer.start()
+    checkpoints._writers = [writer]
+    try:
+        said = _stopped_at_once(checkpoints, 3)
+    finally:
+        done.set()
+        writer.join()
+    assert partial.is_dir()
+    assert said.splitlines()[1] == (
+        f"{partial} is a checkpoint that was still being written (not used to resume); "
+        "the next run in this folder removes it"
+    )
+    assert checkpoints.discard_unfinished() == [] and not partial.exists()  # once the writes have ended
 
 
 # --- bad input ----------------------------------------------------------------------------
