@@ -299,9 +299,9 @@ class Input(NamedTuple):
 
 
 INPUTS = {
-    # gpt3_175b.par:27 input tokens: i32[batch @ data, seq]
+    # gpt3_175b.par:28 input tokens: i32[batch @ data, seq]
     "tokens": Input((1536, 2048), "int32", P("data", None), 51200),
-    # gpt3_175b.par:28 input targets: i32[batch @ data, seq]
+    # gpt3_175b.par:29 input targets: i32[batch @ data, seq]
     "targets": Input((1536, 2048), "int32", P("data", None), 51200),
 }
 STREAM = "tokens"  # the input the forward pass starts from
@@ -1194,24 +1194,24 @@ def layers_of(params: Arrays, prefix: str) -> Arrays:
 
 
 class GptBlock(nnx.Module):
-    """Block `gpt_block` of the spec. (gpt3_175b.par:31-39)"""
+    """Block `gpt_block` of the spec. (gpt3_175b.par:32-40)"""
 
     def __init__(self, params: Arrays, path: str) -> None:
         self.path = path
-        # gpt3_175b.par:32 ln1: layernorm(d)
+        # gpt3_175b.par:33 ln1: layernorm(d)
         self.ln1 = nnx.Dict(scale=nnx.Param(params["ln1.scale"]), bias=nnx.Param(params["ln1.bias"]))
-        # gpt3_175b.par:33 attn: attention(d, heads, causal=true) shard q[_, model], k[_, model], v[_, mode...
+        # gpt3_175b.par:34 attn: attention(d, heads, causal=true) shard q[_, model], k[_, model], v[_, mode...
         self.attn = nnx.Dict(
             q=nnx.Param(params["attn.q"]),
             k=nnx.Param(params["attn.k"]),
             v=nnx.Param(params["attn.v"]),
             o=nnx.Param(params["attn.o"]),
         )
-        # gpt3_175b.par:36 ln2: layernorm(d)
+        # gpt3_175b.par:37 ln2: layernorm(d)
         self.ln2 = nnx.Dict(scale=nnx.Param(params["ln2.scale"]), bias=nnx.Param(params["ln2.bias"]))
-        # gpt3_175b.par:37 up: linear(d, ffn) shard kernel[_, model], bias[model]
+        # gpt3_175b.par:38 up: linear(d, ffn) shard kernel[_, model], bias[model]
         self.up = nnx.Dict(kernel=nnx.Param(params["up.kernel"]), bias=nnx.Param(params["up.bias"]))
-        # gpt3_175b.par:39 down: linear(ffn, d) shard kernel[model, _]
+        # gpt3_175b.par:40 down: linear(ffn, d) shard kernel[model, _]
         self.down = nnx.Dict(kernel=nnx.Param(params["down.kernel"]), bias=nnx.Param(params["down.bias"]))
 
     def __call__(self, x: jax.Array, inputs: Arrays, key: jax.Array | None) -> jax.Array:
@@ -1219,27 +1219,27 @@ class GptBlock(nnx.Module):
         return jax.checkpoint(lambda block, h: block.forward(h, inputs, key))(self, x)
 
     def forward(self, x: jax.Array, inputs: Arrays, key: jax.Array | None) -> jax.Array:
-        # gpt3_175b.par:31: residual
+        # gpt3_175b.par:32: residual
         h = x
-        # gpt3_175b.par:32 ln1: layernorm(d)
+        # gpt3_175b.par:33 ln1: layernorm(d)
         h = layernorm(h, **weights_of(self.ln1), eps=1e-05, dtype=COMPUTE_DTYPE)
         h = checkpoint_name(constrain(h, P("data", None, None)), self.path + ".ln1")
-        # gpt3_175b.par:33 attn: attention(d, heads, causal=true) shard q[_, model], k[_, model], v[_, mode...
+        # gpt3_175b.par:34 attn: attention(d, heads, causal=true) shard q[_, model], k[_, model], v[_, mode...
         h = attention(h, **weights_of(self.attn), heads=96, kv_heads=96, causal=True, dtype=COMPUTE_DTYPE)
         h = checkpoint_name(constrain(h, P("data", None, None)), self.path + ".attn")
         x = x + h
-        # gpt3_175b.par:35: residual
+        # gpt3_175b.par:36: residual
         h = x
-        # gpt3_175b.par:36 ln2: layernorm(d)
+        # gpt3_175b.par:37 ln2: layernorm(d)
         h = layernorm(h, **weights_of(self.ln2), eps=1e-05, dtype=COMPUTE_DTYPE)
         h = checkpoint_name(constrain(h, P("data", None, None)), self.path + ".ln2")
-        # gpt3_175b.par:37 up: linear(d, ffn) shard kernel[_, model], bias[model]
+        # gpt3_175b.par:38 up: linear(d, ffn) shard kernel[_, model], bias[model]
         h = linear(h, **weights_of(self.up), dtype=COMPUTE_DTYPE)
         h = checkpoint_name(constrain(h, P("data", None, "model")), self.path + ".up")
-        # gpt3_175b.par:38 gelu()
+        # gpt3_175b.par:39 gelu()
         h = gelu(h, approximate=True)
         h = checkpoint_name(constrain(h, P("data", None, "model")), self.path + ".gelu")
-        # gpt3_175b.par:39 down: linear(ffn, d) shard kernel[model, _]
+        # gpt3_175b.par:40 down: linear(ffn, d) shard kernel[model, _]
         h = linear(h, **weights_of(self.down), dtype=COMPUTE_DTYPE)
         h = checkpoint_name(constrain(h, P("data", None, None)), self.path + ".down")
         x = x + h
@@ -1247,54 +1247,54 @@ class GptBlock(nnx.Module):
 
 
 class Stage0(nnx.Module):
-    """Chunk 0 of the pipeline, run by stage 0. (gpt3_175b.par:44-46)"""
+    """Chunk 0 of the pipeline, run by stage 0. (gpt3_175b.par:45-47)"""
 
     def __init__(self, params: Arrays) -> None:
-        # gpt3_175b.par:44 embed: embed(vocab, d) shard table[model, _]
+        # gpt3_175b.par:45 embed: embed(vocab, d) shard table[model, _]
         self.embed = nnx.Dict(table=nnx.Param(params["embed.table"]))
-        # gpt3_175b.par:46 blocks: repeat n_layers gpt_block(d, heads, ffn)
+        # gpt3_175b.par:47 blocks: repeat n_layers gpt_block(d, heads, ffn)
         self.blocks = GptBlock(layers_of(params, "blocks.*."), "blocks")
 
     def __call__(self, x: jax.Array, inputs: Arrays, key: jax.Array | None) -> jax.Array:
-        # gpt3_175b.par:44 embed: embed(vocab, d) shard table[model, _]
+        # gpt3_175b.par:45 embed: embed(vocab, d) shard table[model, _]
         x = embed(x, **weights_of(self.embed), dtype=COMPUTE_DTYPE)
         x = checkpoint_name(constrain(x, P("data", None, None)), "embed")
-        # gpt3_175b.par:46 blocks: repeat n_layers gpt_block(d, heads, ffn)
+        # gpt3_175b.par:47 blocks: repeat n_layers gpt_block(d, heads, ffn)
         x = scan_layers(self.blocks, 6, x, inputs, key)
         return x
 
 
 class Stage1(nnx.Module):
-    """Chunks 1-14 of the pipeline, each running its own share of the layers. (gpt3_175b.par:46)"""
+    """Chunks 1-14 of the pipeline, each running its own share of the layers. (gpt3_175b.par:47)"""
 
     def __init__(self, params: Arrays) -> None:
-        # gpt3_175b.par:46 blocks: repeat n_layers gpt_block(d, heads, ffn)
+        # gpt3_175b.par:47 blocks: repeat n_layers gpt_block(d, heads, ffn)
         self.blocks = GptBlock(layers_of(params, "blocks.*."), "blocks")
 
     def __call__(self, x: jax.Array, inputs: Arrays, key: jax.Array | None) -> jax.Array:
-        # gpt3_175b.par:46 blocks: repeat n_layers gpt_block(d, heads, ffn)
+        # gpt3_175b.par:47 blocks: repeat n_layers gpt_block(d, heads, ffn)
         x = scan_layers(self.blocks, 6, x, inputs, key)
         return x
 
 
 class Stage15(nnx.Module):
-    """Chunk 15 of the pipeline, run by stage 15. (gpt3_175b.par:46-49)"""
+    """Chunk 15 of the pipeline, run by stage 15. (gpt3_175b.par:47-50)"""
 
     def __init__(self, params: Arrays) -> None:
-        # gpt3_175b.par:46 blocks: repeat n_layers gpt_block(d, heads, ffn)
+        # gpt3_175b.par:47 blocks: repeat n_layers gpt_block(d, heads, ffn)
         self.blocks = GptBlock(layers_of(params, "blocks.*."), "blocks")
-        # gpt3_175b.par:48 ln_f: layernorm(d)
+        # gpt3_175b.par:49 ln_f: layernorm(d)
         self.ln_f = nnx.Dict(scale=nnx.Param(params["ln_f.scale"]), bias=nnx.Param(params["ln_f.bias"]))
-        # gpt3_175b.par:49 head: linear(d, vocab, bias=false) shard kernel[_, model]
+        # gpt3_175b.par:50 head: linear(d, vocab, bias=false) shard kernel[_, model]
         self.head = nnx.Dict(kernel=nnx.Param(params["head.kernel"]))
 
     def __call__(self, x: jax.Array, inputs: Arrays, key: jax.Array | None) -> jax.Array:
-        # gpt3_175b.par:46 blocks: repeat n_layers gpt_block(d, heads, ffn)
+        # gpt3_175b.par:47 blocks: repeat n_layers gpt_block(d, heads, ffn)
         x = scan_layers(self.blocks, 6, x, inputs, key)
-        # gpt3_175b.par:48 ln_f: layernorm(d)
+        # gpt3_175b.par:49 ln_f: layernorm(d)
         x = layernorm(x, **weights_of(self.ln_f), eps=1e-05, dtype=COMPUTE_DTYPE)
         x = checkpoint_name(constrain(x, P("data", None, None)), "ln_f")
-        # gpt3_175b.par:49 head: linear(d, vocab, bias=false) shard kernel[_, model]
+        # gpt3_175b.par:50 head: linear(d, vocab, bias=false) shard kernel[_, model]
         x = linear(x, **weights_of(self.head), dtype=COMPUTE_DTYPE)
         x = checkpoint_name(constrain(x, P("data", None, "model")), "head")
         return x
@@ -1348,7 +1348,7 @@ def forward(params: Arrays, inputs: Arrays, key: jax.Array | None = None) -> jax
 
 
 def loss_of(x: jax.Array, inputs: Arrays) -> jax.Array:
-    # gpt3_175b.par:50 loss: cross_entropy(targets)
+    # gpt3_175b.par:51 loss: cross_entropy(targets)
     return cross_entropy(x, targets=inputs["targets"], ignore_index=-100)
 
 

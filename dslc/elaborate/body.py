@@ -19,7 +19,7 @@ from dslc.elaborate.infer import infer_layer
 from dslc.elaborate.layouts import fuse_reduce_scatter, relayout
 from dslc.elaborate.names import name_statements
 from dslc.elaborate.vocabulary import feeding_masked_losses
-from dslc.elaborate.weights import check_shard_axes
+from dslc.elaborate.weights import check_shard_axes, report_uneven_once
 from dslc.ir import nodes as ir
 from dslc.ir.evaluate import eval_expr
 from dslc.ir.names import unknown_name
@@ -45,6 +45,7 @@ def instantiate(fwd: ast.ForwardDef, header: Header, diags: Diagnostics) -> Body
     """The body of `fwd`; None when the input it reads is not declared (reported)."""
     builder = _Builder(header, diags)
     found = builder.forward(fwd)
+    report_uneven_once(builder.uneven, diags)
     if found is None:
         return None
     stream, segments = found

@@ -38,6 +38,19 @@ class Flow:
     classes: int | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class UnevenSplit:
+    """A weight dimension that does not split evenly over its mesh axes (E014, reported), kept
+    so that the walk can say one wrong mesh size once rather than once per weight. The report
+    is found again by its place and message: a block's use relabels the reports from its body."""
+
+    span: Span
+    message: str
+    weight: str  # its dotted name
+    over: str  # the axes and their sizes, as the message says them: `model=3`
+    size: int
+
+
 @dataclass
 class Walk:
     """What the walk of the forward body has seen so far, which typing a layer reads."""
@@ -53,3 +66,5 @@ class Walk:
     repeats: int = 0
     # The calls of heads right before a loss that masks padded logits (by id).
     heads: set[int] = field(default_factory=set)
+    # Weight dimensions reported as not splitting evenly (E014), in the order reported.
+    uneven: list[UnevenSplit] = field(default_factory=list)

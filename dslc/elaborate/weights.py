@@ -3,11 +3,12 @@ from another layer's as its `tie` clauses say, a vocabulary padded to split even
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
-from dslc.diagnostics import Diagnostics, Label, Span
-from dslc.elaborate.flow import Walk
+from dslc.diagnostics import Diagnostic, Diagnostics, Label, Span
+from dslc.elaborate.flow import UnevenSplit, Walk
 from dslc.elaborate.header import Header
 from dslc.elaborate.ties import tied_weight
 from dslc.elaborate.vocabulary import pad
@@ -85,13 +86,68 @@ def declare_weights(
         axis_sets = written.dims if written else tuple(ast.AxisSet((), span) for _ in spec.shape)
         what = f"weight `{path}.{spec.name}`"
         sizes = [None if padded.get(spec.name) == d else n for d, n in enumerate(spec.shape)]
+        before = len(walk.diags.items)
         sharding = resolve(axis_sets, sizes, what, walk.header.mesh, walk.header.pipeline_axis, walk.diags)
+        _note_uneven(walk, walk.diags.items[before:], axis_sets, spec.shape, f"{path}.{spec.name}")
         ctx.weight_spans[spec.name] = written.span if written else span
         t = ir.TensorType(walk.header.train.param_dtype, spec.shape, sharding)
         out.append(ir.Weight(spec.name, t, spec.initializer(), written.span if written else span))
     if len(walk.diags.items) > reported:
         ctx.shardings_as_written = False
     return pad(out, vocab, path, walk.header.mesh, walk.diags) if ok else None
+
+
+# Weights named in the note of a grouped E014; the labels still mark every one.
+_LISTED = 8
+
+
+def _note_uneven(
+    walk: Walk, reported: Sequence[Diagnostic], axis_sets: Sequence[ast.AxisSet], shape: Sequence[int], weight: str
+) -> None:
+    """Keep the weight's dimensions that `resolve` just reported as not splitting evenly."""
+    uneven = [d for d in reported if d.code == "E014"]
+    if not uneven:
+        return
+    mesh = walk.header.mesh
+    # The axes `resolve` kept on each dimension (known, not the pipeline's, used once), as it
+    # decides them: asked again with no sizes, it checks the axes alone.
+    kept = resolve(axis_sets, [None] * len(shape), weight, mesh, walk.header.pipeline_axis, Diagnostics())
+    for d in uneven:
+        dim = next(i for i, axis_set in enumerate(axis_sets) if axis_set.span == d.span)
+        over = " x ".join(f"{a}={mesh.size((a,))}" for a in kept[dim])
+        walk.uneven.append(UnevenSplit(d.span, d.message, weight, over, shape[dim]))
+
+
+def report_uneven_once(uneven: Sequence[UnevenSplit], diags: Diagnostics) -> None:
+    """Say each wrong mesh size once: the weights whose dimensions do not split evenly over the
+    same axes (one `--mesh` typo can leave a dozen) become one E014, at the first of them in
+    the source, whose note counts and names the others and whose labels mark each one.
+
+    A place reported for several uses of one block counts once (they are one mistake, and the
+    front end keeps one report per place anyway); a group of one place is left as it was."""
+    groups: dict[str, dict[Span, UnevenSplit]] = {}
+    for u in uneven:
+        groups.setdefault(u.over, {}).setdefault(u.span, u)
+    # What becomes of each grouped report, by place and message: its replacement, or None.
+    becomes: dict[tuple[Span, str], Diagnostic | None] = {}
+    for over, places in groups.items():
+        if len(places) < 2:
+            continue
+        first, *rest = sorted(places.values(), key=lambda u: (u.span.file, u.span.line, u.span.column))
+        names = ", ".join(f"`{u.weight}`" for u in rest[:_LISTED]) + (", ..." if len(rest) > _LISTED else "")
+        more = f"{len(rest)} more weight{'s' if len(rest) > 1 else ''}"
+        verb = "do" if len(rest) > 1 else "does"
+        note = f"and {more} split over {over} {verb} not divide evenly: {names}"
+        labels = tuple(Label(u.span, f"`{u.weight}`: {u.size}") for u in rest)
+        for u in uneven:
+            if u.over == over:
+                becomes[(u.span, u.message)] = None
+        # The first report as it stands now (a block's use may have labelled it since).
+        now = next(d for d in diags.items if d.code == "E014" and (d.span, d.message) == (first.span, first.message))
+        becomes[(first.span, first.message)] = replace(now, labels=(*now.labels, *labels), notes=(*now.notes, note))
+    if becomes:
+        kept = (becomes.get((d.span, d.message), d) if d.code == "E014" else d for d in diags.items)
+        diags.items = [d for d in kept if d is not None]
 
 
 def _ties(

@@ -16,6 +16,7 @@ from dslc.layers.base import (
     Context,
     LayerRule,
     WeightSpec,
+    bias_add_flops,
     contract,
     expect_features,
     fmt_axes,
@@ -246,7 +247,7 @@ class Attention(LayerRule[AttentionArgs]):
         h, kv, hd = a.heads, a.kv_heads, a.head_dim
         projections = 2 * b * s * d * (2 * h + 2 * kv) * hd
         qkv_biased, o_biased = a.bias or a.qkv_bias, a.bias
-        biases = b * s * ((h + 2 * kv) * hd * qkv_biased + d * o_biased)
+        biases = bias_add_flops(b * s, (h + 2 * kv) * hd * qkv_biased + d * o_biased)
         return projections + _scores_and_mix(a, x) + biases
 
     def core_flops(self, layer: Layer) -> int:

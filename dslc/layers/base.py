@@ -203,7 +203,16 @@ class LayerRule(Generic[A]):
         raise NotImplementedError
 
     def flops(self, a: A, x: TensorType, y: TensorType) -> int:
-        """Forward FLOPs for the whole (global) batch; a multiply-add counts two."""
+        """Forward FLOPs for the whole (global) batch, by one convention for every kind.
+
+        A matrix product costs two per multiply-add. The elementwise work around it counts
+        too, one per element per operation, the way each rule estimates it (a norm, an
+        activation function, the loss): so a bias add costs one FLOP per element of the
+        output it is added to, b·s per bias element on [b, s, ...] (`bias_add_flops`), in
+        every kind that has one (linear, conv, attention, layernorm), and so does adding a
+        learned position embedding. Published counts (Narayanan et al.'s
+        96·B·s·l·h²·(1 + s/6h + V/16lh)) keep the matrix products alone; what the rules add is
+        a small fraction of them (docs/plan.md compares the two on GPT-3)."""
         return 0
 
     # ---- activation memory: the planner's model (dslc/plan/activations.py, docs/plan.md) ----
@@ -317,6 +326,12 @@ def input_args(rule: LayerRule[Any], attrs: Mapping[str, object]) -> dict[str, s
 
 
 F32 = 4  # bytes of the f32 copies that normalisation and the losses compute in
+
+
+def bias_add_flops(positions: int, width: int) -> int:
+    """FLOPs of adding biases `width` elements wide in all at each of `positions` positions
+    (tokens, pixels): one per element added (`LayerRule.flops`); a width of 0 is no bias."""
+    return positions * width
 
 
 def operand_numel(layer: Layer, mesh: Mesh, slices: int) -> int:

@@ -7,7 +7,16 @@ from dataclasses import dataclass
 
 from dslc.diagnostics import Label
 from dslc.ir.nodes import DTYPE_BYTES, Layer, Mesh, Sharding, TensorType
-from dslc.layers.base import ArgSpec, Context, LayerRule, WeightSpec, contract, expect_features, same_sharding
+from dslc.layers.base import (
+    ArgSpec,
+    Context,
+    LayerRule,
+    WeightSpec,
+    bias_add_flops,
+    contract,
+    expect_features,
+    same_sharding,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,7 +82,7 @@ class Conv(LayerRule[ConvArgs]):
 
     def flops(self, a: ConvArgs, x: TensorType, y: TensorType) -> int:
         k = a.kernel
-        return 2 * y.numel * k * k * x.shape[3]
+        return 2 * y.numel * k * k * x.shape[3] + bias_add_flops(y.numel // a.out, a.out if a.bias else 0)
 
     def residual_bytes(self, layer: Layer, mesh: Mesh, compute: str, slices: int) -> int:
         return layer.input.slice_numel(mesh, slices) * DTYPE_BYTES[compute]  # the operand, for the kernel's gradient

@@ -13,6 +13,7 @@ from dslc.layers.base import (
     LayerRule,
     Vocabulary,
     WeightSpec,
+    bias_add_flops,
     contract,
     expect_features,
     gather_dims,
@@ -56,7 +57,7 @@ class Linear(LayerRule[LinearArgs]):
         return y
 
     def flops(self, a: LinearArgs, x: TensorType, y: TensorType) -> int:
-        return 2 * y.numel * a.in_
+        return 2 * y.numel * a.in_ + bias_add_flops(y.numel // a.out, a.out if a.bias else 0)
 
     def residual_bytes(self, layer: Layer, mesh: Mesh, compute: str, slices: int) -> int:
         return layer.input.slice_numel(mesh, slices) * DTYPE_BYTES[compute]  # the operand, for the kernel's gradient
@@ -209,7 +210,7 @@ class PositionEmbed(LayerRule[PositionEmbedArgs]):
         return x
 
     def flops(self, a: PositionEmbedArgs, x: TensorType, y: TensorType) -> int:
-        return x.numel
+        return x.numel  # one add per element, as a bias's (`LayerRule.flops`)
 
     def residual_bytes(self, layer: Layer, mesh: Mesh, compute: str, slices: int) -> int:
         return 0  # an addition keeps nothing for its backward pass

@@ -13,6 +13,7 @@ from dslc.layers.base import (
     Context,
     LayerRule,
     WeightSpec,
+    bias_add_flops,
     expect_features,
     fmt_axes,
     same_sharding,
@@ -54,7 +55,9 @@ class _Norm(LayerRule[NormArgs]):
         return x
 
     def flops(self, a: NormArgs, x: TensorType, y: TensorType) -> int:
-        return 8 * x.numel
+        # Normalising and scaling: an estimate of 8 per element for either norm. A layernorm's
+        # bias is then added as every rule adds a bias (`LayerRule.flops`).
+        return 8 * x.numel + bias_add_flops(x.numel // a.dim, a.dim if a.bias else 0)
 
     kept_f32 = 2  # input-sized f32 values kept: x and the normalised value (rmsnorm)
 

@@ -1,13 +1,15 @@
 """Floating-point operations per training step, for the whole mesh.
 
-Forward FLOPs come from the layer rules (`Layer.flops`, a multiply-add counting two), a
-repeat's layers counted once per copy. The backward pass costs twice the forward (a gradient
-for the input and one for the weights). Checkpointing adds a recomputation: `full` reruns
-the block's forward, `selective` all of it but the saved layers. These three are the *model*
-FLOPs the papers count. The pipeline executor keeps each chunk's residuals from its forward
-tick to its backward tick, so it reruns nothing — except under a schedule that splits the
-backward (zb-h1): its weight-gradient tick pulls the output gradient through the chunk again,
-about one forward's worth more, reported apart as `pipeline_recompute`.
+Forward FLOPs come from the layer rules (`Layer.flops`, by the convention `LayerRule.flops`
+states: a multiply-add counts two, an elementwise operation one per element, a bias add
+among them), a repeat's layers counted once per copy. The backward pass costs twice the
+forward (a gradient for the input and one for the weights). Checkpointing adds a
+recomputation: `full` reruns the block's forward, `selective` all of it but the saved layers.
+These three are the *model* FLOPs the papers count. The pipeline executor keeps each chunk's
+residuals from its forward tick to its backward tick, so it reruns nothing — except under a
+schedule that splits the backward (zb-h1, zb-v, v-half, or a table with I and W actions): its
+weight-gradient tick pulls the output gradient through the chunk again, about one forward's
+worth more, reported apart as `pipeline_recompute`.
 """
 
 from __future__ import annotations

@@ -62,18 +62,50 @@ class Tensor:
             "declared_shape": list(self.declared or self.type.shape),
         }
 
-    def to_text(self, what: str) -> str:
+    def cells(self, what: str) -> tuple[tuple[str, ...], str]:
+        """Its row of the text table: one cell per column (`COLUMNS`), then what follows them."""
         shape = f"{self.type.dtype}[{', '.join(map(str, self.type.shape))}]"
         local = f"[{', '.join(map(str, self.local_shape))}]"
-        line = f"    {what:<7} {self.name:<12} {partition_spec(self.type.sharding):<26} {shape:<22} {local:<18}"
-        line += f" {format_bytes(self.bytes) if self.first else 'above':>10}"
+        size = format_bytes(self.bytes) if self.first else "above"
+        tail = ""
         if self.stored and self.stored != self.name:
-            line += f"  in `{self.stored}`"
+            tail += f"  in `{self.stored}`"
         if self.computed != self.type.sharding:
-            line += f"  (gathered to {partition_spec(self.computed)} to compute)"
+            tail += f"  (gathered to {partition_spec(self.computed)} to compute)"
         if self.declared:
-            line += f"  (padded from [{', '.join(map(str, self.declared))}])"
-        return line
+            tail += f"  (padded from [{', '.join(map(str, self.declared))}])"
+        return (what, self.name, partition_spec(self.type.sharding), shape, local, size), tail
+
+
+# The text table's columns: their titles, and whether each is right-aligned (the bytes, so
+# that their units line up).
+COLUMNS = (
+    ("", False),
+    ("", False),
+    ("partition spec", False),
+    ("global", False),
+    ("per device", False),
+    ("bytes", True),
+)
+
+
+# A line of the text table: a tensor's cells and what follows them, or a line of its own.
+TableRow = tuple[tuple[str, ...], str] | str
+
+
+def _table(rows: list[TableRow]) -> list[str]:
+    """Lines of a table whose columns are each as wide as their widest cell (the title's
+    included), two spaces apart, so that no partition spec or shape, however long, pushes a
+    row out of line; a plain string is a line of its own (a layer's name, a collective)."""
+    titles = tuple(title for title, _ in COLUMNS)
+    cells = [titles, *(row[0] for row in rows if not isinstance(row, str))]
+    widths = [max(len(c[i]) for c in cells) for i in range(len(COLUMNS))]
+
+    def line(row: tuple[str, ...], tail: str = "") -> str:
+        padded = (c.rjust(w) if right else c.ljust(w) for c, w, (_, right) in zip(row, widths, COLUMNS, strict=True))
+        return ("    " + "  ".join(padded)).rstrip() + tail
+
+    return [line(titles)] + [row if isinstance(row, str) else line(*row) for row in rows]
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,26 +168,26 @@ class Tensors:
         }
 
     def to_text(self) -> str:
-        lines = [
-            f"model {self.model} on mesh {self.mesh.describe()}: {format_bytes(self.weight_bytes)} of weights "
-            "on each device",
-            f"    {'':<7} {'':<12} {'partition spec':<26} {'global':<22} {'per device':<18} {'bytes':>10}",
-        ]
-        if self.slices > 1:
-            lines.insert(1, f"(outputs are a whole step's batch, which runs in {self.slices} slices)")
+        rows: list[TableRow] = []
         chunk = None
         for row in self.rows:
             if self.pipelined and row.chunk != chunk:
                 chunk = row.chunk
-                lines.append(f"chunk {row.chunk} (stage {row.stage})")
+                rows.append(f"chunk {row.chunk} (stage {row.stage})")
             copies = f", x{row.copies}" if row.copies > 1 else ""
-            lines.append(f"  {row.path} ({row.kind}{copies})" if row.path else f"  ({row.kind}{copies})")
-            lines.extend(w.to_text("weight") for w in row.weights)
-            lines.append(row.output.to_text("output"))
+            rows.append(f"  {row.path} ({row.kind}{copies})" if row.path else f"  ({row.kind}{copies})")
+            rows.extend(w.cells("weight") for w in row.weights)
+            rows.append(row.output.cells("output"))
             for c in row.collectives:
                 size = format_bytes(c.elements * ir.DTYPE_BYTES[c.dtype])
-                lines.append(f"    {c.kind} over {', '.join(c.axes)} of {size} ({c.dtype}): {c.why}")
-        return "\n".join(lines) + "\n"
+                rows.append(f"    {c.kind} over {', '.join(c.axes)} of {size} ({c.dtype}): {c.why}")
+        lines = [
+            f"model {self.model} on mesh {self.mesh.describe()}: {format_bytes(self.weight_bytes)} of weights "
+            "on each device"
+        ]
+        if self.slices > 1:
+            lines.append(f"(outputs are a whole step's batch, which runs in {self.slices} slices)")
+        return "\n".join(lines + _table(rows)) + "\n"
 
 
 def layer_nodes(program: ir.Program) -> Iterator[tuple[ir.Chunk, ir.Layer | ir.Layout, int]]:

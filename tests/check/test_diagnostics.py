@@ -280,6 +280,65 @@ def test_e014_dimension_not_divisible_lists_sizes_that_work() -> None:
     assert d.notes == ("mesh 2x3 (data, model)", "16 splits evenly into 1, 2, 4, 8, 16 pieces")
 
 
+def test_e014_a_mesh_size_no_weight_divides_is_said_once_with_the_count() -> None:
+    """One wrong size of `model` is one mistake, not one per weight split over it: a single
+    E014 at the first such weight, the others counted and named in a note, each labelled where
+    its split is written (so JSON carries every place too)."""
+    text = spec(
+        "up: linear(16, 64) shard kernel[_, model], bias[model]",
+        "down: linear(64, 16) shard kernel[model, _]",
+        "loss: mse(y)",
+    )
+    d = only(text, mesh="2x3")
+    assert (d.code, at(d)) == ("E014", (6, 38, 6, 43))
+    assert d.message == (
+        "dimension 1 of weight `up.kernel` has size 64, which does not split evenly over model=3 (3 pieces)"
+    )
+    assert labels(d) == [((6, 51, 6, 56), "`up.bias`: 64"), ((7, 37, 7, 42), "`down.kernel`: 64")]
+    assert d.notes == (
+        "mesh 2x3 (data, model)",
+        "64 splits evenly into 1, 2, 4, 8, 16, 32, 64 pieces",
+        "and 2 more weights split over model=3 do not divide evenly: `up.bias`, `down.kernel`",
+    )
+    (item,) = json.loads(render_json([d]))
+    assert [(lb["line"], lb["column"], lb["message"]) for lb in item["labels"]] == [
+        (6, 51, "`up.bias`: 64"),
+        (7, 37, "`down.kernel`: 64"),
+    ]
+
+
+def test_e014_said_once_for_a_block_used_twice_counts_each_place_once() -> None:
+    """The block's body is one text: its two uses make the same two mistakes, one report."""
+    block = (
+        "block mlp() {\n  up: linear(16, 64) shard kernel[_, model]\n  down: linear(64, 16) shard kernel[model, _]\n}\n"
+    )
+    text = spec("a: mlp()", "b: mlp()", "loss: mse(y)", header=HEADER + block)
+    d = only(text, mesh="2x3")
+    assert (d.code, d.span.line) == ("E014", 6)
+    assert "`a.up.kernel` has size 64" in d.message
+    assert labels(d) == [((10, 6, 10, 11), "in this use of `mlp`"), ((7, 37, 7, 42), "`a.down.kernel`: 64")]
+    assert d.notes[-1] == "and 1 more weight split over model=3 does not divide evenly: `a.down.kernel`"
+
+
+def test_e014_weights_that_do_not_divide_are_grouped_by_the_axes_they_split_over() -> None:
+    header = "model m\nmesh data=3, model=3\ninput x: f32[9 @ data, 16]\ninput y: f32[9 @ data, 16]\n"
+    text = spec(
+        "up: linear(16, 64) shard kernel[data, model], bias[model]",
+        "down: linear(64, 16) shard kernel[model, data]",
+        "loss: mse(y)",
+        header=header,
+    )
+    diags = diagnose(text)
+    assert [(d.code, d.span.line) for d in diags] == [("E014", 6), ("E014", 6)], shown(diags, text)
+    by_axis, by_model = diags
+    assert "`up.kernel` has size 16, which does not split evenly over data=3" in by_axis.message
+    assert by_axis.notes[-1] == "and 1 more weight split over data=3 does not divide evenly: `down.kernel`"
+    assert "`up.kernel` has size 64, which does not split evenly over model=3" in by_model.message
+    assert by_model.notes[-1] == (
+        "and 2 more weights split over model=3 do not divide evenly: `up.bias`, `down.kernel`"
+    )
+
+
 def test_e014_batch_over_two_axes_multiplies_their_sizes() -> None:
     d = only(spec().replace("input y: f32[8 @ data, 16]", "input y: f32[8 @ (data, model), 16]"), mesh="2x8")
     assert (d.code, at(d)) == ("E014", (4, 18, 4, 31))
@@ -1253,10 +1312,10 @@ def test_w002_unbalanced_stages_says_how_much_more_work() -> None:
     d = only(text)
     assert (d.code, d.severity) == ("W002", WARNING)
     assert at(d) == (9, 1, 9, 34)
-    # linear: 2 * 8 * 16 * 16 = 4096 FLOPs; relu: 8 * 16 = 128.
-    assert d.message == "pipeline stages are unbalanced: stage 0 does 32x the work of stage 1"
+    # linear: 2 * 8 * 16 * 16 = 4096 FLOPs and 8 * 16 = 128 for its bias; relu: 8 * 16 = 128.
+    assert d.message == "pipeline stages are unbalanced: stage 0 does 33x the work of stage 1"
     assert labels(d) == [((6, 11, 6, 25), "stage 0 starts here")]
-    assert d.notes == ("forward FLOPs per stage: 0: 4.1e+03, 1: 128",)
+    assert d.notes == ("forward FLOPs per stage: 0: 4.22e+03, 1: 128",)
 
 
 def test_w002_under_interleaving_names_the_chunks_and_does_not_label_a_shared_repeat() -> None:

@@ -243,12 +243,14 @@ def at(d: Diagnostic) -> tuple[int, int, int, int]:
 
 
 def test_experts_must_divide_by_the_expert_parallel_size() -> None:
-    w_in, w_out = check("moe: moe(32, 64, 6) shard w_in[expert, _, _], w_out[expert, _, _]")
-    for d, name in ((w_in, "w_in"), (w_out, "w_out")):
-        assert d.code == "E014"
-        assert f"dimension 0 of weight `moe.{name}` has size 6, which does not split evenly over expert=4" in d.message
-        assert "6 splits evenly into 1, 2, 3, 6 pieces" in d.notes
-    assert (at(w_in), at(w_out)) == ((5, 34, 5, 40), (5, 55, 5, 61))  # `expert` in each clause
+    (d,) = check("moe: moe(32, 64, 6) shard w_in[expert, _, _], w_out[expert, _, _]")
+    assert d.code == "E014"
+    assert "dimension 0 of weight `moe.w_in` has size 6, which does not split evenly over expert=4" in d.message
+    assert "6 splits evenly into 1, 2, 3, 6 pieces" in d.notes
+    # w_out's split, the same mistake, is labelled and counted in the same report.
+    assert "and 1 more weight split over expert=4 does not divide evenly: `moe.w_out`" in d.notes
+    assert at(d) == (5, 34, 5, 40)  # `expert` in w_in's clause
+    assert [(at(lb), lb.message) for lb in d.labels] == [((5, 55, 5, 61), "`moe.w_out`: 6")]
 
 
 def test_top_k_cannot_exceed_the_experts() -> None:

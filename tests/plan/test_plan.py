@@ -199,6 +199,32 @@ def test_gpt3_parameters_match_megatron_formula(gpt3: tuple[Any, Plan]) -> None:
     assert abs(p.parameters / megatron - 1) < 0.01  # and about 175 billion either way
 
 
+def test_gpt3_as_the_formula_counts_it_is_a_few_words_away() -> None:
+    """The terms the spec leaves out are the language's to add (docs/plan.md): attention
+    biases (`bias=true`, split like their projections), a learned position embedding and the
+    head tied to the embedding give exactly the formula's count, plus the final layernorm."""
+    attention = "attention(d, heads, causal=true) shard q[_, model], k[_, model], v[_, model], o[model, _]"
+    biased = (
+        "attention(d, heads, causal=true, bias=true) shard q[_, model], q_bias[model], k[_, model], "
+        "k_bias[model], v[_, model], v_bias[model], o[model, _]"
+    )
+    embed = "embed: embed(vocab, d) shard table[model, _]"
+    head = "head: linear(d, vocab, bias=false) shard kernel[_, model]"
+    text = GPT3.read_text()
+    for old, new in (
+        (attention, biased),
+        (embed, f"{embed}\n  pos: position_embed(seq, d)"),
+        (head, "head: linear(d, vocab, bias=false) tie kernel = embed.table.T"),
+    ):
+        assert text.count(old) == 1, old
+        text = text.replace(old, new)
+    analysis = dslc.analyze(text)
+    assert analysis.ok and analysis.program is not None, [d.message for d in analysis.diagnostics]
+    L, h, s, V = 96, 12288, 2048, 51200
+    megatron = 12 * L * h**2 + 13 * L * h + (V + s) * h  # 12lh^2 (1 + 13/(12h) + (V+s)/(12lh))
+    assert plan(analysis.program).parameters == megatron + 2 * h
+
+
 def test_gpt3_flops_match_megatron_formula(gpt3: tuple[Any, Plan]) -> None:
     """F = 96 B s l h^2 (1 + s/(6h) + V/(16lh)) per iteration with full recomputation (same
     paper, section 5.1). The layer rules also count norms, GELU and the loss, which the

@@ -4,6 +4,7 @@ the collectives each layer implies, for every spec in specs/."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -67,7 +68,7 @@ def test_text_shows_specs_shapes_bytes_and_collectives(capsys: pytest.CaptureFix
     # Column-parallel: the kernels split over `model` along their outputs, a quarter of the
     # stage's two layers on each device, stacked in one array.
     assert (
-        "    weight  kernel       P('stage', None, 'model')  f32[4, 64, 256]        [2, 64, 64]" in out
+        "    weight  kernel  P('stage', None, 'model')    f32[4, 64, 256]   [2, 64, 64]  32.00 KiB" in out
         and "in `blocks.*.up.kernel`" in out
     )
     assert "all-reduce over model of 128.00 KiB (f32): `blocks.down`: sum of row-parallel partial products" in out
@@ -86,6 +87,29 @@ def test_zero_3_stores_weights_split_over_the_data_axis_and_says_how_they_comput
     assert partition_spec(kernel.computed) == "P(None, None, 'model')"
     assert "(gathered to P(None, None, 'model') to compute)" in shown.to_text()
     assert shown.weight_bytes == plan(checked(spec)).memory.params
+
+
+def test_text_columns_line_up_however_wide_their_cells(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """Each column is as wide as its widest cell: experts split over `expert` and, under ZeRO-3,
+    over `data` too, and activations split over (data, expert), have partition specs wider
+    than any fixed column, and every row's cells still start where the header's titles do."""
+    spec = tmp_path / "moe_zero3.par"
+    spec.write_text((SPECS / "moe_small.par").read_text().replace("train {", "train {\n  zero 3"))
+    assert cli.main(["show", str(spec)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    header = next(line for line in lines if "partition spec" in line)
+    titles = ("partition spec", "global", "per device")
+    starts = [header.index(title) for title in titles]
+    right = header.index("bytes") + len("bytes")  # the bytes column is right-aligned
+    rows = [line for line in lines if line.startswith(("    weight ", "    output "))]
+    specs = [row[starts[0] :].split(") ")[0] + ")" for row in rows]
+    assert max(map(len, specs)) > 26, specs  # wider than the fixed column was
+    for row in rows:
+        spec_cell, global_cell, local_cell = (row[a:b] for a, b in zip(starts, [*starts[1:], right], strict=True))
+        assert row[starts[0] - 1] == " " and spec_cell.startswith("P(") and spec_cell.rstrip().endswith(")"), row
+        assert re.fullmatch(r"[a-z0-9]+\[[0-9, ]*\] *", global_cell), row
+        assert re.fullmatch(r"\[[0-9, ]*\] +[0-9.]+ (B|KiB|MiB|GiB)|\[[0-9, ]*\] +above", local_cell), row
+        assert row[right:] == "" or row[right] == " ", row
 
 
 def test_show_reports_spec_errors_with_exit_1(capsys: pytest.CaptureFixture[str]) -> None:
