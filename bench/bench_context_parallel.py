@@ -3,7 +3,7 @@
 One causal attention layer (rotary embeddings, an mse loss after it) over a fixed global
 sequence, its tokens split over a `context` axis of CP = 1, 2, 4 simulated CPU devices (the
 spec's `--mesh`). At CP = 1 it is plain attention, which keeps its [batch, heads, seq, seq]
-probabilities; at CP > 1 it is ring attention (`dslc.kernels.layers.ring_attention`), which
+probabilities; at CP > 1 it is ring attention (`dslc.runtime.attention.ring_attention`), which
 keeps only its share of q, k, v and the outputs and one log-sum-exp per query row, and
 recomputes the scores block by block in its backward: its largest transient is one block of
 scores, (seq / CP)^2 per head.

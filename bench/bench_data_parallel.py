@@ -42,6 +42,7 @@ import jax
 import dslc
 from dslc.lower.hlo import Collective, collectives
 from dslc.lower.program import Program, load_module
+from dslc.runtime.training import accumulate_gradients
 
 SPECS = Path(__file__).resolve().parent.parent / "specs"
 CASES = {
@@ -57,11 +58,9 @@ def per_slice_module(program: Program) -> Any:
 
     def gradients(params: Any, batch: Any, key: Any, mesh: Any) -> Any:
         once = functools.partial(module.value_and_grad, mesh=mesh)
-        if module.ACCUMULATE == 1:  # a module without accumulation has no `accumulate_gradients`
+        if module.ACCUMULATE == 1:
             return once(params, batch, key)
-        return module.accumulate_gradients(
-            once, params, batch, key, module.ACCUMULATE, getattr(module, "loss_count", None)
-        )
+        return accumulate_gradients(once, params, batch, key, module.ACCUMULATE, getattr(module, "loss_count", None))
 
     module.gradients = gradients
     return module

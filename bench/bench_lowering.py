@@ -54,8 +54,8 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import dslc
-from dslc.kernels.training import OPTIMIZER_DEFAULTS
 from dslc.plan.timetable import schedule_table
+from dslc.runtime.training import OPTIMIZER_DEFAULTS
 
 SPEC = Path(__file__).resolve().parent.parent / "specs" / "gpt_small.par"
 SEED = 0
@@ -540,18 +540,27 @@ def floor_variants(weights: dict[str, np.ndarray], batch: dict[str, np.ndarray])
     wrong but the work is what is to be timed: `no sends` runs the schedule's ticks with every
     send replaced by the value sent (no collective over the stage axis); `compute alone` also
     replaces the table by every stage's forward and backward ticks back to back (no bubble)."""
+    from dslc.runtime import pipeline as executor
+    from dslc.runtime.schedule import schedule_tables
+
     variants = {}
+    send = executor._Executor.send
     for name in ("no sends", "compute alone"):
         run = DslcContender(name, spec_text(dropout=True, pipeline=True), weights, batch)
         module = run.program.module
-        module._Executor.send = lambda self, value: (value, value)
         if name == "compute alone":
             pipeline = module.PIPELINE
             timeline = " ".join(
                 [f"F{m}" for m in range(pipeline.microbatches)] + [f"B{m}" for m in range(pipeline.microbatches)]
             )
-            module.PIPELINE = pipeline._replace(table=module.schedule_tables(*[timeline] * len(module.TIMELINES)))
-        variants[name] = run.compile()
+            module.PIPELINE = pipeline._replace(table=schedule_tables(*[timeline] * len(module.TIMELINES)))
+        # The executor is the runtime's, shared by every program: changed only while these
+        # variants trace and compile.
+        executor._Executor.send = lambda self, value: (value, value)  # type: ignore[method-assign]
+        try:
+            variants[name] = run.compile()
+        finally:
+            executor._Executor.send = send  # type: ignore[method-assign]
     return variants
 
 

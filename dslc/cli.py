@@ -74,6 +74,11 @@ def _parser() -> argparse.ArgumentParser:
     check.add_argument(
         "--format", choices=("text", "json"), default="text", help="diagnostics as text (stderr) or JSON (stdout)"
     )
+    check.add_argument(
+        "--backend",
+        choices=("cpu", "gpu", "tpu"),
+        help="also say which kernel each attention layer runs there, and warn (W005) where no fused one can",
+    )
     _set_arg(check)
     check.set_defaults(run=_check)
 
@@ -199,6 +204,13 @@ def _parser() -> argparse.ArgumentParser:
         "val.bin, or text files or a folder of them (byte-level); default: the embedded data",
     )
     train.add_argument(
+        "--document-end",
+        type=_count,
+        metavar="ID",
+        help="in a token file, the id that ends each document (a folder's text files are a document each); a spec "
+        "whose attention reads document ids (`segments=`) trains on sequences packed from several",
+    )
+    train.add_argument(
         "--eval-every", type=_count, metavar="K", help="log the loss on held-out data every K steps and at the end"
     )
     train.add_argument(
@@ -285,17 +297,22 @@ def _existing_file(text: str) -> Path:
     return path
 
 
-def _analyze(args: argparse.Namespace, running: bool = True) -> Analysis:
+def _analyze(args: argparse.Namespace, running: bool = True, backend: str | None = None) -> Analysis:
     path = _spec_path(args)
     try:
-        return analyze(path, args.mesh, args.set, args.schedule, running)
+        return analyze(path, args.mesh, args.set, args.schedule, running, backend)
     except ValueError as exc:  # a malformed --mesh, --set or --schedule
         raise UsageError(str(exc)) from None
 
 
 def _check(args: argparse.Namespace) -> int:
-    result = _analyze(args)
+    from dslc.check.kernels import attention_kernels, describe
+
+    result = _analyze(args, backend=args.backend)
     diags = result.diagnostics
+    kernels = []
+    if args.backend and result.ok and result.program is not None:
+        kernels = attention_kernels(result.program, args.backend)
     if args.format == "json":
         sys.stdout.write(render_json(diags))
     else:
@@ -314,6 +331,10 @@ def _check(args: argparse.Namespace) -> int:
             print(
                 f"{name}: ok{_summary(result)}" + (f", {warnings} warning{'s' * (warnings != 1)}" if warnings else "")
             )
+            if kernels:
+                print(f"attention on {args.backend}:")
+                for line in dict.fromkeys(describe(k) for k in kernels):
+                    print(f"  {line}")
     return EXIT_ERRORS if any(d.severity is Severity.ERROR for d in diags) else EXIT_OK
 
 
@@ -371,6 +392,7 @@ def _fmt(args: argparse.Namespace) -> int:
 def _compile_to_python(args: argparse.Namespace) -> int:
     from dslc.codegen import MARKER, module_for
     from dslc.codegen.names import safe_identifier
+    from dslc.codegen.source import RUNTIME
 
     result = _analyze(args)
     if not result.ok or result.program is None or result.source is None:
@@ -385,9 +407,37 @@ def _compile_to_python(args: argparse.Namespace) -> int:
     if path.exists() and not args.force and not _written_by_dslc(path, MARKER):
         raise UsageError(f"{path} exists and was not written by `dslc compile`; use --force to overwrite it")
     text = module_for(result, _regeneration_command(args, program.mesh.shape, path))
+    _write_runtime(path.parent)
     write_atomic(path, text)
-    print(f"{path}: model {program.name} on mesh {program.mesh.describe()}, {text.count(chr(10))} lines")
+    print(
+        f"{path}: model {program.name} on mesh {program.mesh.describe()}, {text.count(chr(10))} lines "
+        f"(with the runtime library beside it, {path.parent / RUNTIME}/)"
+    )
     return EXIT_OK
+
+
+def _write_runtime(folder: Path) -> None:
+    """The runtime library a generated module imports, written into `folder` as
+    `dslc_runtime/` (each file atomically; one already as dslc would write it is left alone).
+    A folder of that name that dslc did not write is refused."""
+    from dslc.codegen.source import RUNTIME, runtime_files
+
+    target = folder / RUNTIME
+    files_now = runtime_files()
+    if target.exists():
+        init = target / "__init__.py"
+        if not target.is_dir() or not init.is_file() or "The runtime library" not in init.read_text(errors="replace"):
+            raise UsageError(
+                f"{target} exists and is not dslc's runtime library; move it, or write the module elsewhere"
+            )
+    else:
+        if not folder.is_dir():
+            raise UsageError(f"no such folder: {folder}")
+        target.mkdir()
+    for name, text in files_now.items():
+        path = target / name
+        if not path.is_file() or path.read_text(errors="replace") != text:
+            write_atomic(path, text)
 
 
 def _regeneration_command(args: argparse.Namespace, mesh: tuple[int, ...], output: Path) -> tuple[str, str] | None:
@@ -763,7 +813,15 @@ def _train_here(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else _run_folder(program.ir.name, args)
     data = Path(args.data) if args.data is not None else None
     options = TrainOptions(
-        args.steps, out, args.seed, args.checkpoint_every, args.resume, data, args.eval_every, initial
+        args.steps,
+        out,
+        args.seed,
+        args.checkpoint_every,
+        args.resume,
+        data,
+        args.eval_every,
+        initial,
+        args.document_end,
     )
     try:
         result = train(program, options)
@@ -786,6 +844,7 @@ def _resume_command(args: argparse.Namespace, out: Path) -> str:
         ("--mesh", args.mesh),
         ("--schedule", args.schedule),
         ("--data", args.data),
+        ("--document-end", args.document_end),
         ("--eval-every", args.eval_every),
         ("--checkpoint-every", args.checkpoint_every),
         ("--coordinator", args.coordinator),

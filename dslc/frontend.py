@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from dslc.check import check_program
+from dslc.check.kernels import kernel_warnings
 from dslc.diagnostics import NO_SPAN, Diagnostic, Diagnostics, Span, error, has_errors, render_text, sort_key
 from dslc.elaborate import elaborate, read_constants
 from dslc.ir.evaluate import ScalarValue
@@ -159,12 +160,15 @@ def analyze(
     overrides: Overrides = None,
     schedule: str | None = None,
     running: bool = True,
+    backend: str | None = None,
 ) -> Analysis:
     """Parse, elaborate and check a spec. `overrides` sets constants (`{"layers": 4}`,
     `{"eps": 1e-6}`, `{"tied": True}`: each of the kind the spec declares it);
     `schedule` replaces the pipeline schedule the spec names: a kind, or the path of a table
     in JSON (`*.json`). With `running` false, what only stops the spec from running (a
-    table too large to run) is not an error: the spec is being planned."""
+    table too large to run) is not an error: the spec is being planned. `backend` ("cpu",
+    "gpu", "tpu") adds what is particular to running there (W005: an attention layer no
+    fused kernel takes)."""
     sizes = parse_mesh(mesh)
     values = parse_overrides(overrides)
     replacement = None if schedule is None else _schedule_setting(schedule)
@@ -182,6 +186,8 @@ def analyze(
         program = elaborate(module, sizes, collected, values)
         if program is not None and not collected.has_errors:
             check_program(program, collected, running)
+            if backend is not None and not collected.has_errors:
+                collected.items.extend(kernel_warnings(program, backend))
     except RecursionError:
         span = Span(source.name, 1, 1, 1, 1)
         collected.add(
@@ -254,10 +260,11 @@ def check(
     mesh: MeshArg = None,
     overrides: Overrides = None,
     schedule: str | None = None,
+    backend: str | None = None,
 ) -> list[Diagnostic]:
     """Every diagnostic for a spec given as text or as a path (see `syntax.source.resolve`).
 
     `mesh` is "2x4x2" or a sequence of sizes, one per mesh axis in the spec's order; without
-    it the spec's own default sizes are used.
+    it the spec's own default sizes are used. `backend` as for `analyze`.
     """
-    return analyze(source_or_path, mesh, overrides, schedule).diagnostics
+    return analyze(source_or_path, mesh, overrides, schedule, backend=backend).diagnostics

@@ -60,18 +60,31 @@ class SpecAtTestSize:
 
 # Specs whose declared sizes take minutes to compile here, or more memory than this machine
 # has, and what shrinks them; the layout (axes, shardings, pipeline, settings) is untouched.
+# Pipelined specs get batches that 2 accumulation steps x their microbatches x 4 data shards
+# divide, and layers that two chunks per stage (the V schedules) divide.
 TEST_SIZES: dict[str, dict[str, Any]] = {
-    "seed_tp_layer": {"overrides": {"hidden": 64, "heads": 4, "ffn": 128, "seq": 16}},
-    "seed_hybrid_3d": {"overrides": {"layers": 4, "seq": 64, "hidden": 128}},
-    "gpt2": {"overrides": {"vocab": 257, "positions": 64, "d": 64, "heads": 4, "layers": 4, "seq": 32, "batch": 16}},
+    "seed_tp_layer": {"overrides": {"hidden": 64, "heads": 4, "ffn": 128, "seq": 16, "batch": 8}},
+    "seed_hybrid_3d": {"overrides": {"layers": 4, "seq": 64, "hidden": 128, "batch": 64}},
+    "seed_mlp_pipeline": {"overrides": {"batch": 64}},
+    "gpt_small": {"overrides": {"batch": 32}},
+    "gpt2": {"overrides": {"vocab": 257, "positions": 64, "d": 64, "heads": 4, "layers": 4, "seq": 32, "batch": 32}},
     "llama": {
-        "overrides": {"vocab": 256, "d": 64, "heads": 4, "kv_heads": 2, "ffn": 128, "layers": 4, "seq": 32, "batch": 16}
+        "overrides": {"vocab": 256, "d": 64, "heads": 4, "kv_heads": 2, "ffn": 128, "layers": 4, "seq": 32, "batch": 32}
     },
     "gpt3_175b": {
-        "overrides": {"vocab": 256, "d": 64, "heads": 4, "seq": 32, "batch": 32, "n_layers": 4},
+        "overrides": {"vocab": 256, "d": 64, "heads": 4, "seq": 32, "batch": 32, "n_layers": 8},
         "edits": (("microbatches 192", "microbatches 4"),),
     },
-    "zero3_mlp": {"overrides": {"d": 64}},
+    "counted_pipeline": {
+        "edits": (
+            ("tokens: i32[8 @ data, 8]", "tokens: i32[16 @ data, 8]"),
+            ("targets: i32[8 @ data, 8]", "targets: i32[16 @ data, 8]"),
+        )
+    },
+    "zero3_mlp": {
+        "overrides": {"d": 64},
+        "edits": (("x: f32[8 @ data", "x: f32[16 @ data"), ("y: f32[8 @ data", "y: f32[16 @ data")),
+    },
 }
 
 
@@ -112,14 +125,23 @@ STATES = ("zero0", "zero1", "zero2", "zero3", "fsdp")
 GRID = tuple(Layout(state, acc) for state in STATES for acc in (1, 2))
 
 
+def batch_axes_of(program: ir.Program) -> tuple[str, ...]:
+    """The axes FSDP splits over in the space: the batch's, or where the batch is not split
+    (attention_only), the first mesh axis."""
+    return zero_axes(program) or program.mesh.names[:1]
+
+
 def with_layout(text: str, layout: Layout, batch_axes: tuple[str, ...]) -> str:
     """The spec's text with its `train` section saying `layout` (any ZeRO, FSDP or
-    accumulation setting it had replaced)."""
+    accumulation setting it had replaced; FSDP over the batch's axes), and its pipeline two
+    chunks per stage for an interleaved schedule."""
     settings = [f"accumulate {layout.accumulate}"]
     if layout.state == "fsdp":
         settings.append("fsdp " + ", ".join(batch_axes))
     else:
         settings.append(f"zero {layout.state.removeprefix('zero')}")
+    if layout.schedule == "interleaved-1f1b" and not re.search(r"\bvirtual\b", text):
+        text = re.sub(r"(\bpipeline\s+\w+\s*\{)", r"\1\n  virtual 2", text, count=1)
     found = re.search(r"\btrain\s*\{([^}]*)\}", text)
     if found is None:
         return text.rstrip("\n") + "\ntrain {\n  " + "\n  ".join(settings) + "\n}\n"
@@ -271,7 +293,7 @@ def source_of(combination: Combination) -> tuple[str, dict[str, Any], str | None
     spec = all_specs()[combination.spec]
     text = spec.text()
     plain = analyze(text, None, spec.overrides).program
-    batch_axes = zero_axes(plain) if plain is not None else ()
+    batch_axes = batch_axes_of(plain) if plain is not None else ()
     mesh = None if combination.mesh == "default" else combination.mesh
     return with_layout(text, combination.layout, batch_axes), dict(spec.overrides), mesh, combination.layout.schedule
 

@@ -262,14 +262,15 @@ def rmsnorm(layer: ir.Layer, w: Weights, x: Array, ctx: _Context) -> Array:
     return h / jnp.sqrt((h**2).mean(-1, keepdims=True) + eps) * _f32(w["scale"])
 
 
-def _rotate(t: Array, base: float) -> Array:
-    """Rotary embedding, rotate-half convention, on [batch, seq, heads, head_dim]; f32."""
-    seq, head_dim = t.shape[1], t.shape[3]
+def _rotate(t: Array, base: float, positions: np.ndarray) -> Array:
+    """Rotary embedding, rotate-half convention, on [batch, seq, heads, head_dim] at
+    `positions` [batch, seq]; f32."""
+    head_dim = t.shape[3]
     half = head_dim // 2
     freqs = base ** (-np.arange(half, dtype=np.float64) / half)
-    angle = np.arange(seq, dtype=np.float64)[:, None] * freqs[None, :]
-    cos = jnp.asarray(np.cos(angle), jnp.float32)[None, :, None, :]
-    sin = jnp.asarray(np.sin(angle), jnp.float32)[None, :, None, :]
+    angle = positions.astype(np.float64)[:, :, None] * freqs[None, None, :]
+    cos = jnp.asarray(np.cos(angle), jnp.float32)[:, :, None, :]
+    sin = jnp.asarray(np.sin(angle), jnp.float32)[:, :, None, :]
     t1, t2 = _f32(t[..., :half]), _f32(t[..., half:])
     return jnp.concatenate([t1 * cos - t2 * sin, t1 * sin + t2 * cos], axis=-1)
 
@@ -284,18 +285,35 @@ def attention(layer: ir.Layer, w: Weights, x: Array, ctx: _Context) -> Array:
         return (y + w[f"{name}_bias"] if f"{name}_bias" in w else y).reshape(b, s, n, head_dim)
 
     q, k, v = project("q", heads), project("k", kv_heads), project("v", kv_heads)
+    # Documents packed into a sequence: ids [b, s]; one document when not given.
+    segments = layer.attr("segments")
+    docs = np.asarray(ctx.batch[str(segments)]) if segments is not None else np.zeros((b, s), np.int64)
     if layer.attr("rope"):
+        # A token's place in its own document: how many tokens of it come before it.
+        positions = np.zeros((b, s), np.int64)
+        for row in range(b):
+            for t in range(1, s):
+                same = docs[row, t] == docs[row, t - 1]
+                positions[row, t] = positions[row, t - 1] + 1 if same else 0
         base = float(layer.attr("rope_base"))  # type: ignore[arg-type]
-        q = _rotate(q, base).astype(ctx.compute)
-        k = _rotate(k, base).astype(ctx.compute)
+        q = _rotate(q, base, positions).astype(ctx.compute)
+        k = _rotate(k, base, positions).astype(ctx.compute)
     # Query head i reads key/value head i // (heads // kv_heads).
     group = heads // kv_heads
     k = jnp.repeat(k, group, axis=2)
     v = jnp.repeat(v, group, axis=2)
     # Every query head attends on its own, to its own (repeated) key/value head.
     scores = _f32(_matmul("bqhd,bkhd->bhqk", q, k, ctx)) / math.sqrt(head_dim)
+    # Which keys each query may not see [b, q, k]: later ones (causal), those more than a
+    # window back, those of another document.
+    query, key = np.arange(s)[:, None], np.arange(s)[None, :]
+    hidden = np.broadcast_to(docs[:, :, None] != docs[:, None, :], (b, s, s))
     if layer.attr("causal"):
-        scores = jnp.where(np.triu(np.ones((s, s), dtype=bool), k=1), -jnp.inf, scores)
+        hidden = hidden | (key > query)[None]
+    window = layer.attr("window")
+    if window is not None:
+        hidden = hidden | (query - key >= int(window))[None]  # type: ignore[call-overload]
+    scores = jnp.where(hidden[:, None], -jnp.inf, scores)
     out = _matmul("bhqk,bkhd->bqhd", _softmax(scores), v, ctx).reshape(b, s, heads * head_dim)
     y = _matmul("bse,ed->bsd", out, w["o"], ctx)
     return y + w["o_bias"] if "o_bias" in w else y

@@ -6,6 +6,7 @@ so it is byte-identical run to run and can be kept as a golden file.
 
 from __future__ import annotations
 
+import ast
 import itertools
 import math
 import re
@@ -16,7 +17,7 @@ import jinja2
 
 from dslc.codegen import source
 from dslc.codegen.names import class_name, global_namer, safe_identifier
-from dslc.codegen.view import Builder, ModuleClass, Statement, kernel_call
+from dslc.codegen.view import Builder, ModuleClass, Statement
 from dslc.ir import nodes as ir
 from dslc.ir.boundaries import boundary_of, chunk_input
 from dslc.ir.data_parallel import data_parallel_axes
@@ -184,7 +185,6 @@ def generate(
     count = RULES[program.loss.kind].count_kernel if program.loss is not None else None
     data_axes = data_parallel_axes(program)
     chunk_weights = _chunk_weights(placement) if program.pipelined else []
-    kernels = _kernels(program, count, data_axes, any("layer_shares(" in entry for entry in chunk_weights))
     mesh_axes = program.mesh.names or ("replica",)
     mesh_shape = program.mesh.shape or (1,)
     context = {
@@ -194,7 +194,6 @@ def generate(
         "mesh_text": _mesh_text(mesh_axes, mesh_shape),
         "regenerate": regenerate[0] if regenerate else f"dslc compile {file} --mesh {mesh_size} --force",
         "marker": MARKER,
-        "imports": _imports(kernels),
         "mesh_axes": mesh_axes,
         "mesh_shape": mesh_shape,
         "devices": math.prod(mesh_shape),
@@ -206,9 +205,6 @@ def generate(
         "parameters": _parameters(program, placement),
         "inputs": _inputs(program, builder),
         "stream": program.stream,
-        # How weights are stored and initialised print with the parameters; the arithmetic after.
-        "storage": source.joined([d for d in kernels if d.module in ("storage", "params")]),
-        "kernels": source.joined([d for d in kernels if d.module not in ("storage", "params")]),
         "classes": [*builder.blocks, *top],
         # Whether a layer draws random numbers (dropout), and whether a repeat runs as a scan:
         # only then does the module define what they call.
@@ -225,7 +221,10 @@ def generate(
         "optimizer": {"name": program.train.optimizer.name, "hyper": dict(program.train.optimizer.hyper)},
         "master": ir.DTYPES[program.train.master_dtype].jax if program.train.master_dtype else None,
     }
-    return _ENV.get_template("module.py.j2").render(context)
+    # The imports are what the rendered code calls: the runtime's functions and classes it
+    # names, and the libraries it and the templates use.
+    template = _ENV.get_template("module.py.j2")
+    return template.render(context | {"imports": _imports(template.render(context | {"imports": []}))})
 
 
 # ---- parts of the context -----------------------------------------------------------------------
@@ -520,49 +519,33 @@ def _wrapped(pieces: tuple[str, ...], width: int = 100) -> list[str]:
     return [py(" ".join(line) + " ") for line in lines[:-1]] + [py(" ".join(lines[-1]))]
 
 
-def _kernels(
-    program: ir.Program, count: str | None, data_axes: ir.Axes, shares_layers: bool
-) -> list[source.Definition]:
-    layers = ir.all_layers(program)
-    wanted = ["named_key", "initial_array", "make_optimizer", "step_metrics", "to_weights", "from_weights"]
-    if program.train.accumulate > 1:
-        wanted.append("accumulate_gradients")
-    if program.train.master_dtype:
-        wanted += ["master_state", "master_update"]
-    called = set()
-    for layer in layers:
-        kernel, static = kernel_call(layer, "float32")
-        called |= {kernel, *(v.kernel for v in static.values() if isinstance(v, BoundKernel))}
-    wanted += sorted(called)
-    if count is not None:
-        wanted.append(count)
-    if any(RULES[layer.kind].has_aux for layer in layers):
-        wanted += ["AUX_LOSS", "add_aux"]
-    if program.pipelined:
-        wanted += ["pipeline_value_and_grad", "Pipeline", "schedule_tables", "Share", "take_share"]
-        if shares_layers:
-            wanted.append("layer_shares")
-    if data_axes:
-        wanted.append("data_parallel")
-    return source.closure(wanted)
-
-
 def _kernel_names() -> set[str]:
     return set(source.all_definitions())
 
 
-def _imports(kernels: list[source.Definition]) -> list[str]:
-    """The import lines the module needs: the kernels' and the templates' own."""
-    needed = source.names_used(kernels) & set(source.PRELUDE_IMPORTS)
-    needed |= {"np", "jax", "jnp", "optax", "nnx", "lax", "checkpoint_name", "Any", "Callable", "functools"}
-    lines = {source.PRELUDE_IMPORTS[n] for n in needed}
-    lines |= {
-        "import argparse",
-        "from jax.sharding import Mesh, NamedSharding",
-        "from jax.sharding import PartitionSpec as P",
-    }
-    lines |= {"from typing import NamedTuple"}
+def _imports(text: str) -> list[str]:
+    """The import lines a module's code needs: the runtime names it uses, each from the
+    runtime module that defines it, and the libraries it names."""
+    tree = ast.parse(text)
+    defined = {getattr(n, "id", None) or getattr(n, "name", "") for n in _top_level_definitions(tree)}
+    used = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)} - defined
+    runtime = source.all_definitions()
+    lines = {source.PRELUDE_IMPORTS[n] for n in used & set(source.PRELUDE_IMPORTS)}
+    lines |= {f"from {source.RUNTIME}.{runtime[n].module} import {n}" for n in used & set(runtime)}
+    lines |= {"from jax.sharding import Mesh, NamedSharding", "from jax.sharding import PartitionSpec as P"}
     return _sorted_imports(lines)
+
+
+def _top_level_definitions(tree: ast.Module) -> list[ast.AST]:
+    """The names a module's top level binds: its functions, classes and assigned names."""
+    found: list[ast.AST] = []
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef | ast.ClassDef):
+            found.append(node)
+        elif isinstance(node, ast.Assign | ast.AnnAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            found.extend(n for t in targets for n in ast.walk(t) if isinstance(n, ast.Name))
+    return found
 
 
 def _sorted_imports(lines: set[str]) -> list[str]:
@@ -587,8 +570,16 @@ def _sorted_imports(lines: set[str]) -> list[str]:
         entries = sorted(sections[in_stdlib], key=lambda line: (line.startswith("from "), line.split()[1], line))
         if out and entries:
             out.append("")
-        out.extend(entries)
+        out.extend(_import_line(line) for line in entries)
     return out
+
+
+def _import_line(line: str) -> str:
+    """An import too long for a line, one name a line in parentheses, as ruff lays it out."""
+    if len(line) <= 120 or not line.startswith("from "):
+        return line
+    head, _, names = line.partition(" import ")
+    return head + " import (\n" + "".join(f"    {name.strip()},\n" for name in names.split(",")) + ")"
 
 
 def _name_order(name: str) -> tuple[int, str]:

@@ -249,7 +249,8 @@ def kernel_call(layer: ir.Layer, dtype: str) -> tuple[str, dict[str, object]]:
     rule = RULES[layer.kind]
     a = rule.args_of(layer)
     weights = {w.name: w.type.sharding for w in layer.weights}
-    return rule.kernel(a, layer.operand), rule.kernel_args(a, dtype, layer.operand, weights)
+    static = rule.kernel_args(a, dtype, layer.operand, weights) | rule.sized_args(a, layer.input, layer.operand)
+    return rule.kernel(a, layer.operand), static
 
 
 def _label(path: str, base: str | None) -> str:

@@ -148,6 +148,14 @@ def _value(
             diags.add(unknown_name("input", v.name, v.span, inputs))
             return None
         return v.name
+    if spec.type == "choice":
+        if not isinstance(v, ast.NameRef) or v.name not in spec.choices:
+            options = ", ".join(spec.choices)
+            diags.error(
+                "E024", f"`{spec.name}` of {what} is one of {options}", v.span, notes=[spec.doc] if spec.doc else []
+            )
+            return None
+        return v.name
     value = eval_value(v, scope, diags)
     if value is None:
         return None

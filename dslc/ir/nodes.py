@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 from typing import Literal, TypeAlias
 
 from dslc.diagnostics import NO_SPAN, Span
-from dslc.kernels.storage import expand_names
+from dslc.runtime.storage import expand_names
 from dslc.schedules.table import Schedule
 
 Axes: TypeAlias = tuple[str, ...]

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from dslc.diagnostics import NO_SPAN, Span
 from dslc.ir.nodes import Program, Sharding, StackedWeight, TensorType, stacked_weights
 from dslc.ir.state import StateSharding, state_sharding
-from dslc.kernels.storage import Held, Parameter, Row, weight_names
+from dslc.runtime.storage import Held, Parameter, Row, weight_names
 
 # An index into a stored array: one entry per leading dimension it selects, an int (one row)
 # or a (start, stop) range.

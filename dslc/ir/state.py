@@ -3,7 +3,7 @@
 ZeRO stage 1 splits the optimizer state over the data-parallel axes, stage 2 the gradients
 too, stage 3 (FSDP) the parameters as well. A tensor is split by adding those axes to the
 first dimension that is not already split over them and that they divide evenly.
-Pure data, no jax: the planner and both backends ask the same function.
+Pure data, no jax: the planner and the code generator ask the same function.
 """
 
 from __future__ import annotations

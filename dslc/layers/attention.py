@@ -53,6 +53,22 @@ class AttentionArgs:
     rope_base: float
     bias: bool
     qkv_bias: bool
+    window: int | None
+    kernel: str
+    segments: str | None
+
+
+# Under `kernel=auto`, sequences of at least this many tokens take the flash algorithm,
+# shorter ones the dense one: at 256 tokens dense is as fast or faster and its scores are
+# small (bench/bench_attention.py measures both).
+FLASH_FROM = 1024
+
+
+def algorithm(a: AttentionArgs, seq: int) -> str:
+    """The core's algorithm for a sequence of `seq` tokens: "dense" or "flash"."""
+    if a.kernel != "auto":
+        return a.kernel
+    return "flash" if seq >= FLASH_FROM or a.segments is not None else "dense"
 
 
 class Attention(LayerRule[AttentionArgs]):
@@ -72,6 +88,22 @@ class Attention(LayerRule[AttentionArgs]):
         ArgSpec("rope_base", "float", 10000.0, "rotary base frequency"),
         ArgSpec("bias", "bool", False, "add a bias to q, k, v and o (GPT-2)"),
         ArgSpec("qkv_bias", "bool", False, "add a bias to q, k and v only (Qwen2)"),
+        ArgSpec("window", "int", None, "sliding window: a query sees only the `window` latest keys, itself included"),
+        ArgSpec(
+            "kernel",
+            "choice",
+            "auto",
+            "the core's algorithm: `dense` (every score at once), `flash` (block by block, keeping none; a fused "
+            f"kernel where the backend has one), `auto` (flash from {FLASH_FROM} tokens, or with `segments`)",
+            choices=("auto", "dense", "flash"),
+        ),
+        ArgSpec(
+            "segments",
+            "input",
+            None,
+            "a declared input [batch, seq] of document ids: a query sees only its own document's keys, and rotary "
+            "positions restart at each document",
+        ),
     )
     Args = AttentionArgs
 
@@ -96,6 +128,14 @@ class Attention(LayerRule[AttentionArgs]):
                 f"heads ({h}) must be a multiple of kv_heads ({kv}) for grouped-query attention",
                 at=ctx.arg_span("kv_heads"),
                 notes=[f"kv_heads must divide heads = {h}: {_divisors(h)}"],
+            )
+            return False
+        if a.window is not None and not a.causal:
+            ctx.error(
+                "E024",
+                "a sliding window keeps the latest keys before each query, so it needs causal=true",
+                at=ctx.arg_span("window"),
+                help="write causal=true, or leave out `window`",
             )
             return False
         if a.rope and a.head_dim % 2:
@@ -135,6 +175,8 @@ class Attention(LayerRule[AttentionArgs]):
         context = x.sharding[1]
         if context and not self._context_parallel(a, x, context, ctx):
             return None
+        if a.segments is not None and not self._segments_fit(a.segments, x, ctx):
+            return None
         if context and a.causal:
             half = TensorType(ctx.compute_dtype, (x.shape[0], x.shape[1] // 2, x.shape[2]), x.sharding)
             for part in ("first", "second"):
@@ -160,6 +202,16 @@ class Attention(LayerRule[AttentionArgs]):
                 help="split the sequence over one axis (a mesh axis of their combined size) for context parallelism",
             )
             return False
+        if a.window is not None and ctx.mesh.size(context) > 1:
+            ctx.error(
+                "E029",
+                f"`{ctx.path}` is ring attention (its sequence is split over {fmt_axes(context)}), which takes no "
+                "sliding window",
+                at=ctx.arg_span("window"),
+                labels=[Label(ctx.input_span, split)],
+                help="leave the sequence whole, or leave out `window`",
+            )
+            return False
         ring, seq = ctx.mesh.size(context), x.shape[1]
         # A ring of one device is plain attention: nothing to balance.
         if a.causal and ring > 1 and seq % (2 * ring):
@@ -175,6 +227,38 @@ class Attention(LayerRule[AttentionArgs]):
                 ],
                 help=f"make the sequence a multiple of {2 * ring}, or choose a `{context[0]}` size whose double "
                 "divides it",
+            )
+            return False
+        return True
+
+    def _segments_fit(self, name: str, x: TensorType, ctx: Context) -> bool:
+        """Whether the declared input `name` holds one integer document id per token of `x`,
+        split like its tokens; reports why not."""
+        given = ctx.inputs[name].type
+        want = f"integer ids shaped like the tokens, [{x.shape[0]}, {x.shape[1]}]"
+        if given.dtype not in ("i32", "i64", "i8") or given.shape != x.shape[:2]:
+            ctx.error(
+                "E016",
+                f"`segments` of `{ctx.path}` reads input `{name}`, which is {given.describe()}: it needs {want}",
+                at=ctx.arg_span("segments"),
+            )
+            return False
+        if given.sharding != x.sharding[:2]:
+            ctx.error(
+                "E017",
+                f"`segments` of `{ctx.path}` reads input `{name}` split as {given.describe()}, but the tokens are "
+                f"split as {x.describe()}",
+                at=ctx.arg_span("segments"),
+                help="split the document ids' batch and sequence dimensions like the tokens'",
+            )
+            return False
+        if x.sharding[1]:
+            ctx.error(
+                "E029",
+                f"`{ctx.path}` is ring attention (its sequence is split over {fmt_axes(x.sharding[1])}), which does "
+                "not take packed documents",
+                at=ctx.arg_span("segments"),
+                help="leave the sequence whole, or leave out `segments`",
             )
             return False
         return True
@@ -252,12 +336,16 @@ class Attention(LayerRule[AttentionArgs]):
 
     def core_flops(self, layer: Layer) -> int:
         # The scores q·kᵀ, half of the core's: the weighted sum's gradient needs only the
-        # probabilities and the values, so autodiff never reruns the sum itself. Ring
-        # attention has no core to spare: its backward recomputes its scores block by block.
-        return 0 if layer.operand and layer.operand[1] else _scores_and_mix(self.args_of(layer), layer.input) // 2
+        # probabilities and the values, so autodiff never reruns the sum itself. Ring and
+        # flash attention have no core to spare: their backward recomputes the scores block by
+        # block anyway.
+        return 0 if _keeps_no_scores(layer) else _scores_and_mix(self.args_of(layer), layer.input) // 2
 
     def no_core_note(self, layer: Layer) -> str | None:
-        return None if self.core_flops(layer) else f"`{layer.path}` is ring attention, which keeps no scores"
+        if self.core_flops(layer):
+            return None
+        kind = "ring" if layer.operand and layer.operand[1] else "flash"
+        return f"`{layer.path}` is {kind} attention, which keeps no scores"
 
     def backward_collectives(self, layer: Layer, mesh: Mesh) -> tuple[Collective, ...]:
         return ring_backward_collectives(layer, mesh)
@@ -279,6 +367,9 @@ class Attention(LayerRule[AttentionArgs]):
     def residual_bytes(self, layer: Layer, mesh: Mesh, compute: str, slices: int) -> int:
         c = DTYPE_BYTES[compute]
         x, q, k_v, scores, rows = _attention_sizes(layer, mesh, slices)
+        if _flash(layer):
+            # Flash: the output and each query row's log-sum-exp (f32), besides its inputs.
+            return x * c + (2 * q + k_v) * c + rows * F32  # operand, q, k, v, output, lse
         if context_axes(layer, mesh):
             # Ring attention keeps no scores: its backward recomputes them block by block from
             # the log-sum-exp of each query row (f32). Zig-zagged (causal), the outputs are kept
@@ -289,6 +380,15 @@ class Attention(LayerRule[AttentionArgs]):
         return x * c + (2 * q + k_v) * c + scores * _score_copies(compute)  # operand, q, k, v, mixed heads, probs
 
     def workspace_bytes(self, layer: Layer, mesh: Mesh, compute: str, slices: int) -> int:
+        if _flash(layer):
+            # Flash's backward: one block's scores recomputed, their probabilities, the
+            # probabilities' gradient and the scores' (f32), and f32 accumulators of dq (whole)
+            # and of one block's dk, dv.
+            _, q, k_v, _, rows = _attention_sizes(layer, mesh, slices)
+            seq = layer.input.shape[1]
+            block = flash_block(seq)
+            scores = rows // seq * block * block  # one query block against one key block
+            return 4 * scores * F32 + q * F32 + k_v * F32 * block // seq
         if not context_axes(layer, mesh):
             return self.residual_bytes(layer, mesh, compute, slices)
         # Ring attention's backward adds its gradients up in f32 accumulators as it goes (dq,
@@ -306,10 +406,46 @@ class Attention(LayerRule[AttentionArgs]):
     def kernel_args(
         self, a: AttentionArgs, dtype: str, operand: Sharding, weights: Mapping[str, Sharding]
     ) -> dict[str, object]:
-        static: dict[str, object] = {"heads": a.heads, "kv_heads": a.kv_heads, "causal": a.causal, "dtype": dtype}
+        static: dict[str, object] = {"heads": a.heads, "kv_heads": a.kv_heads, "causal": a.causal}
+        static |= {"axis": operand[1][0]} if operand[1] else {"window": a.window} if a.window is not None else {}
         if a.rope:
             static["rope"] = BoundKernel("rotary", (("base", a.rope_base),))
-        return static | ({"axis": operand[1][0]} if operand[1] else {})
+        return static | {"dtype": dtype}
+
+    def sized_args(self, a: AttentionArgs, x: TensorType, operand: Sharding) -> dict[str, object]:
+        if operand and operand[1]:
+            return {}
+        seq = x.shape[1]
+        chosen = algorithm(a, seq)
+        return {"kernel": chosen} | ({"block": flash_block(seq)} if chosen == "flash" else {})
+
+
+def _keeps_no_scores(layer: Layer) -> bool:
+    """Whether the layer's core keeps no scores for its backward pass: ring attention, and
+    the flash algorithm."""
+    return bool(layer.operand and layer.operand[1]) or _flash(layer)
+
+
+def _flash(layer: Layer) -> bool:
+    """Whether the layer runs the flash algorithm on one device's whole sequence (a sequence
+    split over a context axis is ring attention, plain attention on a ring of one)."""
+    ring = bool(layer.operand and layer.operand[1])
+    return not ring and algorithm(Attention().args_of(layer), layer.input.shape[1]) == "flash"
+
+
+# The flash algorithm's blocks, in tokens (queries and keys alike).
+FLASH_BLOCK = 512
+
+
+def flash_block(seq: int) -> int:
+    """The flash algorithm's block for `seq` tokens: FLASH_BLOCK, the whole of a shorter
+    sequence, or the largest power of two that divides a sequence FLASH_BLOCK does not."""
+    if seq <= FLASH_BLOCK:
+        return seq
+    block = FLASH_BLOCK
+    while seq % block:
+        block //= 2
+    return block
 
 
 def _scores_and_mix(a: AttentionArgs, x: TensorType) -> int:
@@ -347,7 +483,7 @@ def ring_backward_collectives(layer: Layer, mesh: Mesh) -> tuple[Collective, ...
     """What ring attention's backward pass sends besides the transposes of its forward
     collectives: the f32 gradient accumulators of the key and value blocks travel with the
     blocks and take one pass more to come home, `ring` passes each (see
-    `dslc.kernels.layers._ring_backward`)."""
+    `dslc.runtime.attention._ring_backward`)."""
     context = context_axes(layer, mesh)
     if not context:
         return ()

@@ -4,7 +4,7 @@ A rule is consulted by the elaborator (arguments, weights), the shape pass (`inf
 planner (`flops`; `residual_bytes` and `workspace_bytes`, its model of activation memory; the
 collectives beyond the forward's, `backward_collectives` and `pipeline_recompute_collectives`;
 `context_axes`, which every gradient is summed over too), the checker (`pipeline_refusal`)
-and the backends (`kernel`, `kernel_args`: which function of `dslc.kernels.layers` computes
+and the backends (`kernel`, `kernel_args`: which function of `dslc.runtime.layers` computes
 it, with which static arguments). The planner and the checker ask the rule rather than test
 a layer kind by name; the mixture-of-experts report (`dslc.plan.experts`) is about that kind.
 """
@@ -31,7 +31,7 @@ class _Required:
 REQUIRED = _Required()
 
 # "any" is for block parameters, which take whatever value they are given.
-ArgType = Literal["int", "float", "bool", "input", "any"]
+ArgType = Literal["int", "float", "bool", "input", "choice", "any"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +54,8 @@ class ArgSpec:
     default: object | Callable[[Attrs], object] = REQUIRED
     doc: str = ""
     positive: bool = True
+    # An argument of type "choice" is one of these words, written bare (`kernel=flash`).
+    choices: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -287,7 +289,7 @@ class LayerRule(Generic[A]):
         return None
 
     def kernel(self, a: A, operand: Sharding) -> str:
-        """The function in `dslc.kernels.layers` that computes this use of the layer (both
+        """The function in `dslc.runtime.layers` that computes this use of the layer (both
         backends call it the same way, see that module's conventions): by default the
         kind's own name; a rule may choose by sharding (attention over a split sequence is
         ring attention)."""
@@ -297,7 +299,7 @@ class LayerRule(Generic[A]):
     random: ClassVar[bool] = False
 
     # For a loss that is a mean over the positions it counts (cross-entropy leaves out ignored
-    # targets): the function of `dslc.kernels.layers` that counts them, called with the loss
+    # targets): the function of `dslc.runtime.layers` that counts them, called with the loss
     # kernel's inputs and static arguments. Gradient accumulation weighs each slice of the
     # batch by its count, so the mean is the whole batch's. None: every slice weighs the same.
     count_kernel: ClassVar[str | None] = None
@@ -316,6 +318,11 @@ class LayerRule(Generic[A]):
         Arguments of type "input" are not listed here: the caller passes the named input's
         array under the argument's own name.
         """
+        return {}
+
+    def sized_args(self, a: A, x: TensorType, operand: Sharding) -> dict[str, object]:
+        """Static keyword arguments that depend on the input's shape `x` as well (attention's
+        core algorithm, chosen by sequence length, and its block)."""
         return {}
 
 

@@ -1,6 +1,6 @@
 """Mixture of experts: a router picks top-k experts per token; experts split over an axis.
 
-The arithmetic is `dslc.kernels.layers.moe` (GShard-style dispatch with a capacity per expert);
+The arithmetic is `dslc.runtime.layers.moe` (GShard-style dispatch with a capacity per expert);
 this rule says how much room the experts have, which layouts the kernel supports, and what
 the layer communicates.
 """
@@ -159,7 +159,7 @@ class MoE(LayerRule[MoEArgs]):
         return router + dispatch_and_combine + experts
 
     def residual_bytes(self, layer: Layer, mesh: Mesh, compute: str, slices: int) -> int:
-        """The kernel's (dslc.kernels.layers.moe): the operand; the router's probabilities
+        """The kernel's (dslc.runtime.layers.moe): the operand; the router's probabilities
         (f32); the dispatch and combine tensors [groups, tokens, experts, slots]; and for every
         slot this device computes, its input and output (dim each) and the hidden layer before
         and after the GELU. (XLA recomputes the one-hot choices and the GELU's terms inside the
@@ -178,7 +178,7 @@ class MoE(LayerRule[MoEArgs]):
     def pipeline_recompute_collectives(self, layer: Layer) -> tuple[Collective, ...]:
         # Inside the pipeline's `shard_map` a mixture of experts recomputes its forward,
         # exchange included, before differentiating it (see
-        # `dslc.kernels.layers._shard_map_with_inner_vjp`).
+        # `dslc.runtime.layers._shard_map_with_inner_vjp`).
         return exchange_collectives(layer)
 
     def kernel_args(

@@ -19,7 +19,7 @@ residual gradients (the rule's `workspace_bytes`), or a recomputed block's whole
 Total activation memory = kept + the largest transient.
 
 Under a pipeline the same model applies to one chunk and one microbatch: the executor
-(dslc/kernels/pipeline.py) stashes what a chunk's forward keeps, per microbatch in flight,
+(dslc/runtime/pipeline.py) stashes what a chunk's forward keeps, per microbatch in flight,
 and its backward tick needs that chunk's working set (dslc/plan/memory.py counts the slots).
 """
 

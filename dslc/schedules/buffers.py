@@ -1,6 +1,6 @@
 """The buffers a schedule needs, and the slot every value lives in: the executor's tables.
 
-`dslc.kernels.schedule.slot_tables` makes them (its docstring says what a stage keeps, and
+`dslc.runtime.schedule.slot_tables` makes them (its docstring says what a stage keeps, and
 for how long), the very code the generated module makes its own tables with; `ExecutionPlan`
 is how dslc reads them.
 
@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dslc.kernels.schedule import OTHER_DIRECTIONS, TABLE_ENTRIES, slot_tables
+from dslc.runtime.schedule import OTHER_DIRECTIONS, TABLE_ENTRIES, slot_tables
 from dslc.schedules.table import Schedule
 
 Table = tuple[tuple[int, ...], ...]  # [tick][stage]
@@ -85,7 +85,7 @@ class ExecutionPlan:
 
 def allocate_slots(schedule: Schedule) -> ExecutionPlan:
     """The executor's tables for `schedule`, which must pass `validate`: the ones the generated
-    module makes from its timelines, by the same code (`dslc.kernels.schedule.slot_tables`)."""
+    module makes from its timelines, by the same code (`dslc.runtime.schedule.slot_tables`)."""
     tables = slot_tables(
         [[None if a is None else (a.op, a.microbatch, a.chunk) for a in row] for row in schedule.grid()]
     )

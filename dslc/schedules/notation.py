@@ -1,6 +1,6 @@
 """A schedule as each stage's timeline, written the way the generated module states it.
 
-`dslc.kernels.schedule.read_timeline` reads it back (its module's docstring says how it
+`dslc.runtime.schedule.read_timeline` reads it back (its module's docstring says how it
 reads). Runs are written short: a group of one to `LONGEST_GROUP` ticks that repeats at least
 three times, one microbatch on each time, as its first and last repetition (`F0..F15`,
 `(B0 F16)..(B175 F191)`), and three or more idle ticks as `.x15`; the run that covers most
@@ -9,7 +9,7 @@ ticks first. A stage's idle ticks after its last action are left out.
 
 from __future__ import annotations
 
-from dslc.kernels.schedule import Tick
+from dslc.runtime.schedule import Tick
 from dslc.schedules.table import Schedule
 
 LONGEST_GROUP = 6

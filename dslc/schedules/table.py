@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Final, assert_never
 
-from dslc.kernels import schedule as kernel
+from dslc.runtime import schedule as kernel
 
 # The largest table dslc builds or reads, in actions (stages x chunks per stage x microbatches
 # x 2 ops, or 3 with a split backward): making, checking and allocating one takes about 25 us
@@ -120,7 +120,7 @@ def v_placement(stages: int) -> tuple[int, ...]:
 
 def direction(result: Result, source: int, target: int, stages: int) -> Direction | None:
     """How `result` travels from stage `source` to stage `target`; None when they are not
-    neighbours (`dslc.kernels.schedule.direction`, which the executor's tables follow)."""
+    neighbours (`dslc.runtime.schedule.direction`, which the executor's tables follow)."""
     way = kernel.direction(result, source, target, stages)
     return None if way is None else Direction(way)
 

@@ -20,9 +20,10 @@ from dslc.train.digits import CLASSES, NATIVE_SIDE, DigitImages, image_side, loa
 from dslc.train.tokens import HELD_OUT, NextTokens, TokenData, in_memory, open_data
 
 
-def dataset_for(program: ir.Program, data: Path | None = None) -> Dataset:
-    """The data set that fits the spec's inputs: `data` (a path, for language models) or the
-    embedded one; DataError says why none does."""
+def dataset_for(program: ir.Program, data: Path | None = None, document_end: int | None = None) -> Dataset:
+    """The data set that fits the spec's inputs: `data` (a path, for language models; in a
+    token file the id `document_end` ends a document) or the embedded one; DataError says why
+    none does."""
     stream = program.input(program.stream)
     loss = program.loss
     if loss is None:
@@ -30,12 +31,17 @@ def dataset_for(program: ir.Program, data: Path | None = None) -> Dataset:
             f"spec `{program.name}` has no loss layer (cross_entropy or mse) at the end of `forward`: nothing to train"
         )
     target = program.input(str(loss.attr("targets")))
-    others = [i for i in program.inputs if i.name not in (stream.name, target.name)]
+    segments, counted = _packing_inputs(program, loss)
+    others = [i for i in program.inputs if i.name not in (stream.name, target.name, segments, counted)]
     if not others and _is_language_model(program, stream, target, loss):
         vocab = _token_count(program, stream, target, embedded=data is None)
-        found = _stdlib_tokens() if data is None else open_data(data, vocab)
-        held_out = NextTokens(found.held_out, vocab, stream, target, found.description + " (held out)", "")
-        return NextTokens(found.train, vocab, stream, target, found.description, found.fingerprint, held_out)
+        found = _stdlib_tokens() if data is None else open_data(data, vocab, document_end)
+        ids = program.input(segments) if segments else None
+        mask = program.input(counted) if counted else None
+        held_out = NextTokens(
+            found.held_out, vocab, stream, target, found.description + " (held out)", "", segments=ids, counted=mask
+        )
+        return NextTokens(found.train, vocab, stream, target, found.description, found.fingerprint, held_out, ids, mask)
     if data is not None:
         raise DataError(
             f"--data feeds language models (integer tokens read by an `embed`, targets of the same shape for "
@@ -44,6 +50,17 @@ def dataset_for(program: ir.Program, data: Path | None = None) -> Dataset:
     if not others and _is_image_classifier(stream, target, loss):
         return DigitImages(load_digits(), stream, target)
     raise DataError(_refusal(program))
+
+
+def _packing_inputs(program: ir.Program, loss: ir.Layer) -> tuple[str | None, str | None]:
+    """The inputs a language model reads to pack documents into its sequences: the document
+    ids its attention layers read (`segments=`, one input for all), and the loss's mask
+    (`mask=`), which packing fills with where a target stays in its document."""
+    named = {str(layer.attr("segments")) for layer in ir.all_layers(program) if layer.kind == "attention"}
+    named.discard("None")
+    segments = named.pop() if len(named) == 1 else None
+    mask = loss.attr("mask") if loss.kind == "cross_entropy" else None
+    return segments, (str(mask) if mask is not None else None)
 
 
 def _stdlib_tokens() -> TokenData:

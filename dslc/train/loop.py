@@ -23,9 +23,9 @@ import jax
 import numpy as np
 
 from dslc.ir import nodes as ir
-from dslc.kernels.metrics import moe_metrics
 from dslc.layers import RULES
 from dslc.lower.program import DslcModel, Program, WeightsError
+from dslc.runtime.metrics import moe_metrics
 from dslc.train.checkpoint import Checkpoints, RunState, run_state
 from dslc.train.data import data_warnings, dataset_for
 from dslc.train.dataset import Dataset
@@ -61,6 +61,7 @@ class TrainOptions:
     data: Path | None = None  # a language model's own tokens or text, instead of the embedded data
     eval_every: int | None = None  # evaluate on the held-out data every K steps (and at the end)
     init_from: Mapping[str, np.ndarray] | None = None  # weights a new run starts from, by dotted name
+    document_end: int | None = None  # in a token file, the id that ends a document
 
 
 @dataclass(frozen=True)
@@ -110,7 +111,7 @@ def train(program: Program, options: TrainOptions, log: Callable[[str], None] | 
     removes the one half-written, and lets KeyboardInterrupt through."""
     leader = jax.process_index() == 0
     log = (log or _to_stderr) if leader else _nowhere
-    dataset = dataset_for(program.ir, options.data)
+    dataset = dataset_for(program.ir, options.data, options.document_end)
     if options.eval_every is not None and dataset.held_out is None:
         raise TrainError(f"--eval-every needs held-out data, and {dataset.description} keeps none")
     if options.resume and not _has_entries(options.out / CHECKPOINTS_DIR):
@@ -274,7 +275,7 @@ def evaluate(
     program: Program, model: DslcModel, held_out: Dataset, seed: int, rows: np.ndarray | None = None
 ) -> dict[str, float]:
     """The mean loss over EVAL_BATCHES held-out batches (dropout off) as `eval_loss`, and for
-    a mixture of experts its load and dropped tokens on them (`dslc.kernels.metrics`)."""
+    a mixture of experts its load and dropped tokens on them (`dslc.runtime.metrics`)."""
     batches = [held_out.batch(seed, i, rows) for i in range(EVAL_BATCHES)]
     found = {"eval_loss": float(np.mean([float(program.loss(model, b)) for b in batches]))}
     if any(RULES[layer.kind].has_aux for layer in ir.all_layers(program.ir)):

@@ -54,6 +54,9 @@ class TokenStream:
 
     parts: tuple[np.ndarray, ...] = field(repr=False)
     byte_level: bool  # ids are bytes: a vocabulary below 256 folds the high ones
+    # Where each document but the first begins, as positions in the stream (sorted): a text
+    # file of a folder is one document, a token file's end-of-document id ends one.
+    boundaries: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64), repr=False)
 
     @functools.cached_property
     def starts(self) -> np.ndarray:
@@ -73,6 +76,12 @@ class TokenStream:
             start, length, part = start + len(piece), length - len(piece), part + 1
         return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
 
+    def documents(self, start: int, length: int) -> np.ndarray:
+        """Which document each of tokens start .. start + length - 1 belongs to, counted from
+        the first of them (0)."""
+        found = np.searchsorted(self.boundaries, np.arange(start, start + length), side="right")
+        return (found - found[0]).astype(np.int64)
+
     def split(self, held_out: float) -> tuple[TokenStream, TokenStream]:
         """The stream up to its last `held_out` share, and that share."""
         cut = len(self) - int(len(self) * held_out)
@@ -84,7 +93,8 @@ class TokenStream:
             a, b = max(lo - int(begin), 0), min(hi - int(begin), len(part))
             if a < b:
                 parts.append(part[a:b])
-        return TokenStream(tuple(parts), self.byte_level)
+        inside = self.boundaries[(self.boundaries > lo) & (self.boundaries < hi)]
+        return TokenStream(tuple(parts), self.byte_level, inside - lo)
 
 
 def in_memory(data: bytes) -> TokenStream:
@@ -101,14 +111,15 @@ class TokenData:
     fingerprint: str
 
 
-def open_data(path: Path, vocab: int) -> TokenData:
-    """Open `path` as the module docstring says; DataError for anything it cannot be."""
+def open_data(path: Path, vocab: int, document_end: int | None = None) -> TokenData:
+    """Open `path` as the module docstring says; DataError for anything it cannot be. In a
+    token file, the id `document_end` (when given) ends a document."""
     if not path.exists():
         raise DataError(f"--data {path}: no such file or folder")
     if path.is_dir():
         pair = _split_files(path)
         if pair is not None:
-            train, val = (_token_file(p, vocab) for p in pair)
+            train, val = (_token_file(p, vocab, document_end) for p in pair)
             description = f"token files {pair[0]} ({len(train):,} tokens) and {pair[1].name} ({len(val):,}, held out)"
             return TokenData(train, val, description, _fingerprint(pair))
         files = _text_files(path)
@@ -117,7 +128,7 @@ def open_data(path: Path, vocab: int) -> TokenData:
         stream = _text(files)
         what = f"text in {path}, byte-level ({len(files)} files, {len(stream) / 1e6:.1f} MB)"
     elif path.suffix in (".bin", ".npy"):
-        stream = _token_file(path, vocab)
+        stream = _token_file(path, vocab, document_end)
         what = f"token file {path} ({len(stream):,} tokens, {stream.parts[0].dtype})"
         files = [path]
     else:
@@ -138,7 +149,7 @@ def _split_files(folder: Path) -> tuple[Path, Path] | None:
     return None
 
 
-def _token_file(path: Path, vocab: int) -> TokenStream:
+def _token_file(path: Path, vocab: int, document_end: int | None = None) -> TokenStream:
     try:
         if path.suffix == ".npy":
             ids = np.load(path, mmap_mode="r", allow_pickle=False)
@@ -155,7 +166,18 @@ def _token_file(path: Path, vocab: int) -> TokenStream:
         shape = "x".join(map(str, ids.shape))
         raise DataError(f"--data {path}: a token file is a flat array of integer ids, this one is {ids.dtype}[{shape}]")
     _check_ids(path, ids, vocab)
-    return TokenStream((ids,), byte_level=False)
+    ends = np.zeros(0, np.int64) if document_end is None else _documents_ended(ids, document_end)
+    return TokenStream((ids,), byte_level=False, boundaries=ends)
+
+
+def _documents_ended(ids: np.ndarray, end: int) -> np.ndarray:
+    """Where a document begins after each `end` id of `ids` (the id belongs to the document it
+    ends), read a slice at a time."""
+    found = [
+        np.flatnonzero(ids[start : start + CHECK_CHUNK] == end) + start + 1 for start in range(0, len(ids), CHECK_CHUNK)
+    ]
+    ends = np.concatenate(found).astype(np.int64) if found else np.zeros(0, np.int64)
+    return ends[ends < len(ids)]
 
 
 def _check_ids(path: Path, ids: np.ndarray, vocab: int) -> None:
@@ -201,7 +223,10 @@ def _is_binary(path: Path) -> bool:
 
 
 def _text(files: Sequence[Path]) -> TokenStream:
+    """The files as one byte stream, each a document: the newline that joins two ends the first."""
     parts: list[np.ndarray] = []
+    boundaries: list[int] = []
+    at = 0
     newline = np.frombuffer(b"\n", dtype=np.uint8)
     for path in files:
         try:
@@ -209,8 +234,13 @@ def _text(files: Sequence[Path]) -> TokenStream:
             part = np.memmap(path, dtype=np.uint8, mode="r") if size else np.zeros(0, np.uint8)
         except (OSError, ValueError) as exc:
             raise DataError(f"--data {path}: cannot read it: {exc}") from None
-        parts.extend([newline, part] if parts else [part])
-    return TokenStream(tuple(parts), byte_level=True)
+        if parts:
+            parts.append(newline)
+            at += 1
+            boundaries.append(at)
+        parts.append(part)
+        at += len(part)
+    return TokenStream(tuple(parts), byte_level=True, boundaries=np.asarray(boundaries, np.int64))
 
 
 def _fingerprint(files: Sequence[Path]) -> str:
@@ -243,6 +273,10 @@ class NextTokens:
     description: str
     fingerprint: str
     held_out: NextTokens | None = None  # windows of the held-out stream, for evaluation
+    # Packed documents: the input of document ids attention reads (`segments=`), and the
+    # loss's mask, 0 where a target is the next document's first token.
+    segments: ir.Input | None = None
+    counted: ir.Input | None = None
 
     @property
     def unit(self) -> str:
@@ -271,4 +305,17 @@ class NextTokens:
                 f"(step {step}) is not below the spec's vocabulary of {self.vocab}"
             )
         windows = windows.astype(np.int32)
-        return {self.tokens.name: windows[:, :-1], self.targets.name: windows[:, 1:]}
+        batch = {self.tokens.name: windows[:, :-1], self.targets.name: windows[:, 1:]}
+        if self.segments is None and self.counted is None:
+            return batch
+        # A window packs the documents it crosses: each token keeps to its own (attention by
+        # `segments`), and a position whose target begins the next document is not counted.
+        documents = np.zeros((count, seq + 1), dtype=np.int64)
+        for row in range(count) if rows is None else rows:
+            documents[row] = self.stream.documents(int(starts[row]), seq + 1)
+        if self.segments is not None:
+            batch[self.segments.name] = documents[:, :-1].astype(np.int32)
+        if self.counted is not None:
+            dtype = np.dtype(ir.DTYPES[self.counted.type.dtype].jax)
+            batch[self.counted.name] = (documents[:, 1:] == documents[:, :-1]).astype(dtype)
+        return batch

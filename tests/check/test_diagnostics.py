@@ -1282,7 +1282,32 @@ def test_e029_convolution_over_a_split_image() -> None:
     assert d.message == "`c` cannot convolve an image split along its spatial dimensions"
 
 
-# ---- W001-W004: legal but wasteful -----------------------------------------------------------
+# ---- W001-W005: legal but wasteful -----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("train", "head_dim", "backend", "said"),
+    [
+        ("", 16, "gpu", "takes 16-bit heads, these are float32"),
+        ("train { compute_dtype bf16 }\n", 160, "gpu", "a width up to 128 in steps of 8, not 160"),
+        ("", 16, "tpu", None),
+        ("train { compute_dtype bf16 }\n", 16, "gpu", None),
+        ("", 16, "cpu", None),
+    ],
+)
+def test_w005_a_layer_no_fused_kernel_takes_on_the_backend(
+    train: str, head_dim: int, backend: str, said: str | None
+) -> None:
+    header = "model m\nmesh data=2\ninput x: f32[2 @ data, 2048, 64]\ninput y: f32[2 @ data, 2048, 64]\n"
+    text = header + f"forward(x) {{\n  attn: attention(64, 4, head_dim={head_dim})\n  loss: mse(y)\n}}\n" + train
+    assert dslc.check(text) == []  # said only for a backend
+    found = dslc.check(text, backend=backend)
+    if said is None:
+        assert found == []
+        return
+    (d,) = found
+    assert (d.code, d.severity, at(d)) == ("W005", WARNING, (6, 3, 6, 36 + len(str(head_dim))))
+    assert said in d.message and d.help
 
 
 def test_w001_pipeline_efficiency_below_80_percent() -> None:
@@ -1601,7 +1626,7 @@ def test_catalogue_example_prints_what_the_catalogue_shows(
     path = tmp_path / "example.par"
     path.write_bytes(example.group("spec").encode(info.get("encoding", "utf-8")))
     monkeypatch.chdir(tmp_path)
-    diags = dslc.check("example.par", mesh=info.get("mesh"))
+    diags = dslc.check("example.par", mesh=info.get("mesh"), backend=info.get("backend"))
     assert {d.code for d in diags} == {code}, f"the {code} example gives {[d.code for d in diags]}"
     try:
         sources = {"example.par": path.read_text(encoding="utf-8")}

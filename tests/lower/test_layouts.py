@@ -28,7 +28,7 @@ from tests.layouts import Combination, Layout
 # Compiles and runs programs: left out of the quick run, `pytest -m "not slow"`.
 pytestmark = pytest.mark.slow
 
-SAMPLE = 6
+SAMPLE = 3
 
 
 def seed() -> int:

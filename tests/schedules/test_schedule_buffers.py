@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from dslc.kernels.schedule import (
+from dslc.runtime.schedule import (
     BACKWARD,
     FORWARD,
     IDLE,

@@ -229,9 +229,9 @@ def test_schedule_error_is_a_value_error() -> None:
 
 def test_schedules_import_only_the_standard_library() -> None:
     """The CLI imports schedules to answer quickly; nothing heavy may come with it, nor with
-    the kernel that makes the executor's tables (`dslc.kernels` itself imports only pathlib)."""
+    the kernel that makes the executor's tables (`dslc.runtime` itself imports only pathlib)."""
     package = Path(dslc.schedules.__file__).parent
-    kernel = package.parent / "kernels" / "schedule.py"
+    kernel = package.parent / "runtime" / "schedule.py"
     imported = set()
     for module in [*package.glob("*.py"), kernel]:
         for node in ast.walk(ast.parse(module.read_text(), str(module))):
@@ -243,7 +243,7 @@ def test_schedules_import_only_the_standard_library() -> None:
     outside = {
         name
         for name in imported
-        if not (name.startswith("dslc.schedules") or name in ("dslc.kernels", "dslc.kernels.schedule"))
+        if not (name.startswith("dslc.schedules") or name in ("dslc.runtime", "dslc.runtime.schedule"))
         and name.split(".")[0] not in sys.stdlib_module_names | {"__future__"}
     }
     assert outside == set()

@@ -317,3 +317,72 @@ def test_an_id_beyond_the_vocabulary_anywhere_in_a_token_file_stops_the_run_befo
     ], err
     assert not (tmp_path / "r").exists()
     assert seconds < 30, seconds  # seen: 0.2 s (jax already started); compiling the step takes longer
+
+
+# --- documents packed into sequences ---------------------------------------------------------
+
+# tiny with its attention reading document ids and its loss their mask, its sequence long
+# enough to cross documents: the flash core (the spec's choice), which keeps a query to its
+# own document.
+PACKED = (
+    (SPECS / "tiny.par")
+    .read_text()
+    .replace(
+        "input targets: i32[batch @ data, seq]",
+        "input targets: i32[batch @ data, seq]\n"
+        "input docs: i32[batch @ data, seq]\n"
+        "input counted: i8[batch @ data, seq]",
+    )
+    .replace("attention(d, heads)", "attention(d, heads, kernel=flash, segments=docs)")
+    .replace("cross_entropy(targets)", "cross_entropy(targets, mask=counted)")
+)
+
+
+def test_a_window_packs_the_documents_it_crosses(tmp_path: Path) -> None:
+    """Three files, each a document: a window's document ids change where a file ends (its
+    joining newline is its own), and a position whose target begins the next document is
+    not counted."""
+    folder = tmp_path / "docs"
+    folder.mkdir()
+    for name, letter in (("a.txt", "a"), ("b.txt", "b"), ("c.txt", "c")):
+        (folder / name).write_text(letter * 40)
+    program = checked(PACKED)
+    dataset = dataset_for(program, folder)
+    assert isinstance(dataset, NextTokens)
+    batch = dataset.batch(0, 0)
+    letters = {ord("a"): 0, ord("b"): 1, ord("c"): 2}
+    for row in range(8):
+        tokens, targets = batch["tokens"][row], batch["targets"][row]
+        window = np.concatenate([tokens, targets[-1:]])
+        # A letter's file is its document; a joining newline belongs to the file before it.
+        owner = [letters.get(int(t), -1) for t in window]
+        for i in range(len(owner)):
+            if owner[i] < 0:
+                owner[i] = owner[i - 1] if i else letters[int(window[1])] - 1
+        docs = np.asarray(owner) - owner[0]
+        np.testing.assert_array_equal(batch["docs"][row], docs[:-1])
+        np.testing.assert_array_equal(batch["counted"][row], (docs[1:] == docs[:-1]).astype(np.int8))
+    assert batch["counted"].dtype == np.int8 and batch["docs"].dtype == np.int32
+
+
+def test_an_end_of_document_id_ends_a_document_in_a_token_file(tmp_path: Path) -> None:
+    ids = np.asarray([5, 6, 7, 0, 8, 9, 0, 0, 3, 4] * 50, np.uint16)
+    ids.tofile(tmp_path / "tokens.bin")
+    stream = open_data(tmp_path / "tokens.bin", vocab=256, document_end=0).train
+    # The id that ends a document is its last token; the next begins after it.
+    np.testing.assert_array_equal(stream.documents(0, 10), [0, 0, 0, 0, 1, 1, 1, 2, 3, 3])
+    np.testing.assert_array_equal(stream.documents(5, 4), [0, 0, 1, 2])
+    assert len(open_data(tmp_path / "tokens.bin", vocab=256).train.boundaries) == 0  # without: one document
+
+
+def test_a_text_folder_trains_packed_documents_with_a_falling_held_out_loss(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    folder = write_text_folder(tmp_path / "text")
+    (tmp_path / "packed.par").write_text(PACKED)
+    argv = ["--data", str(folder), "--eval-every", "15", "--steps", "30", "--out", str(tmp_path / "r")]
+    code = main(["train", str(tmp_path / "packed.par"), *argv])
+    _, err = capsys.readouterr()
+    assert code == 0, err
+    held_out = {r["step"]: r["eval_loss"] for r in rows_of(tmp_path / "r") if "eval_loss" in r}
+    assert list(held_out) == [15, 30] and held_out[30] < held_out[15] - 0.3, held_out

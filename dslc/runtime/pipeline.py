@@ -70,8 +70,8 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec
 
-from dslc.kernels.schedule import BACKWARD, FORWARD, INPUT_GRAD, WEIGHT_GRAD
-from dslc.kernels.storage import Parameter
+from .schedule import BACKWARD, FORWARD, INPUT_GRAD, WEIGHT_GRAD
+from .storage import Parameter
 
 # chunk(weights, x, inputs, key) -> the chunk's output; the last chunk returns its f32 loss.
 # With `has_aux`, every chunk returns (that, aux), aux an f32 scalar added to the loss.

@@ -3,7 +3,7 @@
 A block so checkpointed keeps every activation but its attention layers' cores (the scores,
 their softmax and the probabilities, [batch, heads, seq, seq]); the backward pass reruns
 each core from the kept queries, keys and values (`jax.checkpoint` around the core in
-`kernels.layers.attention`). Checked: the gradients are the reference's; the traced step's
+`runtime.attention.attention`). Checked: the gradients are the reference's; the traced step's
 matrix-multiply FLOPs grow by exactly the planner's recompute, far less than `checkpoint
 full`'s; the planner's per-layer activation bytes are the paper's Table 2 formula for the
 terms dslc's layers keep as the paper counts them (docs/plan.md lists the others).

@@ -7,7 +7,7 @@ import zlib
 import jax
 import jax.numpy as jnp
 
-from dslc.kernels.storage import Parameter, weight_names
+from .storage import Parameter, weight_names
 
 
 def named_key(key: jax.Array, name: str) -> jax.Array:

@@ -1,5 +1,5 @@
 """The optimizer, gradient accumulation and data parallelism: the parts of a training step
-both backends share."""
+that do not depend on the spec."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import optax
 from jax import lax
 from jax.sharding import PartitionSpec
 
-from dslc.kernels.storage import Parameter
+from .storage import Parameter
 
 OPTIMIZER_DEFAULTS = {
     "lr": 1e-3,

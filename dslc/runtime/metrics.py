@@ -1,4 +1,4 @@
-"""What a training step reports besides its loss: plain functions both backends can call."""
+"""What a training step reports besides its loss: plain functions a generated module and `dslc train` call."""
 
 from __future__ import annotations
 

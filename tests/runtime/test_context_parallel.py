@@ -1,5 +1,5 @@
 """Context parallelism: attention over a sequence split over a non-tensor-parallel axis runs as
-ring attention (`dslc.kernels.layers.ring_attention`) and computes exactly what attention on
+ring attention (`dslc.runtime.attention.ring_attention`) and computes exactly what attention on
 one device computes.
 
 Errors are norm-relative, `max|got - want| / max|want|` per array, as in test_numerics.py.
@@ -34,10 +34,10 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 import dslc
 from dslc.ir import nodes as ir
-from dslc.kernels import layers as kernels
 from dslc.layers import RULES
 from dslc.layers.attention import context_axes
 from dslc.plan import plan
+from dslc.runtime import attention as kernels
 from tests import reference
 from tests.conftest import SPECS, TEST_SPECS
 from tests.tolerances import BF16

@@ -183,7 +183,7 @@ def test_the_load_balancing_loss_is_in_the_loss_and_its_gradient(results: Result
 def test_training_metrics_report_the_load_balance_and_dropped_share(results: Results) -> None:
     """`dslc train` logs these (`moe_balance_loss`, `moe_dropped_fraction`) from the layers'
     auxiliary values: checked against the dense reference's routing."""
-    from dslc.kernels.metrics import moe_metrics
+    from dslc.runtime.metrics import moe_metrics
 
     base = results["all_to_all_4"]
     want = base.reference.aux

@@ -1,0 +1,28 @@
+"""What a training step reports besides its loss: plain functions a generated module and `dslc train` call."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import optax
+
+
+def step_metrics(grads: Any) -> dict[str, jax.Array]:
+    """The figures of one optimizer step worth logging: the global L2 norm of its gradients
+    (before any clipping), which spikes before a loss diverges."""
+    return {"grad_norm": optax.tree.norm(grads)}
+
+
+def moe_metrics(aux: dict[str, float]) -> dict[str, float]:
+    """A mixture of experts' health from the layers' auxiliary values (summed over them):
+    `moe_balance_loss`, the load-balancing loss the experts add to the training loss (the
+    router's load: lowest when every expert receives its share), and
+    `moe_dropped_fraction`, the share of token-to-expert choices dropped for want of
+    capacity. Empty without a mixture of experts."""
+    if "moe_routed" not in aux:
+        return {}
+    return {
+        "moe_balance_loss": float(aux.get("aux_loss", 0.0)),
+        "moe_dropped_fraction": float(aux["moe_dropped"]) / max(float(aux["moe_routed"]), 1.0),
+    }

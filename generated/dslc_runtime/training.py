@@ -1,0 +1,209 @@
+"""The optimizer, gradient accumulation and data parallelism: the parts of a training step
+that do not depend on the spec."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+from jax.sharding import PartitionSpec
+
+from .storage import Parameter
+
+OPTIMIZER_DEFAULTS = {
+    "lr": 1e-3,
+    "b1": 0.9,
+    "b2": 0.95,
+    "eps": 1e-8,
+    "weight_decay": 0.01,
+    "momentum": 0.9,
+    "warmup": 0.0,
+}
+
+
+def learning_rate(hyper: dict[str, float]) -> optax.Schedule:
+    """Linear warm-up to `lr`, then constant, or cosine decay to lr/10 over `decay_steps`."""
+    h = {**OPTIMIZER_DEFAULTS, **hyper}
+    lr, warmup = h["lr"], int(h["warmup"])
+    if "decay_steps" in h:
+        steps = max(int(h["decay_steps"]), warmup + 1)
+        return optax.warmup_cosine_decay_schedule(0.0, lr, warmup, steps, end_value=lr / 10)
+    if warmup == 0:
+        return optax.constant_schedule(lr)
+    return optax.join_schedules([optax.linear_schedule(0.0, lr, warmup), optax.constant_schedule(lr)], [warmup])
+
+
+def make_optimizer(name: str, hyper: dict[str, float]) -> optax.GradientTransformation:
+    """adamw, adam or sgd with the spec's hyperparameters; `clip` adds global-norm clipping."""
+    h = {**OPTIMIZER_DEFAULTS, **hyper}
+    lr = learning_rate(hyper)
+    if name == "adamw":
+        core = optax.adamw(lr, b1=h["b1"], b2=h["b2"], eps=h["eps"], weight_decay=h["weight_decay"])
+    elif name == "adam":
+        core = optax.adam(lr, b1=h["b1"], b2=h["b2"], eps=h["eps"])
+    elif name == "sgd":
+        core = optax.sgd(lr, momentum=h["momentum"])
+    else:
+        raise ValueError(f"unknown optimizer {name!r}")
+    return optax.chain(optax.clip_by_global_norm(h["clip"]), core) if "clip" in h else core
+
+
+def master_state(optimizer: optax.GradientTransformation, params: Any, dtype: str) -> dict[str, Any]:
+    """The optimizer state of mixed-precision training: a `dtype` (f32) master copy of the
+    16-bit parameters and the optimizer's own state of it (its moments in that dtype too), as
+    ZeRO and Megatron's distributed optimizer keep them. The master starts as the parameters'
+    exact value."""
+    master = jax.tree.map(lambda p: p.astype(dtype), params)
+    return {"master": master, "optimizer": optimizer.init(master)}
+
+
+def master_update(
+    optimizer: optax.GradientTransformation, grads: Any, state: dict[str, Any], params: Any
+) -> tuple[Any, dict[str, Any]]:
+    """One optimizer step on the master copy (`master_state`): the 16-bit gradients widened to
+    the master's dtype, the update applied there, and the parameters written back as the new
+    master rounded to their own dtype. Returns (parameters, state)."""
+    master = state["master"]
+    grads = jax.tree.map(lambda g, m: g.astype(m.dtype), grads, master)
+    updates, inner = optimizer.update(grads, state["optimizer"], master)
+    master = optax.apply_updates(master, updates)
+    return jax.tree.map(lambda m, p: m.astype(p.dtype), master, params), {"master": master, "optimizer": inner}
+
+
+def accumulate_gradients(
+    value_and_grad: Callable[[Any, dict[str, jax.Array], jax.Array | None], tuple[jax.Array, Any]],
+    params: Any,
+    batch: dict[str, jax.Array],
+    key: jax.Array | None,
+    steps: int,
+    count: Callable[[dict[str, jax.Array]], jax.Array] | None = None,
+) -> tuple[jax.Array, Any]:
+    """Mean loss and gradients over `steps` slices of the batch, one slice at a time.
+
+    Slice j takes rows j, j+steps, j+2*steps, ...: every slice keeps rows from every data
+    shard, so all devices work on every slice. Gradients are summed as they arrive; their
+    mean over equal slices is the full-batch gradient of a mean loss.
+
+    A loss that averages over the positions it counts (`count` gives their number in a
+    batch: cross-entropy leaves out ignored targets) has slices of different weights: slice
+    j's loss and gradients are weighed by its share of the batch's counted positions, so the
+    result is the full batch's mean over its counted positions, not a mean of slice means.
+    """
+    if steps == 1:
+        return value_and_grad(params, batch, key)
+    sliced = {k: v.reshape(v.shape[0] // steps, steps, *v.shape[1:]).swapaxes(0, 1) for k, v in batch.items()}
+    keys = jax.random.split(key, steps) if key is not None else None
+    total_count = None if count is None else jnp.maximum(count(batch), 1.0)
+
+    def one(total: tuple[jax.Array, Any], i: jax.Array) -> tuple[tuple[jax.Array, Any], None]:
+        piece = {k: v[i] for k, v in sliced.items()}
+        value, grads = value_and_grad(params, piece, keys[i] if keys is not None else None)
+        if count is not None and total_count is not None:
+            share = count(piece) / total_count
+            value, grads = value * share, jax.tree.map(lambda g: g * share.astype(g.dtype), grads)
+        return (total[0] + value, jax.tree.map(jnp.add, total[1], grads)), None
+
+    zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
+    (value, total), _ = jax.lax.scan(one, zeros, jnp.arange(steps))
+    if total_count is not None:
+        return value, total
+    return value / steps, jax.tree.map(lambda g: g / steps, total)
+
+
+def data_parallel(
+    value_and_grad: Callable[[Any, dict[str, jax.Array], jax.Array | None], tuple[jax.Array, Any]],
+    params: dict[str, jax.Array],
+    batch: dict[str, jax.Array],
+    key: jax.Array | None,
+    *,
+    mesh: jax.sharding.Mesh,
+    axes: tuple[str, ...],
+    parameters: dict[str, Parameter],
+    count: Callable[[dict[str, jax.Array]], jax.Array] | None = None,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Mean loss and gradients over the batch, each device working through its own rows of
+    it, the gradients summed over the data-parallel `axes` once, at the end.
+
+    `value_and_grad(params, rows, key)` runs in `jax.shard_map`, manual over `axes` (the other
+    mesh axes stay automatic), on this device's rows of every input and the parameters, whole
+    along `axes`. It returns its rows' mean loss and gradients: partial sums on each device,
+    however many slices it cuts its rows into (microbatches, accumulation steps), rather than
+    reduced per slice as XLA's partitioner would where each is made.
+
+    A second map, manual over the whole mesh, sums each device's block of them once: a
+    reduce-scatter where the parameter's `update_sharding` keeps the gradient split over `axes`
+    (ZeRO 2, and ZeRO 1's optimizer state, whose pieces the update runs on), else an
+    all-reduce. There each device holds just its own piece along the other axes, so nothing is
+    gathered over them first (and XLA's CPU backend, which cannot promote a 16-bit all-reduce
+    in a partly manual map, has none to promote).
+
+    Each device weighs by its share of the batch (of its counted positions, for a loss that
+    averages over those: `count`), so the result is the whole batch's mean. Each device draws
+    its own random numbers (its key folded with its index along `axes`).
+    """
+    devices = math.prod(mesh.shape[a] for a in axes)
+    # A device's block of each gradient: the parameter's sharding, behind the new dimension.
+    blocks = {name: PartitionSpec(None, *parameters[name].sharding) for name in params}
+
+    def body(
+        params: dict[str, jax.Array], rows: dict[str, jax.Array], key: jax.Array
+    ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        mine = jax.random.fold_in(key, lax.axis_index(axes)) if key_given else None
+        loss, grads = value_and_grad(params, rows, mine)
+        if count is None:
+            share = jnp.asarray(1.0 / devices, jnp.float32)
+        else:
+            counted = count(rows).astype(jnp.float32)
+            share = counted / jnp.maximum(lax.psum(counted, axes), 1.0)
+        weighed = {name: (g * share.astype(g.dtype))[None] for name, g in grads.items()}
+        return lax.psum(loss * share, axes), lax.with_sharding_constraint(weighed, blocks)
+
+    def reduce(grads: dict[str, jax.Array]) -> dict[str, jax.Array]:
+        return {name: _sum_into(g[0], parameters[name], axes, mesh) for name, g in grads.items()}
+
+    key_given = key is not None
+    # The parameters whole along `axes`, the batch and the gradients' blocks split over them.
+    # Gradients are taken inside, per device: replication needs no tracking (`check_vma`;
+    # with it, jax would sum every slice's gradient over `axes` as it is made).
+    whole, split = PartitionSpec(), PartitionSpec(axes)
+    loss, stacked = jax.shard_map(
+        body, mesh=mesh, in_specs=(whole, split, whole), out_specs=(whole, split), axis_names=set(axes), check_vma=False
+    )(params, batch, key if key is not None else jax.random.key(0))
+    # The sum, manual over the whole mesh: each device's block, its own piece along every axis.
+    stacked_specs = {name: PartitionSpec(axes, *parameters[name].sharding) for name in params}
+    summed_specs = {name: parameters[name].update_sharding for name in params}
+    summed = jax.shard_map(reduce, mesh=mesh, in_specs=(stacked_specs,), out_specs=summed_specs, check_vma=False)
+    return loss, summed(stacked)
+
+
+def _sum_into(block: jax.Array, parameter: Parameter, axes: tuple[str, ...], mesh: jax.sharding.Mesh) -> jax.Array:
+    """This device's piece, where the optimizer updates it (`update_sharding`), of a gradient's
+    sum over `axes`, from its block (its partial sum, held as the parameter is). ZeRO adds
+    axes after those a dimension holds (`ir.state.spread`), data-parallel or not (a batch over
+    `(data, expert)`: XLA sums `expert` inside the step). Slowest-varying first, an added one
+    of `axes` is reduce-scattered over; any other holds the same block on each of its devices,
+    which keeps its own part (a slice). The rest of `axes` is all-reduced."""
+    scattered: set[str] = set()
+    for dim, entry in enumerate(parameter.update_sharding):
+        held = _names(parameter.sharding[dim]) if dim < len(parameter.sharding) else ()
+        added = _names(entry)
+        assert added[: len(held)] == held, (parameter, dim)  # ZeRO only ever adds axes
+        for axis in added[len(held) :]:
+            if axis in axes:
+                block = lax.psum_scatter(block, axis, scatter_dimension=dim, tiled=True)
+                scattered.add(axis)
+            else:
+                size = block.shape[dim] // mesh.shape[axis]
+                block = lax.dynamic_slice_in_dim(block, lax.axis_index(axis) * size, size, dim)
+    whole = tuple(a for a in axes if a not in scattered)
+    return lax.psum(block, whole) if whole else block
+
+
+def _names(entry: Any) -> tuple[str, ...]:
+    """The mesh axes of one PartitionSpec entry."""
+    return (entry,) if isinstance(entry, str) else tuple(entry or ())
