@@ -196,7 +196,18 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument(
         "--checkpoint-every", type=_count, metavar="K", help="also checkpoint every K steps (always at the end)"
     )
+    train.add_argument(
+        "--sync-checkpoints",
+        action="store_true",
+        help="write each checkpoint before the next step starts (by default, while the next steps compute)",
+    )
     train.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in the run folder")
+    train.add_argument(
+        "--auto-resume",
+        action="store_true",
+        help="continue from the newest checkpoint in the run folder if it holds one, else start: one command for "
+        "every (re)start of a preemptible job (the run folder defaults to runs/MODEL)",
+    )
     train.add_argument(
         "--data",
         metavar="PATH",
@@ -808,20 +819,22 @@ def _train_here(args: argparse.Namespace) -> int:
     initial = _initial_weights(args) if args.init_from else None
     program = _compile(args)  # first: it decides how many host devices jax starts with
     from dslc.train.dataset import DataError
-    from dslc.train.loop import TrainError, TrainInterrupted, TrainOptions, train
+    from dslc.train.loop import TrainError, TrainInterrupted, TrainOptions, has_checkpoints, train
 
     out = Path(args.out) if args.out else _run_folder(program.ir.name, args)
     data = Path(args.data) if args.data is not None else None
+    resume = args.resume or (args.auto_resume and has_checkpoints(out))
     options = TrainOptions(
         args.steps,
         out,
         args.seed,
         args.checkpoint_every,
-        args.resume,
+        resume,
         data,
         args.eval_every,
         initial,
         args.document_end,
+        async_checkpoints=not args.sync_checkpoints,
     )
     try:
         result = train(program, options)
@@ -829,7 +842,7 @@ def _train_here(args: argparse.Namespace) -> int:
         raise UsageError(str(exc)) from None
     except TrainInterrupted as stopped:
         print(f"stopped at step {stopped.step}, checkpoint saved; to continue:\n  {_resume_command(args, out)}")
-        return EXIT_INTERRUPTED
+        return 128 + stopped.signal  # as a shell reports a process stopped by the signal: 130 Ctrl-C, 143 SIGTERM
     if result.leader:
         print(result.summary())
     return EXIT_OK
@@ -853,9 +866,10 @@ def _resume_command(args: argparse.Namespace, out: Path) -> str:
     ):
         if value is not None:
             words += [flag, str(value)]
+    words += ["--sync-checkpoints"] if args.sync_checkpoints else []
     for pair in args.set:
         words += ["--set", pair]
-    words += ["--steps", str(args.steps), "--out", str(out), "--resume"]
+    words += ["--steps", str(args.steps), "--out", str(out), "--auto-resume" if args.auto_resume else "--resume"]
     return shlex.join(words)
 
 
@@ -890,6 +904,8 @@ def _run_folder(model: str, args: argparse.Namespace) -> Path:
     clashes with, or touches, an earlier run); `--resume` continues the newest of them.
     Processes of one multi-process run must agree on it, so they always use `runs/MODEL`."""
     base = Path("runs") / model
+    if args.auto_resume:  # the same folder at every restart
+        return base
     if args.coordinator is not None or os.environ.get("SLURM_NTASKS") or os.environ.get("OMPI_COMM_WORLD_SIZE"):
         return base
     folders = [base] + [base.with_name(f"{model}-{i}") for i in range(2, 10_000)]

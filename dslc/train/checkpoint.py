@@ -8,6 +8,11 @@ mid-save leaves the previous checkpoints as they were and the half-written one i
 listed (and is removed the next time the folder is opened). A save stopped by a second
 Ctrl-C is removed at once, once the writes it started have ended (`discard_unfinished`).
 
+Saves are asynchronous unless asked otherwise: `save` returns once the arrays are copied
+to host memory (so the next step may donate and overwrite them), and the files are written
+and committed in the background while training goes on. A save waits for the one before
+it, and `close` for the last.
+
 Restoring reads the arrays straight into the shardings of the program being resumed, so a
 run saved on one mesh continues on another.
 """
@@ -33,8 +38,8 @@ from dslc.lower.program import DslcModel
 KEEP = 3
 # Test hook: "STEP:MARKER" makes the save of checkpoint STEP stop half-way, after orbax has
 # started writing the step's temporary directory and before it commits it, and write the
-# temporary directory's path to the file MARKER; the process then waits to be killed (or
-# interrupted).
+# temporary directory's path to the file MARKER; the save then waits until MARKER is
+# removed, or the process killed (or interrupted).
 PAUSE_ENV = "DSLC_TRAIN_PAUSE_IN_SAVE"
 # How long an interrupted save's writes may take to end before its temporary directory is
 # removed; past it the directory is left to orbax's clean-up when the folder is next opened.
@@ -86,14 +91,14 @@ def run_state(model: DslcModel, opt_state: Any, **fields: Any) -> RunState:
 class Checkpoints:
     """The checkpoints of one run folder (`directory`), newest `KEEP` kept."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, asynchronous: bool = True) -> None:
         self.directory = directory
         options = ocp.CheckpointManagerOptions(
             preservation_policy=checkpoint_managers.LatestN(KEEP),
             cleanup_tmp_directories=True,
-            # Synchronous: a checkpoint is complete on disk when `save` returns, so the
-            # metrics written next never run ahead of the newest checkpoint.
-            enable_async_checkpointing=False,
+            # Metrics written after an asynchronous save may run ahead of the newest
+            # committed checkpoint; a resumed run drops the rows past the step it resumes.
+            enable_async_checkpointing=asynchronous,
         )
         registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
         registry.add("state", ocp.args.StandardSave)
@@ -111,10 +116,14 @@ class Checkpoints:
         return self._manager.latest_step()
 
     def committed_step(self) -> int | None:
-        """The newest checkpoint on disk, listed afresh: a save that was interrupted may or
-        may not have committed its step before it stopped."""
-        self._manager.reload()
-        return self._manager.latest_step()
+        """The newest checkpoint on disk, listed afresh (and after `close` too): a save that
+        was interrupted may or may not have committed its step before it stopped. A step's
+        directory takes its bare number only when orbax commits it."""
+        try:
+            steps = [int(p.name) for p in self.directory.iterdir() if p.name.isdigit() and p.is_dir()]
+        except OSError:
+            return None
+        return max(steps, default=None)
 
     def save(self, model: DslcModel, opt_state: Any, state: RunState) -> None:
         before = set(threading.enumerate())
@@ -159,6 +168,7 @@ class Checkpoints:
         return self.unfinished()
 
     def run_state(self, step: int) -> RunState:
+        self._manager.wait_until_finished()  # a save still writing in the background
         restored = self._manager.restore(step, args=ocp.args.Composite(run=ocp.args.JsonRestore()))
         return RunState(**restored.run)
 
@@ -166,6 +176,7 @@ class Checkpoints:
         """Load checkpoint `step` into `model` and return its optimizer state, each array
         placed with the sharding it has in `model` and `opt_state` (which may be on another
         mesh than the one that saved it)."""
+        self._manager.wait_until_finished()
         target = {"params": model.arrays(), "optimizer": opt_state}
         abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), target)
         restored = self._manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))
@@ -192,6 +203,6 @@ class _PausingJsonHandler(ocp.JsonCheckpointHandler):
         step, marker = os.environ[PAUSE_ENV].split(":", 1)
         if args is not None and args.item["step"] == int(step):
             Path(marker).write_text(str(directory))
-            while True:  # until the test kills the process
-                time.sleep(3600)
+            while Path(marker).exists():  # until the test removes the marker or kills the process
+                time.sleep(0.05)
         return futures

@@ -44,11 +44,25 @@ class TrainError(Exception):
 
 
 class TrainInterrupted(Exception):
-    """Ctrl-C stopped the run after step `step`, whose checkpoint is saved."""
+    """Ctrl-C or SIGTERM (`signal`, its number) stopped the run after step `step`, whose
+    checkpoint is saved."""
 
-    def __init__(self, step: int) -> None:
+    def __init__(self, step: int, signal: int = 2) -> None:
         super().__init__(f"stopped at step {step}")
         self.step = step
+        self.signal = signal
+
+
+def agreed(requested: int) -> int:
+    """The stop every process of the run makes after this step: the signal any of them got
+    (0 for none). A process that stopped alone would leave the others waiting for it in their
+    next step's collectives, and its checkpoint, which every process writes its shards of,
+    unfinished; so each step the processes tell one another."""
+    if jax.process_count() == 1:
+        return requested
+    from jax.experimental import multihost_utils
+
+    return int(np.max(multihost_utils.process_allgather(np.asarray(requested, np.int32))))
 
 
 @dataclass(frozen=True)
@@ -62,6 +76,7 @@ class TrainOptions:
     eval_every: int | None = None  # evaluate on the held-out data every K steps (and at the end)
     init_from: Mapping[str, np.ndarray] | None = None  # weights a new run starts from, by dotted name
     document_end: int | None = None  # in a token file, the id that ends a document
+    async_checkpoints: bool = True  # write each checkpoint while the next steps compute
 
 
 @dataclass(frozen=True)
@@ -116,26 +131,31 @@ def train(program: Program, options: TrainOptions, log: Callable[[str], None] | 
         raise TrainError(f"--eval-every needs held-out data, and {dataset.description} keeps none")
     if options.resume and not _has_entries(options.out / CHECKPOINTS_DIR):
         raise _nothing_to_resume(options.out / CHECKPOINTS_DIR)  # before anything is created
-    checkpoints = _open_run(options.out)
+    checkpoints = _open_run(options.out, options.async_checkpoints)
     try:
         return _train(program, dataset, checkpoints, options, log, leader)
     except KeyboardInterrupt:
         # A second Ctrl-C (or one before training began) stops inside a step or a save,
-        # which may have committed its checkpoint or left it half-written.
-        kept = _committed_step(checkpoints)
+        # which may have committed its checkpoint or left it half-written. Closing waits for
+        # a save already writing in the background, which then commits.
         checkpoints.close()
-        log(_stopped_at_once(checkpoints, kept))
+        log(_stopped_at_once(checkpoints, checkpoints.committed_step()))
         raise
     finally:
         checkpoints.close()
 
 
-def _open_run(out: Path) -> Checkpoints:
+def _open_run(out: Path, asynchronous: bool) -> Checkpoints:
     try:
         (out / CHECKPOINTS_DIR).mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise TrainError(f"cannot use {out} as the run folder: {exc.strerror or exc}") from None
-    return Checkpoints(out / CHECKPOINTS_DIR)
+    return Checkpoints(out / CHECKPOINTS_DIR, asynchronous)
+
+
+def has_checkpoints(out: Path) -> bool:
+    """Whether the run folder `out` holds a checkpoint to resume from."""
+    return _has_entries(out / CHECKPOINTS_DIR)
 
 
 def _has_entries(directory: Path) -> bool:
@@ -225,19 +245,22 @@ def _train(
     try:
         with (
             TrainingProgress(options.steps, run.start, dataset.unit, shown=leader) as progress,
-            StopRequest(lambda: log("stopping after this step; Ctrl-C again to stop now, without saving")) as stop,
+            StopRequest(
+                lambda name: log(f"{name}: stopping after this step; again to stop now, without saving")
+            ) as stop,
         ):
             for index in range(run.start, options.steps):
                 batch = dataset.batch(run.seed, index, rows)
                 began = time.perf_counter()
                 run.opt_state, figures = program.train_step_with_metrics(run.model, run.opt_state, batch, index)
                 seconds = time.perf_counter() - began
+                stopping = agreed(stop.requested)
                 step, compiled = index + 1, index == run.start
                 first_step_s = seconds if compiled else first_step_s
                 losses[step] = figures["loss"]
                 metrics.add(step, seconds, dataset.per_batch, program.learning_rate(index), compiled, figures)
                 progress.step(step, figures["loss"], seconds, dataset.per_batch / seconds, compiled)
-                every, last = options.eval_every, step == options.steps or stop.requested
+                every, last = options.eval_every, step == options.steps or bool(stopping)
                 if every is not None and (step % every == 0 or last):
                     assert dataset.held_out is not None, "train() refuses --eval-every without held-out data"
                     found = evaluate(program, run.model, dataset.held_out, run.seed, rows)
@@ -249,8 +272,11 @@ def _train(
                     checkpoints.save(run.model, run.opt_state, _state(program, dataset, run, step))
                     newest = step
                     metrics.write()
-                if stop.requested:
-                    raise TrainInterrupted(step)
+                    # A stop asked for during this save (a save takes long) is made now: the
+                    # checkpoint it would otherwise wait one more step for is already here.
+                    stopping = stopping or agreed(stop.requested)
+                if stopping:
+                    raise TrainInterrupted(step, stopping)
     except BaseException:
         if losses:  # what ran is worth keeping, even when the run stops early
             metrics.write()
@@ -290,13 +316,6 @@ def _start_from(program: Program, model: DslcModel, weights: Mapping[str, np.nda
         program.import_weights(model, weights)
     except WeightsError as exc:
         raise TrainError(f"--init-from: {exc}") from None
-
-
-def _committed_step(checkpoints: Checkpoints) -> int | None:
-    try:
-        return checkpoints.committed_step()
-    except (OSError, ValueError):  # a checkpoint's metadata unreadable: the newest this run knows of
-        return checkpoints.latest_step()
 
 
 def _stopped_at_once(checkpoints: Checkpoints, kept: int | None) -> str:

@@ -8,7 +8,9 @@ run on 16 devices; the checkpoint they write together then resumes in one proces
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -50,22 +52,34 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-def train_in_processes(run: Path, steps: int) -> list[tuple[str, str]]:
-    """(stdout, stderr) of each process of a PROCESSES-process run; any failure kills them all."""
+def start_processes(run: Path, steps: int) -> tuple[list[subprocess.Popen[bytes]], list[tuple[Path, Path]]]:
+    """The PROCESSES processes of one run, and each one's (stdout, stderr) files."""
     port = free_port()
     logs = [(run.with_name(f"{run.name}.{i}.out"), run.with_name(f"{run.name}.{i}.err")) for i in range(PROCESSES)]
     children = []
+    for i, (out, err) in enumerate(logs):
+        flags = ["--coordinator", f"127.0.0.1:{port}", "--num-processes", str(PROCESSES), "--process-id", str(i)]
+        argv = [sys.executable, "-c", WATCHED_CLI, *TINY, "--steps", str(steps), "--out", str(run), *flags]
+        with out.open("w") as stdout, err.open("w") as stderr:
+            children.append(subprocess.Popen(argv, cwd=ROOT, stdout=stdout, stderr=stderr))
+    return children, logs
+
+
+def wait_for(children: list[subprocess.Popen[bytes]], logs: list[tuple[Path, Path]], codes: set[int]) -> None:
+    """Until every process has ended; one that ends with a status outside `codes`, or a run
+    past its time, fails the test."""
+    deadline = time.monotonic() + 240
+    while any(child.poll() is None for child in children):
+        failed = [child for child in children if child.returncode not in (None, *codes)]
+        assert not failed and time.monotonic() < deadline, [e.read_text()[-3000:] for _, e in logs]
+        time.sleep(0.1)
+
+
+def train_in_processes(run: Path, steps: int) -> list[tuple[str, str]]:
+    """(stdout, stderr) of each process of a PROCESSES-process run; any failure kills them all."""
+    children, logs = start_processes(run, steps)
     try:
-        for i, (out, err) in enumerate(logs):
-            flags = ["--coordinator", f"127.0.0.1:{port}", "--num-processes", str(PROCESSES), "--process-id", str(i)]
-            argv = [sys.executable, "-c", WATCHED_CLI, *TINY, "--steps", str(steps), "--out", str(run), *flags]
-            with out.open("w") as stdout, err.open("w") as stderr:
-                children.append(subprocess.Popen(argv, cwd=ROOT, stdout=stdout, stderr=stderr))
-        deadline = time.monotonic() + 240
-        while any(child.poll() is None for child in children):
-            failed = [child for child in children if child.returncode not in (None, 0)]
-            assert not failed and time.monotonic() < deadline, [e.read_text()[-3000:] for _, e in logs]
-            time.sleep(0.1)
+        wait_for(children, logs, {0})
     finally:
         for child in children:
             child.kill()
@@ -114,6 +128,43 @@ def test_two_processes_train_as_one_and_only_process_0_reports(
     resumed = losses(run)
     for step in (5, 6):  # seen: exact
         assert resumed[step] == pytest.approx(expected[step], rel=1e-5), step
+
+
+def test_sigterm_to_one_process_stops_every_process_after_the_same_step_with_its_shards_saved(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """A preemption need not reach every process at once: the processes agree after each
+    step, so all of them finish the same step, write their shards of its checkpoint, and
+    stop; one process then resumes it on the uninterrupted trajectory."""
+    run = tmp_path / "run"
+    children, logs = start_processes(run, steps=100_000)
+    try:
+        deadline = time.monotonic() + 240
+        while "compiled and ran" not in logs[0][1].read_text():
+            assert all(c.poll() is None for c in children) and time.monotonic() < deadline, logs[0][1].read_text()
+            time.sleep(0.1)
+        os.kill(children[1].pid, signal.SIGTERM)
+        wait_for(children, logs, {143})
+    finally:
+        for child in children:
+            child.kill()
+            child.wait()
+    assert [child.returncode for child in children] == [143] * PROCESSES
+    (out0, err0), (out1, _) = [(out.read_text(), err.read_text()) for out, err in logs]
+    step = int(out0.split("stopped at step ")[1].split(",")[0])
+    # Each process says how it continues: the same line but for its own process id.
+    assert out1.startswith(f"stopped at step {step}, checkpoint saved") and "--process-id 1" in out1
+    assert "--process-id 0" in out0 and "Traceback" not in err0
+    state = run / "checkpoints" / str(step) / "state"
+    assert sorted(p.name for p in state.glob("ocdbt.process_*")) == [f"ocdbt.process_{i}" for i in range(PROCESSES)]
+
+    reference = tmp_path / "reference"
+    assert main([*TINY, "--steps", str(step + 2), "--out", str(reference)]) == 0
+    assert main([*TINY, "--steps", str(step + 2), "--resume", "--out", str(run)]) == 0
+    assert f"resumed from the checkpoint at step {step}" in capsys.readouterr().err
+    expected, resumed = losses(reference), losses(run)
+    for at in (step + 1, step + 2):  # the tolerance of the test above, for the same rounding
+        assert resumed[at] == pytest.approx(expected[at], rel=1e-5), at
 
 
 @pytest.mark.parametrize(

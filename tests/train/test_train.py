@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import struct
 import subprocess
@@ -374,7 +375,7 @@ def test_a_second_ctrl_c_during_a_save_says_what_was_kept_and_removes_the_unfini
             partial = Path(marker.read_text()).parent  # the temporary directory of the paused checkpoint
             assert partial.is_dir() and ".orbax-checkpoint-tmp" in partial.name
             os.kill(child.pid, signal.SIGINT)
-            while "Ctrl-C again to stop now" not in log.read_text():
+            while "Ctrl-C: stopping after this step; again to stop now" not in log.read_text():
                 assert child.poll() is None and time.monotonic() < deadline, log.read_text()
                 time.sleep(0.1)
             os.kill(child.pid, signal.SIGINT)
@@ -508,3 +509,61 @@ def test_the_default_run_folder_never_reuses_an_earlier_run(tmp_path: Path, monk
     rows = [json.loads(line) for line in (tmp_path / "runs" / "tiny-2" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows][-1] == 3
     assert len((tmp_path / "runs" / "tiny" / "metrics.jsonl").read_text().splitlines()) == 2
+
+
+# ---- preemption: SIGTERM, and one command for every restart ----------------------------------
+
+
+def test_one_command_survives_sigkill_and_sigterm_and_ends_on_the_uninterrupted_loss(
+    tmp_path: Path, uninterrupted: dict[int, float]
+) -> None:
+    """A preemptible job's script runs the same line at every (re)start. The first start is
+    killed (SIGKILL) inside the save of checkpoint 2; the second resumes from checkpoint 1 and
+    is preempted (SIGTERM, what Slurm, Kubernetes and the clouds send first) inside the save
+    of checkpoint 4, which it finishes before it stops; the third completes the run."""
+    run = tmp_path / "run"
+    command = [sys.executable, "-m", "dslc.cli", "train", TINY, "--steps", "6", "--checkpoint-every", "1"]
+    command += ["--auto-resume", "--out", str(run)]
+
+    def start(paused: int, name: str) -> tuple[subprocess.Popen[str], Path, Path]:
+        marker, log = tmp_path / f"{name}.paused", tmp_path / f"{name}.log"
+        env = {**os.environ, PAUSE_ENV: f"{paused}:{marker}"}
+        with log.open("w") as stderr:
+            child = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=stderr, text=True)
+        deadline = time.monotonic() + 180
+        while not marker.exists():
+            assert child.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.1)
+        return child, marker, log
+
+    child, _, log = start(2, "first")
+    try:
+        os.kill(child.pid, signal.SIGKILL)
+        child.communicate(timeout=60)
+    finally:
+        child.kill()
+    assert child.returncode == -signal.SIGKILL and "resumed" not in log.read_text()
+
+    child, marker, log = start(4, "second")
+    try:
+        os.kill(child.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 60
+        while "SIGTERM: stopping after this step" not in log.read_text():
+            assert child.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.1)
+        marker.unlink()  # the save goes on, and the run stops after it
+        out, _ = child.communicate(timeout=120)
+    finally:
+        child.kill()
+    err = log.read_text()
+    assert child.returncode == 143 and "Traceback" not in err, err  # 128 + SIGTERM, as a shell reports it
+    assert "resumed from the checkpoint at step 1" in err
+    again = ["dslc", "train", TINY, "--checkpoint-every", "1", "--steps", "6", "--out", str(run), "--auto-resume"]
+    assert out == f"stopped at step 4, checkpoint saved; to continue:\n  {shlex.join(again)}\n"
+    assert (run / "checkpoints" / "4").is_dir()
+
+    finished = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert finished.returncode == 0, finished.stderr
+    assert "resumed from the checkpoint at step 4" in finished.stderr
+    # Bitwise, as any resume on the same mesh: batches and dropout depend only on seed and step.
+    assert losses(run) == uninterrupted
