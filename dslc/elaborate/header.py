@@ -153,8 +153,31 @@ def _read_mesh(
         if size is not None and size < 1:
             diags.error("E023", f"mesh axis `{axis.name.text}` must have a size of at least 1, got {size}", axis.span)
             size = 1
-        axes.append(ir.MeshAxis(axis.name.text, size or 1, axis.span))
+        axes.append(ir.MeshAxis(axis.name.text, size or 1, axis.span, _nodes(axis, size or 1, diags)))
     return ir.Mesh(tuple(axes))
+
+
+def _nodes(axis: ast.MeshAxis, size: int, diags: Diagnostics) -> int:
+    """How many nodes the axis spans: its `across N nodes`, which must split its size evenly."""
+    if axis.nodes is None:
+        return 1
+    nodes = eval_expr(axis.nodes, {}, diags)
+    if nodes is None:
+        return 1
+    name = axis.name.text
+    if nodes < 1:
+        diags.error("E023", f"mesh axis `{name}` must span at least 1 node, got {nodes}", axis.nodes.span)
+        return 1
+    if size % nodes:
+        fits = [n for n in range(1, size + 1) if size % n == 0]
+        diags.error(
+            "E023",
+            f"mesh axis `{name}` of size {size} cannot span {nodes} nodes: each node must hold the same share of it",
+            axis.nodes.span,
+            help=f"a node count that divides {size} ({', '.join(map(str, fits))}), or a size that {nodes} divides",
+        )
+        return 1
+    return nodes
 
 
 def _count(n: int, one: str, many: str | None = None) -> str:

@@ -49,6 +49,10 @@ class MeshAxis:
     name: str
     size: int
     span: Span = field(default=NO_SPAN, compare=False, repr=False)
+    # How many nodes (hosts, or TPU slices) the axis spans: its groups cross the slow network
+    # between nodes when above 1, and the `size // nodes` devices of each node's share of it
+    # stay on the fast one inside.
+    nodes: int = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,10 +76,21 @@ class Mesh:
         # A loop rather than a dict of sizes: the planner asks this for every tensor it counts.
         return math.prod(a.size for a in self.axes if a.name in axes)
 
+    @property
+    def nodes(self) -> int:
+        """How many nodes the mesh spans (1 unless an axis is declared `across N nodes`)."""
+        return math.prod(a.nodes for a in self.axes)
+
+    @property
+    def across_nodes(self) -> tuple[str, ...]:
+        """The axes whose groups cross nodes, in order."""
+        return tuple(a.name for a in self.axes if a.nodes > 1)
+
     def describe(self) -> str:
         if not self.axes:
             return "1 (no axes)"
-        return "x".join(str(s) for s in self.shape) + f" ({', '.join(self.names)})"
+        crossing = "".join(f"; {a.name} across {a.nodes} nodes" for a in self.axes if a.nodes > 1)
+        return "x".join(str(s) for s in self.shape) + f" ({', '.join(self.names)}{crossing})"
 
 
 @dataclass(frozen=True, slots=True)

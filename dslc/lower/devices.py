@@ -17,6 +17,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from dslc.ir.nodes import Mesh
+from dslc.runtime.mesh import NodeLayoutError, node_layout
 
 if TYPE_CHECKING:
     import jax
@@ -70,7 +71,13 @@ def make_mesh(mesh: Mesh) -> jax.sharding.Mesh:
     names = mesh.names or ("replica",)
     shape = mesh.shape or (1,)
     auto = (jax.sharding.AxisType.Auto,) * len(names)
-    return jax.make_mesh(shape, names, axis_types=auto, devices=devices[: mesh.devices])
+    if mesh.nodes == 1:
+        return jax.make_mesh(shape, names, axis_types=auto, devices=devices[: mesh.devices])
+    nodes = tuple(a.nodes for a in mesh.axes)
+    try:
+        return jax.sharding.Mesh(node_layout(shape, nodes, devices[: mesh.devices]), names, axis_types=auto)
+    except NodeLayoutError as exc:
+        raise DeviceError(f"mesh {mesh.describe()}: {exc}") from None
 
 
 class PlatformError(DeviceError):

@@ -15,7 +15,7 @@ from dslc.plan.memory import Memory, memory
 from dslc.plan.padding import logits_padding, paddings
 from dslc.plan.report import Pipeline, Plan, format_bytes
 from dslc.plan.roles import read_roles
-from dslc.plan.step_time import Hardware, StepTime, intra_node_axes, step_time
+from dslc.plan.step_time import Hardware, StepTime, node_local_axes, step_time
 from dslc.plan.timetable import pipeline_figures
 from dslc.schedules import theoretical_bubble
 
@@ -48,7 +48,8 @@ def plan(
             "leave that much headroom, or compare with `dslc plan --xla`"
         )
     pipe = _pipeline(program)
-    intra = intra_node_axes(read_roles(program).innermost_first(program.mesh.shape), hardware.node_size)
+    order = read_roles(program).innermost_first(program.mesh.shape)
+    intra = node_local_axes(program.mesh, order, hardware.node_size)
     bubble = pipe.bubble_fraction if pipe is not None else 0.0
     estimate = step_time(busiest_stage_flops(program), transfers, bubble, intra, hardware)
     return Plan(
@@ -64,6 +65,8 @@ def plan(
         experts=experts(program),
         step_time=estimate,
         hardware=hardware,
+        across_nodes=tuple(a for a in program.mesh.names if a not in intra),
+        nodes_declared=program.mesh.nodes > 1,
         padding=paddings(program),
         logits_padding=logits_padding(program),
     )

@@ -53,7 +53,7 @@ from dslc.plan.memory import Memory, memory
 from dslc.plan.memory import training_state as memory_state
 from dslc.plan.roles import read_roles
 from dslc.plan.schedule_figures import Figures, figures
-from dslc.plan.step_time import PER_MICROBATCH, Hardware, StepTime, intra_node_axes, step_time
+from dslc.plan.step_time import PER_MICROBATCH, Hardware, StepTime, node_local_axes, step_time
 from dslc.plan.timetable import pipelined
 from dslc.schedules import KINDS, SPLIT_BACKWARD, V_KINDS, Kind, ScheduleError, placement
 from dslc.syntax import ast
@@ -298,6 +298,7 @@ class AutoPlanner:
             excluded=tuple(self.excluded),
             elaborated=self.elaborated,
             costed=self.costed,
+            across_nodes=self.reference.mesh.across_nodes,
         )
 
     def _closest(self, judged: list[Candidate], too_big: list[_Group]) -> tuple[tuple[int, ...], int, bool] | None:
@@ -400,7 +401,8 @@ class AutoPlanner:
     # ---- costing --------------------------------------------------------------------------------
 
     def _mesh(self, sizes: Sequence[int]) -> Mesh:
-        return Mesh(tuple(MeshAxis(a.name, s, a.span) for a, s in zip(self.reference.mesh.axes, sizes, strict=True)))
+        axes = zip(self.reference.mesh.axes, sizes, strict=True)
+        return Mesh(tuple(MeshAxis(a.name, s, a.span, a.nodes) for a, s in axes))
 
     def _program(self, sizes: Sequence[int], virtual: int, schedule: str | None, microbatches: int | None) -> Program:
         """The spec elaborated on `sizes` with these pipeline settings, or the checker's first error."""
@@ -433,7 +435,7 @@ class AutoPlanner:
             else:
                 self.illegal[group.sizes] = str(exc)
             return str(exc)
-        intra = intra_node_axes(self.roles.innermost_first(group.sizes), self.hardware.node_size)
+        intra = node_local_axes(program.mesh, self.roles.innermost_first(group.sizes), self.hardware.node_size)
         costed = _Costed(group, program, intra)
         once = [t for t in costed.cost(schedule)[1] if t.phase not in PER_MICROBATCH]
         self.sync[group.sizes] = step_time(0, once, 0.0, intra, self.hardware).communication

@@ -62,6 +62,7 @@ class AutoPlan:
     excluded: tuple[Excluded, ...]
     elaborated: int
     costed: int
+    across_nodes: tuple[str, ...] = ()  # the axes the spec declares `across N nodes`
 
     def mesh_text(self, sizes: tuple[int, ...]) -> str:
         return "x".join(map(str, sizes))
@@ -142,7 +143,9 @@ class AutoPlan:
                 "intra_latency": h.intra_latency,
                 "inter_latency": h.inter_latency,
             },
-            "axes": [{"name": name, "role": role} for name, role in self.axes],
+            "axes": [
+                {"name": name, "role": role, "across_nodes": name in self.across_nodes} for name, role in self.axes
+            ],
             "chosen": chosen,
             "candidates": [{"rank": i, **self._candidate_json(c)} for i, c in enumerate(self.ranked, 1)],
             "excluded": [
@@ -178,7 +181,11 @@ class AutoPlan:
             f"auto plan for {self.model}: {self.devices} device{'s' * (self.devices != 1)} with "
             f"{format_bytes(self.device_memory)} each",
             f"cost model: {self.hardware.describe()}",
-            "axes: " + ", ".join(f"{name} ({role})" for name, role in self.axes),
+            "axes: "
+            + ", ".join(
+                f"{name} ({role}{'; across nodes, as the spec declares' if name in self.across_nodes else ''})"
+                for name, role in self.axes
+            ),
             "",
         ]
         c = self.chosen

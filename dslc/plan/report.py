@@ -52,6 +52,8 @@ class Plan:
     measured: Measured | None = None
     step_time: StepTime | None = None  # estimated on `hardware`
     hardware: Hardware | None = None
+    across_nodes: tuple[str, ...] = ()  # the axes whose groups the step time costs between nodes
+    nodes_declared: bool = False  # whether the spec says which (`across N nodes`), or Megatron's layout does
     padding: tuple[Padding, ...] = ()  # vocabularies padded to split evenly
     logits_padding: LogitsPadding | None = None
 
@@ -148,6 +150,8 @@ class Plan:
                 "bubble_s": self.step_time.bubble,
                 "total_s": self.step_time.total,
                 "hardware": self.hardware.to_json(),
+                "across_nodes": list(self.across_nodes),
+                "nodes_declared": self.nodes_declared,
             },
             "padding": {
                 "arrays": [
@@ -246,6 +250,8 @@ class Plan:
                 f"communication {format_seconds(t.communication)}, bubble {format_seconds(t.bubble)}",
                 f"  on {self.hardware.describe()} (docs/plan.md; --device-flops and the other flags of "
                 "--mesh auto change them)",
+                f"  across nodes: {', '.join(self.across_nodes) or 'no axis'}"
+                + (" (as the spec's mesh declares)" if self.nodes_declared else " (Megatron's layout, by node size)"),
             ]
         lines += self._padding_text()
         lines += [f"warning: {w}" for w in self.warnings]

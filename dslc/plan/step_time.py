@@ -12,8 +12,10 @@ its parameters are a few numbers about the hardware (`Hardware`), all overridabl
   Megatron-LM's order — tensor-like axes (tensor, expert, context), then data, then
   pipeline — so an axis whose groups fit in one node (its size times the sizes of the axes
   inside it is at most `node_size`) uses `intra_bandwidth` and `intra_latency`, and any other
-  axis the inter-node pair. The latency is what makes slicing the batch finer cost
-  something: every microbatch runs each layer's collectives, and every pipeline tick sends.
+  axis the inter-node pair. A spec that declares which axes cross nodes (`mesh data=16
+  across 2 nodes, model=8`) is costed on that layout instead, the one its mesh is built
+  with. The latency is what makes slicing the batch finer cost something: every
+  microbatch runs each layer's collectives, and every pipeline tick sends.
   All of it is exposed: the lowering runs each collective between the computations that
   need it and overlaps none of them (only the gradient reductions, independent of one
   another, are combined into one call per kind and axes, as XLA's combiner passes do);
@@ -28,6 +30,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from dslc.ir.nodes import Mesh
 from dslc.plan.communication import Transfer
 
 # Phases whose collectives run inside each microbatch's forward and backward passes: the
@@ -78,6 +81,15 @@ class StepTime:
     @property
     def total(self) -> float:
         return self.compute + self.communication + self.bubble
+
+
+def node_local_axes(mesh: Mesh, axes: Sequence[tuple[str, int]], node_size: int) -> frozenset[str]:
+    """The axes whose groups stay inside one node: when the spec says which axes cross nodes
+    (`across N nodes`, the layout the mesh is built with), all the others; otherwise those
+    Megatron's layout keeps inside (`intra_node_axes`)."""
+    if mesh.nodes > 1:
+        return frozenset(a.name for a in mesh.axes if a.nodes == 1)
+    return intra_node_axes(axes, node_size)
 
 
 def intra_node_axes(axes: Sequence[tuple[str, int]], node_size: int) -> frozenset[str]:

@@ -20,7 +20,18 @@ from pathlib import Path
 # know where each name is defined, without importing jax.)
 SOURCES = {
     name: Path(__file__).with_name(f"{name}.py")
-    for name in ("storage", "params", "layers", "fused", "attention", "schedule", "pipeline", "training", "metrics")
+    for name in (
+        "storage",
+        "params",
+        "layers",
+        "fused",
+        "attention",
+        "schedule",
+        "pipeline",
+        "training",
+        "metrics",
+        "mesh",
+    )
 }
 
 # The name generated modules import the runtime by.

@@ -127,6 +127,7 @@ class MeshAxis:
     name: Ident
     size: Expr | None
     span: Span = field(compare=False, repr=False)
+    nodes: Expr | None = None  # `across N nodes`: how many nodes the axis spans
 
 
 @dataclass(frozen=True, slots=True)

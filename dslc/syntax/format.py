@@ -144,7 +144,8 @@ def _label(label: ast.Ident | None) -> str:
 
 
 def _mesh_axis(a: ast.MeshAxis) -> str:
-    return a.name.text if a.size is None else f"{a.name.text}={expr(a.size)}"
+    text = a.name.text if a.size is None else f"{a.name.text}={expr(a.size)}"
+    return text if a.nodes is None else f"{text} across {expr(a.nodes)} nodes"
 
 
 def _param(p: ast.Param) -> str:

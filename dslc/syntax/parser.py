@@ -188,6 +188,10 @@ def _token_span(name: str, tok: Token) -> Span:
 # ---- parse tree to AST ---------------------------------------------------------------------
 
 
+class _MeshNodes(list[Any]):
+    """A mesh axis's `across N nodes` clause between the transformer's rules: [N]."""
+
+
 @v_args(meta=True)
 class _ToAst(Transformer[Token, Any]):
     """One small method per grammar rule; each node gets the span of the text it came from."""
@@ -215,7 +219,11 @@ class _ToAst(Transformer[Token, Any]):
         return ast.MeshDecl(tuple(c), self._span(meta))
 
     def mesh_axis(self, meta: Any, c: list[Any]) -> ast.MeshAxis:
-        return ast.MeshAxis(self._ident(c[0]), c[1] if len(c) > 1 else None, self._span(meta))
+        nodes = c.pop()[0] if isinstance(c[-1], _MeshNodes) else None
+        return ast.MeshAxis(self._ident(c[0]), c[1] if len(c) > 1 else None, self._span(meta), nodes)
+
+    def mesh_nodes(self, meta: Any, c: list[Any]) -> _MeshNodes:
+        return _MeshNodes(c)
 
     def const_decl(self, meta: Any, c: list[Any]) -> ast.ConstDecl:
         return ast.ConstDecl(self._ident(c[0]), c[1], self._span(meta))

@@ -798,6 +798,17 @@ def test_e023_mesh_axis_without_a_size() -> None:
     assert diagnose(spec().replace("mesh data=2, model=2", "mesh data, model=2"), mesh="2x2") == []
 
 
+def test_e023_an_axis_across_nodes_that_do_not_split_it() -> None:
+    across = spec().replace("mesh data=2, model=2", "mesh data=4 across 4 nodes, model=2")
+    assert diagnose(across) == [] and diagnose(across, mesh="8x1") == []
+    d = only(across, mesh="2x2")
+    assert (d.code, at(d)) == ("E023", (2, 20, 2, 21))
+    assert d.message == "mesh axis `data` of size 2 cannot span 4 nodes: each node must hold the same share of it"
+    assert d.help == "a node count that divides 2 (1, 2), or a size that 4 divides"
+    d = only(spec().replace("mesh data=2, model=2", "mesh data=2, model=2 across 0 nodes"))
+    assert (d.code, d.message) == ("E023", "mesh axis `model` must span at least 1 node, got 0")
+
+
 def test_e023_mesh_given_to_a_spec_without_axes() -> None:
     text = "model m\ninput x: f32[8, 16]\nforward(x) {\n  relu()\n}\n"
     d = only(text, mesh="2x2")

@@ -22,13 +22,14 @@ import pytest
 import dslc
 from dslc import cli
 from dslc.frontend import Analysis
+from dslc.ir.nodes import Mesh, MeshAxis
 from dslc.plan import plan
 from dslc.plan.auto import AutoPlanner, factorizations
 from dslc.plan.auto_report import AutoPlan, Candidate
 from dslc.plan.communication import Transfer
 from dslc.plan.roles import Roles, read_roles
 from dslc.plan.schedule_figures import figures
-from dslc.plan.step_time import Hardware, intra_node_axes, step_time
+from dslc.plan.step_time import Hardware, intra_node_axes, node_local_axes, step_time
 from dslc.schedules import build
 from dslc.schedules.buffers import allocate_slots
 from tests.conftest import SPECS, TEST_SPECS
@@ -313,6 +314,43 @@ def test_tensor_axes_are_laid_out_inside_a_node_first() -> None:
     assert intra_node_axes(roles.innermost_first((1, 8, 2)), 8) == {"model", "data"}
 
 
+def test_axes_declared_across_nodes_replace_megatrons_layout() -> None:
+    roles = Roles(("data", "model"), ("data",), ("model",), None, ("model",))
+    order = roles.innermost_first((2, 8))
+    plain = Mesh((MeshAxis("data", 2), MeshAxis("model", 8)))
+    assert node_local_axes(plain, order, 8) == {"model"}  # by node size: model fills a node
+    declared = Mesh((MeshAxis("data", 2), MeshAxis("model", 8, nodes=2)))
+    assert node_local_axes(declared, order, 8) == {"data"}  # as the spec says, however unwise
+
+
+def test_plan_costs_the_declared_layout_and_says_so() -> None:
+    text = (SPECS / "llama_small.par").read_text()
+    declared = text.replace("mesh data=2, model=4", "mesh data=2, model=4 across 2 nodes")
+    assert declared != text
+    programs = [dslc.analyze(t, mesh="8x4", overrides={"batch": 64}).program for t in (text, declared)]
+    assert programs[0] is not None and programs[1] is not None
+    plain, across = (plan(p) for p in programs)
+    assert (plain.across_nodes, plain.nodes_declared) == (("data",), False)
+    assert (across.across_nodes, across.nodes_declared) == (("model",), True)
+    assert "across nodes: model (as the spec's mesh declares)" in across.to_text()
+    assert across.to_json()["step_time"]["across_nodes"] == ["model"]
+    # Every layer's tensor-parallel all-reduce now crosses the slow network.
+    assert plain.step_time is not None and across.step_time is not None
+    assert across.step_time.communication > 1.5 * plain.step_time.communication
+    assert across.step_time.compute == plain.step_time.compute
+
+
+def test_mesh_auto_keeps_the_declared_node_counts(tmp_path: Path) -> None:
+    spec = tmp_path / "llama_small.par"
+    spec.write_text((SPECS / "llama_small.par").read_text().replace("model=4", "model=4 across 2 nodes"))
+    _, search = planner(spec, 16, 80)
+    found = search.search()
+    assert found.across_nodes == ("model",) and "model (tensor; across nodes, as the spec declares)" in found.to_text()
+    # Only meshes whose model axis the 2 nodes split are candidates; the rest fail E023.
+    assert found.ranked and all(c.mesh[1] % 2 == 0 for c in found.ranked)
+    assert chosen(found).mesh[1] % 2 == 0
+
+
 def test_step_time_splits_compute_communication_and_bubble() -> None:
     hardware = Hardware(
         device_flops=1e12,
@@ -417,9 +455,9 @@ def test_auto_json_has_the_choice_and_the_ranking(capsys: pytest.CaptureFixture[
         "inter_latency": 20e-6,
     }
     assert result["axes"] == [
-        {"name": "data", "role": "data"},
-        {"name": "model", "role": "tensor"},
-        {"name": "pipeline", "role": "pipeline"},
+        {"name": "data", "role": "data", "across_nodes": False},
+        {"name": "model", "role": "tensor", "across_nodes": False},
+        {"name": "pipeline", "role": "pipeline", "across_nodes": False},
     ]
     candidate_keys = {
         "rank",

@@ -96,6 +96,7 @@ const h = 1_000 + 2
     "crlf_and_tabs": "model m\r\n\tconst a = 1\t# tab comment\r\nforward(x) {\r\n\tgelu()\r\n}\r\n",
     "several_axes": "model m\nmesh data=2, fsdp=2, model=2\ninput x: f32[8 @ (data,fsdp), 4 @ model]\n"
     "forward(x) { layout [(data, fsdp), _] }\n",
+    "axes_across_nodes": "model m\nmesh data = 4  across 2 nodes ,model , nodes across 1 * 2 nodes\nforward(x) {}\n",
     "floats_and_bools": "model m\ntrain { optimizer adamw(lr=3e-4, b1=0.9, eps=1e-8, warmup=1_0) }\n"
     "forward(x) { a: attention(8, 2, causal=false, rope=true, rope_base=1.e4) }\n",
     "schedule_file": 'model m\npipeline a {\n  schedule   file   "tables/my (v2).json"  # a table\n}\nforward(x) {}\n',

@@ -1,8 +1,10 @@
 """`dslc train` across processes: JAX's multi-process runtime on localhost, gloo between CPUs.
 
-Two processes of 8 simulated CPU devices each form one 4x4 mesh of specs/tiny.par (data=4
-spans both processes, model=4 stays within each), train, and must follow a single-process
-run on 16 devices; the checkpoint they write together then resumes in one process.
+Two processes of 8 simulated CPU devices each form one 4x4 mesh of specs/tiny.par, train,
+and must follow a single-process run on 16 devices; the checkpoint they write together then
+resumes in one process. Each process stands for a node: with tiny's mesh as written, data=4
+spans both processes and model=4 stays within each; with `model` declared `across 2 nodes`,
+the other way round.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
@@ -27,6 +30,20 @@ from tests.conftest import ROOT, SPECS
 pytestmark = pytest.mark.slow
 
 TINY = ["train", str(SPECS / "tiny.par"), "--mesh", "4x4"]
+TINY_TEXT = (SPECS / "tiny.par").read_text()
+# tiny with its tensor-parallel axis declared across nodes: not what a cluster wants (the
+# slow network then carries every layer's collectives), but a layout unlike the one a mesh
+# gets without the clause, so that the test can tell the two apart.
+MODEL_ACROSS = TINY_TEXT.replace("mesh data=2, model=2", "mesh data=2, model=2 across 2 nodes")
+# Which process holds each device of the mesh, as the program `dslc train` runs lays it out.
+MESH_OWNERS = """
+import json, sys
+import dslc
+from dslc.train.distributed import Cluster, joined
+with joined(Cluster(2, int(sys.argv[3]), sys.argv[2], None), 16):
+    program = dslc.compile(sys.argv[1], mesh="4x4")
+    print(json.dumps([[d.process_index for d in row] for row in program.mesh.devices]))
+"""
 PROCESSES = 2
 # A metrics file or loss curve that a process writes is replaced into place (files.write_atomic):
 # an audit hook on os.rename tells which process wrote which, without a hook in dslc itself.
@@ -52,14 +69,16 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-def start_processes(run: Path, steps: int) -> tuple[list[subprocess.Popen[bytes]], list[tuple[Path, Path]]]:
+def start_processes(
+    run: Path, steps: int, train: Sequence[str] = TINY
+) -> tuple[list[subprocess.Popen[bytes]], list[tuple[Path, Path]]]:
     """The PROCESSES processes of one run, and each one's (stdout, stderr) files."""
     port = free_port()
     logs = [(run.with_name(f"{run.name}.{i}.out"), run.with_name(f"{run.name}.{i}.err")) for i in range(PROCESSES)]
     children = []
     for i, (out, err) in enumerate(logs):
         flags = ["--coordinator", f"127.0.0.1:{port}", "--num-processes", str(PROCESSES), "--process-id", str(i)]
-        argv = [sys.executable, "-c", WATCHED_CLI, *TINY, "--steps", str(steps), "--out", str(run), *flags]
+        argv = [sys.executable, "-c", WATCHED_CLI, *train, "--steps", str(steps), "--out", str(run), *flags]
         with out.open("w") as stdout, err.open("w") as stderr:
             children.append(subprocess.Popen(argv, cwd=ROOT, stdout=stdout, stderr=stderr))
     return children, logs
@@ -75,9 +94,9 @@ def wait_for(children: list[subprocess.Popen[bytes]], logs: list[tuple[Path, Pat
         time.sleep(0.1)
 
 
-def train_in_processes(run: Path, steps: int) -> list[tuple[str, str]]:
+def train_in_processes(run: Path, steps: int, train: Sequence[str] = TINY) -> list[tuple[str, str]]:
     """(stdout, stderr) of each process of a PROCESSES-process run; any failure kills them all."""
-    children, logs = start_processes(run, steps)
+    children, logs = start_processes(run, steps, train)
     try:
         wait_for(children, logs, {0})
     finally:
@@ -92,12 +111,16 @@ def train_in_processes(run: Path, steps: int) -> list[tuple[str, str]]:
 def test_two_processes_train_as_one_and_only_process_0_reports(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
-    reference, run = tmp_path / "reference", tmp_path / "run"
+    """Run on the layout `model across 2 nodes` gives (each process a node), against tiny's own
+    layout in one process: the numbers must not depend on where the devices sit."""
+    reference, run, spec = tmp_path / "reference", tmp_path / "run", tmp_path / "tiny.par"
+    spec.write_text(MODEL_ACROSS)
+    across = ["train", str(spec), "--mesh", "4x4"]
     assert main([*TINY, "--steps", "6", "--out", str(reference)]) == 0  # 16 devices in this process
     expected = losses(reference)
     capsys.readouterr()
 
-    (out0, err0), (out1, err1) = train_in_processes(run, steps=4)
+    (out0, err0), (out1, err1) = train_in_processes(run, steps=4, train=across)
 
     # Seen: steps 1-3 equal to the bit, step 4's loss 9.5e-7 (1.8e-7 relative) off, its
     # cross-process sum being added in another order (steps 5 and 6 of a longer run were
@@ -110,8 +133,9 @@ def test_two_processes_train_as_one_and_only_process_0_reports(
         assert loss == pytest.approx(expected[step], rel=1e-5), step
 
     # Process 0 alone reports: the log, the progress, the summary, the metrics and the curve.
-    assert "training tiny on mesh 4x4 (data, model)" in err0 and "step 1: compiled and ran in" in err0
-    assert "trained tiny on mesh 4x4 (data, model), steps 1-4" in out0
+    assert "training tiny on mesh 4x4 (data, model; model across 2 nodes)" in err0
+    assert "step 1: compiled and ran in" in err0
+    assert "trained tiny on mesh 4x4 (data, model; model across 2 nodes), steps 1-4" in out0
     assert f"replaced {run / 'metrics.jsonl'}" in err0 and f"replaced {run / 'loss.png'}" in err0
     # Gloo prints "[Gloo] Rank r is connected to k peer ranks..." lines on its own, onto
     # stderr: stdout carries only process 0's summary.
@@ -122,12 +146,45 @@ def test_two_processes_train_as_one_and_only_process_0_reports(
     state = run / "checkpoints" / "4" / "state"
     assert sorted(p.name for p in state.glob("ocdbt.process_*")) == [f"ocdbt.process_{i}" for i in range(PROCESSES)]
 
-    # One process resumes what two wrote, on its own 16 devices, as if never interrupted.
-    assert main([*TINY, "--steps", "6", "--resume", "--out", str(run)]) == 0
+    # One process resumes what two wrote, on its own 16 devices (simulating the two nodes),
+    # as if never interrupted.
+    assert main([*across, "--steps", "6", "--resume", "--out", str(run)]) == 0
     assert "resumed from the checkpoint at step 4" in capsys.readouterr().err
     resumed = losses(run)
     for step in (5, 6):  # seen: exact
         assert resumed[step] == pytest.approx(expected[step], rel=1e-5), step
+
+
+@pytest.mark.parametrize(
+    ("text", "owner"),
+    [
+        # As written, tiny's mesh lays `data` (the first axis) across the processes.
+        (TINY_TEXT, lambda data, model: data // 2),
+        (MODEL_ACROSS, lambda data, model: model // 2),
+    ],
+    ids=["as-written", "model-across-nodes"],
+)
+def test_the_axis_declared_across_nodes_is_the_one_across_processes(
+    tmp_path: Path, text: str, owner: Callable[[int, int], int]
+) -> None:
+    spec = tmp_path / "tiny.par"
+    spec.write_text(text)
+    port = free_port()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", MESH_OWNERS, str(spec), f"127.0.0.1:{port}", str(i)],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(PROCESSES)
+    ]
+    outputs = [p.communicate(timeout=240) for p in procs]
+    assert [p.returncode for p in procs] == [0] * PROCESSES, [err[-3000:] for _, err in outputs]
+    for out, _ in outputs:  # every process sees the same global mesh
+        owners = json.loads(out.strip().splitlines()[-1])
+        assert owners == [[owner(data, model) for model in range(4)] for data in range(4)], owners
 
 
 def test_sigterm_to_one_process_stops_every_process_after_the_same_step_with_its_shards_saved(
