@@ -197,6 +197,19 @@ def _parser() -> argparse.ArgumentParser:
         "--checkpoint-every", type=_count, metavar="K", help="also checkpoint every K steps (always at the end)"
     )
     train.add_argument(
+        "--device-flops",
+        type=float,
+        metavar="TFLOPS",
+        help="the dense peak TFLOP/s per device MFU is measured against (default: the datasheet's for the "
+        "device and compute dtype; none on CPUs, whose MFU is then not reported)",
+    )
+    train.add_argument(
+        "--profile",
+        metavar="START:STOP",
+        help="trace steps START to STOP with the JAX profiler into RUN/profile, for TensorBoard's profile plugin "
+        "and ui.perfetto.dev",
+    )
+    train.add_argument(
         "--sync-checkpoints",
         action="store_true",
         help="write each checkpoint before the next step starts (by default, while the next steps compute)",
@@ -797,6 +810,14 @@ def _count(text: str) -> int:
 def _train(args: argparse.Namespace) -> int:
     if args.steps == 0 or args.checkpoint_every == 0 or args.eval_every == 0:
         raise UsageError("--steps, --checkpoint-every and --eval-every must be at least 1")
+    from dslc.train.profile import parse_window
+
+    try:
+        args.profile_window = parse_window(args.profile) if args.profile is not None else None
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    if args.device_flops is not None and not args.device_flops > 0:
+        raise UsageError(f"--device-flops must be a positive number of TFLOP/s, got {args.device_flops:g}")
     from dslc.train.distributed import DistributedError, cluster_from_flags, detect_cluster, joined
 
     try:
@@ -835,6 +856,8 @@ def _train_here(args: argparse.Namespace) -> int:
         initial,
         args.document_end,
         async_checkpoints=not args.sync_checkpoints,
+        device_flops=args.device_flops,
+        profile=args.profile_window,
     )
     try:
         result = train(program, options)
@@ -860,6 +883,7 @@ def _resume_command(args: argparse.Namespace, out: Path) -> str:
         ("--document-end", args.document_end),
         ("--eval-every", args.eval_every),
         ("--checkpoint-every", args.checkpoint_every),
+        ("--device-flops", args.device_flops),
         ("--coordinator", args.coordinator),
         ("--num-processes", args.num_processes),
         ("--process-id", args.process_id),

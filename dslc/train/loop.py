@@ -25,6 +25,7 @@ import numpy as np
 from dslc.ir import nodes as ir
 from dslc.layers import RULES
 from dslc.lower.program import DslcModel, Program, WeightsError
+from dslc.plan.flops import flops as plan_flops
 from dslc.runtime.metrics import moe_metrics
 from dslc.train.checkpoint import Checkpoints, RunState, run_state
 from dslc.train.data import data_warnings, dataset_for
@@ -32,7 +33,9 @@ from dslc.train.dataset import Dataset
 from dslc.train.distributed import local_rows
 from dslc.train.interrupt import StopRequest
 from dslc.train.metrics import Metrics, Throughput
+from dslc.train.profile import PROFILE_DIR, ProfileWindow
 from dslc.train.progress import TrainingProgress
+from dslc.train.utilization import Utilization, peak_for
 
 CHECKPOINTS_DIR = "checkpoints"
 # Held-out batches per evaluation: the same ones every time, so the eval losses compare.
@@ -76,6 +79,8 @@ class TrainOptions:
     eval_every: int | None = None  # evaluate on the held-out data every K steps (and at the end)
     init_from: Mapping[str, np.ndarray] | None = None  # weights a new run starts from, by dotted name
     document_end: int | None = None  # in a token file, the id that ends a document
+    device_flops: float | None = None  # TFLOP/s per device MFU is measured against, instead of the table's
+    profile: tuple[int, int] | None = None  # trace steps START to STOP with the JAX profiler
     async_checkpoints: bool = True  # write each checkpoint while the next steps compute
 
 
@@ -93,6 +98,7 @@ class TrainResult:
     checkpoint: int | None  # the newest checkpoint's step
     leader: bool  # this process reports the run: the only one, or process 0 of several
     eval_losses: dict[int, float] = field(default_factory=dict)
+    utilization: Utilization | None = None  # what the steps are measured against
 
     def summary(self) -> str:
         if not self.losses:
@@ -114,6 +120,8 @@ class TrainResult:
                 f"steady state over {self.steady.steps} steps: {self.steady.step_time_s * 1e3:.1f} ms/step, "
                 f"{self.steady.per_s:,.0f} {self.unit}/s"
             )
+            if self.utilization is not None:
+                lines.append(self.utilization.describe(self.steady.step_time_s))
         lines.append(f"wrote {self.out}/metrics.jsonl, {self.out}/loss.png, checkpoint {self.checkpoint}")
         return "\n".join(lines)
 
@@ -236,6 +244,8 @@ def _train(
     for warning in data_warnings(program.ir):
         log(warning)
     rows = local_rows(program)
+    utilization = _utilization(program, options.device_flops)
+    window = _profile_window(options, run.start, log)
     metrics = Metrics.resume(options.out, dataset.unit, run.start, writes=leader)
     losses: dict[int, float] = {}
     eval_losses: dict[int, float] = {}
@@ -251,6 +261,8 @@ def _train(
         ):
             for index in range(run.start, options.steps):
                 batch = dataset.batch(run.seed, index, rows)
+                if window is not None:
+                    window.before(index + 1)
                 began = time.perf_counter()
                 run.opt_state, figures = program.train_step_with_metrics(run.model, run.opt_state, batch, index)
                 seconds = time.perf_counter() - began
@@ -258,8 +270,20 @@ def _train(
                 step, compiled = index + 1, index == run.start
                 first_step_s = seconds if compiled else first_step_s
                 losses[step] = figures["loss"]
-                metrics.add(step, seconds, dataset.per_batch, program.learning_rate(index), compiled, figures)
-                progress.step(step, figures["loss"], seconds, dataset.per_batch / seconds, compiled)
+                traced = window.after(step) if window is not None else None
+                if traced is not None:
+                    log(traced)
+                row = {**figures, **utilization.figures(seconds)}
+                metrics.add(step, seconds, dataset.per_batch, program.learning_rate(index), compiled, row)
+                progress.step(
+                    step,
+                    figures["loss"],
+                    seconds,
+                    dataset.per_batch / seconds,
+                    compiled,
+                    utilization.tflops_per_device(seconds),
+                    utilization.mfu(seconds),
+                )
                 every, last = options.eval_every, step == options.steps or bool(stopping)
                 if every is not None and (step % every == 0 or last):
                     assert dataset.held_out is not None, "train() refuses --eval-every without held-out data"
@@ -281,6 +305,10 @@ def _train(
         if losses:  # what ran is worth keeping, even when the run stops early
             metrics.write()
         raise
+    finally:
+        traced = window.close() if window is not None else None  # a run that stopped inside the window
+        if traced is not None:
+            log(traced)
     return TrainResult(
         model=program.ir.name,
         mesh=run.mesh,
@@ -294,7 +322,28 @@ def _train(
         checkpoint=newest,
         leader=leader,
         eval_losses=eval_losses,
+        utilization=utilization,
     )
+
+
+def _profile_window(options: TrainOptions, done: int, log: Callable[[str], None]) -> ProfileWindow | None:
+    """The steps `--profile` traces, of those this run (which starts after step `done`) runs."""
+    if options.profile is None:
+        return None
+    start, stop = options.profile
+    if stop <= done or start > options.steps:
+        log(f"--profile {start}:{stop}: no step of it runs here (steps {done + 1}-{options.steps}), nothing traced")
+        return None
+    return ProfileWindow(max(start, done + 1), min(stop, options.steps), options.out / PROFILE_DIR)
+
+
+def _utilization(program: Program, device_flops: float | None) -> Utilization:
+    """The model FLOPs per step (the planner's forward and backward) and the peak of this
+    run's devices (dslc.train.utilization)."""
+    counted = plan_flops(program.ir)
+    kind = jax.devices()[0].device_kind
+    peak = peak_for(kind, program.ir.train.compute_dtype, device_flops)
+    return Utilization(counted.forward + counted.backward, program.ir.mesh.devices, peak, kind)
 
 
 def evaluate(

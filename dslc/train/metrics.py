@@ -12,7 +12,7 @@ and for a mixture of experts `moe_balance_loss` and `moe_dropped_fraction` on th
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,7 +54,13 @@ class Metrics:
         return cls(directory, unit, [r for r in rows if r["step"] <= step], writes)
 
     def add(
-        self, step: int, step_time_s: float, per_batch: int, lr: float, compiled: bool, figures: dict[str, float]
+        self,
+        step: int,
+        step_time_s: float,
+        per_batch: int,
+        lr: float,
+        compiled: bool,
+        figures: Mapping[str, float | None],
     ) -> None:
         """A step's row; `figures` holds its `loss` and whatever else the step measured."""
         self.rows.append(

@@ -33,13 +33,14 @@ class TrainingProgress:
                 TextColumn("loss {task.fields[loss]}"),
                 TextColumn("{task.fields[step_ms]} ms/step"),
                 TextColumn("{task.fields[rate]} " + unit + "/s"),
+                TextColumn("{task.fields[flops]}"),
                 TimeElapsedColumn(),
                 TextColumn("eta"),
                 TimeRemainingColumn(),
                 console=self._console,
             )
             self._task = self._bar.add_task(
-                "compiling the first step", total=total, completed=start, loss="-", step_ms="-", rate="-"
+                "compiling the first step", total=total, completed=start, loss="-", step_ms="-", rate="-", flops=""
             )
 
     def __enter__(self) -> TrainingProgress:
@@ -55,7 +56,18 @@ class TrainingProgress:
         if self._bar is not None:
             self._bar.stop()
 
-    def step(self, step: int, loss: float, step_time_s: float, per_s: float, compiled: bool) -> None:
+    def step(
+        self,
+        step: int,
+        loss: float,
+        step_time_s: float,
+        per_s: float,
+        compiled: bool,
+        tflops: float,
+        mfu: float | None,
+    ) -> None:
+        """A finished step; `tflops` of model FLOPs per device, `mfu` None where no peak is known."""
+        rate = f"{tflops:.3g} TFLOP/s/device" + (f"  MFU {mfu:.1%}" if mfu is not None else "")
         if not self.shown:
             return
         if compiled:
@@ -68,9 +80,10 @@ class TrainingProgress:
                 loss=f"{loss:.4f}",
                 step_ms=f"{step_time_s * 1e3:.0f}",
                 rate=f"{per_s:,.0f}",
+                flops=rate,
             )
         elif not compiled and ((step - self.start) % self._every == 0 or step == self.total):
-            timing = f"{step_time_s * 1e3:.0f} ms/step  {per_s:,.0f} {self.unit}/s"
+            timing = f"{step_time_s * 1e3:.0f} ms/step  {per_s:,.0f} {self.unit}/s  {rate}"
             self._console.print(f"step {step}/{self.total}  loss {loss:.4f}  {timing}", highlight=False)
 
     def evaluated(self, step: int, loss: float) -> None:
