@@ -210,6 +210,12 @@ def _parser() -> argparse.ArgumentParser:
         "and ui.perfetto.dev",
     )
     train.add_argument(
+        "--wandb",
+        action="store_true",
+        help="also log every scalar to a Weights & Biases run (needs the wandb package; WANDB_MODE=offline "
+        "works without a network)",
+    )
+    train.add_argument(
         "--sync-checkpoints",
         action="store_true",
         help="write each checkpoint before the next step starts (by default, while the next steps compute)",
@@ -839,7 +845,11 @@ def _train(args: argparse.Namespace) -> int:
 def _train_here(args: argparse.Namespace) -> int:
     initial = _initial_weights(args) if args.init_from else None
     program = _compile(args)  # first: it decides how many host devices jax starts with
+    from dslc.train.dashboards import DashboardError, wandb_missing
     from dslc.train.dataset import DataError
+
+    if args.wandb and wandb_missing():  # before the run folder is made
+        raise UsageError(wandb_missing())
     from dslc.train.loop import TrainError, TrainInterrupted, TrainOptions, has_checkpoints, train
 
     out = Path(args.out) if args.out else _run_folder(program.ir.name, args)
@@ -858,10 +868,11 @@ def _train_here(args: argparse.Namespace) -> int:
         async_checkpoints=not args.sync_checkpoints,
         device_flops=args.device_flops,
         profile=args.profile_window,
+        wandb=args.wandb,
     )
     try:
         result = train(program, options)
-    except (DataError, TrainError) as exc:
+    except (DataError, TrainError, DashboardError) as exc:
         raise UsageError(str(exc)) from None
     except TrainInterrupted as stopped:
         print(f"stopped at step {stopped.step}, checkpoint saved; to continue:\n  {_resume_command(args, out)}")

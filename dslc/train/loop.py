@@ -28,6 +28,7 @@ from dslc.lower.program import DslcModel, Program, WeightsError
 from dslc.plan.flops import flops as plan_flops
 from dslc.runtime.metrics import moe_metrics
 from dslc.train.checkpoint import Checkpoints, RunState, run_state
+from dslc.train.dashboards import Dashboards
 from dslc.train.data import data_warnings, dataset_for
 from dslc.train.dataset import Dataset
 from dslc.train.distributed import local_rows
@@ -81,6 +82,7 @@ class TrainOptions:
     document_end: int | None = None  # in a token file, the id that ends a document
     device_flops: float | None = None  # TFLOP/s per device MFU is measured against, instead of the table's
     profile: tuple[int, int] | None = None  # trace steps START to STOP with the JAX profiler
+    wandb: bool = False  # also log the scalars to a Weights & Biases run
     async_checkpoints: bool = True  # write each checkpoint while the next steps compute
 
 
@@ -246,6 +248,8 @@ def _train(
     rows = local_rows(program)
     utilization = _utilization(program, options.device_flops)
     window = _profile_window(options, run.start, log)
+    config = {"spec": program.ir.name, "mesh": run.mesh, "data": dataset.description, "seed": run.seed}
+    dashboards = Dashboards(options.out, run.start, options.wandb, config) if leader else None
     metrics = Metrics.resume(options.out, dataset.unit, run.start, writes=leader)
     losses: dict[int, float] = {}
     eval_losses: dict[int, float] = {}
@@ -275,6 +279,8 @@ def _train(
                     log(traced)
                 row = {**figures, **utilization.figures(seconds)}
                 metrics.add(step, seconds, dataset.per_batch, program.learning_rate(index), compiled, row)
+                if dashboards is not None:
+                    dashboards.log(step, metrics.rows[-1])
                 progress.step(
                     step,
                     figures["loss"],
@@ -290,12 +296,16 @@ def _train(
                     found = evaluate(program, run.model, dataset.held_out, run.seed, rows)
                     eval_losses[step] = found["eval_loss"]
                     metrics.annotate(found)
+                    if dashboards is not None:
+                        dashboards.log(step, found)
                     progress.evaluated(step, found["eval_loss"])
                 every = options.checkpoint_every
                 if last or (every is not None and step % every == 0):
                     checkpoints.save(run.model, run.opt_state, _state(program, dataset, run, step))
                     newest = step
                     metrics.write()
+                    if dashboards is not None:
+                        dashboards.flush()
                     # A stop asked for during this save (a save takes long) is made now: the
                     # checkpoint it would otherwise wait one more step for is already here.
                     stopping = stopping or agreed(stop.requested)
@@ -309,6 +319,8 @@ def _train(
         traced = window.close() if window is not None else None  # a run that stopped inside the window
         if traced is not None:
             log(traced)
+        if dashboards is not None:
+            dashboards.close()
     return TrainResult(
         model=program.ir.name,
         mesh=run.mesh,

@@ -3,7 +3,8 @@
 Keys of each line: `step` (optimizer steps done, from 1), `loss` (on that step's batch,
 before its update), `grad_norm` (the global L2 norm of the step's gradients),
 `step_time_s` (wall time of the step, the loss fetched), `tokens_per_s` or `samples_per_s`
-(whichever the data set counts), `lr` (the learning rate the step used) and `compiled` (true
+(whichever the data set counts), `lr` (the learning rate the step used), `model_flops`,
+`tflops_per_device`, `mfu` and `peak_tflops` (dslc.train.utilization) and `compiled` (true
 on the first step a process runs, whose time includes compilation). A step that evaluated
 (`--eval-every`) also has `eval_loss`, the mean loss on held-out batches after the step,
 and for a mixture of experts `moe_balance_loss` and `moe_dropped_fraction` on them.

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import shutil
 import signal
 import struct
 import subprocess
@@ -17,6 +18,7 @@ import threading
 import time
 import zlib
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -650,3 +652,81 @@ def test_profile_traces_exactly_the_steps_asked_for(capsys: pytest.CaptureFixtur
     )
     code, _, err = train(capsys, TINY, "--steps", "6", "--profile", "2:3", "--resume", "--out", str(tmp_path))
     assert code == 0 and "--profile 2:3: no step of it runs here (steps 6-6), nothing traced" in err
+
+
+# ---- dashboards ------------------------------------------------------------------------------
+
+
+def board_scalars(run: Path) -> dict[str, dict[int, float]]:
+    """TensorBoard's own reading of the run's event files: tag -> step -> value."""
+    from tensorboard.backend.event_processing.event_multiplexer import EventMultiplexer
+
+    board = EventMultiplexer().AddRunsFromDirectory(str(run / "tensorboard")).Reload()
+    found: dict[str, dict[int, float]] = {}
+    for name in board.Runs():
+        for tag in board.Runs()[name]["scalars"]:
+            events = board.Scalars(name, tag)
+            steps = [e.step for e in events]
+            assert len(steps) == len(set(steps)), f"{tag}: steps logged twice {steps}"
+            found.setdefault(tag, {}).update({e.step: e.value for e in events})
+    return found
+
+
+def test_every_logged_scalar_is_in_tensorboards_event_files_once_per_step(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    every = ("--eval-every", "2", "--checkpoint-every", "2")
+    assert train(capsys, TINY, "--steps", "4", *every, "--out", str(tmp_path))[0] == 0
+    # As if killed before checkpoint 4: the resumed run logs steps 3 and 4 again, and its
+    # event file purges the first run's.
+    shutil.rmtree(tmp_path / "checkpoints" / "4")
+    assert train(capsys, TINY, "--steps", "6", *every, "--resume", "--out", str(tmp_path))[0] == 0
+    assert len(list((tmp_path / "tensorboard").iterdir())) == 2
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    scalars = board_scalars(tmp_path)
+    numbers = {k for r in rows for k, v in r.items() if isinstance(v, float | int) and not isinstance(v, bool)}
+    assert set(scalars) == numbers - {"step"} and "eval_loss" in scalars and "mfu" not in scalars  # null on CPU
+    for tag, by_step in scalars.items():
+        want = {r["step"]: r[tag] for r in rows if tag in r}
+        assert sorted(by_step) == sorted(want), tag
+        for step, value in by_step.items():  # event files keep 32-bit floats
+            assert value == pytest.approx(want[step], rel=1e-6), (tag, step)
+
+
+def test_wandb_without_its_package_is_a_usage_error_before_anything_is_made(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    code, _, err = train(capsys, TINY, "--steps", "2", "--wandb", "--out", str(tmp_path / "run"))
+    assert code == 2 and "--wandb needs the wandb package: pip install wandb" in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_wandb_gets_the_same_scalars_in_one_run_per_folder(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Against a stand-in for the wandb package: the calls dslc makes of it, as documented."""
+    import importlib.machinery
+    import types
+
+    calls: list[tuple[str, Any]] = []
+    fake = types.ModuleType("wandb")
+    fake.__spec__ = importlib.machinery.ModuleSpec("wandb", None)
+    run = types.SimpleNamespace(
+        log=lambda values, step: calls.append(("log", (step, values))), finish=lambda: calls.append(("finish", None))
+    )
+    fake.init = lambda **kwargs: calls.append(("init", kwargs)) or run  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    assert train(capsys, TINY, "--steps", "3", "--wandb", "--out", str(tmp_path / "run"))[0] == 0
+    (kind, init), *logs, (last, _) = calls
+    assert kind == "init" and last == "finish"
+    assert init["project"] == "dslc" and init["name"] == "run" and init["resume"] == "allow"
+    assert init["config"]["spec"] == "tiny" and init["dir"] == str(tmp_path / "run")
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [step for _, (step, _) in logs] == [1, 2, 3]
+    for (_, (_, values)), row in zip(logs, rows, strict=True):
+        assert values["loss"] == row["loss"] and values["tflops_per_device"] == row["tflops_per_device"]
+        assert "compiled" not in values and "mfu" not in values
