@@ -168,6 +168,12 @@ def _parser() -> argparse.ArgumentParser:
         "the step-time estimate, and --mesh auto (the cost model's defaults are in docs/plan.md)"
     )
     auto.add_argument("--devices", type=int, metavar="N", help="--mesh auto: how many devices to plan for")
+    auto.add_argument(
+        "--measure",
+        type=_count,
+        metavar="K",
+        help="--mesh auto: also compile the K fastest plans that fit here and show XLA's memory beside the plan's",
+    )
     auto.add_argument("--device-flops", type=float, metavar="TFLOPS", help="effective TFLOP/s per device (300)")
     auto.add_argument("--intra-bandwidth", type=float, metavar="GBps", help="GB/s between devices of a node (300)")
     auto.add_argument("--inter-bandwidth", type=float, metavar="GBps", help="GB/s between nodes (25)")
@@ -666,10 +672,13 @@ def _plan(args: argparse.Namespace) -> int:
         raise UsageError(f"--device-memory must be a positive number of GiB, got {args.device_memory}")
     if args.mesh is not None and args.mesh.strip().lower() == "auto":
         if args.xla:
-            raise UsageError("--xla compares the plan of one mesh; give --mesh AxBxC, not auto")
+            raise UsageError("--xla compares the plan of one mesh; give --mesh AxBxC, not auto (or --measure K)")
         return _plan_auto(args)
-    if args.devices is not None:
-        raise UsageError("--devices only applies with --mesh auto; a fixed --mesh says how many devices")
+    if args.devices is not None or args.measure is not None:
+        raise UsageError(
+            "--devices and --measure only apply with --mesh auto; a fixed --mesh says how many devices "
+            "(and --xla measures it)"
+        )
     hardware = _hardware(args)
     result = _analyze(args, running=False)
     if not result.ok:
@@ -756,10 +765,28 @@ def _plan_auto(args: argparse.Namespace) -> int:
         [args.schedule] if args.schedule else None,
     )
     found = planner.search()
+    measured: tuple[str, list[Any]] | None = None
+    if args.measure and result.source is not None:
+        from dslc.lower.measure import measure
+
+        measured = measure(found, result.source.text, result.module, overrides, args.measure)
     if args.format == "json":
-        print(json.dumps(found.to_json(), indent=2))
+        document = found.to_json()
+        if measured is not None:
+            backend, rows = measured
+            document["measured"] = {
+                "backend": backend,
+                "candidates": [
+                    {"rank": m.rank, "mesh": list(m.candidate.mesh), "planned": m.planned, "xla": m.xla} for m in rows
+                ],
+            }
+        print(json.dumps(document, indent=2))
     else:
         sys.stdout.write(found.to_text())
+        if measured is not None:
+            from dslc.lower.measure import report
+
+            sys.stdout.write(report(found, *measured))
     if found.chosen is not None:
         return EXIT_OK
     name = result.source.name if result.source else args.spec
