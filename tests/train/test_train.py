@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 import zlib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -597,29 +598,61 @@ def test_one_command_survives_sigkill_and_sigterm_and_ends_on_the_uninterrupted_
     assert losses(run) == uninterrupted
 
 
-# ---- model FLOPs utilisation -----------------------------------------------------------------
+# ---- what a run reports: MFU, profiles, dashboards ------------------------------------------
 
 
-def test_each_row_carries_model_flops_tflops_per_device_and_mfu_against_the_peak_used(
-    capsys: pytest.CaptureFixture[str], tmp_path: Path
-) -> None:
+@dataclass(frozen=True)
+class Observed:
+    """Two runs into one folder: steps 1-4 (checkpoints 2 and 4, evaluations at 2 and 4,
+    `--profile 2:3`, no peak for MFU), then, as if killed before checkpoint 4, a resume from
+    checkpoint 2 to step 6 with `--device-flops 0.5`."""
+
+    run: Path
+    outputs: tuple[tuple[str, str], tuple[str, str]]  # (stdout, stderr) of each
+
+
+@pytest.fixture(scope="module")
+def observed(tmp_path_factory: pytest.TempPathFactory) -> Observed:
+    import contextlib
+    import io
+
+    run = tmp_path_factory.mktemp("observed")
+    every = ("--eval-every", "2", "--checkpoint-every", "2", "--out", str(run))
+    outputs = []
+    for argv in (
+        ("--steps", "4", "--profile", "2:3", *every),
+        ("--steps", "6", "--profile", "2:2", "--device-flops", "0.5", "--resume", *every),
+    ):
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            assert main(["train", TINY, *argv]) == 0, err.getvalue()
+        outputs.append((out.getvalue(), err.getvalue()))
+        if len(outputs) == 1:
+            shutil.rmtree(run / "checkpoints" / "4")  # the first run's last: it "never finished"
+    return Observed(run, (outputs[0], outputs[1]))
+
+
+def observed_rows(observed: Observed) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (observed.run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_each_row_carries_model_flops_tflops_per_device_and_mfu_against_the_peak_used(observed: Observed) -> None:
     import dslc
     from dslc.plan.flops import flops
 
-    code, out, _ = train(capsys, TINY, "--steps", "3", "--out", str(tmp_path / "cpu"))
-    assert code == 0 and "MFU not reported: no published peak for cpu (--device-flops T gives one)" in out
-    code, out, _ = train(capsys, TINY, "--steps", "3", "--out", str(tmp_path / "given"), "--device-flops", "0.5")
-    assert code == 0 and "of 0.5 TFLOP/s per device, from --device-flops" in out
-
+    (first, _), (second, _) = observed.outputs
+    assert "MFU not reported: no published peak for cpu (--device-flops T gives one)" in first
+    assert "of 0.5 TFLOP/s per device, from --device-flops" in second
     counted = flops(dslc.compile(TINY).ir)
-    for folder, peak in (("cpu", None), ("given", 0.5)):
-        rows = [json.loads(line) for line in (tmp_path / folder / "metrics.jsonl").read_text().splitlines()]
-        for r in rows:
-            assert r["model_flops"] == counted.forward + counted.backward
-            # tiny's mesh has 4 devices
-            assert r["tflops_per_device"] == pytest.approx(r["model_flops"] / r["step_time_s"] / 4 / 1e12, rel=1e-9)
-            assert r["peak_tflops"] == peak
-            assert r["mfu"] == (None if peak is None else pytest.approx(r["tflops_per_device"] / peak, rel=1e-9))
+    rows = observed_rows(observed)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    for r in rows:
+        peak = None if r["step"] <= 2 else 0.5  # steps 1-2 are the first run's
+        assert r["model_flops"] == counted.forward + counted.backward
+        # tiny's mesh has 4 devices
+        assert r["tflops_per_device"] == pytest.approx(r["model_flops"] / r["step_time_s"] / 4 / 1e12, rel=1e-9)
+        assert r["peak_tflops"] == peak
+        assert r["mfu"] == (None if peak is None else pytest.approx(r["tflops_per_device"] / peak, rel=1e-9))
 
 
 @pytest.mark.parametrize("name", ["tiny", "llama_small"])
@@ -636,25 +669,21 @@ def test_the_planners_flops_match_the_compiled_steps_matrix_products(name: str) 
     assert flops(program.ir).model == pytest.approx(dot_flops(program.trace("grads").jaxpr), rel=0.1)
 
 
-def test_profile_traces_exactly_the_steps_asked_for(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+def test_profile_traces_exactly_the_steps_asked_for(observed: Observed) -> None:
     import gzip
 
-    code, _, err = train(capsys, TINY, "--steps", "5", "--profile", "2:3", "--out", str(tmp_path))
-    assert code == 0
-    traces = list((tmp_path / "profile" / "plugins" / "profile").glob("*/perfetto_trace.json.gz"))
+    profile = observed.run / "profile"
+    (_, first), (_, second) = observed.outputs
+    traces = list((profile / "plugins" / "profile").glob("*/perfetto_trace.json.gz"))
     assert len(traces) == 1 and list(traces[0].parent.glob("*.xplane.pb")), "Perfetto's and TensorBoard's files"
-    assert f"profile of steps 2-3 in {tmp_path / 'profile'}: tensorboard --logdir {tmp_path / 'profile'}" in err
+    assert f"profile of steps 2-3 in {profile}: tensorboard --logdir {profile}" in first
     events = json.loads(gzip.decompress(traces[0].read_bytes()))["traceEvents"]
-    # Steps 2 and 3 ran inside the trace, on each of tiny's 4 devices; steps 1, 4 and 5 did not.
+    # Steps 2 and 3 ran inside the trace, on each of tiny's 4 devices; steps 1 and 4 did not.
     executions = [e for e in events if e.get("name", "").endswith("Execute (jit_step)")]
     assert sorted(e["name"][:3] for e in executions if e["name"].startswith("[")) == sorted(
         f"[{d}]" for d in range(4) for _ in range(2)
     )
-    code, _, err = train(capsys, TINY, "--steps", "6", "--profile", "2:3", "--resume", "--out", str(tmp_path))
-    assert code == 0 and "--profile 2:3: no step of it runs here (steps 6-6), nothing traced" in err
-
-
-# ---- dashboards ------------------------------------------------------------------------------
+    assert "--profile 2:2: no step of it runs here (steps 3-6), nothing traced" in second
 
 
 def board_scalars(run: Path) -> dict[str, dict[int, float]]:
@@ -672,22 +701,15 @@ def board_scalars(run: Path) -> dict[str, dict[int, float]]:
     return found
 
 
-def test_every_logged_scalar_is_in_tensorboards_event_files_once_per_step(
-    capsys: pytest.CaptureFixture[str], tmp_path: Path
-) -> None:
-    every = ("--eval-every", "2", "--checkpoint-every", "2")
-    assert train(capsys, TINY, "--steps", "4", *every, "--out", str(tmp_path))[0] == 0
-    # As if killed before checkpoint 4: the resumed run logs steps 3 and 4 again, and its
-    # event file purges the first run's.
-    shutil.rmtree(tmp_path / "checkpoints" / "4")
-    assert train(capsys, TINY, "--steps", "6", *every, "--resume", "--out", str(tmp_path))[0] == 0
-    assert len(list((tmp_path / "tensorboard").iterdir())) == 2
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    scalars = board_scalars(tmp_path)
+def test_every_logged_scalar_is_in_tensorboards_event_files_once_per_step(observed: Observed) -> None:
+    # The resumed run logged steps 3 and 4 again, and its event file purges the first run's.
+    assert len(list((observed.run / "tensorboard").iterdir())) == 2
+    rows = observed_rows(observed)
+    scalars = board_scalars(observed.run)
     numbers = {k for r in rows for k, v in r.items() if isinstance(v, float | int) and not isinstance(v, bool)}
-    assert set(scalars) == numbers - {"step"} and "eval_loss" in scalars and "mfu" not in scalars  # null on CPU
+    assert set(scalars) == numbers - {"step"} and {"eval_loss", "mfu"} <= set(scalars)
     for tag, by_step in scalars.items():
-        want = {r["step"]: r[tag] for r in rows if tag in r}
+        want = {r["step"]: r[tag] for r in rows if r.get(tag) is not None}
         assert sorted(by_step) == sorted(want), tag
         for step, value in by_step.items():  # event files keep 32-bit floats
             assert value == pytest.approx(want[step], rel=1e-6), (tag, step)
