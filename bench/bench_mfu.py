@@ -12,7 +12,8 @@ the backend has one), optax's AdamW, one `jax.jit`ted step with its state donate
 start from the same weights (dslc's initialisation, read out by name) and train on the same
 random batch.
 
-Printed for each: the median step time after two warm-up steps, model TFLOP/s per device
+Printed for each: the median step time after two warm-up steps (the two taking turns, a step
+each, `--steps` rounds), model TFLOP/s per device
 and MFU, both from the planner's count of the model's FLOPs (forward and backward, the
 figure `dslc train` reports) against the device's dense peak (dslc.train.utilization; none
 on a CPU, so MFU there is "n/a" unless --device-flops gives a peak), the first step's loss
@@ -93,22 +94,26 @@ def hand_written_loss(sizes: dict[str, int], dtype: Any) -> Callable[[dict[str, 
     return loss
 
 
-def time_steps(step: Callable[[], float], steps: int) -> tuple[float, float, float]:
-    """Median seconds per step after two warm-up steps (the first compiles), the first loss
-    and the last."""
-    first = step()
-    step()
-    times, loss = [], 0.0
-    for _ in range(steps):
-        began = time.perf_counter()
-        loss = step()
-        times.append(time.perf_counter() - began)
-    return statistics.median(times), first, loss
+def time_alternating(steps: dict[str, Callable[[], float]], rounds: int) -> dict[str, tuple[float, float, float]]:
+    """For each step function: the median seconds per step, its first loss and its last. Two
+    warm-up steps each (the first compiles), then the functions take turns, one step each per
+    round, so that both see the same machine (a shared one drifts by tens of percent)."""
+    first = {name: step() for name, step in steps.items()}
+    for step in steps.values():
+        step()
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    last = dict(first)
+    for _ in range(rounds):
+        for name, step in steps.items():
+            began = time.perf_counter()
+            last[name] = step()
+            times[name].append(time.perf_counter() - began)
+    return {name: (statistics.median(times[name]), first[name], last[name]) for name in steps}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=8, help="timed rounds (a step of each per round)")
     parser.add_argument("--device-flops", type=float, help="dense peak TFLOP/s per device (default: the datasheet's)")
     args = parser.parse_args()
     device = jax.devices()[0]
@@ -154,14 +159,13 @@ def main() -> None:
         return float(loss)
 
     print(f"{'':<14} {'ms/step':>9} {'TFLOP/s/dev':>12} {'MFU':>7} {'loss 1st':>9} {'last':>8}")
-    results = {}
-    for name, step in (("hand-written", hand_step), ("dslc", dslc_step)):
-        seconds, first, loss = time_steps(step, args.steps)
+    results = time_alternating({"hand-written": hand_step, "dslc": dslc_step}, args.steps)
+    for name, (seconds, first, loss) in results.items():
         tflops = model_flops / seconds / 1e12
         mfu = f"{tflops * 1e12 / peak.flops:.1%}" if peak else "n/a"
-        results[name] = seconds
         print(f"{name:<14} {seconds * 1e3:>9.1f} {tflops:>12.4g} {mfu:>7} {first:>9.4f} {loss:>8.4f}")
-    print(f"dslc / hand-written: {results['hand-written'] / results['dslc']:.2f} (MFU, or throughput, ratio)")
+    ratio = results["hand-written"][0] / results["dslc"][0]
+    print(f"dslc / hand-written: {ratio:.2f} (MFU, or throughput, ratio)")
 
 
 if __name__ == "__main__":
