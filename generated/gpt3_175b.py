@@ -26,6 +26,7 @@ import numpy as np
 import optax
 from dslc_runtime.attention import attention
 from dslc_runtime.layers import cross_entropy, cross_entropy_count, embed, gelu, layernorm, linear
+from dslc_runtime.mesh import build_mesh
 from dslc_runtime.metrics import step_metrics
 from dslc_runtime.params import initial_array
 from dslc_runtime.pipeline import Pipeline, Share, layer_shares, pipeline_value_and_grad, take_share
@@ -43,6 +44,7 @@ from jax.sharding import PartitionSpec as P
 MESH_AXES = ("data", "model", "stage")
 MESH_SHAPE = (8, 8, 16)
 DEVICES = 1024
+MESH_NODES = (1, 1, 1)  # how many nodes each axis spans (the slow network between them)
 COMPUTE_DTYPE = "bfloat16"
 Arrays = dict[str, jax.Array]  # arrays by name: the parameters, their gradients, a batch
 
@@ -54,8 +56,7 @@ def make_mesh() -> Mesh:
         devices = jax.devices("cpu")
     if len(devices) < DEVICES:
         raise SystemExit(f"the mesh needs {DEVICES} devices and this process has {len(devices)}")
-    auto = (jax.sharding.AxisType.Auto,) * len(MESH_AXES)
-    return jax.make_mesh(MESH_SHAPE, MESH_AXES, axis_types=auto, devices=devices[:DEVICES])
+    return build_mesh(MESH_SHAPE, MESH_AXES, MESH_NODES, devices[:DEVICES])
 
 
 def constrain(x: jax.Array, spec: P) -> jax.Array:

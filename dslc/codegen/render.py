@@ -197,8 +197,7 @@ def generate(
         "mesh_axes": mesh_axes,
         "mesh_shape": mesh_shape,
         "devices": math.prod(mesh_shape),
-        # Each axis's node count, only when some axis crosses nodes.
-        "mesh_nodes": tuple(a.nodes for a in program.mesh.axes) if program.mesh.nodes > 1 else None,
+        "mesh_nodes": tuple(a.nodes for a in program.mesh.axes) or (1,),
         "compute_dtype": ir.DTYPES[program.train.compute_dtype].jax,
         "pipelined": program.pipelined,
         # Whether any layer returns auxiliary values (a mixture of experts' balancing loss):

@@ -17,7 +17,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from dslc.ir.nodes import Mesh
-from dslc.runtime.mesh import NodeLayoutError, node_layout
+from dslc.runtime.mesh import NodeLayoutError, build_mesh
 
 if TYPE_CHECKING:
     import jax
@@ -63,21 +63,17 @@ def make_mesh(mesh: Mesh) -> jax.sharding.Mesh:
     partial-manual `shard_map` boundary (see the project's field notes).
     """
     request_host_devices(mesh.devices)
-    import jax
-
     devices = _devices()
     if len(devices) < mesh.devices:
         raise DeviceError(_shortfall(mesh, devices))
     names = mesh.names or ("replica",)
     shape = mesh.shape or (1,)
-    auto = (jax.sharding.AxisType.Auto,) * len(names)
-    if mesh.nodes == 1:
-        return jax.make_mesh(shape, names, axis_types=auto, devices=devices[: mesh.devices])
-    nodes = tuple(a.nodes for a in mesh.axes)
+    nodes = tuple(a.nodes for a in mesh.axes) or (1,)
     try:
-        return jax.sharding.Mesh(node_layout(shape, nodes, devices[: mesh.devices]), names, axis_types=auto)
+        mesh_of_devices: jax.sharding.Mesh = build_mesh(shape, names, nodes, devices[: mesh.devices])
     except NodeLayoutError as exc:
         raise DeviceError(f"mesh {mesh.describe()}: {exc}") from None
+    return mesh_of_devices
 
 
 class PlatformError(DeviceError):

@@ -27,6 +27,17 @@ class NodeLayoutError(ValueError):
     """The devices cannot be divided into the nodes the mesh asks for."""
 
 
+def build_mesh(shape: Sequence[int], names: Sequence[str], nodes: Sequence[int], devices: Sequence[Any]) -> Any:
+    """The `jax.sharding.Mesh` of `shape` over `devices` (as many as it needs), axes `Auto`:
+    jax's own layout when no axis crosses nodes, else the node layout (`node_layout`)."""
+    import jax
+
+    auto = (jax.sharding.AxisType.Auto,) * len(names)
+    if math.prod(nodes) == 1:
+        return jax.make_mesh(tuple(shape), tuple(names), axis_types=auto, devices=devices)
+    return jax.sharding.Mesh(node_layout(shape, nodes, devices), tuple(names), axis_types=auto)
+
+
 def node_layout(shape: Sequence[int], nodes: Sequence[int], devices: Sequence[Any]) -> np.ndarray:
     """The devices of a mesh of `shape` whose axis i spans `nodes[i]` nodes, as an array of
     that shape (for `jax.sharding.Mesh`)."""
