@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from signal import Signals
 from typing import Any
 
 import jax
@@ -51,7 +52,7 @@ class TrainInterrupted(Exception):
     """Ctrl-C or SIGTERM (`signal`, its number) stopped the run after step `step`, whose
     checkpoint is saved."""
 
-    def __init__(self, step: int, signal: int = 2) -> None:
+    def __init__(self, step: int, signal: int = int(Signals.SIGINT)) -> None:
         super().__init__(f"stopped at step {step}")
         self.step = step
         self.signal = signal
@@ -250,7 +251,7 @@ def _train(
     window = _profile_window(options, run.start, log)
     config = {"spec": program.ir.name, "mesh": run.mesh, "data": dataset.description, "seed": run.seed}
     dashboards = Dashboards(options.out, run.start, options.wandb, config) if leader else None
-    metrics = Metrics.resume(options.out, dataset.unit, run.start, writes=leader)
+    metrics = Metrics.resume(options.out, dataset.unit, run.start, writes=leader, dashboards=dashboards)
     losses: dict[int, float] = {}
     eval_losses: dict[int, float] = {}
     first_step_s = None
@@ -279,8 +280,6 @@ def _train(
                     log(traced)
                 row = {**figures, **utilization.figures(seconds)}
                 metrics.add(step, seconds, dataset.per_batch, program.learning_rate(index), compiled, row)
-                if dashboards is not None:
-                    dashboards.log(step, metrics.rows[-1])
                 progress.step(
                     step,
                     figures["loss"],
@@ -296,16 +295,12 @@ def _train(
                     found = evaluate(program, run.model, dataset.held_out, run.seed, rows)
                     eval_losses[step] = found["eval_loss"]
                     metrics.annotate(found)
-                    if dashboards is not None:
-                        dashboards.log(step, found)
                     progress.evaluated(step, found["eval_loss"])
                 every = options.checkpoint_every
                 if last or (every is not None and step % every == 0):
                     checkpoints.save(run.model, run.opt_state, _state(program, dataset, run, step))
                     newest = step
                     metrics.write()
-                    if dashboards is not None:
-                        dashboards.flush()
                     # A stop asked for during this save (a save takes long) is made now: the
                     # checkpoint it would otherwise wait one more step for is already here.
                     stopping = stopping or agreed(stop.requested)
@@ -319,8 +314,7 @@ def _train(
         traced = window.close() if window is not None else None  # a run that stopped inside the window
         if traced is not None:
             log(traced)
-        if dashboards is not None:
-            dashboards.close()
+        metrics.close()
     return TrainResult(
         model=program.ir.name,
         mesh=run.mesh,

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from dslc.files import write_atomic
+from dslc.train.dashboards import Dashboards
 from dslc.train.plot import loss_curve_png
 
 METRICS_FILE = "metrics.jsonl"
@@ -45,14 +46,18 @@ class Metrics:
     unit: str
     rows: list[dict[str, Any]] = field(default_factory=list)
     writes: bool = True
+    # Where every scalar also goes (TensorBoard, W&B), in the process that writes.
+    dashboards: Dashboards | None = None
 
     @classmethod
-    def resume(cls, directory: Path, unit: str, step: int, writes: bool = True) -> Metrics:
+    def resume(
+        cls, directory: Path, unit: str, step: int, writes: bool = True, dashboards: Dashboards | None = None
+    ) -> Metrics:
         """The rows an earlier process wrote up to `step`, the checkpoint being resumed (0 for
         a new run): rows past it belong to steps that will run again."""
         path = directory / METRICS_FILE
         rows = list(_read_rows(path)) if path.is_file() else []
-        return cls(directory, unit, [r for r in rows if r["step"] <= step], writes)
+        return cls(directory, unit, [r for r in rows if r["step"] <= step], writes, dashboards)
 
     def add(
         self,
@@ -75,10 +80,14 @@ class Metrics:
                 "compiled": compiled,
             }
         )
+        if self.dashboards is not None:
+            self.dashboards.log(step, self.rows[-1])
 
     def annotate(self, figures: dict[str, float]) -> None:
         """Add figures measured after the newest step (an evaluation) to its row."""
         self.rows[-1].update(figures)
+        if self.dashboards is not None:
+            self.dashboards.log(self.rows[-1]["step"], figures)
 
     def write(self) -> None:
         if not self.writes:
@@ -89,6 +98,12 @@ class Metrics:
         evaluated = [(r["step"], r["eval_loss"]) for r in self.rows if "eval_loss" in r]
         curve = loss_curve_png(steps, [r["loss"] for r in self.rows], evaluated)
         write_atomic(self.directory / CURVE_FILE, curve)
+        if self.dashboards is not None:
+            self.dashboards.flush()
+
+    def close(self) -> None:
+        if self.dashboards is not None:
+            self.dashboards.close()
 
     def throughput(self, since_step: int) -> Throughput | None:
         """Steady state over the steps after `since_step`, or None before any ran."""
