@@ -211,6 +211,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     train.add_argument(
         "--profile",
+        type=_profile_steps,
         metavar="START:STOP",
         help="trace steps START to STOP with the JAX profiler into RUN/profile, for TensorBoard's profile plugin "
         "and ui.perfetto.dev",
@@ -832,6 +833,16 @@ def _hardware(args: argparse.Namespace) -> Any:
     )
 
 
+def _profile_steps(text: str) -> tuple[int, int]:
+    """--profile START:STOP (or one step) as (start, stop)."""
+    from dslc.train.profile import parse_window
+
+    try:
+        return parse_window(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _count(text: str) -> int:
     """A whole number for --steps, --seed, --checkpoint-every, --num-processes and
     --process-id (0 only for --seed and --process-id)."""
@@ -843,12 +854,6 @@ def _count(text: str) -> int:
 def _train(args: argparse.Namespace) -> int:
     if args.steps == 0 or args.checkpoint_every == 0 or args.eval_every == 0:
         raise UsageError("--steps, --checkpoint-every and --eval-every must be at least 1")
-    from dslc.train.profile import parse_window
-
-    try:
-        args.profile_window = parse_window(args.profile) if args.profile is not None else None
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
     if args.device_flops is not None and not args.device_flops > 0:
         raise UsageError(f"--device-flops must be a positive number of TFLOP/s, got {args.device_flops:g}")
     from dslc.train.distributed import DistributedError, cluster_from_flags, detect_cluster, joined
@@ -894,7 +899,7 @@ def _train_here(args: argparse.Namespace) -> int:
         args.document_end,
         async_checkpoints=not args.sync_checkpoints,
         device_flops=args.device_flops,
-        profile=args.profile_window,
+        profile=args.profile,
         wandb=args.wandb,
     )
     try:

@@ -59,8 +59,8 @@ def parse_window(text: str) -> tuple[int, int]:
     """`START:STOP` (or one step, `N`) as (start, stop); ValueError with what is wrong."""
     parts = text.split(":")
     if len(parts) > 2 or not all(p.isdigit() for p in parts):
-        raise ValueError(f"--profile takes START:STOP, two step numbers (or one), got {text!r}")
+        raise ValueError(f"expected START:STOP, two step numbers (or one), got {text!r}")
     start, stop = int(parts[0]), int(parts[-1])
     if not 1 <= start <= stop:
-        raise ValueError(f"--profile {text}: the steps count from 1 and START must not come after STOP")
+        raise ValueError(f"{text}: the steps count from 1 and START must not come after STOP")
     return start, stop
