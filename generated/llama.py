@@ -339,7 +339,7 @@ def chunk_weights(c: int, arrays: Arrays, local: bool = False) -> Arrays:
     """Chunk c's weights, in the compute dtype, out of the stored arrays (`local`: out of one
     stage's pieces of them, inside the pipeline)."""
     return {
-        name: take_share(arrays, share, PARAMETERS[share.stored].stage_rows, local, COMPUTE_DTYPE)
+        name: take_share(arrays, share, PARAMETERS[share.stored], local, COMPUTE_DTYPE)
         for name, share in CHUNK_WEIGHTS[c].items()
     }
 

@@ -20,6 +20,7 @@ import numpy as np
 
 from dslc.ir.nodes import DTYPE_BYTES
 from dslc.plan.communication import ring_bytes
+from dslc.runtime.pipeline import STAGE_BRANCHES
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
@@ -135,6 +136,22 @@ def collectives(text: str) -> list[Collective]:
 
     visit(entry, (), (), frozenset())
     return found
+
+
+def stalling(
+    found: Sequence[Collective], axis_names: Sequence[str], shape: Sequence[int], stage_axis: str
+) -> list[Collective]:
+    """The collectives inside the pipeline executor's per-stage branches (its switches, where
+    each stage takes the branch of its own op) that would wait for devices of another stage:
+    one whose groups span the stage axis, or a collective-permute, which XLA runs as one
+    exchange among every device it names. Each stage taking a different branch, such a
+    collective never completes (XLA's CPU backend aborts after 40 s)."""
+    return [
+        c
+        for c in found
+        if f"/{STAGE_BRANCHES}/" in c.op_name
+        and (c.kind == "collective-permute" or stage_axis in c.axes(axis_names, shape))
+    ]
 
 
 def _computations(text: str) -> tuple[dict[str, list[str]], str]:

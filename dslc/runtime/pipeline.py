@@ -26,9 +26,13 @@ copied through a conditional (XLA before jaxlib 0.11.1 copies every buffer a con
 returns unchanged from a branch other than its first). After the switches every stage sends —
 activations to the next stage, gradients to the previous one, as one buffer (`send`) — at
 every tick where some stage receives; the decision is the tick's, the same on every stage, so
-no collective over the stage axis ever sits inside a branch some stages skip. Nothing that
-is the same every tick is computed in the loop (each microbatch's dropout key is made before
-it).
+no collective over the stage axis ever sits inside a branch some stages skip. Within a
+branch, collectives may run only among one stage's devices (a tensor-parallel all-reduce,
+ZeRO-3's gather over the data axes) and never as a collective-permute, which XLA runs as
+one exchange among every device it names, whichever stage holds them (`take_share` gathers
+before it slices for that reason; `dslc.lower.hlo.stalling` finds any that remain). Nothing
+that is the same every tick is computed in the loop (each microbatch's dropout key is made
+before it).
 
 The table has one row per tick and one column per stage, with these entries:
   op                  what to do: IDLE, FORWARD, BACKWARD, INPUT_GRAD or WEIGHT_GRAD
@@ -72,6 +76,10 @@ from jax.sharding import PartitionSpec
 
 from .schedule import BACKWARD, FORWARD, INPUT_GRAD, WEIGHT_GRAD
 from .storage import Parameter
+
+# The name scope of the switches whose branch each stage picks for itself: a collective in
+# them may only run within a stage (`dslc.lower.hlo.stalling`).
+STAGE_BRANCHES = "stage_branches"
 
 # chunk(weights, x, inputs, key) -> the chunk's output; the last chunk returns its f32 loss.
 # With `has_aux`, every chunk returns (that, aux), aux an f32 scalar added to the loss.
@@ -307,7 +315,8 @@ class _Executor:
         is_forward = op == FORWARD
         x = acts[slot("activation_slot")]
         forwards = [self.no_forward, *(self.forward(i) for i in range(self.C))]
-        y, rows, gained = lax.switch(jnp.where(is_forward, c + 1, 0), forwards, x, inputs, key, m)
+        with jax.named_scope(STAGE_BRANCHES):
+            y, rows, gained = lax.switch(jnp.where(is_forward, c + 1, 0), forwards, x, inputs, key, m)
         keep = jnp.where(is_forward, slot("stash_slot"), self.scratch["stash_slot"])
         stash = tuple(buffer.at[keep].set(row) for buffer, row in zip(stash, rows, strict=True))
         stash_x = stash_x.at[keep].set(x)
@@ -322,7 +331,10 @@ class _Executor:
             index = jnp.where(op == code, 1 + k * self.C + c, index)
         read = jnp.where(index > 0, slot("stash_slot"), self.scratch["stash_slot"])
         kept = tuple(buffer[read] for buffer in stash)
-        added, dx = lax.switch(index, branches, kept, stash_x[read], grads_in[slot("gradient_slot")], inputs, key, m)
+        with jax.named_scope(STAGE_BRANCHES):
+            added, dx = lax.switch(
+                index, branches, kept, stash_x[read], grads_in[slot("gradient_slot")], inputs, key, m
+            )
         gacc = {name: gacc[name] + added[name] for name in gacc}
 
         # Ring sends outside the switches, by every stage alike (none at a tick where nothing
@@ -491,19 +503,48 @@ def layer_shares(parameters: dict[str, Any], prefix: str, layers: tuple[int, int
     return {name: Share(name, (layers,)) for name in parameters if name.startswith(prefix)}
 
 
-def take_share(
-    arrays: dict[str, jax.Array], share: Share, stage_rows: int | None, local: bool, dtype: Any
-) -> jax.Array:
-    """A chunk's weight out of a stored array, in the compute dtype. `local`: `arrays` are
-    one stage's pieces (inside the executor), where the stage's own dimension holds only its
-    rows; otherwise they are the whole arrays."""
+def take_share(arrays: dict[str, jax.Array], share: Share, stored: Parameter, local: bool, dtype: Any) -> jax.Array:
+    """A chunk's weight out of a stored array (`stored` says how it is kept), in the compute
+    dtype. `local`: `arrays` are one stage's pieces (inside the executor), where the stage's
+    own dimension holds only its rows; otherwise they are the whole arrays.
+
+    A dimension the share cuts (a row, a range of layers, a row's padding) that is split over
+    an automatic mesh axis — ZeRO-3 or FSDP's data axes on a per-stage array's padded rows — is
+    gathered first. Left to XLA's partitioner, a slice across the pieces moves each device's
+    part by a collective-permute, and XLA runs one permute as one exchange among all the
+    devices it names: those of every stage, while each stage takes its own branch of the
+    executor's switch. The stages would wait for one another there for ever."""
+    array = arrays[share.stored]
     index: list[int | slice] = []
+    cut: set[int] = set()
     for dim, entry in enumerate(share.rows):
-        if local and dim == stage_rows:
+        if local and dim == stored.stage_rows:
             index.append(0 if isinstance(entry, int) else slice(None))
+        elif isinstance(entry, int):
+            index.append(entry)
+            cut.add(dim)
         else:
-            index.append(entry if isinstance(entry, int) else slice(*entry))
-    value = arrays[share.stored][tuple(index)]
+            index.append(slice(*entry))
+            if entry != (0, array.shape[dim]):
+                cut.add(dim)
+    kept = [dim for dim, entry in enumerate(index) if isinstance(entry, slice)] + list(range(len(index), array.ndim))
+    for dim, n in zip(kept, share.shape or (), strict=False):
+        if n < array.shape[dim]:
+            cut.add(dim)
+    value = _gathered(array, stored.sharding, cut)[tuple(index)]
     if share.shape is not None:
         value = value[tuple(slice(0, n) for n in share.shape)]
     return value.astype(dtype)
+
+
+def _gathered(array: jax.Array, sharding: Any, dims: set[int]) -> jax.Array:
+    """`array` (held as `sharding` says) whole along `dims` over the mesh's automatic axes;
+    itself when none splits them."""
+    manual = jax.sharding.get_abstract_mesh().manual_axes
+    spec = [(entry,) if isinstance(entry, str) else tuple(entry or ()) for entry in sharding]
+    spec += [()] * (array.ndim - len(spec))
+    if not any(a not in manual for dim in dims for a in spec[dim]):
+        return array
+    # Manual axes are left out: along them each device holds only its own piece already.
+    kept = [() if dim in dims else tuple(a for a in axes if a not in manual) for dim, axes in enumerate(spec)]
+    return lax.with_sharding_constraint(array, PartitionSpec(*(axes or None for axes in kept)))

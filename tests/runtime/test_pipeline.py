@@ -12,12 +12,14 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 import jax
 import numpy as np
 import pytest
 
 import dslc
+from dslc.lower.hlo import collectives, stalling
 from dslc.runtime import pipeline as executor
 from dslc.schedules import build, to_json
 from tests.conftest import SPECS, compiled
@@ -228,6 +230,36 @@ def test_training_step_sends_no_weight_sized_value_over_the_stage_axis() -> None
             sizes.append(max(int(np.prod([int(d) for d in s.split(",") if d] or [1])) for s in shapes))
     assert sizes, "the step has no all-reduce at all: the loss is not summed over the stages"
     assert max(sizes) < smallest, sorted(sizes)[-5:]
+
+
+def _stalling(program: dslc.Program) -> tuple[list[Any], list[Any]]:
+    """The compiled gradient step's collectives in the executor's per-stage branches, and
+    those of them that would wait for another stage's devices."""
+    hlo = program.lower("grads").compile().as_text()
+    inside = [c for c in collectives(hlo) if f"/{executor.STAGE_BRANCHES}/" in c.op_name]
+    mesh = program.mesh
+    return inside, stalling(inside, mesh.axis_names, tuple(mesh.shape.values()), program.ir.pipeline.axis)
+
+
+def test_zero3_gathers_a_stage_row_before_slicing_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    # ZeRO-3 splits seed_mlp_pipeline's per-stage arrays (rows of 784 x 512, 512 x 256 and 256 x
+    # 128, padded to the largest) over `data` along the padded dimension. A chunk's slice of
+    # its row crossed the pieces; XLA moved them by collective-permutes naming every device,
+    # inside the switch where each stage runs its own chunk, and the step hung for 40 s and
+    # aborted. The executor gathers over `data` first: only all-gathers within a stage remain.
+    text = (
+        (SPECS / "seed_mlp_pipeline.par")
+        .read_text()
+        .replace("pipeline stage {", "train {\n  zero 3\n}\n\npipeline stage {")
+    )
+    program = dslc.compile(text, "2x3", {"batch": 64})
+    inside, stalls = _stalling(program)
+    assert "all-gather" in {c.kind for c in inside}  # ZeRO-3's gathers, within a stage
+    assert not stalls, [(c.kind, c.groups) for c in stalls]
+    # Slicing without the gather is what hung: the reader finds those permutes.
+    monkeypatch.setattr(executor, "_gathered", lambda array, sharding, dims: array)
+    _, before = _stalling(dslc.compile(text, "2x3", {"batch": 64}))
+    assert {c.kind for c in before} == {"collective-permute"}
 
 
 def test_the_pipelined_step_does_the_flops_of_the_unpipelined_one() -> None:
