@@ -13,12 +13,19 @@ compiled XLA program across tests, across the test processes (`pytest -n`), and 
 the CLI, and each would otherwise compile it again. Measured: tests/train/test_train.py 210 s
 without, 112 s with. The folder is in pytest's temporary root for this run (shared by its
 worker processes, removed with pytest's old runs), so no run reads another's programs.
+
+Families of cases too slow to run whole in the suite (`@pytest.mark.sample(k)` on a
+parametrized test) run k of their cases, drawn anew each day (`sample_seed`); `--every-case`
+runs them all, as does naming the test (`pytest FILE::TEST`).
 """
 
 from __future__ import annotations
 
+import datetime
 import functools
 import os
+import random
+from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,6 +67,45 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default="sample",
         help="tests/lower/test_layouts.py: `sample` (the suite's seeded sample), `all`, or combination ids",
     )
+    parser.addoption(
+        "--every-case", action="store_true", help="run every case of the families the suite samples (`sample` marker)"
+    )
+
+
+def sample_seed() -> int:
+    """The seed of the suite's samples: the day's, unless DSLC_SAMPLE_SEED repeats a draw."""
+    return int(os.environ.get("DSLC_SAMPLE_SEED", datetime.date.today().toordinal()))
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    return f"sample seed: {sample_seed()} (DSLC_SAMPLE_SEED=N repeats a draw; --every-case runs every case)"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Of each family marked `sample(k)`, keep k cases drawn with the day's seed. Every
+    process draws the same (xdist needs each worker to collect the same tests)."""
+    if config.getoption("--every-case"):
+        return
+    named = {arg.split("[")[0] for arg in config.args if "::" in arg}
+    families: dict[tuple[str, str], list[pytest.Item]] = defaultdict(list)
+    for item in items:
+        marker = item.get_closest_marker("sample")
+        function = item.nodeid.split("[")[0]
+        if marker is not None and function not in named and not any(function.endswith(n) for n in named):
+            families[(function, str(marker.args[0]))].append(item)
+    dropped: set[str] = set()
+    for (function, count), members in families.items():
+        # Tests of one `group` over the same cases draw the same ones (a module's fixture per
+        # case is then made for only those).
+        marker = members[0].get_closest_marker("sample")
+        assert marker is not None
+        key = f"{function.split('::')[0]}::{marker.kwargs['group']}" if "group" in marker.kwargs else function
+        draw = random.Random(f"{sample_seed()}:{key}")
+        kept = set(draw.sample(range(len(members)), min(int(count), len(members))))
+        dropped |= {m.nodeid for i, m in enumerate(members) if i not in kept}
+    if dropped:
+        config.hook.pytest_deselected(items=[i for i in items if i.nodeid in dropped])
+        items[:] = [i for i in items if i.nodeid not in dropped]
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -184,6 +184,7 @@ def test_a_module_whose_mesh_crosses_nodes_builds_it_node_by_node(tmp_path: Path
 GOLDEN_RTOL = {"f32": 1e-5, "bf16": 1e-2}
 
 
+@pytest.mark.sample(3)
 @pytest.mark.parametrize("name", sorted(RUNNABLE))
 def test_the_golden_numerics(name: str, update_goldens: bool) -> None:
     got = compiled(SPECS / f"{name}.par", overrides=RUNNABLE[name])
@@ -218,6 +219,7 @@ def test_every_spec_is_run_or_declared_plan_only() -> None:
 # ---- running the generated program -------------------------------------------------------------
 
 
+@pytest.mark.sample(1)
 @pytest.mark.parametrize("name", ["tiny", "seed_mlp_pipeline"])
 def test_generated_module_trains_as_a_script(name: str, tmp_path: Path) -> None:
     """Beside its runtime library, with dslc not importable (a stand-in that refuses)."""

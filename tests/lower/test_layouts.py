@@ -6,7 +6,7 @@ loss and gradient norm. A combination `dslc check` refuses is skipped with its e
 
 The suite checks a seeded sample of the space (and, in test_moe_under_zero.py, the mixtures of
 experts a user found wrong under ZeRO): one combination from each of `SAMPLE` specs, drawn anew each day (the seed is in
-the test ids' header line; `DSLC_LAYOUT_SEED=N` repeats a draw). The whole space:
+the run's header line; `DSLC_SAMPLE_SEED=N` repeats a draw). The whole space:
 
     python -m pytest tests/lower/test_layouts.py --layouts all --dist load
 
@@ -17,22 +17,16 @@ made twice, a piece in the wrong place) is of the order of the gradient itself.
 
 from __future__ import annotations
 
-import datetime
-import os
-
 import pytest
 
 from tests import layouts
+from tests.conftest import sample_seed
 from tests.layouts import Combination, Layout
 
 # Compiles and runs programs: left out of the quick run, `pytest -m "not slow"`.
 pytestmark = pytest.mark.slow
 
 SAMPLE = 3
-
-
-def seed() -> int:
-    return int(os.environ.get("DSLC_LAYOUT_SEED", datetime.date.today().toordinal()))
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -42,14 +36,10 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if chosen == "all":
         combinations = list(layouts.space())
     elif chosen == "sample":
-        combinations = layouts.sample(seed(), SAMPLE)
+        combinations = layouts.sample(sample_seed(), SAMPLE)
     else:
         combinations = list(layouts.iterate(chosen))
     metafunc.parametrize("combination", combinations, ids=[c.id for c in combinations])
-
-
-def pytest_report_header(config: pytest.Config) -> str:
-    return f"layout sample seed: {seed()} (DSLC_LAYOUT_SEED)"
 
 
 def test_layout_gives_the_reference_numbers(combination: Combination, request: pytest.FixtureRequest) -> None:

@@ -88,6 +88,7 @@ def test_sequence_parallel_block_is_one_all_gather_and_one_reduce_scatter_per_bl
 
 # Pipelined specs are left out: their forward (evaluation, no pipeline) runs the chunks one
 # after another on every device, moving each stage's weights to where it computes.
+@pytest.mark.sample(1)
 @pytest.mark.parametrize("spec", ["tiny.par", "llama_small.par", "seed_tp_layer.par"])
 def test_compiled_forward_collectives_are_the_ones_the_ir_predicts(spec: str) -> None:
     program = dslc.compile(SPECS / spec)

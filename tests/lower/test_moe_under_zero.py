@@ -26,6 +26,7 @@ MOE_UNDER_ZERO = (
 )
 
 
+@pytest.mark.sample(1)
 @pytest.mark.parametrize("case", MOE_UNDER_ZERO, ids=[c.id for c in MOE_UNDER_ZERO])
 def test_moe_under_zero_gives_the_reference_gradients(case: Combination) -> None:
     outcome, _ = measure(case, step=True)

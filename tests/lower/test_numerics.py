@@ -173,6 +173,11 @@ def cases() -> Cases:
     return Cases()
 
 
+# Each spec's case is a compilation of 10-40 s on CI's machine: the tests over every spec run
+# four of them a day, the same four for each test (tests/conftest.py).
+EVERY_SPEC = pytest.mark.sample(4, group="specs")
+
+
 @pytest.fixture(params=[s.name for s in SPECS])
 def case(request: pytest.FixtureRequest, cases: Cases) -> Case:
     return cases[request.param]
@@ -181,18 +186,21 @@ def case(request: pytest.FixtureRequest, cases: Cases) -> Case:
 # ---- against the reference --------------------------------------------------------------------
 
 
+@EVERY_SPEC
 def test_forward_matches_reference(case: Case) -> None:
     assert case.output.shape == case.reference.output.shape
     assert case.output.dtype == case.reference.output.dtype
     assert relative_error(case.output, case.reference.output) <= tolerance(case.program).forward
 
 
+@EVERY_SPEC
 def test_loss_matches_reference(case: Case) -> None:
     assert case.reference.loss is not None
     assert math.isfinite(case.loss)
     assert relative_error(case.loss, case.reference.loss) <= tolerance(case.program).loss
 
 
+@EVERY_SPEC
 def test_grads_match_reference(case: Case) -> None:
     assert set(case.grads) == set(ir.weights_by_path(case.program.ir))
     for name, g in case.grads.items():
@@ -201,6 +209,9 @@ def test_grads_match_reference(case: Case) -> None:
     assert_grads_close(case.grads, case.reference.grads, tolerance(case.program).grads)
 
 
+# Twelve compilations on meshes of up to 16 devices (and the spec's own case for each): the
+# suite runs two a day (tests/conftest.py).
+@pytest.mark.sample(2)
 @pytest.mark.parametrize(("case", "mesh"), [(s.name, m) for s in SPECS for m in s.other_meshes], indirect=["case"])
 def test_same_numbers_on_other_meshes(case: Case, mesh: str) -> None:
     """The default mesh's weights, imported on another mesh, give the same loss and grads."""
@@ -281,6 +292,7 @@ SPOT_CHECKS = {
 }
 
 
+@EVERY_SPEC
 def test_param_shardings_are_declared_and_real(case: Case) -> None:
     program, mesh = case.program, case.program.mesh
     specs = program.param_shardings(case.model)
@@ -301,6 +313,7 @@ def test_param_shardings_are_declared_and_real(case: Case) -> None:
         assert {shard.device for shard in array.addressable_shards} == set(mesh.devices.flat), name
 
 
+@EVERY_SPEC
 def test_export_import_round_trip_is_exact(case: Case) -> None:
     program, model = case.program, case.model
     changed = {name: (value * 1.5 + 0.25).astype(value.dtype) for name, value in case.weights.items()}
@@ -356,6 +369,7 @@ def integer_bounds(program: ir.Program) -> dict[str, int]:
     return bounds
 
 
+@EVERY_SPEC
 def test_example_batch_is_declared(case: Case) -> None:
     program = case.program.ir
     batch = case.program.example_batch(SEED + 7)

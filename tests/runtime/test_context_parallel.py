@@ -87,6 +87,7 @@ def _kernel_inputs(heads: int, kv_heads: int) -> tuple[np.ndarray, dict[str, np.
     return x, weights, cotangent
 
 
+@pytest.mark.sample(2)
 @pytest.mark.parametrize(
     ("ring", "tp", "causal", "rope", "heads", "kv_heads"),
     KERNEL_CASES,
@@ -196,6 +197,7 @@ def _evaluate(program: dslc.Program, weights: dict[str, np.ndarray], batch: dict
         return np.asarray(program.forward(model, batch)), *program.loss_and_grads(model, batch)
 
 
+@pytest.mark.sample(1)
 @pytest.mark.parametrize("mesh", [None, "1x2x2"])
 def test_long_context_matches_the_reference(long_context: dslc.Program, mesh: str | None) -> None:
     weights = long_context.export_weights(long_context.init(0))

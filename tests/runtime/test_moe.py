@@ -142,6 +142,7 @@ def results() -> Results:
     return Results()
 
 
+@pytest.mark.sample(2)
 @pytest.mark.parametrize("name", list(CASES))
 def test_matches_the_dense_reference(name: str, results: Results) -> None:
     got, case = results[name], CASES[name]

@@ -68,6 +68,7 @@ def _seed_mlp_six_chunks() -> str:
     return text.replace("microbatches 4", "microbatches 6\n  virtual 2")
 
 
+@pytest.mark.sample(1)
 @pytest.mark.parametrize("kind", ["gpipe", "1f1b", "zb-h1"])
 def test_seed_mlp_pipeline_matches_autodiff(kind: str) -> None:
     assert_matches_autodiff(dslc.compile(_with_schedule((SPECS / "seed_mlp_pipeline.par").read_text(), kind)))
@@ -81,6 +82,7 @@ SIX_CHUNK_STAGES = {
 }
 
 
+@pytest.mark.sample(1)
 @pytest.mark.parametrize("kind", sorted(SIX_CHUNK_STAGES))
 def test_seed_mlp_two_chunks_per_stage_matches_autodiff(kind: str) -> None:
     # Six chunks of different shapes, two per stage; interleaving needs microbatches in
@@ -90,6 +92,7 @@ def test_seed_mlp_two_chunks_per_stage_matches_autodiff(kind: str) -> None:
     assert_matches_autodiff(program)
 
 
+@pytest.mark.sample(1)
 @pytest.mark.parametrize("kind", ["1f1b", "zb-v"])
 def test_sends_as_permutations_match_autodiff(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
     # On CPU a tick's send travels as one all-gather over the stage axis (`sends_by_gather`),
@@ -109,6 +112,7 @@ def test_sends_as_permutations_match_autodiff(kind: str, monkeypatch: pytest.Mon
 
 # gpipe, 1f1b and zb-h1 on one chunk per stage are checked on the seed MLP above (and 1f1b,
 # gpt_small's own schedule, against a single-device reference in test_numerics.py).
+@pytest.mark.sample(1)
 @pytest.mark.parametrize("kind", ["interleaved-1f1b", "zb-v", "v-half"])
 def test_gpt_small_with_tensor_parallel_stages_matches_autodiff(kind: str) -> None:
     text = _with_schedule((SPECS / "gpt_small.par").read_text(), kind)

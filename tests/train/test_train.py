@@ -370,6 +370,7 @@ def test_kill_during_a_save_leaves_the_previous_checkpoint_usable(
     assert not partial.exists()  # orbax cleans up the unfinished save
 
 
+@pytest.mark.sample(1)
 @pytest.mark.parametrize("paused", [3, 1])
 def test_a_second_ctrl_c_during_a_save_says_what_was_kept_and_removes_the_unfinished_save(
     tmp_path: Path, paused: int
@@ -655,6 +656,7 @@ def test_each_row_carries_model_flops_tflops_per_device_and_mfu_against_the_peak
         assert r["mfu"] == (None if peak is None else pytest.approx(r["tflops_per_device"] / peak, rel=1e-9))
 
 
+@pytest.mark.sample(1)
 @pytest.mark.parametrize("name", ["tiny", "llama_small"])
 def test_the_planners_flops_match_the_compiled_steps_matrix_products(name: str) -> None:
     """An independent count: every matrix product of the traced gradient step (each scan
