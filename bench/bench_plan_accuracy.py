@@ -74,6 +74,14 @@ train {
 }
 """
 STATE_SETTINGS = ("zero 0", "zero 1", "zero 2", "zero 3", "fsdp data")
+
+
+def residual_mlp(state: str, checkpoint: str = "full") -> str:
+    """The residual MLP under one way of splitting the training state, its blocks
+    checkpointed (`full`) or not (`none`)."""
+    return RESIDUAL_MLP.replace("SETTING", state).replace("checkpoint full", f"checkpoint {checkpoint}")
+
+
 # Issue 17's options on repeated blocks: 16-bit parameters and gradients with an f32 master in
 # the optimizer state, and Megatron's selective recompute of attention's core.
 MASTER = ("param_dtype bf16", "compute_dtype bf16", "master_dtype f32")
@@ -93,7 +101,7 @@ def option_cases() -> list[Case]:
         Case("gpt_small master", with_master(gpt)),
         Case("llama_small master", with_master(llama)),
         Case("llama_small core_attn", llama.replace("checkpoint full", "checkpoint core_attention")),
-        Case("residual_mlp master", with_master(RESIDUAL_MLP.replace("SETTING", "zero 1"))),
+        Case("residual_mlp master", with_master(residual_mlp("zero 1"))),
     ]
 
 
@@ -117,7 +125,9 @@ def cases() -> list[Case]:
         rows.append(Case(path.stem, path, None, reduced))
         if path.stem in SECOND_MESH:
             rows.append(Case(path.stem, path, SECOND_MESH[path.stem], reduced))
-    rows += [Case(f"residual_mlp {s}", RESIDUAL_MLP.replace("SETTING", s)) for s in STATE_SETTINGS]
+    rows += [
+        Case(f"residual_mlp {s}, checkpoint {c}", residual_mlp(s, c)) for c in ("full", "none") for s in STATE_SETTINGS
+    ]
     return rows + option_cases()
 
 

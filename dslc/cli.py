@@ -180,6 +180,13 @@ def _parser() -> argparse.ArgumentParser:
     auto.add_argument("--node-size", type=int, metavar="N", help="devices per node (8)")
     auto.add_argument("--intra-latency", type=float, metavar="US", help="µs per collective call inside a node (10)")
     auto.add_argument("--inter-latency", type=float, metavar="US", help="µs per collective call between nodes (20)")
+    auto.add_argument(
+        "--no-overlap",
+        action="store_true",
+        help="cost every collective as exposed, as on a backend that overlaps none with compute (by default, "
+        "ZeRO-3's gathers and layer-by-layer gradient reductions run under the compute, as dslc train's XLA flags "
+        "make them on GPUs and TPUs)",
+    )
     _set_arg(plan)
     plan.set_defaults(run=_plan)
 
@@ -226,6 +233,12 @@ def _parser() -> argparse.ArgumentParser:
         "--sync-checkpoints",
         action="store_true",
         help="write each checkpoint before the next step starts (by default, while the next steps compute)",
+    )
+    train.add_argument(
+        "--no-overlap-flags",
+        action="store_true",
+        help="leave out the XLA flags that overlap collectives with compute on GPUs and TPUs (set by default, "
+        "each unless XLA_FLAGS or LIBTPU_INIT_ARGS already names it; docs/training.md lists them)",
     )
     train.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in the run folder")
     train.add_argument(
@@ -830,6 +843,7 @@ def _hardware(args: argparse.Namespace) -> Any:
         default.node_size if args.node_size is None else args.node_size,
         default.intra_latency if args.intra_latency is None else args.intra_latency * 1e-6,
         default.inter_latency if args.inter_latency is None else args.inter_latency * 1e-6,
+        overlap=not args.no_overlap,
     )
 
 
@@ -858,6 +872,12 @@ def _train(args: argparse.Namespace) -> int:
         raise UsageError(f"--device-flops must be a positive number of TFLOP/s, got {args.device_flops:g}")
     from dslc.train.distributed import DistributedError, cluster_from_flags, detect_cluster, joined
 
+    if not args.no_overlap_flags:  # before jax starts, which reads them once
+        from dslc.train.overlap import apply_overlap_flags
+
+        backend, added = apply_overlap_flags(os.environ)
+        if added:
+            print(f"XLA: {len(added)} flags that overlap collectives with compute on {backend} (--no-overlap-flags)")
     try:
         flags = cluster_from_flags(args.coordinator, args.num_processes, args.process_id)
         cluster = flags or detect_cluster(os.environ)
@@ -934,6 +954,7 @@ def _resume_command(args: argparse.Namespace, out: Path) -> str:
         if value is not None:
             words += [flag, str(value)]
     words += ["--sync-checkpoints"] if args.sync_checkpoints else []
+    words += ["--no-overlap-flags"] if args.no_overlap_flags else []
     for pair in args.set:
         words += ["--set", pair]
     words += ["--steps", str(args.steps), "--out", str(out), "--auto-resume" if args.auto_resume else "--resume"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dslc.diagnostics import Diagnostics, Span
 from dslc.ir.nodes import Program
 from dslc.ir.placement import place
-from dslc.ir.state import zero_axes
+from dslc.ir.state import gathered_weights_kept, zero_axes
 
 _WHAT = {1: "optimizer state", 2: "optimizer state and gradients", 3: "parameters, gradients and optimizer state"}
 
@@ -38,4 +38,15 @@ def check_zero(program: Program, diags: Diagnostics) -> None:
             f"no dimension divides evenly, so {'it stays' if len(names) == 1 else 'they stay'} as declared",
             span,
             help="make one dimension divisible by the data-parallel size",
+        )
+    kept = gathered_weights_kept(program)
+    if kept:
+        mib = kept / 2**20
+        diags.warning(
+            "W004",
+            f"ZeRO stage 3 splits the parameters, but the backward pass keeps {mib:,.2f} MiB per device of them "
+            "gathered: those of every layer no checkpoint reruns, at the sharding they compute with",
+            program.train.span,
+            help="checkpoint the repeated blocks (`block NAME(...) checkpoint full`, or `selective`): their "
+            "backward then gathers each layer's weights again, one layer at a time",
         )

@@ -10,7 +10,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dslc.ir.nodes import Axes, Mesh, Program, Sharding, TensorType
+from dslc.ir.nodes import (
+    Axes,
+    Block,
+    Layer,
+    Mesh,
+    Node,
+    Program,
+    Repeat,
+    Residual,
+    Sharding,
+    TensorType,
+    Weight,
+)
 
 
 def zero_axes(program: Program) -> Axes:
@@ -59,3 +71,36 @@ def state_sharding(t: TensorType, program: Program, lead: int = 0) -> StateShard
         optimizer=spread_to if zero >= 1 else t.sharding,
         spread_ok=ok,
     )
+
+
+def gathered_weights_kept(program: Program) -> int:
+    """ZeRO-3 and FSDP gather each layer's weights to compute with them. Where nothing runs the
+    layer again in the backward pass (no `checkpoint full` or `selective` around it), autodiff
+    keeps the gathered weights for the backward's matrix products — every layer's, the
+    model's weights whole at the sharding they compute with, which ZeRO-3 meant never to hold
+    at once (the residual MLP under `zero 3`, d=512, 8 blocks: XLA 108.2 MB, 37.97 MB with
+    `checkpoint full`). Only weights the backward multiplies by are kept: not biases, which
+    are added, nor an embedding's table, which is read by row. A weight cast to the compute
+    dtype is kept as its cast copy, which the layer's residuals count already."""
+    mesh, compute = program.mesh, program.train.compute_dtype
+
+    def kept(layer: Layer, w: Weight) -> bool:
+        if layer.kind in ("embed", "position_embed") or w.name.endswith("bias") or w.type.dtype != compute:
+            return False
+        return state_sharding(w.type, program).params != w.type.sharding
+
+    def walk(nodes: tuple[Node, ...], times: int) -> int:
+        total = 0
+        for node in nodes:
+            match node:
+                case Layer():
+                    total += times * sum(w.type.local_nbytes(mesh) for w in node.weights if kept(node, w))
+                case Residual():
+                    total += walk(node.body, times)
+                case Repeat():
+                    total += walk((node.body,), times * node.count)
+                case Block() if not node.remat.reruns_block:
+                    total += walk(node.body, times)
+        return total
+
+    return walk(program.nodes, 1) if program.train.zero >= 3 else 0

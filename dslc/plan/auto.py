@@ -437,7 +437,9 @@ class AutoPlanner:
             return str(exc)
         intra = node_local_axes(program.mesh, self.roles.innermost_first(group.sizes), self.hardware.node_size)
         costed = _Costed(group, program, intra)
-        once = [t for t in costed.cost(schedule)[1] if t.phase not in PER_MICROBATCH]
+        # A bound: what the compute may hide is left out.
+        hidden = self.hardware.overlap
+        once = [t for t in costed.cost(schedule)[1] if t.phase not in PER_MICROBATCH and not (t.hideable and hidden)]
         self.sync[group.sizes] = step_time(0, once, 0.0, intra, self.hardware).communication
         return costed
 

@@ -101,6 +101,7 @@ class AutoPlan:
                 "total": c.time.total,
                 "compute": c.time.compute,
                 "communication": c.time.communication,
+                "hidden_communication": c.time.hidden,
                 "bubble": c.time.bubble,
             },
             "sent": c.sent,
@@ -130,19 +131,11 @@ class AutoPlan:
                     "total": m.total,
                 }
         closest = self.closest
-        h = self.hardware
         return {
             "model": self.model,
             "devices": self.devices,
             "device_memory": self.device_memory,
-            "hardware": {
-                "device_flops": h.device_flops,
-                "intra_bandwidth": h.intra_bandwidth,
-                "inter_bandwidth": h.inter_bandwidth,
-                "node_size": h.node_size,
-                "intra_latency": h.intra_latency,
-                "inter_latency": h.inter_latency,
-            },
+            "hardware": self.hardware.to_json(),
             "axes": [
                 {"name": name, "role": role, "across_nodes": name in self.across_nodes} for name, role in self.axes
             ],
@@ -194,7 +187,8 @@ class AutoPlan:
             lines += [
                 f"chosen: {self.describe(c)}",
                 f"  step time  {_seconds(t.total)} = compute {_seconds(t.compute)}"
-                f" + exposed communication {_seconds(t.communication)} + bubble {_seconds(t.bubble)}",
+                f" + exposed communication {_seconds(t.communication)} + bubble {_seconds(t.bubble)}"
+                + (f" ({_seconds(t.hidden)} of communication under the compute)" if t.hidden else ""),
                 f"  memory     {format_bytes(c.memory)} of {format_bytes(self.device_memory)} per device",
             ]
             if self.memory is not None:

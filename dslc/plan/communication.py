@@ -66,7 +66,7 @@ from dslc.plan.activations import tensor_bytes
 from dslc.plan.timetable import microbatch_slices, pipeline_figures, splits_backward, stage_of
 
 Phase = Literal["forward", "backward", "recompute", "gradients", "pipeline"]
-Totals = dict[tuple[str, Axes, Phase], tuple[int, int]]
+Totals = dict[tuple[str, Axes, Phase, bool], tuple[int, int]]
 TRANSPOSE = {
     "all-reduce": "all-reduce",
     "all-gather": "reduce-scatter",
@@ -85,6 +85,12 @@ class Transfer:
     phase: Phase
     bytes: int
     count: int
+    # Whether a compiled program that overlaps collectives (`dslc.train.overlap`) can run it
+    # under compute: ZeRO-3/FSDP's parameter gathers, prefetched a layer ahead, and gradient
+    # reductions XLA issues where each layer's gradient is made. Not: tensor-parallel
+    # collectives (the next product needs their result), pipeline sends, all-to-alls, and the
+    # sums a step makes by hand once, after its last slice.
+    hideable: bool = False
 
 
 def ring_bytes(kind: str, group: int, size: int) -> int:
@@ -165,18 +171,27 @@ def communication(program: Program) -> list[Transfer]:
     _gradient_sync(program, totals)
     if staged:
         _pipeline_sends(program, totals)
-    return [Transfer(k, a, ph, b, n) for (k, a, ph), (b, n) in sorted(totals.items())]
+    return [Transfer(k, a, ph, b, n, hide) for (k, a, ph, hide), (b, n) in sorted(totals.items())]
 
 
 def _add(
-    totals: Totals, mesh: Mesh, kind: str, axes: Axes, phase: Phase, size: int, times: int = 1, *, slices: int = 1
+    totals: Totals,
+    mesh: Mesh,
+    kind: str,
+    axes: Axes,
+    phase: Phase,
+    size: int,
+    times: int = 1,
+    *,
+    slices: int = 1,
+    hideable: bool = False,
 ) -> None:
     """Count a collective on a `size`-byte tensor, run `times` over, each time in `slices`
     pieces (one per slice of the batch) that together carry the whole tensor."""
     sent = ring_bytes(kind, mesh.size(axes), size) * times
     if sent:
-        bytes_, count = totals.get((kind, axes, phase), (0, 0))
-        totals[(kind, axes, phase)] = (bytes_ + sent, count + times * slices)
+        bytes_, count = totals.get((kind, axes, phase, hideable), (0, 0))
+        totals[(kind, axes, phase, hideable)] = (bytes_ + sent, count + times * slices)
 
 
 def batch_axes(program: Program) -> Axes:
@@ -202,7 +217,7 @@ def _gradient_sync(program: Program, totals: Totals) -> None:
         size = t.local_nbytes(mesh)
         summed = tuple(a for a in context if a not in t.axes_used)
         if summed:
-            _add(totals, mesh, "all-reduce", summed, "gradients", size)
+            _add(totals, mesh, "all-reduce", summed, "gradients", size, hideable=True)
         axes = tuple(a for a in data if a not in t.axes_used)
         if not axes:
             continue
@@ -212,9 +227,15 @@ def _gradient_sync(program: Program, totals: Totals) -> None:
         # ZeRO 2 keeps the gradient split; ZeRO 1 reduce-scatters it into the optimizer
         # state's pieces where the step sums it by hand.
         scattered = split and (zero >= 2 or (times == 1 and bool(once) and _ends(axes, state.optimizer)))
-        _add(totals, mesh, "reduce-scatter" if scattered else "all-reduce", axes, "gradients", size, times)
+        # Summed by hand, once after the last slice: nothing left to run under. Summed by XLA,
+        # where each layer's gradient is made: under the rest of the backward.
+        by_hand = set(axes) <= set(once)
+        kind = "reduce-scatter" if scattered else "all-reduce"
+        _add(totals, mesh, kind, axes, "gradients", size, times, hideable=not by_hand)
         if split:
-            _add(totals, mesh, "all-gather", axes, "gradients", size, 2 if zero >= 3 else 1)
+            # ZeRO-3 gathers each layer before its forward and its backward (a layer ahead,
+            # under the one before); ZeRO 1 and 2 gather the updated weights after the update.
+            _add(totals, mesh, "all-gather", axes, "gradients", size, 2 if zero >= 3 else 1, hideable=zero >= 3)
 
 
 def _ends(axes: Axes, sharding: Sharding) -> bool:

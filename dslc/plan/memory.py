@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from dslc.ir.data_parallel import data_parallel_axes
 from dslc.ir.nodes import DTYPE_BYTES, Mesh, Node, Program, Repeat, TensorType
 from dslc.ir.placement import Placement, place
+from dslc.ir.state import gathered_weights_kept
 from dslc.plan.activations import Kept, kept_by, tensor_bytes
 from dslc.plan.timetable import microbatch_slices, pipeline_figures
 
@@ -139,8 +140,13 @@ def memory(program: Program, backend: str | None = None) -> Memory:
         temporaries += pipe_temps + widened
     else:
         kept = kept_by(program.nodes, mesh, train.compute_dtype, microbatch_slices(program))
-        acts = kept.peak
+        gathered = gathered_weights_kept(program)
+        acts = kept.peak + gathered
         details.append(("activations kept for the backward pass", kept.kept))
+        if gathered:
+            details.append(
+                ("layers' gathered weights, kept for the backward pass (no checkpoint reruns them)", gathered)
+            )
         details.append(
             ("backward working set at its peak (a layer's gradients, a recomputed block)", kept.peak - kept.kept)
         )

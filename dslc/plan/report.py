@@ -92,7 +92,14 @@ class Plan:
             },
             "communication": {
                 "transfers": [
-                    {"kind": t.kind, "axes": list(t.axes), "phase": t.phase, "bytes": t.bytes, "count": t.count}
+                    {
+                        "kind": t.kind,
+                        "axes": list(t.axes),
+                        "phase": t.phase,
+                        "bytes": t.bytes,
+                        "count": t.count,
+                        "hideable": t.hideable,
+                    }
                     for t in self.communication
                 ],
                 "by_kind": by_kind,
@@ -147,6 +154,7 @@ class Plan:
             else {
                 "compute_s": self.step_time.compute,
                 "communication_s": self.step_time.communication,
+                "hidden_communication_s": self.step_time.hidden,
                 "bubble_s": self.step_time.bubble,
                 "total_s": self.step_time.total,
                 "hardware": self.hardware.to_json(),
@@ -211,6 +219,7 @@ class Plan:
         lines += ["", "communication per device per step (ring algorithms)"]
         lines += [
             f"  {t.kind:<20}{','.join(t.axes):<14}{t.phase:<11}{format_bytes(t.bytes):>12}  x{t.count}"
+            + ("  (can run under the compute)" if t.hideable else "")
             for t in self.communication
         ] or ["  none"]
         lines.append(f"  {'total':<45}{format_bytes(sum(t.bytes for t in self.communication)):>12}")
@@ -247,7 +256,9 @@ class Plan:
             lines += [
                 "",
                 f"estimated step time {format_seconds(t.total)}: compute {format_seconds(t.compute)}, "
-                f"communication {format_seconds(t.communication)}, bubble {format_seconds(t.bubble)}",
+                f"communication {format_seconds(t.communication)} exposed"
+                + (f" (and {format_seconds(t.hidden)} under the compute)" if t.hidden else "")
+                + f", bubble {format_seconds(t.bubble)}",
                 f"  on {self.hardware.describe()} (docs/plan.md; --device-flops and the other flags of "
                 "--mesh auto change them)",
                 f"  across nodes: {', '.join(self.across_nodes) or 'no axis'}"

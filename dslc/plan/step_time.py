@@ -16,9 +16,13 @@ its parameters are a few numbers about the hardware (`Hardware`), all overridabl
   across 2 nodes, model=8`) is costed on that layout instead, the one its mesh is built
   with. The latency is what makes slicing the batch finer cost something: every
   microbatch runs each layer's collectives, and every pipeline tick sends.
-  All of it is exposed: the lowering runs each collective between the computations that
-  need it and overlaps none of them (only the gradient reductions, independent of one
-  another, are combined into one call per kind and axes, as XLA's combiner passes do);
+  Where the compiled program overlaps collectives with compute (`Hardware.overlap`: the GPU
+  and TPU flag profiles of `dslc.train.overlap`, which `dslc train` sets), the transfers it
+  can run under compute (`Transfer.hideable`: ZeRO-3/FSDP's parameter gathers, the gradient
+  reductions XLA issues layer by layer) are hidden, up to the compute time they run under;
+  the rest is exposed. Without overlap (XLA's CPU backend runs every collective where its
+  result is needed) all of it is exposed. The gradient reductions, independent of one
+  another, are combined into one call per kind and axes, as XLA's combiner passes do;
 * bubble: the per-microbatch work (compute and layer collectives) stretched by the schedule's
   bubble fraction b (idle over the makespan): bubble time = work · b / (1 − b). Pipeline sends
   happen every tick, idle ones included, so they are not stretched again; nor are the
@@ -51,8 +55,9 @@ class Hardware:
     node_size: int = 8  # devices per node
     intra_latency: float = 10e-6  # seconds a collective call costs inside a node, whatever its size
     inter_latency: float = 20e-6  # likewise between nodes
+    overlap: bool = True  # the compiled program runs hideable collectives under compute
 
-    def to_json(self) -> dict[str, float]:
+    def to_json(self) -> dict[str, float | bool]:
         return {
             "device_flops": self.device_flops,
             "intra_bandwidth": self.intra_bandwidth,
@@ -60,6 +65,7 @@ class Hardware:
             "node_size": self.node_size,
             "intra_latency": self.intra_latency,
             "inter_latency": self.inter_latency,
+            "overlap": self.overlap,
         }
 
     def describe(self) -> str:
@@ -67,6 +73,7 @@ class Hardware:
             f"{self.device_flops / 1e12:g} TFLOP/s per device, {self.intra_bandwidth / 1e9:g} GB/s and "
             f"{self.intra_latency * 1e6:g} µs per call inside a node of {self.node_size}, "
             f"{self.inter_bandwidth / 1e9:g} GB/s and {self.inter_latency * 1e6:g} µs between nodes"
+            + ("" if self.overlap else ", no collective overlapped with compute")
         )
 
 
@@ -75,8 +82,9 @@ class StepTime:
     """Seconds per training step, by where they go."""
 
     compute: float
-    communication: float
+    communication: float  # exposed: the step waits for it
     bubble: float
+    hidden: float = 0.0  # communication that runs under the compute (not in the total)
 
     @property
     def total(self) -> float:
@@ -113,18 +121,21 @@ def step_time(
     """The step time of a device doing `flops_per_device` and sending `transfers`, under a
     schedule that idles `bubble_fraction` of its makespan."""
     compute = flops_per_device / hardware.device_flops
-    in_microbatches = other = 0.0
+    in_microbatches = other = hideable = 0.0
     for t in transfers:
         inside = set(t.axes) <= intra
         bandwidth = hardware.intra_bandwidth if inside else hardware.inter_bandwidth
         latency = hardware.intra_latency if inside else hardware.inter_latency
         seconds = _calls(t) * latency + t.bytes / bandwidth
-        if t.phase in PER_MICROBATCH:
+        if t.hideable and hardware.overlap:
+            hideable += seconds
+        elif t.phase in PER_MICROBATCH:
             in_microbatches += seconds
         else:
             other += seconds
+    hidden = min(hideable, compute)
     bubble = (compute + in_microbatches) * bubble_fraction / (1 - bubble_fraction)
-    return StepTime(compute, in_microbatches + other, bubble)
+    return StepTime(compute, in_microbatches + other + hideable - hidden, bubble, hidden)
 
 
 def _calls(t: Transfer) -> int:

@@ -1410,6 +1410,20 @@ def test_w004_zero_without_a_data_parallel_axis() -> None:
     assert d.message == "ZeRO stage 1 has no data-parallel axis to shard over: the batch is not split"
 
 
+def test_w004_zero_3_without_checkpoints_keeps_the_gathered_weights() -> None:
+    body = "block mlp() CHECKPOINT{\n  up: linear(16, 64)\n  relu()\n  down: linear(64, 16)\n}\n"
+    text = spec("layers: repeat 4 mlp()", "loss: mse(y)", after="train {\n  zero 3\n}\n")
+    text = text.replace("forward(x)", body + "forward(x)")
+    d = only(text.replace("CHECKPOINT", ""), mesh="4x1")
+    assert (d.code, d.severity) == ("W004", WARNING)
+    # 4 layers x (16 x 64 + 64 x 16) f32 weights, whole on each device: 32 KiB (the biases,
+    # added, are not kept).
+    assert d.message.startswith("ZeRO stage 3 splits the parameters, but the backward pass keeps 0.03 MiB")
+    assert "checkpoint full" in d.help
+    # Checkpointed, each layer's backward gathers its weights again: no warning.
+    assert not diagnose(text.replace("CHECKPOINT", "checkpoint full "), mesh="4x1")
+
+
 def test_w004_zero_cannot_split_a_tensor() -> None:
     text = spec("fc: linear(16, 6)", "relu()", after="train {\n  zero 2\n}\n")
     d = only(text, mesh="4x1")

@@ -379,6 +379,14 @@ def test_step_time_splits_compute_communication_and_bubble() -> None:
     assert slow.communication == pytest.approx(forward + gradients + sends)
     assert slow.bubble == pytest.approx((3.0 + forward) * 0.25 / 0.75)
 
+    # Overlap: a transfer the program can run under the compute is hidden, up to the compute's
+    # time (3 s of 5 s here); without overlap all of it is exposed.
+    gathers = [*transfers, Transfer("all-gather", ("data",), "gradients", 50 * 10**9, 2, hideable=True)]
+    hidden = step_time(3e12, gathers, 0.25, frozenset({"model"}), hardware)
+    assert (hidden.hidden, hidden.communication) == (3.0, 4.0 + 2.0)
+    exposed = step_time(3e12, gathers, 0.25, frozenset({"model"}), replace(hardware, overlap=False))
+    assert (exposed.hidden, exposed.communication) == (0.0, 4.0 + 5.0)
+
 
 def test_latency_makes_more_microbatches_cost_something() -> None:
     """seed_hybrid_3d on its 2x4x2 mesh: without latency every microbatch is free, and the
@@ -453,6 +461,7 @@ def test_auto_json_has_the_choice_and_the_ranking(capsys: pytest.CaptureFixture[
         "node_size": 8,
         "intra_latency": 10e-6,
         "inter_latency": 20e-6,
+        "overlap": True,
     }
     assert result["axes"] == [
         {"name": "data", "role": "data", "across_nodes": False},
@@ -480,7 +489,7 @@ def test_auto_json_has_the_choice_and_the_ranking(capsys: pytest.CaptureFixture[
     assert set(picked) == candidate_keys - {"rank"} | {"memory_parts"}
     assert picked["mesh"] == {"data": 4, "model": 2, "pipeline": 2} and picked["verdict"] == "chosen"
     assert picked["memory"] == picked["memory_parts"]["total"] <= result["device_memory"] == 4 * GIB
-    assert set(picked["step_time"]) == {"total", "compute", "communication", "bubble"}
+    assert set(picked["step_time"]) == {"total", "compute", "communication", "hidden_communication", "bubble"}
     ranks = [c["step_time"]["total"] for c in result["candidates"]]
     assert ranks == sorted(ranks)
     assert [c["verdict"].split(" ")[0] for c in result["candidates"][:2]] == ["does", "does"]
@@ -571,7 +580,11 @@ def test_hardware_flags_change_the_cost_model(capsys: pytest.CaptureFixture[str]
     base = ["plan", str(SPECS / "tiny.par"), "--mesh", "auto", "--devices", "4", "--device-memory", "1"]
     code, out, _ = run(capsys, *base, "--format", "json")
     slow_code, slow_out, _ = run(
-        capsys, *base, "--format", "json", "--device-flops", "30", "--intra-bandwidth", "30", "--node-size", "4"
+        capsys,
+        *base,
+        "--format",
+        "json",
+        *("--device-flops", "30", "--intra-bandwidth", "30", "--node-size", "4", "--no-overlap"),
     )
     assert code == slow_code == 0
     fast, slow = json.loads(out), json.loads(slow_out)
@@ -582,7 +595,9 @@ def test_hardware_flags_change_the_cost_model(capsys: pytest.CaptureFixture[str]
         "node_size": 4,
         "intra_latency": 10e-6,
         "inter_latency": 20e-6,
+        "overlap": False,
     }
+    assert slow["chosen"]["step_time"]["hidden_communication"] == 0
     assert slow["chosen"]["step_time"]["compute"] == pytest.approx(10 * fast["chosen"]["step_time"]["compute"])
 
 
@@ -613,7 +628,7 @@ def test_a_fixed_mesh_plan_estimates_the_step_time_auto_ranks_it_by(capsys: pyte
     assert code == 0 and slow["hardware"]["device_flops"] == 30e12
     assert slow["compute_s"] == pytest.approx(10 * estimate.compute) and slow["total_s"] > estimate.total
     code, out, _ = run(capsys, "plan", str(SPECS / "gpt_small.par"))
-    assert "estimated step time 1.08 ms: compute 182 ns, communication 942 µs, bubble 141 µs" in out
+    assert "estimated step time 1.08 ms: compute 182 ns, communication 942 µs exposed, bubble 141 µs" in out
 
 
 @pytest.mark.slow

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 import dslc
-from bench.bench_plan_accuracy import RESIDUAL_MLP, SECOND_MESH, STATE_SETTINGS, option_cases, with_master
+from bench.bench_plan_accuracy import RESIDUAL_MLP, SECOND_MESH, STATE_SETTINGS, option_cases, residual_mlp, with_master
 from dslc import cli
 from dslc.plan import Plan, plan
 from dslc.plan.timetable import pipeline_figures
@@ -71,6 +71,7 @@ def test_every_spec_is_measured() -> None:
 # ---- accuracy against XLA ---------------------------------------------------------------------
 
 
+@pytest.mark.sample(2)
 @pytest.mark.parametrize("name", ACCURACY_SPECS)
 def test_gradient_step_memory_within_tolerance_of_xla(name: str) -> None:
     measured = compiled(SPECS / f"{name}.par", overrides=overrides(name)).program.compiled_memory("grads").total
@@ -107,11 +108,13 @@ def test_train_step_memory_within_tolerance_of_xla(name: str) -> None:
 MLP_SIZES = {"d": 128, "n_layers": 4, "batch": 32}
 
 
+@pytest.mark.sample(3)
+@pytest.mark.parametrize("checkpoint", ["full", "none"])
 @pytest.mark.parametrize("state", STATE_SETTINGS)
-def test_training_state_splits_planned_within_tolerance_of_xla(state: str) -> None:
+def test_training_state_splits_planned_within_tolerance_of_xla(state: str, checkpoint: str) -> None:
     """Both steps: the gradient step holds a scan step's gathered weights and gradients, the
-    training step the optimizer's update besides."""
-    source = RESIDUAL_MLP.replace("SETTING", state)
+    training step the optimizer's update besides; with its blocks checkpointed or not."""
+    source = residual_mlp(state, checkpoint)
     analysis = dslc.analyze(source, overrides=MLP_SIZES)
     assert analysis.ok and analysis.program is not None
     memory, program = plan(analysis.program, backend=BACKEND).memory, compiled(source, overrides=MLP_SIZES).program
@@ -125,6 +128,7 @@ def test_training_state_splits_planned_within_tolerance_of_xla(state: str) -> No
 # (pipelined) and llama_small with 16-bit parameters and an f32 master copy, llama_small's
 # attention blocks with `checkpoint core_attention`. Before the CPU backend's f32 copies were
 # planned (`cpu_widening`), their gradient steps planned 0.773, 0.689 and 0.726 of XLA's.
+@pytest.mark.sample(1)
 @pytest.mark.parametrize("case", option_cases()[:3], ids=lambda c: c.name)
 def test_master_copy_and_core_attention_planned_within_tolerance_of_xla(case: Any) -> None:
     analysis = dslc.analyze(case.source)
@@ -311,7 +315,7 @@ def test_plan_json_keys(capsys: pytest.CaptureFixture[str]) -> None:
         "details",
     }
     assert set(result["communication"]) == {"transfers", "by_kind", "by_axis", "total"}
-    assert set(result["communication"]["transfers"][0]) == {"kind", "axes", "phase", "bytes", "count"}
+    assert set(result["communication"]["transfers"][0]) == {"kind", "axes", "phase", "bytes", "count", "hideable"}
     assert set(result["flops"]) >= {"forward", "backward", "recompute", "model", "total", "per_device"}
     assert set(result["pipeline"]) >= {"schedule", "stages", "microbatches", "bubble_fraction"}
     assert result["device_memory"] is None and result["fits"] is None and result["warnings"] == []
@@ -368,7 +372,11 @@ def test_zero_splits_optimizer_state_over_the_data_axis(tmp_path: Path, capsys: 
     assert figures[1]["optimizer"] * data == figures[0]["optimizer"]
     assert figures[1]["grads"] == figures[0]["grads"] and figures[2]["grads"] * data == figures[0]["grads"]
     assert figures[3]["params"] * data == figures[0]["params"]
-    assert figures[0]["total"] > figures[1]["total"] > figures[2]["total"] > figures[3]["total"]
+    assert figures[0]["total"] > figures[1]["total"] > figures[2]["total"]
+    # ZeRO 3 stores a quarter of the parameters, but tiny's blocks are not checkpointed: its
+    # backward keeps every layer's gathered weights, as XLA's step does (seen: 1,673,868 B
+    # under zero 3, 1,676,804 under zero 2), so it saves no memory over zero 2 here.
+    assert figures[3]["activations"] > figures[2]["activations"]
 
 
 def test_layer_collectives_are_counted_once_per_microbatch() -> None:
@@ -446,3 +454,34 @@ def test_a_pipeline_too_large_to_tabulate_is_planned_in_closed_form(kind: str, m
     # Running it would need the table: `dslc check` says so.
     [refused] = dslc.analyze(HUGE.replace("schedule 1f1b", f"schedule {kind}")).diagnostics
     assert refused.code == "E031" and "more than the 262,144 dslc builds" in refused.message
+
+
+def test_step_time_hides_what_an_overlapping_program_runs_under_compute() -> None:
+    """ZeRO-3's parameter gathers and the gradient reductions XLA issues layer by layer run
+    under the compute where the program overlaps collectives (GPU and TPU, with dslc train's
+    flags); a pipeline's hand-made once-per-step sums, its sends and tensor-parallel
+    collectives stay exposed; without overlap every transfer is exposed."""
+    from dslc.plan.step_time import Hardware
+
+    def times(source: str | Path, **hardware: Any) -> Any:
+        analysis = dslc.analyze(source)
+        assert analysis.ok and analysis.program is not None
+        p = plan(analysis.program, hardware=Hardware(**hardware))
+        assert p.step_time is not None
+        return p
+
+    tiny = (SPECS / "tiny.par").read_text()
+    zero3 = times(tiny.replace("train {", "train {\n  zero 3"))
+    assert any(t.hideable and t.kind == "all-gather" for t in zero3.communication)
+    # On a machine slow enough to compute that the compute covers every hideable transfer.
+    slow = times(tiny.replace("train {", "train {\n  zero 3"), device_flops=1e9)
+    exposed = times(tiny.replace("train {", "train {\n  zero 3"), device_flops=1e9, overlap=False)
+    assert slow.step_time.hidden > 0 and exposed.step_time.hidden == 0
+    assert slow.step_time.communication + slow.step_time.hidden == pytest.approx(exposed.step_time.communication)
+    assert slow.step_time.total < exposed.step_time.total
+    # Never more hidden than there is compute to hide under.
+    assert zero3.step_time.hidden <= zero3.step_time.compute
+    # gpt_small: 1F1B, its data-parallel sums made by hand once after the last microbatch.
+    pipelined = times(SPECS / "gpt_small.par", device_flops=1e9)
+    assert not any(t.hideable for t in pipelined.communication if t.phase != "gradients")
+    assert pipelined.step_time.hidden == 0
