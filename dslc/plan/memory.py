@@ -156,9 +156,9 @@ def memory(program: Program, backend: str | None = None) -> Memory:
         details.extend(scan_details + widen_details + sum_details)
     # The update writes each array's new value (under ZeRO 1 and 2 gathered whole again)
     # before it lands in the donated buffer: the largest of them, where the step's own
-    # temporaries are not larger.
+    # temporaries and activations, all dead by then, are not larger.
     new = max((_local(a.type, a.state(program).params, mesh) for a in placement.arrays), default=0)
-    update = max(0, new - temporaries)
+    update = max(0, new - temporaries - acts)
     details.append(("the optimizer update: the largest array's new value, beyond the temporaries", update))
     if backend == "cpu":
         details.append(("XLA's CPU backend: gradients in the widened parameters' donated buffers (less)", reused))
