@@ -1,6 +1,6 @@
 """dslc against hand-written JAX: the same Llama-style model trained both ways, MFU side by side.
 
-    .venv/bin/python bench/bench_mfu.py [--steps N] [--device-flops TFLOPS]
+    .venv/bin/python bench/bench_mfu.py [--steps N] [--device-flops TFLOPS] [--overlap on|off|both]
 
 The model is specs/llama_small.par (RMSNorm, grouped-query attention with rotary positions,
 SwiGLU MLP, no biases, untied head) without its activation checkpointing, on one device, at
@@ -25,7 +25,10 @@ asserts nothing (tests/train/test_train.py checks the FLOPs and MFU that `dslc t
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -37,6 +40,7 @@ import optax
 
 import dslc
 from dslc.plan.flops import flops
+from dslc.train.overlap import apply_overlap_flags
 from dslc.train.utilization import peak_for
 
 SPEC = Path(__file__).resolve().parent.parent / "specs" / "llama_small.par"
@@ -115,7 +119,24 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=8, help="timed rounds (a step of each per round)")
     parser.add_argument("--device-flops", type=float, help="dense peak TFLOP/s per device (default: the datasheet's)")
+    parser.add_argument(
+        "--overlap",
+        choices=("on", "off", "both"),
+        default="on",
+        help="dslc train's XLA overlap flags (dslc/train/overlap.py) on, off, or both: one process each, one after "
+        "the other, each printing its own table",
+    )
     args = parser.parse_args()
+    if args.overlap == "both":
+        for setting in ("on", "off"):
+            print(f"---- XLA overlap flags {setting}", flush=True)
+            argv = ["--steps", str(args.steps), "--overlap", setting]
+            argv += ["--device-flops", str(args.device_flops)] if args.device_flops is not None else []
+            subprocess.run([sys.executable, __file__, *argv], check=True)
+        return
+    if args.overlap == "on":  # before jax starts its backend, which reads them once
+        backend, added = apply_overlap_flags(os.environ)
+        print(f"XLA overlap flags for {backend}: {len(added)} set")
     device = jax.devices()[0]
     sizes, dtype_name = SIZES["cpu" if device.platform == "cpu" else "accelerator"]
     text = SPEC.read_text().replace(" checkpoint full", "").replace("compute_dtype bf16", f"compute_dtype {dtype_name}")
