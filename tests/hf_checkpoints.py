@@ -168,11 +168,15 @@ def _softmax(x: np.ndarray) -> np.ndarray:
     return e / e.sum(-1, keepdims=True)
 
 
-def _causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
-    """q, k, v [b, heads, s, hd] -> [b, s, heads * hd]."""
+def _causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, window: int | None = None) -> np.ndarray:
+    """q, k, v [b, heads, s, hd] -> [b, s, heads * hd]; with `window`, query i sees keys
+    i - window + 1 ... i (Mistral's sliding window)."""
     s, hd = q.shape[2], q.shape[3]
     scores = q @ k.transpose(0, 1, 3, 2) / math.sqrt(hd)
-    scores = np.where(np.tril(np.ones((s, s), bool)), scores, -np.inf)
+    seen = np.tril(np.ones((s, s), bool))
+    if window is not None:
+        seen &= ~np.tril(np.ones((s, s), bool), -window)
+    scores = np.where(seen, scores, -np.inf)
     out = _softmax(scores) @ v
     return out.transpose(0, 2, 1, 3).reshape(q.shape[0], s, -1)
 
@@ -230,7 +234,8 @@ def llama_logits(config: dict[str, object], tensors: Tensors, ids: np.ndarray) -
         q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
         # repeat_kv: key/value head j serves query heads j * group ... (j + 1) * group - 1.
         k, v = np.repeat(k, heads // kv, axis=1), np.repeat(v, heads // kv, axis=1)
-        o = _causal_attention(q, k, v) @ t[p + "self_attn.o_proj.weight"].T
+        window = config.get("sliding_window") if config.get("model_type") == "mistral" else None
+        o = _causal_attention(q, k, v, window) @ t[p + "self_attn.o_proj.weight"].T  # type: ignore[arg-type]
         x = x + (o + t[p + "self_attn.o_proj.bias"] if p + "self_attn.o_proj.bias" in t else o)
         h = _rms(x, t[p + "post_attention_layernorm.weight"], eps)
         gate, up = h @ t[p + "mlp.gate_proj.weight"].T, h @ t[p + "mlp.up_proj.weight"].T

@@ -1,5 +1,6 @@
 """Llama (`LlamaForCausalLM`) checkpoints, and those built like it: Mistral (a sliding window,
-which changes nothing while the sequence fits in it) and Qwen2 (biases on q, k and v).
+the attention's `window`, which changes nothing while the sequence fits in it) and Qwen2
+(biases on q, k and v; a sliding window where `use_sliding_window` says so).
 
 Layout: `model.embed_tokens`; per layer `input_layernorm`, `self_attn.{q,k,v,o}_proj`,
 `post_attention_layernorm`, `mlp.{gate,up,down}_proj`; then `model.norm` and `lm_head`
@@ -86,6 +87,7 @@ class Llama(FamilyBase):
                     "change `kv_heads`",
                 ),
                 *_head_width_facts(config, embed, attn),
+                *_window_facts(config, attn, program.input(program.stream).type.shape[-1]),
                 Fact(
                     "rope_theta",
                     config.rope_base,
@@ -137,14 +139,6 @@ class Llama(FamilyBase):
                 (
                     f"rope type {config.rope_type!r}: dslc's rotary embeddings are unscaled",
                     "scaled variants (llama3, linear, dynamic, yarn) are not supported",
-                )
-            )
-        seq = program.input(program.stream).type.shape[-1]
-        if config.window is not None and config.window < seq:
-            out.append(
-                (
-                    f"sliding_window is {config.window}, shorter than the spec's {seq} tokens",
-                    "dslc attends to the whole sequence: the same while it fits in the window",
                 )
             )
         return out
@@ -227,6 +221,24 @@ def _bias_facts(config: LlamaConfig, attn: ir.Layer) -> list[Fact]:
         Fact("attention_bias", config.attention_bias, qkv, "use of q, k and v biases", attn, "qkv_bias", fix),
         Fact("attention_bias", config.attention_bias, o, "use of an o bias", attn, None, fix),
     ]
+
+
+def _window_facts(config: LlamaConfig, attn: ir.Layer, seq: int) -> list[Fact]:
+    """The sliding window (Mistral; Qwen2 where `use_sliding_window`), where either side has
+    one shorter than the spec's sequence: a window at least that long sees every earlier
+    token, as attention without one does."""
+
+    def within(window: object) -> object:
+        return window if isinstance(window, int) and window < seq else None
+
+    if within(config.window) == within(attn.attr("window")):
+        return []
+    fix = (
+        f"write `window={config.window}` on the attention"
+        if within(config.window) is not None
+        else "leave out `window` on the attention"
+    )
+    return [Fact("sliding_window", config.window, attn.attr("window"), "sliding window", attn, None, fix)]
 
 
 def _head_width_facts(config: LlamaConfig, embed: ir.Layer, attn: ir.Layer) -> list[Fact]:

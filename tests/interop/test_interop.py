@@ -152,6 +152,27 @@ def test_imported_llama_computes_the_reference_logits(
     assert relative_error(got, want) <= TOLERANCE
 
 
+def test_imported_mistral_with_a_sliding_window_computes_the_reference_logits(
+    llama: dict[str, Any], capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """A window of 8 over 16 tokens: every query past the eighth sees only its 8 latest keys,
+    as Mistral's attention does; the spec says so with the attention's `window`."""
+    config = {**LLAMA_CONFIG, "model_type": "mistral", "architectures": ["MistralForCausalLM"], "sliding_window": 8}
+    tensors = llama_tensors(config, seed=4)
+    folder = write_checkpoint(tmp_path / "mistral", config, tensors)
+    text = Path(llama["spec"]).read_text()
+    spec = tmp_path / "mistral.par"
+    spec.write_text(text.replace("attention(d, heads,", "attention(d, heads, window=8,"))
+    code, _, err = run(capsys, "import", spec, folder, "-o", tmp_path / "w.npz", *flags(LLAMA_SET))
+    assert code == 0, err
+    inputs = batch(96, seed=5)
+    got = logits_of(capsys, spec, tmp_path / "w.npz", inputs, LLAMA_SET, "1x1x1", tmp_path)
+    want = llama_logits(config, tensors, inputs["tokens"])
+    assert relative_error(got, want) <= TOLERANCE
+    # The window matters: the same weights over the whole sequence give other logits.
+    assert relative_error(got, llama_logits({**config, "sliding_window": None}, tensors, inputs["tokens"])) > 1e-3
+
+
 def test_imported_qwen2_with_qkv_biases_computes_the_reference_logits(
     llama: dict[str, Any], capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
@@ -465,7 +486,10 @@ def test_export_refuses_weights_of_another_spec(
         ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, ["error[C003]: rope type 'llama3'"]),
         (
             {"model_type": "mistral", "sliding_window": 8},
-            ["error[C003]: sliding_window is 8, shorter than the spec's 16 tokens"],
+            [
+                "error[C001]: config.json's `sliding_window` is 8, but the spec's sliding window",
+                "write `window=8` on the attention",
+            ],
         ),
         ({"mlp_bias": True}, ["error[C003]: mlp_bias is true"]),
         # No constant holds it: the diagnostic points at the layer and says what to write there.
