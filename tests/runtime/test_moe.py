@@ -194,14 +194,15 @@ def test_training_metrics_report_the_load_balance_and_dropped_share(results: Res
     assert moe_metrics({}) == {}
 
 
-def test_grouping_makes_the_numbers_independent_of_the_layout(results: Results) -> None:
+# Each layout is a compilation of 12-32 s on CI's machine: one a day (tests/conftest.py).
+@pytest.mark.sample(1)
+@pytest.mark.parametrize("name", ["all_to_all_2", "tokens_whole_along_experts", "pipeline_1f1b", "accumulate_2"])
+def test_grouping_makes_the_numbers_independent_of_the_layout(name: str, results: Results) -> None:
     """Every sequence is its own routing group, so the loss and the routing do not depend
     on the mesh, the microbatches or the accumulation slices."""
-    base = results["all_to_all_4"]
-    for name in ("all_to_all_2", "tokens_whole_along_experts", "pipeline_1f1b", "accumulate_2"):
-        other = results[name]
-        assert relative_error(other.loss, base.loss) <= TOL, name
-        assert other.aux["moe_dropped"] == base.aux["moe_dropped"], name
+    base, other = results["all_to_all_4"], results[name]
+    assert relative_error(other.loss, base.loss) <= TOL
+    assert other.aux["moe_dropped"] == base.aux["moe_dropped"]
 
 
 def test_dslc_run_grads_matches_the_reference(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
