@@ -40,13 +40,18 @@ import pytest
 # gpt_small's and llama_small's training steps). Only the last bit of a float may differ from a
 # program compiled at the default level (multiply-adds contracted differently), so processes
 # that tests start compile at this level too (`own_mesh_env`). Benchmarks use the default.
-CODEGEN_LEVEL = "--xla_backend_optimization_level=0"
+# XLA's CPU collectives give up (and abort the process) after 40 s of waiting for the other
+# devices, which two test processes on two cores, each simulating 16 devices, can reach with
+# no bug at all; a collective that truly never completes is found before it runs by the
+# layout harness (`dslc.lower.hlo.stalling`), and otherwise still ends the run, later.
+PATIENCE = "--xla_cpu_collective_call_terminate_timeout_seconds=300"
+CODEGEN_LEVEL = f"--xla_backend_optimization_level=0 {PATIENCE}"
 os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count=16 {CODEGEN_LEVEL}")
 
 
 def own_mesh_env() -> dict[str, str]:
     """The environment for a process that simulates its own mesh (no device count set), at
-    the tests' code-generation level."""
+    the tests' code-generation level and patience."""
     return {**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}, "XLA_FLAGS": CODEGEN_LEVEL}
 
 
