@@ -75,7 +75,7 @@ from jax import lax
 from jax.sharding import PartitionSpec
 
 from .schedule import BACKWARD, FORWARD, INPUT_GRAD, WEIGHT_GRAD
-from .storage import Parameter
+from .storage import Parameter, axes_of
 
 # The name scope of the switches whose branch each stage picks for itself: a collective in
 # them may only run within a stage (`dslc.lower.hlo.stalling`).
@@ -541,7 +541,7 @@ def _gathered(array: jax.Array, sharding: Any, dims: set[int]) -> jax.Array:
     """`array` (held as `sharding` says) whole along `dims` over the mesh's automatic axes;
     itself when none splits them."""
     manual = jax.sharding.get_abstract_mesh().manual_axes
-    spec = [(entry,) if isinstance(entry, str) else tuple(entry or ()) for entry in sharding]
+    spec = [axes_of(entry) for entry in sharding]
     spec += [()] * (array.ndim - len(spec))
     if not any(a not in manual for dim in dims for a in spec[dim]):
         return array

@@ -54,6 +54,11 @@ class Parameter(NamedTuple):
         return self.sharding if self.optimizer_sharding is None else self.optimizer_sharding
 
 
+def axes_of(entry: Any) -> tuple[str, ...]:
+    """The mesh axes of one PartitionSpec entry (a name, a tuple of names, or None)."""
+    return (entry,) if isinstance(entry, str) else tuple(entry or ())
+
+
 def expand_names(pattern: str, lengths: tuple[int, ...], first: int = 0) -> list[str]:
     """The per-layer names a stacked name stands for: `blocks.*.attn.q` with lengths (2,) is
     `blocks.0.attn.q`, `blocks.1.attn.q`; the first `*` counts from `first`."""

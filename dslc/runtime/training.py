@@ -13,7 +13,7 @@ import optax
 from jax import lax
 from jax.sharding import PartitionSpec
 
-from .storage import Parameter
+from .storage import Parameter, axes_of
 
 OPTIMIZER_DEFAULTS = {
     "lr": 1e-3,
@@ -190,8 +190,8 @@ def _sum_into(block: jax.Array, parameter: Parameter, axes: tuple[str, ...], mes
     which keeps its own part (a slice). The rest of `axes` is all-reduced."""
     scattered: set[str] = set()
     for dim, entry in enumerate(parameter.update_sharding):
-        held = _names(parameter.sharding[dim]) if dim < len(parameter.sharding) else ()
-        added = _names(entry)
+        held = axes_of(parameter.sharding[dim]) if dim < len(parameter.sharding) else ()
+        added = axes_of(entry)
         assert added[: len(held)] == held, (parameter, dim)  # ZeRO only ever adds axes
         for axis in added[len(held) :]:
             if axis in axes:
@@ -202,8 +202,3 @@ def _sum_into(block: jax.Array, parameter: Parameter, axes: tuple[str, ...], mes
                 block = lax.dynamic_slice_in_dim(block, lax.axis_index(axis) * size, size, dim)
     whole = tuple(a for a in axes if a not in scattered)
     return lax.psum(block, whole) if whole else block
-
-
-def _names(entry: Any) -> tuple[str, ...]:
-    """The mesh axes of one PartitionSpec entry."""
-    return (entry,) if isinstance(entry, str) else tuple(entry or ())
