@@ -65,7 +65,8 @@ def _literal(value: object) -> str:
 
 
 def _symbolic_args(rule: LayerRule) -> dict[str, object]:
-    return {a.name: Sym(a.name) if a.type == "int" else a.default for a in rule.args}
+    # An int that defaults to 0 counts something optional (`shared=0`: none): keep the 0.
+    return {a.name: Sym(a.name) if a.type == "int" and a.default != 0 else a.default for a in rule.args}
 
 
 def _default(spec: ArgSpec, rule: LayerRule) -> str:
@@ -85,7 +86,7 @@ def _type(spec: ArgSpec) -> str:
         return "int ≥ 1" if spec.positive else "int"
     if spec.type == "choice":
         return " \\| ".join(f"`{c}`" for c in spec.choices)
-    return _TYPES[spec.type]
+    return _TYPES[spec.type] + (" \\| `none`" if spec.nullable else "")
 
 
 def _signature(rule: LayerRule) -> str:
@@ -104,6 +105,36 @@ def _signature(rule: LayerRule) -> str:
     return f"{rule.kind}({', '.join(parts)})"
 
 
+def _flips(rule: LayerRule) -> list[tuple[str, object, str]]:
+    """Each way of changing one argument from its default that may add or remove weights:
+    (argument, value, how a condition names it)."""
+    out: list[tuple[str, object, str]] = []
+    for a in rule.args:
+        if a.default is REQUIRED or callable(a.default):
+            continue
+        if a.type == "bool":
+            out.append((a.name, not a.default, f"`{a.name}={_literal(not a.default)}`"))
+        elif a.type == "choice":
+            out += [(a.name, c, c) for c in a.choices if c != a.default]
+        elif a.type == "int" and a.default == 0:
+            out.append((a.name, Sym(a.name), f"`{a.name}` > 0"))
+    return out
+
+
+def _condition(flips: tuple[tuple[str, object, str], ...]) -> str:
+    """The condition of a set of flips, those of one choice argument joined with "or"."""
+    by_arg: dict[str, list[str]] = {}
+    for name, _, label in flips:
+        by_arg.setdefault(name, []).append(label)
+    parts = []
+    for name, labels in by_arg.items():
+        if labels[0].startswith("`"):
+            parts.append(labels[0])
+        else:
+            parts.append(f"`{name}` is " + " or ".join(labels))
+    return " and ".join(parts)
+
+
 def _weights(rule: LayerRule) -> list[tuple[str, str, str, str]]:
     """(name, shape, init, when present) for every weight the rule can have."""
     base = _symbolic_args(rule)
@@ -113,26 +144,33 @@ def _weights(rule: LayerRule) -> list[tuple[str, str, str, str]]:
         seen[w.name] = ("[" + ", ".join(map(str, w.shape)) + "]", w.init)
         present_by_default.add(w.name)
     # A weight present by default stays while every flag that removes it keeps its default; one
-    # absent by default appears when any flag that adds it is flipped.
+    # absent by default appears with the fewest changes that add it (one, else two of
+    # different arguments), the values of one choice argument that add it joined.
+    flips = _flips(rule)
     kept_while: dict[str, list[str]] = {}
-    added_by: dict[str, list[str]] = {}
-    for a in rule.args:
-        if a.type != "bool" or a.default is REQUIRED or callable(a.default):
-            continue
-        flipped = {**base, a.name: not a.default}
+    added_by: dict[str, dict[tuple[str, ...], list[tuple[str, object, str]]]] = {}
+    sets = [(f,) for f in flips] + [(f, g) for i, f in enumerate(flips) for g in flips[i + 1 :] if f[0] != g[0]]
+    for changes in sets:
         names = set()
-        for w in rule.weights(rule.parse(flipped)):
+        for w in rule.weights(rule.parse({**base, **{name: value for name, value, _ in changes}})):
             names.add(w.name)
             seen.setdefault(w.name, ("[" + ", ".join(map(str, w.shape)) + "]", w.init))
         for name in present_by_default - names:
-            kept_while.setdefault(name, []).append(f"`{a.name}={_literal(a.default)}`")
+            if len(changes) == 1 and changes[0][2].startswith("`"):
+                kept_while.setdefault(name, []).append(f"`{changes[0][0]}={_literal(base[changes[0][0]])}`")
         for name in names - present_by_default:
-            added_by.setdefault(name, []).append(f"`{a.name}={_literal(not a.default)}`")
+            found = added_by.setdefault(name, {})
+            if found and len(next(iter(found))) < len(changes):
+                continue  # added by fewer changes already
+            key = tuple(c[0] for c in changes)
+            found.setdefault(key, []).extend(c for c in changes if c not in found.get(key, []))
 
     def when(name: str) -> str:
         if name in kept_while:
             return "when " + " and ".join(kept_while[name])
-        return "when " + " or ".join(added_by[name]) if name in added_by else "always"
+        if name not in added_by:
+            return "always"
+        return "when " + " or ".join(_condition(tuple(c)) for c in added_by[name].values())
 
     return [(name, shape, init, when(name)) for name, (shape, init) in seen.items()]
 

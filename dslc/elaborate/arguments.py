@@ -13,6 +13,9 @@ from dslc.ir.names import closest, unknown_name
 from dslc.layers.base import REQUIRED, ArgSpec
 from dslc.syntax import ast
 
+# What `_value` returns for an argument it reported as wrong.
+INVALID = object()
+
 
 def bind_arguments(
     specs: Sequence[ArgSpec],
@@ -38,7 +41,7 @@ def bind_arguments(
     for spec in specs:
         if spec.name in raw:
             value = _value(spec, raw[spec.name], scope, what, inputs, diags)
-            if value is None:
+            if value is INVALID:
                 ok = False
                 continue
             values[spec.name] = value
@@ -137,16 +140,16 @@ def _all_given(
 def _value(
     spec: ArgSpec, arg: ast.Arg, scope: Scope, what: str, inputs: Collection[str], diags: Diagnostics
 ) -> object | None:
-    """The value of one argument written in the call; None after reporting it is not of its
-    spec's type."""
+    """The value of one argument written in the call (None for `none` where the spec allows
+    it); INVALID after reporting it is not of its spec's type."""
     v = arg.value
     if spec.type == "input":
         if not isinstance(v, ast.NameRef):
             diags.error("E024", f"`{spec.name}` of {what} names a declared input", v.span)
-            return None
+            return INVALID
         if v.name not in inputs:
             diags.add(unknown_name("input", v.name, v.span, inputs))
-            return None
+            return INVALID
         return v.name
     if spec.type == "choice":
         if not isinstance(v, ast.NameRef) or v.name not in spec.choices:
@@ -154,31 +157,33 @@ def _value(
             diags.error(
                 "E024", f"`{spec.name}` of {what} is one of {options}", v.span, notes=[spec.doc] if spec.doc else []
             )
-            return None
+            return INVALID
         return v.name
+    if spec.nullable and isinstance(v, ast.NameRef) and v.name == "none" and "none" not in scope:
+        return None
     value = eval_value(v, scope, diags)
     if value is None:
-        return None
+        return INVALID
     match spec.type:
         case "any":
             return value
         case "bool":
             if not isinstance(value, bool):
                 diags.error("E024", f"`{spec.name}` of {what} is true or false, got {_written(value)}", v.span)
-                return None
+                return INVALID
             return value
         case "int":
             if isinstance(value, bool) or not isinstance(value, int):
                 diags.error("E024", f"`{spec.name}` of {what} is an integer, got {_written(value)}", v.span)
-                return None
+                return INVALID
             if spec.positive and value < 1:
                 diags.error("E024", f"`{spec.name}` of {what} must be positive, got {value}", v.span)
-                return None
+                return INVALID
             return value
         case "float":
             if isinstance(value, bool):
                 diags.error("E024", f"`{spec.name}` of {what} is a number, got {_written(value)}", v.span)
-                return None
+                return INVALID
             return float(value)
     raise AssertionError(spec.type)
 

@@ -56,6 +56,8 @@ class ArgSpec:
     positive: bool = True
     # An argument of type "choice" is one of these words, written bare (`kernel=flash`).
     choices: tuple[str, ...] = ()
+    # A number that may also be written `none` (no limit: `capacity=none`), its value None.
+    nullable: bool = False
 
 
 @dataclass(frozen=True, slots=True)
