@@ -25,7 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from dslc_runtime.attention import attention
-from dslc_runtime.layers import AUX_LOSS, add_aux, cross_entropy, cross_entropy_count, embed, layernorm, linear, moe
+from dslc_runtime.experts import AUX_LOSS, add_aux, moe
+from dslc_runtime.layers import cross_entropy, cross_entropy_count, embed, layernorm, linear
 from dslc_runtime.mesh import build_mesh
 from dslc_runtime.metrics import step_metrics
 from dslc_runtime.params import initial_array
@@ -235,6 +236,9 @@ class Decoder(nnx.Module):
             top_k=2,
             capacity=1.25,
             aux_weight=0.01,
+            z_weight=0.0,
+            normalize=True,
+            activation="gelu",
             expert_axes=("expert",),
             token_axes=("data", "expert"),
             dtype=COMPUTE_DTYPE,

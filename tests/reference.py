@@ -357,24 +357,43 @@ def conv(layer: ir.Layer, w: Weights, x: Array, ctx: _Context) -> Array:
     return y + w["bias"] if "bias" in w else y
 
 
+def _expert_hidden(h: Array, w_in: Array, w_gate: Array | None, activation: str, ctx: _Context) -> Array:
+    """An expert's (or the shared experts') hidden layer on h, in f32, written out."""
+    up = _f32(_matmul("...d,df->...f", h, w_in, ctx))
+    if w_gate is not None:
+        gate = _f32(_matmul("...d,df->...f", h, w_gate, ctx))
+        act = gate * _sigmoid(gate) if activation == "swiglu" else _gelu_tanh(gate)
+        return act * up
+    if activation == "gelu":
+        return _gelu_tanh(up)
+    if activation == "silu":
+        return up * _sigmoid(up)
+    assert activation == "relu", activation
+    return jnp.where(up > 0, up, 0.0)
+
+
 def moe(layer: ir.Layer, w: Weights, x: Array, ctx: _Context) -> tuple[Array, Aux]:
-    """Every sequence (one row of the batch, all its positions) is routed on its own. Each
-    expert has ceil(capacity * tokens * top_k / experts) places per sequence (at most
-    `tokens`), filled by every token's first choice in token order, then by the second
-    choices, and so on; a choice that finds no place adds nothing. Every expert is computed
-    on every token, densely, and weighted by the gates of the choices that found a place."""
+    """Every sequence (one row of the batch, all its positions) is routed on its own. With a
+    capacity, each expert has ceil(capacity * tokens * top_k / experts) places per sequence
+    (at most `tokens`), filled by every token's first choice in token order, then by the
+    second choices, and so on; a choice that finds no place adds nothing; without one
+    (`capacity=none`) every choice finds a place. Every expert is computed on every token,
+    densely, and weighted by the gates of the choices that found a place; the shared experts
+    are one more MLP on every token, scaled by sigmoid(x @ s_router) where there is one."""
     experts, top_k, factor, weight = (layer.attr(n) for n in ("experts", "top_k", "capacity", "aux_weight"))
-    assert isinstance(experts, int) and isinstance(top_k, int)
-    assert isinstance(factor, float) and isinstance(weight, float)
+    z_weight, normalize, activation = (layer.attr(n) for n in ("z_weight", "normalize", "activation"))
+    assert isinstance(experts, int) and isinstance(top_k, int) and isinstance(activation, str)
+    assert isinstance(factor, float | None) and isinstance(weight, float) and isinstance(z_weight, float)
     b, d = x.shape[0], x.shape[-1]
     h = x.reshape(b, -1, d)
     s = h.shape[1]
-    places = min(s, math.ceil(factor * s * top_k / experts))
-    probs = _softmax(_f32(_matmul("gsd,de->gse", h, w["router"], ctx)))
+    places = s * top_k if factor is None else min(s, math.ceil(factor * s * top_k / experts))
+    logits = _f32(_matmul("gsd,de->gse", h, w["router"], ctx))
+    probs = _softmax(logits)
     # The k most probable experts per token, by sorting (ties do not occur with real data).
     chosen = jnp.argsort(-jax.lax.stop_gradient(probs), axis=-1)[..., :top_k]  # [b, s, k]
     picked = jnp.take_along_axis(probs, chosen, axis=-1)
-    gates = picked / picked.sum(-1, keepdims=True)
+    gates = picked / picked.sum(-1, keepdims=True) if normalize else picked
     # Choice j of token t ranks j * s + t; its place is the number of choices of the same
     # sequence that rank before it and picked the same expert.
     rank = (np.arange(top_k)[None, :] * s + np.arange(s)[:, None]).reshape(-1)
@@ -385,16 +404,28 @@ def moe(layer: ir.Layer, w: Weights, x: Array, ctx: _Context) -> tuple[Array, Au
     y = jnp.zeros(h.shape, jnp.float32)
     for e in range(experts):
         gate = jnp.where((chosen == e) & found, gates, 0.0).sum(-1, keepdims=True)
-        hidden = _gelu_tanh(_f32(_matmul("gsd,df->gsf", h, w["w_in"][e], ctx)))
+        hidden = _expert_hidden(h, w["w_in"][e], w["w_gate"][e] if "w_gate" in w else None, activation, ctx)
         y = y + gate * _f32(_matmul("gsf,fd->gsd", hidden, w["w_out"][e], ctx))
+    if "s_in" in w:
+        hidden = _expert_hidden(h, w["s_in"], w.get("s_gate"), activation, ctx)
+        shared = _f32(_matmul("gsf,fd->gsd", hidden, w["s_out"], ctx))
+        if "s_router" in w:
+            shared = shared * _sigmoid(_f32(_matmul("gsd,do->gso", h, w["s_router"], ctx)))
+        y = y + shared
     # Switch Transformer's loss, per sequence: experts * sum over e of (the share of the
     # sequence's choices that picked e) * (e's mean router probability), then the mean.
-    share = jnp.stack([jnp.sum(chosen == e, axis=(1, 2)) for e in range(experts)], axis=-1) / (s * top_k)
+    counts = jnp.stack([jnp.sum(chosen == e, axis=(1, 2)) for e in range(experts)], axis=-1)  # [b, experts]
+    share = counts / (s * top_k)
     balance = experts * jnp.sum(share * probs.mean(axis=1), axis=-1)
+    z = jnp.mean(_logsumexp(logits) ** 2)
+    load = counts.sum(0)
     aux = {
-        "aux_loss": weight * balance.mean(),
+        "aux_loss": weight * balance.mean() + z_weight * z,
+        "moe_z_loss": z_weight * z,
         "moe_dropped": jnp.sum(~found).astype(jnp.float32),
         "moe_routed": jnp.asarray(b * s * top_k, jnp.float32),
+        "moe_load_max": experts * jnp.max(load) / jnp.sum(load),
+        "moe_layers": jnp.ones((), jnp.float32),
     }
     return y.reshape(x.shape), aux
 

@@ -134,6 +134,8 @@ class Plan:
                     "experts_per_device": e.experts_per_device,
                     "tokens_per_group": e.tokens_per_group,
                     "slots": e.slots,
+                    "dropless_rows_worst": e.rows_worst,
+                    "dropless_rows_even": e.rows_even,
                     "exchange": e.exchange,
                     "parameter_bytes": e.parameter_bytes,
                     "exchange_bytes": e.exchange_bytes,
@@ -236,7 +238,13 @@ class Plan:
             lines += [
                 f"  {e.path}{f' (x{e.copies})' if e.copies > 1 else ''}: {e.experts_per_device} of {e.experts} experts"
                 + (f" (split over {','.join(e.expert_axes)})" if e.expert_axes else "")
-                + f", {format_bytes(e.parameter_bytes)}; {e.slots} slots each per {e.tokens_per_group} tokens; "
+                + f", {format_bytes(e.parameter_bytes)}; "
+                + (
+                    f"dropless: {e.rows_worst} rows buffered per {e.tokens_per_group} tokens "
+                    f"(the worst case; {e.rows_even} when routing is even); "
+                    if e.rows_worst
+                    else f"{e.slots} slots each per {e.tokens_per_group} tokens; "
+                )
                 + (f"{e.exchange} {format_bytes(e.exchange_bytes)} per step" if e.exchange != "none" else "no exchange")
                 for e in self.experts
             ]

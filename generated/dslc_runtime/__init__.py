@@ -26,6 +26,7 @@ SOURCES = {
         "layers",
         "fused",
         "attention",
+        "experts",
         "schedule",
         "pipeline",
         "training",

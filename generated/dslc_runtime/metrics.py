@@ -17,12 +17,17 @@ def step_metrics(grads: Any) -> dict[str, jax.Array]:
 def moe_metrics(aux: dict[str, float]) -> dict[str, float]:
     """A mixture of experts' health from the layers' auxiliary values (summed over them):
     `moe_balance_loss`, the load-balancing loss the experts add to the training loss (the
-    router's load: lowest when every expert receives its share), and
-    `moe_dropped_fraction`, the share of token-to-expert choices dropped for want of
-    capacity. Empty without a mixture of experts."""
+    router's load: lowest when every expert receives its share); `moe_z_loss`, the router
+    z-loss added likewise; `moe_dropped_fraction`, the share of token-to-expert choices
+    dropped for want of capacity (0 dropless); `moe_load_max`, the busiest expert's choices
+    over the mean, averaged over the layers (1 when every expert gets its share). Empty
+    without a mixture of experts."""
     if "moe_routed" not in aux:
         return {}
+    z = float(aux.get("moe_z_loss", 0.0))
     return {
-        "moe_balance_loss": float(aux.get("aux_loss", 0.0)),
+        "moe_balance_loss": float(aux.get("aux_loss", 0.0)) - z,
+        "moe_z_loss": z,
         "moe_dropped_fraction": float(aux["moe_dropped"]) / max(float(aux["moe_routed"]), 1.0),
+        "moe_load_max": float(aux["moe_load_max"]) / max(float(aux["moe_layers"]), 1.0),
     }
