@@ -188,6 +188,11 @@ def _routed(
     rows = PartitionSpec(tokens or None)
     nested = bool(jax.sharding.get_abstract_mesh().manual_axes)  # inside the pipeline's shard_map
     shard_map = _shard_map_with_inner_vjp if nested else jax.shard_map
+    # The weights enter in f32 and the body casts them (`_weights_in`): the sums of their
+    # gradients over the token axes are then f32 all-reduces. (In bf16 with an automatic axis
+    # beside the manual ones, XLA's CPU compiler aborts on the all-reduce jax emits, "Invalid
+    # binary instruction opcode copy"; jax 0.10.2.)
+    router, experts = router.astype(jnp.float32), {k: w.astype(jnp.float32) for k, w in experts.items()}
     return shard_map(
         functools.partial(body, routing=routing, exchange=exchange, expert_axes=split, stats_axes=tokens),
         in_specs=(rows, PartitionSpec(), PartitionSpec(split)),
@@ -240,6 +245,72 @@ def _split_axes(axes: tuple[str, ...]) -> tuple[str, ...]:
     if missing:
         raise ValueError(f"mixture of experts over {missing} needs the mesh: call it under `jax.set_mesh(mesh)`")
     return tuple(a for a in axes if mesh.shape[a] > 1 and a not in mesh.manual_axes)
+
+
+def _weights_in(
+    router: jax.Array,
+    experts: dict[str, jax.Array],
+    dtype: str,
+    token_axes: tuple[str, ...],
+    expert_axes: tuple[str, ...],
+    routed_everywhere: bool,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The weights inside the `shard_map`, in the compute dtype, typed as differing along the
+    manual axes the activations they meet differ along: the router along the token axes (and
+    the experts' too where the tokens it routes differ along them, `routed_everywhere`), the
+    experts along the token axes. Made so while still f32, so that jax's sum of each one's
+    gradient over those axes (the transpose of this cast) is an f32 all-reduce."""
+    manual = (*token_axes, *(a for a in expert_axes if a not in token_axes))
+    router_axes = manual if routed_everywhere else token_axes
+    if router_axes:
+        router = lax.pcast(router, router_axes, to="varying")
+    across = tuple(a for a in token_axes if a not in expert_axes)
+    if across:
+        experts = {name: lax.pcast(w, across, to="varying") for name, w in experts.items()}
+    return router.astype(dtype), {name: w.astype(dtype) for name, w in experts.items()}
+
+
+# Sums over devices inside the experts' `shard_map`. In 16 bits, with an automatic axis left
+# beside the manual ones, XLA's CPU compiler aborts on the reduction jax emits ("Invalid
+# binary instruction opcode copy", jax 0.10.2: a bf16 `psum_scatter` in a shard_map manual
+# over two of three axes is enough): there these sums, and the sums that are the transposes
+# of a gather or of a cast to varying, run in f32.
+
+
+def _sum_dtype(dtype: jnp.dtype) -> jnp.dtype:
+    mesh = jax.sharding.get_abstract_mesh()
+    automatic = any(mesh.shape[a] > 1 for a in mesh.axis_names if a not in mesh.manual_axes)
+    return jnp.dtype(jnp.float32) if automatic and jnp.dtype(dtype).itemsize < 4 else jnp.dtype(dtype)
+
+
+def _summed(y: jax.Array, axes: tuple[str, ...], scatter: bool = False) -> jax.Array:
+    """psum over `axes` (with `scatter`, psum_scatter of the first dimension), in `_sum_dtype`."""
+    wide = y.astype(_sum_dtype(y.dtype))
+    total = lax.psum_scatter(wide, axes, scatter_dimension=0, tiled=True) if scatter else lax.psum(wide, axes)
+    return total.astype(y.dtype)
+
+
+def _varying(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+    """x typed as differing along `axes` (its gradient is summed over them, in `_sum_dtype`)."""
+    return lax.pcast(x.astype(_sum_dtype(x.dtype)), axes, to="varying").astype(x.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _gathered(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+    """The all-gather along `axes` of the first dimension, in x's dtype; its gradient is the
+    reduce-scatter, in `_sum_dtype`."""
+    return lax.all_gather(x, axes, axis=0, tiled=True)
+
+
+def _gathered_forward(x: jax.Array, axes: tuple[str, ...]) -> tuple[jax.Array, None]:
+    return _gathered(x, axes), None
+
+
+def _gathered_backward(axes: tuple[str, ...], _: None, cotangent: jax.Array) -> tuple[jax.Array]:
+    return (_summed(cotangent, axes, scatter=True),)
+
+
+_gathered.defvjp(_gathered_forward, _gathered_backward)
 
 
 # ---- routing -------------------------------------------------------------------------------------
@@ -318,7 +389,10 @@ def _capacity_groups(
     are split over."""
     assert routing.capacity is not None
     shape, dtype = x.shape, routing.dtype
+    router, experts = _weights_in(router, experts, dtype, stats_axes, expert_axes, exchange != "psum")
     x = x.astype(dtype).reshape(shape[0], -1, shape[-1])  # [groups, tokens, dim]
+    if exchange == "psum":
+        x = _varying(x, expert_axes)  # each device takes its experts' slots of the same tokens
     choices = _choose(x, router, routing)
     dispatch, combine, dropped = _slots(choices, router.shape[-1], x.shape[1], routing.top_k, routing.capacity)
     if exchange == "psum":
@@ -339,9 +413,11 @@ def _capacity_groups(
         out = lax.all_to_all(out, expert_axes, 0, 1, tiled=True)
     y = jnp.einsum("gsec,gecd->gsd", combine.astype(dtype), out)
     if exchange == "psum":
-        y = lax.psum(y, expert_axes)
+        y = _summed(y, expert_axes)
     routed = jnp.asarray(math.prod(choices.chosen.shape), jnp.float32)
-    return y.reshape(shape), _aux(choices, routing, dropped, routed, stats_axes)
+    # Tokens whole along the experts' axes: the devices along them routed the same groups.
+    shared = expert_axes if exchange == "psum" else ()
+    return y.reshape(shape), _aux(choices, routing, dropped, routed, stats_axes, shared)
 
 
 def _slots(
@@ -382,14 +458,15 @@ def _dropless_groups(
     `expert_axes` are gathered, each computes its experts' rows, the sums are scattered back)
     or "psum" (the tokens are whole along `expert_axes`)."""
     shape, dtype, k = x.shape, routing.dtype, routing.top_k
+    router, experts = _weights_in(router, experts, dtype, stats_axes, expert_axes, True)
     x = x.astype(dtype).reshape(shape[0], -1, shape[-1])  # [groups, tokens, dim]
     if exchange == "gather":
-        x = lax.all_gather(x, expert_axes, axis=0, tiled=True)
+        x = _gathered(x, expert_axes)
     elif exchange == "psum":
         # Typed as differing along the experts' axes, as it will once each device picks its
         # own rows: taken from an operand typed as the same everywhere, the rows' gradient
         # comes back wrong (each device's share misplaced; measured with jax 0.10.2).
-        x = lax.pcast(x, expert_axes, to="varying")
+        x = _varying(x, expert_axes)
     choices = _choose(x, router, routing)
     groups, tokens, dim = x.shape
     held = experts["w_in"].shape[0]
@@ -402,15 +479,17 @@ def _dropless_groups(
     sizes = jnp.sum(jax.nn.one_hot(expert, held, dtype=jnp.int32), axis=0)  # the "other" choices have no column
     rows = x.reshape(-1, dim)[order // k]  # [choices, dim], by expert
     out = grouped_experts(rows, sizes, experts, routing.activation)
-    unsorted = jnp.zeros_like(out).at[order].set(out).reshape(groups * tokens, k, dim)
+    # Back in token order by a gather (float arrays are only ever gathered and scatter-added
+    # here: XLA's CPU compiler fails on a 16-bit scatter-set split over an automatic axis).
+    unsorted = out[_inverse(order)].reshape(groups * tokens, k, dim)
     y = jnp.einsum("nk,nkd->nd", choices.gates.reshape(-1, k).astype(dtype), unsorted).reshape(groups, tokens, dim)
     computed = jnp.sum(sizes).astype(jnp.float32)
     if exchange != "local":
         computed = lax.psum(computed, expert_axes)
     if exchange == "gather":
-        y = lax.psum_scatter(y, expert_axes, scatter_dimension=0, tiled=True)
+        y = _summed(y, expert_axes, scatter=True)
     elif exchange == "psum":
-        y = lax.psum(y, expert_axes)
+        y = _summed(y, expert_axes)
     routed = jnp.asarray(groups * tokens * k, jnp.float32)
     # The devices along the experts' axes routed the same groups: sum over the others only.
     shared = expert_axes if exchange != "local" else ()
@@ -478,12 +557,20 @@ class Tiles(NamedTuple):
         return Tiles(size, number, place, tile_expert)
 
     def pad(self, rows: jax.Array) -> jax.Array:
-        padded = jnp.zeros((self.number * self.size, rows.shape[-1]), rows.dtype)
-        return padded.at[self.place].set(rows, mode="drop").reshape(self.number, self.size, -1)
+        # Each padded place's row (one past the last: padding), then a gather.
+        total = self.number * self.size
+        source = jnp.full((total,), rows.shape[0]).at[self.place].set(jnp.arange(rows.shape[0]), mode="drop")
+        with_zero = jnp.concatenate([rows, jnp.zeros((1, rows.shape[-1]), rows.dtype)])
+        return with_zero[source].reshape(self.number, self.size, -1)
 
     def unpad(self, tiles: jax.Array) -> jax.Array:
         flat = tiles.reshape(self.number * self.size, -1)
         return flat.at[self.place].get(mode="fill", fill_value=0)
+
+
+def _inverse(order: jax.Array) -> jax.Array:
+    """The permutation that undoes `order`."""
+    return jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
 
 
 def _ended(ends: jax.Array, rows: jax.Array) -> jax.Array:
