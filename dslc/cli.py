@@ -124,7 +124,8 @@ def _parser() -> argparse.ArgumentParser:
     run.set_defaults(run=_run)
 
     imp = sub.add_parser(
-        "import", help="read a Hugging Face checkpoint folder (GPT-2, Llama, Mistral, Qwen2) into a spec's weights"
+        "import",
+        help="read a Hugging Face checkpoint folder (GPT-2, Llama, Mistral, Qwen2, Mixtral) into a spec's weights",
     )
     imp.add_argument("spec", help="path of the .par file")
     imp.add_argument("checkpoint", help="the checkpoint folder: config.json and .safetensors files")

@@ -4,7 +4,7 @@ models compute, both without `transformers` or torch.
 The checkpoints are config.json plus safetensors files with `save_pretrained`'s names and
 layouts: GPT-2's Conv1D weights [in, out] with q, k and v fused in `c_attn`, Llama's
 nn.Linear weights [out, in], a tied head left out. The forwards follow the modelling code of
-`GPT2LMHeadModel` and `LlamaForCausalLM` in float64 numpy, in its own form where dslc's differs:
+`GPT2LMHeadModel`, `LlamaForCausalLM` and `MixtralForCausalLM` in float64 numpy, in its own form where dslc's differs:
 the fused projection split after the product, rotary embeddings as `rotate_half` with
 the frequencies repeated over both halves, key/value heads repeated with `repeat_kv`, a -inf
 causal mask. Nothing here comes from dslc.
@@ -64,6 +64,32 @@ LLAMA_CONFIG = {
     "torch_dtype": "float32",
 }
 LLAMA_SET = {"vocab": 96, "d": 32, "heads": 4, "kv_heads": 2, "ffn": 48, "layers": 2, "seq": 16, "batch": 8}
+
+
+MIXTRAL_CONFIG = {
+    **{k: v for k, v in LLAMA_CONFIG.items() if k not in ("attention_bias", "mlp_bias")},
+    "architectures": ["MixtralForCausalLM"],
+    "model_type": "mixtral",
+    "num_local_experts": 4,
+    "num_experts_per_tok": 2,
+    "router_aux_loss_coef": 0.02,
+    "router_jitter_noise": 0.0,
+    "output_router_logits": False,
+    "sliding_window": None,
+    "rope_theta": 1000000.0,
+}
+MIXTRAL_SET = {
+    "vocab": 96,
+    "d": 32,
+    "heads": 4,
+    "kv_heads": 2,
+    "ffn": 48,
+    "experts": 4,
+    "layers": 2,
+    "seq": 16,
+    "batch": 8,
+    "aux": 0.0,
+}
 
 
 def _normal(rng: np.random.Generator, *shape: int, scale: float = 0.1) -> np.ndarray:
@@ -130,6 +156,24 @@ def llama_tensors(config: dict[str, object], seed: int = 0) -> Tensors:
     t["model.norm.weight"] = 1 + _normal(rng, d)
     if not config.get("tie_word_embeddings", False):
         t["lm_head.weight"] = _normal(rng, vocab, d)
+    return t
+
+
+def mixtral_tensors(config: dict[str, object], seed: int = 0) -> Tensors:
+    """A Llama's tensors with each MLP replaced by `block_sparse_moe`: the router `gate`
+    [experts, d] and per expert w1 (gate), w3 (up) [ffn, d] and w2 (down) [d, ffn]."""
+    t = llama_tensors({**config, "model_type": "llama"}, seed)
+    rng = np.random.default_rng(seed + 1000)
+    d, ffn, experts = (int(config[k]) for k in ("hidden_size", "intermediate_size", "num_local_experts"))  # type: ignore[call-overload]
+    for i in range(int(config["num_hidden_layers"])):  # type: ignore[call-overload]
+        at = f"model.layers.{i}."
+        for w in ("gate", "up", "down"):
+            del t[at + f"mlp.{w}_proj.weight"]
+        t[at + "block_sparse_moe.gate.weight"] = _normal(rng, experts, d, scale=0.5)
+        for j in range(experts):
+            e = f"{at}block_sparse_moe.experts.{j}."
+            t |= {e + "w1.weight": _normal(rng, ffn, d), e + "w3.weight": _normal(rng, ffn, d)}
+            t[e + "w2.weight"] = _normal(rng, d, ffn)
     return t
 
 
@@ -238,8 +282,29 @@ def llama_logits(config: dict[str, object], tensors: Tensors, ids: np.ndarray) -
         o = _causal_attention(q, k, v, window) @ t[p + "self_attn.o_proj.weight"].T  # type: ignore[arg-type]
         x = x + (o + t[p + "self_attn.o_proj.bias"] if p + "self_attn.o_proj.bias" in t else o)
         h = _rms(x, t[p + "post_attention_layernorm.weight"], eps)
+        if p + "block_sparse_moe.gate.weight" in t:
+            x = x + _sparse_moe(config, t, p + "block_sparse_moe.", h)
+            continue
         gate, up = h @ t[p + "mlp.gate_proj.weight"].T, h @ t[p + "mlp.up_proj.weight"].T
         x = x + (gate / (1.0 + np.exp(-gate)) * up) @ t[p + "mlp.down_proj.weight"].T
     x = _rms(x, t["norm.weight"], eps)
     head = tensors.get("lm_head.weight", tensors["model.embed_tokens.weight"]).astype(np.float64)
     return x @ head.T
+
+
+def _sparse_moe(config: dict[str, object], t: Tensors, p: str, h: np.ndarray) -> np.ndarray:
+    """MixtralSparseMoeBlock: each token's router softmax, its top k, their weights
+    renormalised to sum to 1, and each chosen expert's w2(silu(w1 x) * w3 x) weighted so;
+    every token reaches its experts (nothing is dropped)."""
+    k = int(config["num_experts_per_tok"])  # type: ignore[call-overload]
+    probs = _softmax(h @ t[p + "gate.weight"].T)  # [b, s, experts]
+    chosen = np.argsort(-probs, axis=-1)[..., :k]
+    weights = np.take_along_axis(probs, chosen, axis=-1)
+    weights = weights / weights.sum(-1, keepdims=True)
+    out = np.zeros_like(h)
+    for j in range(probs.shape[-1]):
+        e = f"{p}experts.{j}."
+        gate, up = h @ t[e + "w1.weight"].T, h @ t[e + "w3.weight"].T
+        y = (gate / (1.0 + np.exp(-gate)) * up) @ t[e + "w2.weight"].T
+        out += np.where(chosen == j, weights, 0.0).sum(-1, keepdims=True) * y
+    return out

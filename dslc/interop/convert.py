@@ -25,7 +25,7 @@ from dslc.interop.advice import follows
 from dslc.interop.errors import CheckpointError, file_problem, file_span
 from dslc.interop.gpt2 import GPT2
 from dslc.interop.hf_config import CONFIG, GPT2Config, LlamaConfig, parse_config, read_config_json
-from dslc.interop.llama import Llama
+from dslc.interop.llama import Llama, Mixtral
 from dslc.interop.mapping import (
     HEAD,
     Fact,
@@ -65,7 +65,7 @@ class Family(Protocol):
     def keep(self, written: Mapping[str, object], original: Mapping[str, object]) -> dict[str, object]: ...
 
 
-FAMILIES: tuple[Family, ...] = (GPT2(), Llama())
+FAMILIES: tuple[Family, ...] = (GPT2(), Llama(), Mixtral())
 
 # The dtypes export writes: the spec's names, numpy's, and the torch_dtype config.json states.
 EXPORT_DTYPES = {
@@ -109,7 +109,9 @@ class ImportPlan:
     config: Mapping[str, object]  # config.json as the folder holds it, every field
 
     def arrays(self) -> Iterator[tuple[str, np.ndarray]]:
-        """Every weight of the spec by its dotted name, read one checkpoint tensor at a time."""
+        """Every weight of the spec by its dotted name, read one checkpoint tensor at a time
+        (a stacked weight's slices, which a family lists in order, one weight at a time)."""
+        stacking: dict[str, list[np.ndarray]] = {}
         for m in self.maps:
             tensor = self.files.read(self.found[m.name])
             if m.parts == (self.table,):
@@ -118,6 +120,14 @@ class ImportPlan:
                 tensor = tensor.astype(self.dtype)
             if m.transposed:
                 tensor = tensor.T
+            if m.index is not None:
+                # One slice of a stacked weight: the weight is whole once its last slice is read.
+                (part,) = m.parts
+                slices = stacking.setdefault(part, [])
+                slices.append(tensor)
+                if len(slices) == self.shapes[part][0]:
+                    yield part, np.stack(stacking.pop(part))
+                continue
             widths = [self.shapes[p][-1] for p in m.parts]
             yield from zip(m.parts, np.split(tensor, np.cumsum(widths)[:-1], axis=-1), strict=True)
             if self.copy is not None and m.parts == (self.table,):
@@ -279,6 +289,8 @@ def _checkpoint_shape(m: TensorMap, shapes: dict[str, tuple[int, ...]]) -> tuple
     """The shape the checkpoint stores `m` in, from the spec's weights."""
     first = shapes[m.parts[0]]
     shape = (*first[:-1], sum(shapes[p][-1] for p in m.parts))
+    if m.index is not None:
+        shape = shape[1:]
     return shape[::-1] if m.transposed else shape
 
 
@@ -397,6 +409,8 @@ def _check_weights(weights: Mapping[str, np.ndarray], program: ir.Program, where
 
 def _assemble(m: TensorMap, weights: Mapping[str, np.ndarray], dtype: np.dtype) -> np.ndarray:
     parts = [np.asarray(weights[p]) for p in m.parts]
+    if m.index is not None:
+        parts = [parts[0][m.index]]
     tensor = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=-1)
     return np.ascontiguousarray((tensor.T if m.transposed else tensor).astype(dtype, copy=False))
 

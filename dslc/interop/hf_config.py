@@ -105,9 +105,23 @@ class LlamaConfig(_Config):
         return self.sliding_window
 
 
-HFConfig = Annotated[GPT2Config | LlamaConfig, Field(discriminator="model_type")]
-MODEL_TYPES = ("gpt2", "llama", "mistral", "qwen2")
-_ADAPTER: TypeAdapter[GPT2Config | LlamaConfig] = TypeAdapter(HFConfig)
+class MixtralConfig(LlamaConfig):
+    """`MixtralForCausalLM`: a Mistral whose MLPs are sparse mixtures of SwiGLU experts
+    (`num_local_experts`, each token to `num_experts_per_tok` of them, gates renormalised
+    over those, no token dropped)."""
+
+    model_type: Literal["mixtral"]  # type: ignore[assignment]
+    num_local_experts: PositiveInt = 8
+    num_experts_per_tok: PositiveInt = 2
+    router_jitter_noise: float = 0.0
+    router_aux_loss_coef: float = 0.001
+    output_router_logits: bool = False
+    rms_norm_eps: PositiveFloat = 1e-5
+
+
+HFConfig = Annotated[GPT2Config | LlamaConfig | MixtralConfig, Field(discriminator="model_type")]
+MODEL_TYPES = ("gpt2", "llama", "mistral", "qwen2", "mixtral")
+_ADAPTER: TypeAdapter[GPT2Config | LlamaConfig | MixtralConfig] = TypeAdapter(HFConfig)
 
 
 def read_config_json(folder: Path) -> object:

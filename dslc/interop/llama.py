@@ -1,6 +1,7 @@
 """Llama (`LlamaForCausalLM`) checkpoints, and those built like it: Mistral (a sliding window,
-the attention's `window`, which changes nothing while the sequence fits in it) and Qwen2
-(biases on q, k and v; a sliding window where `use_sliding_window` says so).
+the attention's `window`, which changes nothing while the sequence fits in it), Qwen2
+(biases on q, k and v; a sliding window where `use_sliding_window` says so) and Mixtral (a
+Mistral whose MLPs are mixtures of SwiGLU experts).
 
 Layout: `model.embed_tokens`; per layer `input_layernorm`, `self_attn.{q,k,v,o}_proj`,
 `post_attention_layernorm`, `mlp.{gate,up,down}_proj`; then `model.norm` and `lm_head`
@@ -14,7 +15,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 
-from dslc.interop.hf_config import GPT2Config, LlamaConfig
+from dslc.interop.hf_config import GPT2Config, LlamaConfig, MixtralConfig
 from dslc.interop.mapping import Fact, FamilyBase, Matched, Requirement, Structure, TensorMap, layer_weight
 from dslc.ir import nodes as ir
 
@@ -41,13 +42,19 @@ class Llama(FamilyBase):
 
     def requirements(self, m: Matched) -> list[Requirement]:
         out = [self.head_has_no_bias(m)]
-        for _, attn, _, _, down in m.blocks:
+        for block in m.blocks:
+            attn = block[1]
             out += [
                 Requirement(attn, bool(attn.attr("rope")), "its attention has rotary embeddings", "write `rope=true`"),
                 Requirement(attn, bool(attn.attr("causal")), "its attention is causal", "write `causal=true`"),
-                Requirement(down, not down.attr("bias"), "its MLP has no biases", "write `bias=false`"),
+                *self.mlp_requirements(block[3:]),
             ]
         return out
+
+    def mlp_requirements(self, mlp: tuple[ir.Layer, ...]) -> list[Requirement]:
+        """What the block's MLP layers (those after its second norm) must be."""
+        down = mlp[-1]
+        return [Requirement(down, not down.attr("bias"), "its MLP has no biases", "write `bias=false`")]
 
     def facts(self, config: GPT2Config | LlamaConfig, m: Matched, program: ir.Program) -> list[Fact]:
         assert isinstance(config, LlamaConfig)
@@ -66,7 +73,8 @@ class Llama(FamilyBase):
                 f"repeat the block {config.num_hidden_layers} times",
             ),
         ]
-        for attn_norm, attn, mlp_norm, gate_up, down in m.blocks:
+        for block in m.blocks:
+            attn_norm, attn, mlp_norm = block[:3]
             out += [
                 Fact(
                     "num_attention_heads",
@@ -98,24 +106,7 @@ class Llama(FamilyBase):
                     "change `rope_base`",
                 ),
                 *_bias_facts(config, attn),
-                Fact(
-                    "intermediate_size",
-                    config.intermediate_size,
-                    gate_up.attr("hidden"),
-                    "MLP width",
-                    gate_up,
-                    "ffn",
-                    "change the swiglu's `hidden`",
-                ),
-                Fact(
-                    "intermediate_size",
-                    config.intermediate_size,
-                    down.attr("in"),
-                    "MLP width",
-                    down,
-                    "ffn",
-                    "change `in`",
-                ),
+                *self.mlp_facts(config, block[3:]),
             ]
             for n in (attn_norm, mlp_norm):
                 out.append(
@@ -126,6 +117,23 @@ class Llama(FamilyBase):
         )
         out.append(self.tied_fact(config.tie_word_embeddings, m, program))
         return out
+
+    def mlp_facts(self, config: LlamaConfig, mlp: tuple[ir.Layer, ...]) -> list[Fact]:
+        gate_up, down = mlp
+        return [
+            Fact(
+                "intermediate_size",
+                config.intermediate_size,
+                gate_up.attr("hidden"),
+                "MLP width",
+                gate_up,
+                "ffn",
+                "change the swiglu's `hidden`",
+            ),
+            Fact(
+                "intermediate_size", config.intermediate_size, down.attr("in"), "MLP width", down, "ffn", "change `in`"
+            ),
+        ]
 
     def unsupported(self, config: GPT2Config | LlamaConfig, program: ir.Program) -> list[tuple[str, str]]:
         assert isinstance(config, LlamaConfig)
@@ -147,7 +155,8 @@ class Llama(FamilyBase):
         (embed,) = m.prefix
         norm = m.suffix[0]
         out = [TensorMap(PREFIX + "embed_tokens.weight", (layer_weight(embed, "table"),))]
-        for i, (attn_norm, attn, mlp_norm, gate_up, down) in enumerate(m.blocks):
+        for i, block in enumerate(m.blocks):
+            attn_norm, attn, mlp_norm = block[:3]
             at = f"{PREFIX}layers.{i}."
             out.append(TensorMap(at + "input_layernorm.weight", (layer_weight(attn_norm, "scale"),)))
             for w in "qkvo":
@@ -156,27 +165,32 @@ class Llama(FamilyBase):
                 )
                 if f"{w}_bias" in {x.name for x in attn.weights}:
                     out.append(TensorMap(f"{at}self_attn.{w}_proj.bias", (layer_weight(attn, f"{w}_bias"),)))
-            out += [
-                TensorMap(at + "post_attention_layernorm.weight", (layer_weight(mlp_norm, "scale"),)),
-                TensorMap(at + "mlp.gate_proj.weight", (layer_weight(gate_up, "gate"),), transposed=True, kernel=True),
-                TensorMap(at + "mlp.up_proj.weight", (layer_weight(gate_up, "up"),), transposed=True, kernel=True),
-                TensorMap(at + "mlp.down_proj.weight", (layer_weight(down, "kernel"),), transposed=True, kernel=True),
-            ]
+            out.append(TensorMap(at + "post_attention_layernorm.weight", (layer_weight(mlp_norm, "scale"),)))
+            out += self.mlp_tensors(at, block[3:])
         out.append(TensorMap(PREFIX + "norm.weight", (layer_weight(norm, "scale"),)))
         if not tied:
             out.append(self.head(m))
         return out
 
+    def mlp_tensors(self, at: str, mlp: tuple[ir.Layer, ...]) -> list[TensorMap]:
+        """The tensors of one block's MLP, the block's names starting with `at`."""
+        gate_up, down = mlp
+        return [
+            TensorMap(at + "mlp.gate_proj.weight", (layer_weight(gate_up, "gate"),), transposed=True, kernel=True),
+            TensorMap(at + "mlp.up_proj.weight", (layer_weight(gate_up, "up"),), transposed=True, kernel=True),
+            TensorMap(at + "mlp.down_proj.weight", (layer_weight(down, "kernel"),), transposed=True, kernel=True),
+        ]
+
     def config(self, m: Matched, program: ir.Program, tied: bool, dtype: str) -> dict[str, object]:
         (embed,) = m.prefix
-        attn_norm, attn, _, gate_up, _ = m.blocks[0]
+        attn_norm, attn = m.blocks[0][:2]
         qwen2 = bool(attn.attr("qkv_bias")) and not attn.attr("bias")
         out: dict[str, object] = {
             "architectures": ["Qwen2ForCausalLM" if qwen2 else "LlamaForCausalLM"],
             "model_type": "qwen2" if qwen2 else "llama",
             "vocab_size": embed.attr("vocab"),
             "hidden_size": embed.attr("dim"),
-            "intermediate_size": gate_up.attr("hidden"),
+            "intermediate_size": m.blocks[0][3].attr("hidden"),
             "num_hidden_layers": len(m.blocks),
             "num_attention_heads": attn.attr("heads"),
             "num_key_value_heads": attn.attr("kv_heads"),
@@ -249,3 +263,95 @@ def _head_width_facts(config: LlamaConfig, embed: ir.Layer, attn: ir.Layer) -> l
         return []
     fix = f"write `head_dim={config.head_width}` on the attention"
     return [Fact("head_dim", config.head_width, attn.attr("head_dim"), "head width", attn, "head_dim", fix)]
+
+
+MIXTRAL_STRUCTURE = Structure(
+    "Mixtral",
+    ("embed",),
+    ("(", "rmsnorm", "attention", ")", "(", "rmsnorm", "moe", ")"),
+    ("rmsnorm", "linear"),
+)
+
+
+class Mixtral(Llama):
+    """`MixtralForCausalLM`: Llama's layout with `block_sparse_moe` in place of the MLP — its
+    router `gate` [experts, dim] and per expert `experts.{j}.w1` (gate), `w3` (up) and `w2`
+    (down), nn.Linear weights [out, in] that stack into the spec's [experts, ...] matrices.
+    The spec's `moe` must compute what Mixtral does: SwiGLU experts, no token dropped
+    (`capacity=none`), gates renormalised over the chosen experts, no shared experts. Its
+    load-balancing and z-loss weights are training choices, left to the spec."""
+
+    name = "Mixtral"
+    model_types: tuple[str, ...] = ("mixtral",)
+    structure = MIXTRAL_STRUCTURE
+
+    def mlp_requirements(self, mlp: tuple[ir.Layer, ...]) -> list[Requirement]:
+        (moe,) = mlp
+        return [
+            Requirement(moe, moe.attr("activation") == "swiglu", "its experts are SwiGLU", "write `activation=swiglu`"),
+            Requirement(moe, moe.attr("capacity") is None, "it drops no token", "write `capacity=none`"),
+            Requirement(moe, bool(moe.attr("normalize")), "its gates are renormalised", "leave out `normalize=false`"),
+            Requirement(moe, not moe.attr("shared"), "it has no shared experts", "leave out `shared`"),
+        ]
+
+    def mlp_facts(self, config: LlamaConfig, mlp: tuple[ir.Layer, ...]) -> list[Fact]:
+        assert isinstance(config, MixtralConfig)
+        (moe,) = mlp
+        return [
+            Fact(
+                "intermediate_size",
+                config.intermediate_size,
+                moe.attr("hidden"),
+                "expert width",
+                moe,
+                "ffn",
+                "change `hidden`",
+            ),
+            Fact(
+                "num_local_experts",
+                config.num_local_experts,
+                moe.attr("experts"),
+                "number of experts",
+                moe,
+                "experts",
+                "change `experts`",
+            ),
+            Fact(
+                "num_experts_per_tok",
+                config.num_experts_per_tok,
+                moe.attr("top_k"),
+                "experts per token",
+                moe,
+                "top_k",
+                "change `top_k`",
+            ),
+        ]
+
+    def mlp_tensors(self, at: str, mlp: tuple[ir.Layer, ...]) -> list[TensorMap]:
+        (moe,) = mlp
+        at += "block_sparse_moe."
+        out = [TensorMap(at + "gate.weight", (layer_weight(moe, "router"),), transposed=True, kernel=True)]
+        for j in range(moe.int_attr("experts")):
+            for name, weight in (("w1", "w_gate"), ("w2", "w_out"), ("w3", "w_in")):
+                out.append(
+                    TensorMap(
+                        f"{at}experts.{j}.{name}.weight",
+                        (layer_weight(moe, weight),),
+                        transposed=True,
+                        kernel=True,
+                        index=j,
+                    )
+                )
+        return out
+
+    def config(self, m: Matched, program: ir.Program, tied: bool, dtype: str) -> dict[str, object]:
+        moe = m.blocks[0][3]
+        out = super().config(m, program, tied, dtype)
+        for key in ("attention_bias", "mlp_bias"):
+            out.pop(key, None)
+        return out | {
+            "architectures": ["MixtralForCausalLM"],
+            "model_type": "mixtral",
+            "num_local_experts": moe.attr("experts"),
+            "num_experts_per_tok": moe.attr("top_k"),
+        }

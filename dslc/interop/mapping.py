@@ -271,7 +271,9 @@ def _is(value: object) -> str:
 class TensorMap:
     """One tensor of the checkpoint (its name as `save_pretrained` writes it) and the spec's
     weights it holds: side by side along its last dimension when there are several (GPT-2's
-    fused q, k, v), and stored [out, in] where the spec's are [in, out] when `transposed`."""
+    fused q, k, v), and stored [out, in] where the spec's are [in, out] when `transposed`;
+    with `index`, the one weight's slice at that index of its first dimension (one expert of
+    a mixture's stacked [experts, ...] matrices)."""
 
     name: str
     parts: tuple[str, ...]
@@ -279,6 +281,7 @@ class TensorMap:
     # A projection's matrix: one a checkpoint in another layout convention stores turned
     # (embedding tables are [vocab, d] in every convention).
     kernel: bool = False
+    index: int | None = None
 
 
 def layer_weight(layer: ir.Layer, name: str) -> str:

@@ -34,6 +34,7 @@ RUNNABLE: dict[str, dict[str, int]] = {
     "tiny": {},
     "long_context": {},
     "moe_small": {},
+    "mixtral": {},
     "gpt_small": {},
     "llama_small": {},
     "seed_mlp_pipeline": {},

@@ -30,10 +30,13 @@ from tests.hf_checkpoints import (
     GPT2_SET,
     LLAMA_CONFIG,
     LLAMA_SET,
+    MIXTRAL_CONFIG,
+    MIXTRAL_SET,
     gpt2_logits,
     gpt2_tensors,
     llama_logits,
     llama_tensors,
+    mixtral_tensors,
     write_checkpoint,
 )
 
@@ -56,12 +59,12 @@ def run(capsys: pytest.CaptureFixture[str], *argv: str | Path) -> tuple[int, str
     return code, out, err
 
 
-def f32_llama(folder: Path) -> Path:
-    """specs/llama.par computing in f32, to compare with a float64 forward at f32's tolerance
-    (the bf16 casts are tested on their own in test_numerics)."""
-    text = (SPECS / "llama.par").read_text()
+def f32_llama(folder: Path, name: str = "llama") -> Path:
+    """specs/llama.par (or another spec of specs/) computing in f32, to compare with a float64
+    forward at f32's tolerance (the bf16 casts are tested on their own in test_numerics)."""
+    text = (SPECS / f"{name}.par").read_text()
     assert "compute_dtype bf16" in text
-    path = folder / "llama_f32.par"
+    path = folder / f"{name}_f32.par"
     path.write_text(text.replace("compute_dtype bf16", "compute_dtype f32"))
     return path
 
@@ -130,6 +133,17 @@ def llama(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return {"root": root, "folder": folder, "tensors": tensors, "weights": weights, "spec": spec}
 
 
+@pytest.fixture(scope="module")
+def mixtral(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    root = tmp_path_factory.mktemp("mixtral")
+    tensors = mixtral_tensors(MIXTRAL_CONFIG)
+    folder = write_checkpoint(root / "checkpoint", MIXTRAL_CONFIG, tensors)
+    spec = f32_llama(root, "mixtral")
+    weights = root / "weights.npz"
+    assert cli.main(["import", str(spec), str(folder), "-o", str(weights), *flags(MIXTRAL_SET)]) == 0
+    return {"root": root, "folder": folder, "tensors": tensors, "weights": weights, "spec": spec}
+
+
 @pytest.mark.parametrize("mesh", ["1x1x1", None], ids=["one device", "2x2x2"])
 def test_imported_gpt2_computes_the_reference_logits(
     gpt2: dict[str, Any], mesh: str | None, capsys: pytest.CaptureFixture[str], tmp_path: Path
@@ -189,13 +203,65 @@ def test_imported_qwen2_with_qkv_biases_computes_the_reference_logits(
     assert relative_error(got, llama_logits(config, tensors, inputs["tokens"])) <= TOLERANCE
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("mesh", ["1x1x1", None], ids=["one device", "2x2x2"])
+def test_imported_mixtral_computes_the_reference_logits_and_loss(
+    mixtral: dict[str, Any], mesh: str | None, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """specs/mixtral.par, dropless SwiGLU experts, on one device and on data x expert x model
+    (2x2x2: tokens gathered along `expert`, experts' hidden width over `model`): the logits
+    and the cross-entropy of MixtralForCausalLM's forward (its load-balancing loss off, as
+    transformers leaves it without output_router_logits)."""
+    inputs = batch(96, seed=6)
+    np.savez(tmp_path / "inputs.npz", **inputs)
+    mesh_flags = ["--mesh", mesh] if mesh else []
+    spec, weights = mixtral["spec"], mixtral["weights"]
+    code, _, err = run(
+        capsys, "run", spec, *mesh_flags, "--weights", weights, "--inputs", tmp_path / "inputs.npz",
+        "-o", tmp_path / "out.npz", "--grads", *flags(MIXTRAL_SET),
+    )  # fmt: skip
+    assert code == 0, err
+    want = llama_logits(MIXTRAL_CONFIG, mixtral["tensors"], inputs["tokens"])
+    with np.load(tmp_path / "out.npz") as out:
+        assert relative_error(out["output"], want) <= TOLERANCE
+        shifted = want - want.max(-1, keepdims=True)
+        log_probs = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+        loss = -np.take_along_axis(log_probs, inputs["targets"][..., None], axis=-1).mean()
+        assert relative_error(out["loss"], loss) <= TOLERANCE
+    # The routing matters: every expert's output at the same gate would be other logits.
+    even = {**mixtral["tensors"]}
+    for name in [n for n in even if n.endswith("block_sparse_moe.gate.weight")]:
+        even[name] = np.zeros_like(even[name])
+    assert relative_error(llama_logits(MIXTRAL_CONFIG, even, inputs["tokens"]), want) > 1e-3
+
+
+def test_a_spec_whose_experts_are_not_mixtrals_is_refused(
+    mixtral: dict[str, Any], capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """A capacity drops tokens and GELU experts compute another function: C002 for each, with
+    the fix, and nothing written."""
+    text = Path(mixtral["spec"]).read_text().replace("capacity=none, activation=swiglu", "capacity=1.25")
+    text = text.replace(", w_gate[expert, _, model]", "")
+    spec = tmp_path / "not_mixtral.par"
+    spec.write_text(text)
+    code, _, err = run(capsys, "import", spec, mixtral["folder"], "-o", tmp_path / "w.npz", *flags(MIXTRAL_SET))
+    assert code != 0 and not (tmp_path / "w.npz").exists()
+    assert "C002" in err and "the spec is not built like a Mixtral: it drops no token" in err
+    assert "write `capacity=none`" in err and "its experts are SwiGLU" in err
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama", "mixtral"])
 def test_export_writes_the_checkpoint_back_byte_for_byte(
-    family: str, gpt2: dict[str, Any], llama: dict[str, Any], capsys: pytest.CaptureFixture[str], tmp_path: Path
+    family: str,
+    gpt2: dict[str, Any],
+    llama: dict[str, Any],
+    mixtral: dict[str, Any],
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
 ) -> None:
     case, spec, sizes, config = {
         "gpt2": (gpt2, GPT2, GPT2_SET, GPT2_CONFIG),
         "llama": (llama, llama["spec"], LLAMA_SET, LLAMA_CONFIG),
+        "mixtral": (mixtral, mixtral["spec"], MIXTRAL_SET, MIXTRAL_CONFIG),
     }[family]
     out = tmp_path / "exported"
     code, printed, err = run(capsys, "export", spec, "--weights", case["weights"], "-o", out, *flags(sizes))
