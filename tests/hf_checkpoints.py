@@ -4,7 +4,8 @@ models compute, both without `transformers` or torch.
 The checkpoints are config.json plus safetensors files with `save_pretrained`'s names and
 layouts: GPT-2's Conv1D weights [in, out] with q, k and v fused in `c_attn`, Llama's
 nn.Linear weights [out, in], a tied head left out. The forwards follow the modelling code of
-`GPT2LMHeadModel`, `LlamaForCausalLM` and `MixtralForCausalLM` in float64 numpy, in its own form where dslc's differs:
+`GPT2LMHeadModel`, `LlamaForCausalLM`, `MixtralForCausalLM` and `Qwen3MoeForCausalLM` in
+float64 numpy, in its own form where dslc's differs:
 the fused projection split after the product, rotary embeddings as `rotate_half` with
 the frequencies repeated over both halves, key/value heads repeated with `repeat_kv`, a -inf
 causal mask. Nothing here comes from dslc.
@@ -92,6 +93,50 @@ MIXTRAL_SET = {
 }
 
 
+QWEN3_MOE_CONFIG = {
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "model_type": "qwen3_moe",
+    "vocab_size": 96,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "moe_intermediate_size": 48,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    # Wider than hidden_size / num_attention_heads (8), as Qwen3's 128 is.
+    "head_dim": 16,
+    "hidden_act": "silu",
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0,
+    "max_position_embeddings": 64,
+    "tie_word_embeddings": False,
+    "attention_bias": False,
+    "use_sliding_window": False,
+    "sliding_window": None,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "router_aux_loss_coef": 0.001,
+    "output_router_logits": False,
+    "torch_dtype": "float32",
+}
+QWEN3_MOE_SET = {
+    "vocab": 96,
+    "d": 32,
+    "heads": 4,
+    "kv_heads": 2,
+    "head_dim": 16,
+    "ffn": 48,
+    "experts": 8,
+    "layers": 2,
+    "seq": 16,
+    "batch": 8,
+    "aux": 0.0,
+}
+
+
 def _normal(rng: np.random.Generator, *shape: int, scale: float = 0.1) -> np.ndarray:
     return (rng.standard_normal(shape) * scale).astype(np.float32)
 
@@ -131,7 +176,7 @@ def llama_tensors(config: dict[str, object], seed: int = 0) -> Tensors:
     rng = np.random.default_rng(seed)
     d, vocab, ffn = (int(config[k]) for k in ("hidden_size", "vocab_size", "intermediate_size"))  # type: ignore[call-overload]
     heads, kv = int(config["num_attention_heads"]), int(config["num_key_value_heads"])  # type: ignore[call-overload]
-    hd = d // heads
+    hd = int(config.get("head_dim") or d // heads)  # type: ignore[call-overload]
     qkv_bias = config["model_type"] == "qwen2" or bool(config.get("attention_bias"))
     t: Tensors = {"model.embed_tokens.weight": _normal(rng, vocab, d)}
     for i in range(int(config["num_hidden_layers"])):  # type: ignore[call-overload]
@@ -174,6 +219,30 @@ def mixtral_tensors(config: dict[str, object], seed: int = 0) -> Tensors:
             e = f"{at}block_sparse_moe.experts.{j}."
             t |= {e + "w1.weight": _normal(rng, ffn, d), e + "w3.weight": _normal(rng, ffn, d)}
             t[e + "w2.weight"] = _normal(rng, d, ffn)
+    return t
+
+
+def qwen3_moe_tensors(config: dict[str, object], seed: int = 0) -> Tensors:
+    """A Llama's tensors with each head's query and key norms (`self_attn.{q,k}_norm`
+    [head_dim]) and each MLP a mixture: the router `mlp.gate` [experts, d] and per expert
+    `mlp.experts.{j}.{gate,up}_proj` [ffn, d] and `down_proj` [d, ffn]."""
+    t = llama_tensors({**config, "model_type": "llama"}, seed)
+    rng = np.random.default_rng(seed + 2000)
+    d, ffn, experts = (int(config[k]) for k in ("hidden_size", "moe_intermediate_size", "num_experts"))  # type: ignore[call-overload]
+    hd = int(config["head_dim"])  # type: ignore[call-overload]
+    for i in range(int(config["num_hidden_layers"])):  # type: ignore[call-overload]
+        at = f"model.layers.{i}."
+        for w in ("gate", "up", "down"):
+            del t[at + f"mlp.{w}_proj.weight"]
+        t |= {
+            at + "self_attn.q_norm.weight": 1 + _normal(rng, hd),
+            at + "self_attn.k_norm.weight": 1 + _normal(rng, hd),
+        }
+        t[at + "mlp.gate.weight"] = _normal(rng, experts, d, scale=0.5)
+        for j in range(experts):
+            e = f"{at}mlp.experts.{j}."
+            t |= {e + "gate_proj.weight": _normal(rng, ffn, d), e + "up_proj.weight": _normal(rng, ffn, d)}
+            t[e + "down_proj.weight"] = _normal(rng, d, ffn)
     return t
 
 
@@ -259,7 +328,7 @@ def llama_logits(config: dict[str, object], tensors: Tensors, ids: np.ndarray) -
     heads, kv = int(config["num_attention_heads"]), int(config["num_key_value_heads"])  # type: ignore[call-overload]
     eps, theta = float(config["rms_norm_eps"]), float(config["rope_theta"])  # type: ignore[arg-type]
     b, s = ids.shape
-    hd = int(config["hidden_size"]) // heads  # type: ignore[call-overload]
+    hd = int(config.get("head_dim") or int(config["hidden_size"]) // heads)  # type: ignore[call-overload]
     inv_freq = 1.0 / theta ** (np.arange(0, hd, 2) / hd)
     freqs = np.outer(np.arange(s), inv_freq)
     emb = np.concatenate([freqs, freqs], axis=-1)
@@ -275,6 +344,9 @@ def llama_logits(config: dict[str, object], tensors: Tensors, ids: np.ndarray) -
             return y.reshape(b, s, n, hd).transpose(0, 2, 1, 3)
 
         q, k, v = project("q", heads), project("k", kv), project("v", kv)
+        if p + "self_attn.q_norm.weight" in t:
+            # Qwen3: each head's query and key RMS-normalised ([b, n, s, hd], over hd).
+            q, k = _rms(q, t[p + "self_attn.q_norm.weight"], eps), _rms(k, t[p + "self_attn.k_norm.weight"], eps)
         q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
         # repeat_kv: key/value head j serves query heads j * group ... (j + 1) * group - 1.
         k, v = np.repeat(k, heads // kv, axis=1), np.repeat(v, heads // kv, axis=1)
@@ -283,7 +355,11 @@ def llama_logits(config: dict[str, object], tensors: Tensors, ids: np.ndarray) -
         x = x + (o + t[p + "self_attn.o_proj.bias"] if p + "self_attn.o_proj.bias" in t else o)
         h = _rms(x, t[p + "post_attention_layernorm.weight"], eps)
         if p + "block_sparse_moe.gate.weight" in t:
-            x = x + _sparse_moe(config, t, p + "block_sparse_moe.", h)
+            x = x + _sparse_moe(config, t, p + "block_sparse_moe.", h, ("w1", "w3", "w2"), True)
+            continue
+        if p + "mlp.gate.weight" in t:
+            names = ("gate_proj", "up_proj", "down_proj")
+            x = x + _sparse_moe(config, t, p + "mlp.", h, names, bool(config.get("norm_topk_prob")))
             continue
         gate, up = h @ t[p + "mlp.gate_proj.weight"].T, h @ t[p + "mlp.up_proj.weight"].T
         x = x + (gate / (1.0 + np.exp(-gate)) * up) @ t[p + "mlp.down_proj.weight"].T
@@ -292,19 +368,24 @@ def llama_logits(config: dict[str, object], tensors: Tensors, ids: np.ndarray) -
     return x @ head.T
 
 
-def _sparse_moe(config: dict[str, object], t: Tensors, p: str, h: np.ndarray) -> np.ndarray:
-    """MixtralSparseMoeBlock: each token's router softmax, its top k, their weights
-    renormalised to sum to 1, and each chosen expert's w2(silu(w1 x) * w3 x) weighted so;
-    every token reaches its experts (nothing is dropped)."""
+def _sparse_moe(
+    config: dict[str, object], t: Tensors, p: str, h: np.ndarray, names: tuple[str, str, str], renormalise: bool
+) -> np.ndarray:
+    """MixtralSparseMoeBlock, Qwen3MoeSparseMoeBlock: each token's router softmax, its top k,
+    their weights (renormalised to sum to 1 where `renormalise`), and each chosen expert's
+    down(silu(gate x) * up x) weighted so (`names`: gate, up, down); every token reaches its
+    experts (nothing is dropped)."""
+    gate_name, up_name, down_name = names
     k = int(config["num_experts_per_tok"])  # type: ignore[call-overload]
     probs = _softmax(h @ t[p + "gate.weight"].T)  # [b, s, experts]
     chosen = np.argsort(-probs, axis=-1)[..., :k]
     weights = np.take_along_axis(probs, chosen, axis=-1)
-    weights = weights / weights.sum(-1, keepdims=True)
+    if renormalise:
+        weights = weights / weights.sum(-1, keepdims=True)
     out = np.zeros_like(h)
     for j in range(probs.shape[-1]):
         e = f"{p}experts.{j}."
-        gate, up = h @ t[e + "w1.weight"].T, h @ t[e + "w3.weight"].T
-        y = (gate / (1.0 + np.exp(-gate)) * up) @ t[e + "w2.weight"].T
+        gate, up = h @ t[e + f"{gate_name}.weight"].T, h @ t[e + f"{up_name}.weight"].T
+        y = (gate / (1.0 + np.exp(-gate)) * up) @ t[e + f"{down_name}.weight"].T
         out += np.where(chosen == j, weights, 0.0).sum(-1, keepdims=True) * y
     return out

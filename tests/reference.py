@@ -285,6 +285,13 @@ def attention(layer: ir.Layer, w: Weights, x: Array, ctx: _Context) -> Array:
         return (y + w[f"{name}_bias"] if f"{name}_bias" in w else y).reshape(b, s, n, head_dim)
 
     q, k, v = project("q", heads), project("k", kv_heads), project("v", kv_heads)
+    if layer.attr("qk_norm"):
+        # Each head's query and key RMS-normalised over its features, then scaled.
+        eps = float(layer.attr("norm_eps"))  # type: ignore[arg-type]
+        q, k = (
+            (_f32(t) / jnp.sqrt((_f32(t) ** 2).mean(-1, keepdims=True) + eps)).astype(ctx.compute) * w[name]
+            for t, name in ((q, "q_norm"), (k, "k_norm"))
+        )
     # Documents packed into a sequence: ids [b, s]; one document when not given.
     segments = layer.attr("segments")
     docs = np.asarray(ctx.batch[str(segments)]) if segments is not None else np.zeros((b, s), np.int64)

@@ -25,7 +25,7 @@ from dslc.interop.advice import follows
 from dslc.interop.errors import CheckpointError, file_problem, file_span
 from dslc.interop.gpt2 import GPT2
 from dslc.interop.hf_config import CONFIG, GPT2Config, LlamaConfig, parse_config, read_config_json
-from dslc.interop.llama import Llama, Mixtral
+from dslc.interop.llama import Llama, Mixtral, Qwen3Moe
 from dslc.interop.mapping import (
     HEAD,
     Fact,
@@ -65,7 +65,7 @@ class Family(Protocol):
     def keep(self, written: Mapping[str, object], original: Mapping[str, object]) -> dict[str, object]: ...
 
 
-FAMILIES: tuple[Family, ...] = (GPT2(), Llama(), Mixtral())
+FAMILIES: tuple[Family, ...] = (GPT2(), Llama(), Mixtral(), Qwen3Moe())
 
 # The dtypes export writes: the spec's names, numpy's, and the torch_dtype config.json states.
 EXPORT_DTYPES = {
@@ -336,14 +336,19 @@ class Exported:
 
 
 def recognise(program: ir.Program) -> tuple[Family, Matched]:
-    """The family the spec is built like; a CheckpointError (C002, one per family) when none."""
+    """The family the spec is built like: of those whose order of layers it follows, the
+    first whose requirements it meets (Mixtral and Qwen3-MoE share an order; their attention
+    tells them apart), else the first; a CheckpointError (C002, one per family) when none."""
     tried: list[Diagnostic] = []
+    built: list[tuple[Family, Matched]] = []
     for family in FAMILIES:
         try:
-            return family, match(family.structure, program)
+            built.append((family, match(family.structure, program)))
         except CheckpointError as exc:
             tried += exc.diagnostics
-    raise CheckpointError(tried)
+    if not built:
+        raise CheckpointError(tried)
+    return next(((f, m) for f, m in built if not unmet(f.requirements(m), f.name)), built[0])
 
 
 def export_checkpoint(

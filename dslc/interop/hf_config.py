@@ -100,7 +100,7 @@ class LlamaConfig(_Config):
     @property
     def window(self) -> int | None:
         """The sliding window attention is limited to, if any."""
-        if self.model_type == "qwen2" and not self.use_sliding_window:
+        if self.model_type in ("qwen2", "qwen3_moe") and not self.use_sliding_window:
             return None
         return self.sliding_window
 
@@ -119,9 +119,35 @@ class MixtralConfig(LlamaConfig):
     rms_norm_eps: PositiveFloat = 1e-5
 
 
-HFConfig = Annotated[GPT2Config | LlamaConfig | MixtralConfig, Field(discriminator="model_type")]
-MODEL_TYPES = ("gpt2", "llama", "mistral", "qwen2", "mixtral")
-_ADAPTER: TypeAdapter[GPT2Config | LlamaConfig | MixtralConfig] = TypeAdapter(HFConfig)
+class Qwen3MoeConfig(LlamaConfig):
+    """`Qwen3MoeForCausalLM`: Llama's layout with each head's query and key RMS-normalised
+    (`q_norm`, `k_norm`), a head width of its own (`head_dim`), and sparse mixtures of
+    SwiGLU experts (`num_experts`, each token to `num_experts_per_tok` of them, the gates
+    renormalised only with `norm_topk_prob`) of width `moe_intermediate_size`. Its defaults
+    are transformers' (Qwen3-30B-A3B's sizes)."""
+
+    model_type: Literal["qwen3_moe"]  # type: ignore[assignment]
+    vocab_size: PositiveInt = 151936
+    hidden_size: PositiveInt = 2048
+    intermediate_size: PositiveInt = 6144
+    num_hidden_layers: PositiveInt = 24
+    num_attention_heads: PositiveInt = 32
+    num_key_value_heads: PositiveInt | None = 4
+    rms_norm_eps: PositiveFloat = 1e-6
+    max_position_embeddings: PositiveInt = 32768
+    moe_intermediate_size: PositiveInt = 768
+    num_experts: PositiveInt = 128
+    num_experts_per_tok: PositiveInt = 8
+    norm_topk_prob: bool = False
+    decoder_sparse_step: PositiveInt = 1
+    mlp_only_layers: list[int] | None = None
+    router_aux_loss_coef: float = 0.001
+    output_router_logits: bool = False
+
+
+HFConfig = Annotated[GPT2Config | LlamaConfig | MixtralConfig | Qwen3MoeConfig, Field(discriminator="model_type")]
+MODEL_TYPES = ("gpt2", "llama", "mistral", "qwen2", "mixtral", "qwen3_moe")
+_ADAPTER: TypeAdapter[GPT2Config | LlamaConfig | MixtralConfig | Qwen3MoeConfig] = TypeAdapter(HFConfig)
 
 
 def read_config_json(folder: Path) -> object:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 
-from dslc.interop.hf_config import GPT2Config, LlamaConfig, MixtralConfig
+from dslc.interop.hf_config import GPT2Config, LlamaConfig, MixtralConfig, Qwen3MoeConfig
 from dslc.interop.mapping import Fact, FamilyBase, Matched, Requirement, Structure, TensorMap, layer_weight
 from dslc.ir import nodes as ir
 
@@ -47,9 +47,15 @@ class Llama(FamilyBase):
             out += [
                 Requirement(attn, bool(attn.attr("rope")), "its attention has rotary embeddings", "write `rope=true`"),
                 Requirement(attn, bool(attn.attr("causal")), "its attention is causal", "write `causal=true`"),
+                self.qk_norm_requirement(attn),
                 *self.mlp_requirements(block[3:]),
             ]
         return out
+
+    def qk_norm_requirement(self, attn: ir.Layer) -> Requirement:
+        return Requirement(
+            attn, not attn.attr("qk_norm"), "its attention does not normalise queries and keys", "leave out `qk_norm`"
+        )
 
     def mlp_requirements(self, mlp: tuple[ir.Layer, ...]) -> list[Requirement]:
         """What the block's MLP layers (those after its second norm) must be."""
@@ -165,6 +171,8 @@ class Llama(FamilyBase):
                 )
                 if f"{w}_bias" in {x.name for x in attn.weights}:
                     out.append(TensorMap(f"{at}self_attn.{w}_proj.bias", (layer_weight(attn, f"{w}_bias"),)))
+            if attn.attr("qk_norm"):
+                out += [TensorMap(f"{at}self_attn.{w}_norm.weight", (layer_weight(attn, f"{w}_norm"),)) for w in "qk"]
             out.append(TensorMap(at + "post_attention_layernorm.weight", (layer_weight(mlp_norm, "scale"),)))
             out += self.mlp_tensors(at, block[3:])
         out.append(TensorMap(PREFIX + "norm.weight", (layer_weight(norm, "scale"),)))
@@ -284,15 +292,20 @@ class Mixtral(Llama):
     name = "Mixtral"
     model_types: tuple[str, ...] = ("mixtral",)
     structure = MIXTRAL_STRUCTURE
+    # Whether the family always renormalises its gates (else its config says, a fact).
+    always_renormalised = True
 
     def mlp_requirements(self, mlp: tuple[ir.Layer, ...]) -> list[Requirement]:
         (moe,) = mlp
         return [
             Requirement(moe, moe.attr("activation") == "swiglu", "its experts are SwiGLU", "write `activation=swiglu`"),
             Requirement(moe, moe.attr("capacity") is None, "it drops no token", "write `capacity=none`"),
-            Requirement(moe, bool(moe.attr("normalize")), "its gates are renormalised", "leave out `normalize=false`"),
             Requirement(moe, not moe.attr("shared"), "it has no shared experts", "leave out `shared`"),
-        ]
+        ] + (
+            [Requirement(moe, bool(moe.attr("normalize")), "its gates are renormalised", "leave out `normalize=false`")]
+            if self.always_renormalised
+            else []
+        )
 
     def mlp_facts(self, config: LlamaConfig, mlp: tuple[ir.Layer, ...]) -> list[Fact]:
         assert isinstance(config, MixtralConfig)
@@ -354,4 +367,104 @@ class Mixtral(Llama):
             "model_type": "mixtral",
             "num_local_experts": moe.attr("experts"),
             "num_experts_per_tok": moe.attr("top_k"),
+        }
+
+
+QWEN3_MOE_STRUCTURE = Structure(
+    "Qwen3-MoE", MIXTRAL_STRUCTURE.prefix, MIXTRAL_STRUCTURE.block, MIXTRAL_STRUCTURE.suffix
+)
+
+
+class Qwen3Moe(Mixtral):
+    """`Qwen3MoeForCausalLM`: Mixtral's structure with Qwen's names — the router
+    `mlp.gate` [experts, dim], per expert `mlp.experts.{j}.{gate,up,down}_proj` — and each
+    head's query and key RMS-normalised (`self_attn.{q,k}_norm`, the attention's `qk_norm`,
+    with the config's `rms_norm_eps`). Its gates are renormalised over the chosen experts
+    only with `norm_topk_prob` (the `moe`'s `normalize`). Dense MLP layers between the sparse
+    ones (`mlp_only_layers`, `decoder_sparse_step`) are not supported."""
+
+    name = "Qwen3-MoE"
+    model_types: tuple[str, ...] = ("qwen3_moe",)
+    structure = QWEN3_MOE_STRUCTURE
+    always_renormalised = False
+
+    def qk_norm_requirement(self, attn: ir.Layer) -> Requirement:
+        return Requirement(
+            attn,
+            bool(attn.attr("qk_norm")),
+            "its attention normalises each head's query and key",
+            "write `qk_norm=true`",
+        )
+
+    def facts(self, config: GPT2Config | LlamaConfig, m: Matched, program: ir.Program) -> list[Fact]:
+        assert isinstance(config, Qwen3MoeConfig)
+        out = super().facts(config, m, program)
+        for block in m.blocks:
+            attn, moe = block[1], block[3]
+            out.append(
+                Fact("rms_norm_eps", config.rms_norm_eps, attn.attr("norm_eps"), "query-key norm eps", attn, "eps",
+                     "change the attention's `norm_eps`")
+            )  # fmt: skip
+            fix = "leave out `normalize=false`" if config.norm_topk_prob else "write `normalize=false`"
+            out.append(
+                Fact("norm_topk_prob", config.norm_topk_prob, moe.attr("normalize"), "renormalising of the gates",
+                     moe, "normalize", fix)
+            )  # fmt: skip
+        return out
+
+    def mlp_facts(self, config: LlamaConfig, mlp: tuple[ir.Layer, ...]) -> list[Fact]:
+        assert isinstance(config, Qwen3MoeConfig)
+        (moe,) = mlp
+        return [
+            Fact("moe_intermediate_size", config.moe_intermediate_size, moe.attr("hidden"), "expert width", moe,
+                 "ffn", "change `hidden`"),
+            Fact("num_experts", config.num_experts, moe.attr("experts"), "number of experts", moe, "experts",
+                 "change `experts`"),
+            Fact("num_experts_per_tok", config.num_experts_per_tok, moe.attr("top_k"), "experts per token", moe,
+                 "top_k", "change `top_k`"),
+        ]  # fmt: skip
+
+    def unsupported(self, config: GPT2Config | LlamaConfig, program: ir.Program) -> list[tuple[str, str]]:
+        assert isinstance(config, Qwen3MoeConfig)
+        out = super().unsupported(config, program)
+        if config.mlp_only_layers or config.decoder_sparse_step != 1:
+            out.append(
+                (
+                    "dense MLP layers between the sparse ones (mlp_only_layers, decoder_sparse_step)",
+                    "dslc maps Qwen3-MoE checkpoints whose every layer is a mixture of experts",
+                )
+            )
+        return out
+
+    def mlp_tensors(self, at: str, mlp: tuple[ir.Layer, ...]) -> list[TensorMap]:
+        (moe,) = mlp
+        at += "mlp."
+        out = [TensorMap(at + "gate.weight", (layer_weight(moe, "router"),), transposed=True, kernel=True)]
+        for j in range(moe.int_attr("experts")):
+            for name, weight in (("gate_proj", "w_gate"), ("up_proj", "w_in"), ("down_proj", "w_out")):
+                out.append(
+                    TensorMap(
+                        f"{at}experts.{j}.{name}.weight",
+                        (layer_weight(moe, weight),),
+                        transposed=True,
+                        kernel=True,
+                        index=j,
+                    )
+                )
+        return out
+
+    def config(self, m: Matched, program: ir.Program, tied: bool, dtype: str) -> dict[str, object]:
+        moe = m.blocks[0][3]
+        out = super().config(m, program, tied, dtype)
+        for key in ("num_local_experts", "intermediate_size"):
+            out.pop(key, None)
+        return out | {
+            "architectures": ["Qwen3MoeForCausalLM"],
+            "model_type": "qwen3_moe",
+            "moe_intermediate_size": moe.attr("hidden"),
+            "num_experts": moe.attr("experts"),
+            "norm_topk_prob": bool(moe.attr("normalize")),
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+            "attention_bias": False,
         }

@@ -56,6 +56,8 @@ class AttentionArgs:
     window: int | None
     kernel: str
     segments: str | None
+    qk_norm: bool
+    norm_eps: float
 
 
 # Under `kernel=auto`, sequences of at least this many tokens take the flash algorithm,
@@ -104,6 +106,8 @@ class Attention(LayerRule[AttentionArgs]):
             "a declared input [batch, seq] of document ids: a query sees only its own document's keys, and rotary "
             "positions restart at each document",
         ),
+        ArgSpec("qk_norm", "bool", False, "RMSNorm each head's query and key before the rotary (Qwen3, OLMo 2)"),
+        ArgSpec("norm_eps", "float", 1e-6, "added to the variance in the query and key norms"),
     )
     Args = AttentionArgs
 
@@ -116,8 +120,11 @@ class Attention(LayerRule[AttentionArgs]):
             WeightSpec("o", (h * hd, d), "fan_in"),
         )
         biased = "qkvo" if a.bias else "qkv" if a.qkv_bias else ""
-        return projections + tuple(
-            WeightSpec(f"{w.name}_bias", w.shape[1:], "zeros") for w in projections if w.name in biased
+        norms = (WeightSpec("q_norm", (hd,), "ones"), WeightSpec("k_norm", (hd,), "ones")) if a.qk_norm else ()
+        return (
+            projections
+            + tuple(WeightSpec(f"{w.name}_bias", w.shape[1:], "zeros") for w in projections if w.name in biased)
+            + norms
         )
 
     def validate(self, a: AttentionArgs, ctx: Context) -> bool:
@@ -162,6 +169,9 @@ class Attention(LayerRule[AttentionArgs]):
             return None
         if not same_sharding(ctx, "o", w["o"], 0, tp, "it reads the heads that `q` produced"):
             return None
+        for name in ("q_norm", "k_norm"):
+            if name in w and not same_sharding(ctx, name, w[name], 0, (), "every head is normalised whole"):
+                return None
         for name in ("q", "k", "v", "o"):
             bias = f"{name}_bias"
             if bias in w and not same_sharding(
@@ -410,6 +420,8 @@ class Attention(LayerRule[AttentionArgs]):
         static |= {"axis": operand[1][0]} if operand[1] else {"window": a.window} if a.window is not None else {}
         if a.rope:
             static["rope"] = BoundKernel("rotary", (("base", a.rope_base),))
+        if a.qk_norm:
+            static["norm_eps"] = a.norm_eps
         return static | {"dtype": dtype}
 
     def sized_args(self, a: AttentionArgs, x: TensorType, operand: Sharding) -> dict[str, object]:

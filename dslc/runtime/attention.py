@@ -53,6 +53,8 @@ def attention(
     k_bias: jax.Array | None = None,
     v_bias: jax.Array | None = None,
     o_bias: jax.Array | None = None,
+    q_norm: jax.Array | None = None,
+    k_norm: jax.Array | None = None,
     segments: jax.Array | None = None,
     *,
     heads: int,
@@ -62,6 +64,7 @@ def attention(
     kernel: str = "dense",
     block: int = 0,
     rope: Callable[[jax.Array, jax.Array], jax.Array] | None = None,
+    norm_eps: float = 1e-6,
     dtype: str,
     recompute_core: bool = False,
 ) -> jax.Array:
@@ -72,10 +75,13 @@ def attention(
     blocks of `block` tokens, which divides the sequence). With
     `recompute_core` the dense core is checkpointed: the backward pass reruns its scores and
     softmax from the kept queries and keys rather than keeping its [batch, heads, seq, seq]
-    intermediates (Korthikanti et al.'s selective recomputation; the flash core keeps none)."""
+    intermediates (Korthikanti et al.'s selective recomputation; the flash core keeps none).
+    With `q_norm` and `k_norm` every head's query and key is RMS-normalised (`norm_eps`) and
+    scaled by them before the rotary (Qwen3's, OLMo 2's query-key norm)."""
     b, s, _ = x.shape
     h = x.astype(dtype)
     queries, keys, values = _heads(h, q, q_bias, heads), _heads(h, k, k_bias, kv_heads), _heads(h, v, v_bias, kv_heads)
+    queries, keys = _head_norm(queries, q_norm, norm_eps), _head_norm(keys, k_norm, norm_eps)
     head_dim = queries.shape[-1]
     if rope is not None:
         positions = jnp.arange(s) if segments is None else document_positions(segments)
@@ -103,6 +109,15 @@ def _heads(x: jax.Array, w: jax.Array, bias: jax.Array | None, n: int) -> jax.Ar
     """x [b, s, dim] projected by w (and its bias) into n heads: [b, s, n, head_dim]."""
     y = jnp.einsum("bsd,de->bse", x, w)
     return (y if bias is None else y + bias).reshape(*x.shape[:2], n, w.shape[-1] // n)
+
+
+def _head_norm(t: jax.Array, scale: jax.Array | None, eps: float) -> jax.Array:
+    """RMSNorm over each head's features [b, s, n, head_dim] (statistics in f32); t itself
+    without a scale."""
+    if scale is None:
+        return t
+    h = t.astype(jnp.float32)
+    return (h * lax.rsqrt((h * h).mean(-1, keepdims=True) + eps)).astype(t.dtype) * scale
 
 
 def _project_out(heads_out: jax.Array, o: jax.Array, o_bias: jax.Array | None) -> jax.Array:
@@ -451,11 +466,14 @@ def ring_attention(
     k_bias: jax.Array | None = None,
     v_bias: jax.Array | None = None,
     o_bias: jax.Array | None = None,
+    q_norm: jax.Array | None = None,
+    k_norm: jax.Array | None = None,
     *,
     heads: int,
     kv_heads: int,
     causal: bool,
     rope: Callable[[jax.Array, jax.Array], jax.Array] | None = None,
+    norm_eps: float = 1e-6,
     axis: str,
     dtype: str,
 ) -> jax.Array:
@@ -480,8 +498,21 @@ def ring_attention(
     if _axis_size(axis) == 1:
         # A ring of one device is plain attention (and XLA's partitioner rejects a manual
         # axis of one device next to automatic ones).
-        biases = (q_bias, k_bias, v_bias, o_bias)
-        return attention(x, q, k, v, o, *biases, heads=heads, kv_heads=kv_heads, causal=causal, rope=rope, dtype=dtype)
+        extra = (q_bias, k_bias, v_bias, o_bias, q_norm, k_norm)
+        return attention(
+            x,
+            q,
+            k,
+            v,
+            o,
+            *extra,
+            heads=heads,
+            kv_heads=kv_heads,
+            causal=causal,
+            rope=rope,
+            norm_eps=norm_eps,
+            dtype=dtype,
+        )
     tokens, whole = PartitionSpec(None, axis, None), PartitionSpec()
     shard = functools.partial(
         _ring_attention_shard,
@@ -489,11 +520,13 @@ def ring_attention(
         kv_heads=kv_heads,
         causal=causal,
         rope=rope,
+        norm_eps=norm_eps,
         axis=axis,
         dtype=dtype,
     )
     # The weights enter in f32 (see `_ring_attention_shard`); the casts are exact.
     given = {"q": q, "k": k, "v": v, "o": o, "q_bias": q_bias, "k_bias": k_bias, "v_bias": v_bias, "o_bias": o_bias}
+    given |= {"q_norm": q_norm, "k_norm": k_norm}
     weights: dict[str, jax.Array] = {name: w.astype(jnp.float32) for name, w in given.items() if w is not None}
     return jax.shard_map(shard, in_specs=(tokens, whole), out_specs=tokens, axis_names={axis})(x, weights)
 
@@ -514,6 +547,7 @@ def _ring_attention_shard(
     kv_heads: int,
     causal: bool,
     rope: Callable[[jax.Array, jax.Array], jax.Array] | None = None,
+    norm_eps: float = 1e-6,
     axis: str,
     dtype: str,
 ) -> jax.Array:
@@ -534,6 +568,7 @@ def _ring_attention_shard(
     queries, keys, values = (
         _heads(x, w[n], w.get(f"{n}_bias"), c) for n, c in (("q", heads), ("k", kv_heads), ("v", kv_heads))
     )
+    queries, keys = _head_norm(queries, w.get("q_norm"), norm_eps), _head_norm(keys, w.get("k_norm"), norm_eps)
     head_dim = queries.shape[-1]
     if rope is not None:
         positions = _ring_positions(me, n, ring, causal)

@@ -35,6 +35,7 @@ RUNNABLE: dict[str, dict[str, int]] = {
     "long_context": {},
     "moe_small": {},
     "mixtral": {},
+    "qwen3_moe": {},
     "gpt_small": {},
     "llama_small": {},
     "seed_mlp_pipeline": {},

@@ -32,11 +32,14 @@ from tests.hf_checkpoints import (
     LLAMA_SET,
     MIXTRAL_CONFIG,
     MIXTRAL_SET,
+    QWEN3_MOE_CONFIG,
+    QWEN3_MOE_SET,
     gpt2_logits,
     gpt2_tensors,
     llama_logits,
     llama_tensors,
     mixtral_tensors,
+    qwen3_moe_tensors,
     write_checkpoint,
 )
 
@@ -133,15 +136,31 @@ def llama(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return {"root": root, "folder": folder, "tensors": tensors, "weights": weights, "spec": spec}
 
 
+# The mixture-of-experts families: config, the --set that shrinks the spec, the tensors.
+MOE_FAMILIES = {
+    "mixtral": (MIXTRAL_CONFIG, MIXTRAL_SET, mixtral_tensors),
+    "qwen3_moe": (QWEN3_MOE_CONFIG, QWEN3_MOE_SET, qwen3_moe_tensors),
+}
+
+
+def _imported_moe(root: Path, family: str) -> dict[str, Any]:
+    config, sizes, make = MOE_FAMILIES[family]
+    tensors = make(config)
+    folder = write_checkpoint(root / "checkpoint", config, tensors)
+    spec = f32_llama(root, family)
+    weights = root / "weights.npz"
+    assert cli.main(["import", str(spec), str(folder), "-o", str(weights), *flags(sizes)]) == 0
+    return {"root": root, "folder": folder, "tensors": tensors, "weights": weights, "spec": spec, "family": family}
+
+
 @pytest.fixture(scope="module")
 def mixtral(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    root = tmp_path_factory.mktemp("mixtral")
-    tensors = mixtral_tensors(MIXTRAL_CONFIG)
-    folder = write_checkpoint(root / "checkpoint", MIXTRAL_CONFIG, tensors)
-    spec = f32_llama(root, "mixtral")
-    weights = root / "weights.npz"
-    assert cli.main(["import", str(spec), str(folder), "-o", str(weights), *flags(MIXTRAL_SET)]) == 0
-    return {"root": root, "folder": folder, "tensors": tensors, "weights": weights, "spec": spec}
+    return _imported_moe(tmp_path_factory.mktemp("mixtral"), "mixtral")
+
+
+@pytest.fixture(scope="module")
+def qwen3_moe(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return _imported_moe(tmp_path_factory.mktemp("qwen3_moe"), "qwen3_moe")
 
 
 @pytest.mark.parametrize("mesh", ["1x1x1", None], ids=["one device", "2x2x2"])
@@ -204,23 +223,33 @@ def test_imported_qwen2_with_qkv_biases_computes_the_reference_logits(
 
 
 @pytest.mark.parametrize("mesh", ["1x1x1", None], ids=["one device", "2x2x2"])
-def test_imported_mixtral_computes_the_reference_logits_and_loss(
-    mixtral: dict[str, Any], mesh: str | None, capsys: pytest.CaptureFixture[str], tmp_path: Path
+@pytest.mark.parametrize("family", list(MOE_FAMILIES))
+def test_imported_mixture_of_experts_computes_the_reference_logits_and_loss(
+    family: str,
+    mixtral: dict[str, Any],
+    qwen3_moe: dict[str, Any],
+    mesh: str | None,
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
 ) -> None:
-    """specs/mixtral.par, dropless SwiGLU experts, on one device and on data x expert x model
-    (2x2x2: tokens gathered along `expert`, experts' hidden width over `model`): the logits
-    and the cross-entropy of MixtralForCausalLM's forward (its load-balancing loss off, as
-    transformers leaves it without output_router_logits)."""
+    """specs/mixtral.par and specs/qwen3_moe.par, dropless SwiGLU experts (Qwen3's with each
+    head's query and key normalised and a head wider than d / heads), on one device and on
+    data x expert x model (2x2x2: tokens gathered along `expert`, experts' hidden width over
+    `model`): the logits and the cross-entropy of the float64 forward of MixtralForCausalLM
+    and Qwen3MoeForCausalLM (their load-balancing losses off, as transformers leaves them
+    without output_router_logits)."""
+    case = {"mixtral": mixtral, "qwen3_moe": qwen3_moe}[family]
+    config, sizes, _ = MOE_FAMILIES[family]
     inputs = batch(96, seed=6)
     np.savez(tmp_path / "inputs.npz", **inputs)
     mesh_flags = ["--mesh", mesh] if mesh else []
-    spec, weights = mixtral["spec"], mixtral["weights"]
+    spec, weights = case["spec"], case["weights"]
     code, _, err = run(
         capsys, "run", spec, *mesh_flags, "--weights", weights, "--inputs", tmp_path / "inputs.npz",
-        "-o", tmp_path / "out.npz", "--grads", *flags(MIXTRAL_SET),
+        "-o", tmp_path / "out.npz", "--grads", *flags(sizes),
     )  # fmt: skip
     assert code == 0, err
-    want = llama_logits(MIXTRAL_CONFIG, mixtral["tensors"], inputs["tokens"])
+    want = llama_logits(config, case["tensors"], inputs["tokens"])
     with np.load(tmp_path / "out.npz") as out:
         assert relative_error(out["output"], want) <= TOLERANCE
         shifted = want - want.max(-1, keepdims=True)
@@ -228,10 +257,10 @@ def test_imported_mixtral_computes_the_reference_logits_and_loss(
         loss = -np.take_along_axis(log_probs, inputs["targets"][..., None], axis=-1).mean()
         assert relative_error(out["loss"], loss) <= TOLERANCE
     # The routing matters: every expert's output at the same gate would be other logits.
-    even = {**mixtral["tensors"]}
-    for name in [n for n in even if n.endswith("block_sparse_moe.gate.weight")]:
+    even = {**case["tensors"]}
+    for name in [n for n in even if n.endswith("gate.weight") and "experts" not in n]:
         even[name] = np.zeros_like(even[name])
-    assert relative_error(llama_logits(MIXTRAL_CONFIG, even, inputs["tokens"]), want) > 1e-3
+    assert relative_error(llama_logits(config, even, inputs["tokens"]), want) > 1e-3
 
 
 def test_a_spec_whose_experts_are_not_mixtrals_is_refused(
@@ -249,12 +278,13 @@ def test_a_spec_whose_experts_are_not_mixtrals_is_refused(
     assert "write `capacity=none`" in err and "its experts are SwiGLU" in err
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama", "mixtral"])
+@pytest.mark.parametrize("family", ["gpt2", "llama", "mixtral", "qwen3_moe"])
 def test_export_writes_the_checkpoint_back_byte_for_byte(
     family: str,
     gpt2: dict[str, Any],
     llama: dict[str, Any],
     mixtral: dict[str, Any],
+    qwen3_moe: dict[str, Any],
     capsys: pytest.CaptureFixture[str],
     tmp_path: Path,
 ) -> None:
@@ -262,6 +292,7 @@ def test_export_writes_the_checkpoint_back_byte_for_byte(
         "gpt2": (gpt2, GPT2, GPT2_SET, GPT2_CONFIG),
         "llama": (llama, llama["spec"], LLAMA_SET, LLAMA_CONFIG),
         "mixtral": (mixtral, mixtral["spec"], MIXTRAL_SET, MIXTRAL_CONFIG),
+        "qwen3_moe": (qwen3_moe, qwen3_moe["spec"], QWEN3_MOE_SET, QWEN3_MOE_CONFIG),
     }[family]
     out = tmp_path / "exported"
     code, printed, err = run(capsys, "export", spec, "--weights", case["weights"], "-o", out, *flags(sizes))
@@ -731,3 +762,24 @@ def test_a_config_too_long_for_the_archive_comment_is_not_kept() -> None:
 
     assert comment_for(GPT2_CONFIG).startswith(MARK) and len(comment_for(GPT2_CONFIG)) < 1000
     assert comment_for({**GPT2_CONFIG, "id2label": {str(i): "x" * 8 for i in range(LIMIT // 8)}}) == b""
+
+
+def test_a_qwen3_moe_config_that_does_not_renormalise_says_so(
+    qwen3_moe: dict[str, Any], capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """norm_topk_prob false (transformers' default) against the spec's `normalize = true`: C001
+    with `--set normalize=false`; with it, the import fits and computes the reference."""
+    config = {**QWEN3_MOE_CONFIG, "norm_topk_prob": False}
+    tensors = qwen3_moe_tensors(config, seed=7)
+    folder = write_checkpoint(tmp_path / "unnormalised", config, tensors)
+    spec = qwen3_moe["spec"]
+    code, _, err = run(capsys, "import", spec, folder, "-o", tmp_path / "w.npz", *flags(QWEN3_MOE_SET))
+    assert code != 0 and "norm_topk_prob" in err and "--set normalize=false" in err
+    sizes = {**QWEN3_MOE_SET, "normalize": "false"}
+    code, _, err = run(capsys, "import", spec, folder, "-o", tmp_path / "w.npz", *flags(sizes))
+    assert code == 0, err
+    inputs = batch(96, seed=8)
+    got = logits_of(capsys, spec, tmp_path / "w.npz", inputs, sizes, "1x1x1", tmp_path)
+    want = llama_logits(config, tensors, inputs["tokens"])
+    assert relative_error(got, want) <= TOLERANCE
+    assert relative_error(llama_logits(QWEN3_MOE_CONFIG, tensors, inputs["tokens"]), want) > 1e-3
