@@ -118,6 +118,8 @@ def _flips(rule: LayerRule) -> list[tuple[str, object, str]]:
             out += [(a.name, c, c) for c in a.choices if c != a.default]
         elif a.type == "int" and a.default == 0:
             out.append((a.name, Sym(a.name), f"`{a.name}` > 0"))
+        elif a.type == "float" and a.default == 0.0:
+            out.append((a.name, 1.0, f"`{a.name}` > 0"))
     return out
 
 

@@ -397,8 +397,10 @@ def moe(layer: ir.Layer, w: Weights, x: Array, ctx: _Context) -> tuple[Array, Au
     places = s * top_k if factor is None else min(s, math.ceil(factor * s * top_k / experts))
     logits = _f32(_matmul("gsd,de->gse", h, w["router"], ctx))
     probs = _softmax(logits)
-    # The k most probable experts per token, by sorting (ties do not occur with real data).
-    chosen = jnp.argsort(-jax.lax.stop_gradient(probs), axis=-1)[..., :top_k]  # [b, s, k]
+    # The k most probable experts per token, by sorting (ties do not occur with real data);
+    # with a balancing bias, by the probabilities plus the bias.
+    scores = probs + w["balance_bias"] if "balance_bias" in w else probs
+    chosen = jnp.argsort(-jax.lax.stop_gradient(scores), axis=-1)[..., :top_k]  # [b, s, k]
     picked = jnp.take_along_axis(probs, chosen, axis=-1)
     gates = picked / picked.sum(-1, keepdims=True) if normalize else picked
     # Choice j of token t ranks j * s + t; its place is the number of choices of the same
@@ -426,8 +428,14 @@ def moe(layer: ir.Layer, w: Weights, x: Array, ctx: _Context) -> tuple[Array, Au
     balance = experts * jnp.sum(share * probs.mean(axis=1), axis=-1)
     z = jnp.mean(_logsumexp(logits) ** 2)
     load = counts.sum(0)
+    # The balancing bias's "gradient" is the batch's excess share of the choices per expert:
+    # a term of value 0 whose derivative with respect to the bias is that.
+    signal = 0.0
+    if "balance_bias" in w:
+        excess = jax.lax.stop_gradient(load / jnp.sum(load) - 1.0 / experts)
+        signal = jnp.sum(w["balance_bias"] * excess) - jax.lax.stop_gradient(jnp.sum(w["balance_bias"] * excess))
     aux = {
-        "aux_loss": weight * balance.mean() + z_weight * z,
+        "aux_loss": weight * balance.mean() + z_weight * z + signal,
         "moe_z_loss": z_weight * z,
         "moe_dropped": jnp.sum(~found).astype(jnp.float32),
         "moe_routed": jnp.asarray(b * s * top_k, jnp.float32),

@@ -219,7 +219,11 @@ def generate(
         "accumulate": program.train.accumulate,
         "data_axes": data_axes,
         "count": count,
-        "optimizer": {"name": program.train.optimizer.name, "hyper": dict(program.train.optimizer.hyper)},
+        "optimizer": {
+            "name": program.train.optimizer.name,
+            "hyper": dict(program.train.optimizer.hyper),
+            "balanced": _balanced(program, placement),
+        },
         "master": ir.DTYPES[program.train.master_dtype].jax if program.train.master_dtype else None,
     }
     # The imports are what the rendered code calls: the runtime's functions and classes it
@@ -254,6 +258,29 @@ def _ranges(indices: list[int]) -> str:
     if indices == list(range(indices[0], indices[-1] + 1)):
         return f"{indices[0]}-{indices[-1]}"
     return ", ".join(map(str, indices))
+
+
+def _balanced(program: ir.Program, placement: Placement) -> dict[str, float]:
+    """Each stored array of mixture-of-experts balancing biases, with its rate (the `moe`'s
+    `balance`; the largest, should the layers an array holds differ)."""
+    rates: dict[str, float] = {}
+    for layer in ir.all_layers(program):
+        rate = layer.attr("balance") if layer.kind == "moe" else 0.0
+        if not rate:
+            continue
+        assert isinstance(rate, float)
+        path = f"{layer.path}.balance_bias"
+        for array in placement.arrays:
+            if path in _layer_paths(array.name):
+                rates[array.name] = max(rate, rates.get(array.name, 0.0))
+    return rates
+
+
+def _layer_paths(name: str) -> list[str]:
+    """The paths of the layers' weights a stored array holds, as the IR names them: `a|b.w`
+    holds a.w and b.w, and `layers.*.moe.w` every copy of the repeated `layers.moe.w`."""
+    head, _, last = name.replace("*.", "").rpartition(".")
+    return [f"{p}.{last}" for p in head.split("|")]
 
 
 def _parameters(program: ir.Program, placement: Placement) -> list[str]:

@@ -301,6 +301,7 @@ class Mixtral(Llama):
             Requirement(moe, moe.attr("activation") == "swiglu", "its experts are SwiGLU", "write `activation=swiglu`"),
             Requirement(moe, moe.attr("capacity") is None, "it drops no token", "write `capacity=none`"),
             Requirement(moe, not moe.attr("shared"), "it has no shared experts", "leave out `shared`"),
+            Requirement(moe, not moe.attr("balance"), "its router has no balancing bias", "leave out `balance`"),
         ] + (
             [Requirement(moe, bool(moe.attr("normalize")), "its gates are renormalised", "leave out `normalize=false`")]
             if self.always_renormalised

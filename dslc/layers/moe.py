@@ -46,6 +46,7 @@ class MoEArgs:
     activation: str
     shared: int  # hidden width of the shared experts (0: none)
     shared_router: bool
+    balance: float  # the balancing bias's step (0: no bias)
 
     @property
     def gated(self) -> bool:
@@ -85,6 +86,14 @@ class MoE(LayerRule[MoEArgs]):
         ArgSpec("activation", "choice", "gelu", "the experts' activation", choices=ACTIVATIONS),
         ArgSpec("shared", "int", 0, "hidden width of the shared experts every token passes; 0: none", positive=False),
         ArgSpec("shared_router", "bool", False, "scale the shared experts by sigmoid(x @ s_router) (Qwen2-MoE)"),
+        ArgSpec(
+            "balance",
+            "float",
+            0.0,
+            "auxiliary-loss-free balancing (DeepSeek-V3): a per-expert bias on the choosing scores, moved by this "
+            "much each step against its expert's excess load (1e-3 is usual); 0: none",
+            positive=False,
+        ),
     )
     Args = MoEArgs
     has_aux = True
@@ -104,6 +113,8 @@ class MoE(LayerRule[MoEArgs]):
                 routed.append(WeightSpec("s_gate", (d, s), "fan_in"))
             if a.shared_router:
                 routed.append(WeightSpec("s_router", (d, 1), "fan_in"))
+        if a.balance:
+            routed.append(WeightSpec("balance_bias", (e,), "zeros"))
         return tuple(routed)
 
     def validate(self, a: MoEArgs, ctx: Context) -> bool:
@@ -125,7 +136,8 @@ class MoE(LayerRule[MoEArgs]):
                 help="1.0 to 2.0 is usual; capacity=none drops nothing",
             )
             return False
-        for name, value, off in (("aux_weight", w, "the load-balancing loss"), ("z_weight", a.z_weight, "the z-loss")):
+        weights = (("aux_weight", w, "the load-balancing loss"), ("z_weight", a.z_weight, "the z-loss"))
+        for name, value, off in (*weights, ("balance", a.balance, "the balancing bias")):
             if value < 0:
                 ctx.error(
                     "E024", f"{name} cannot be negative, got {value}", at=ctx.arg_span(name), help=f"0 turns {off} off"
@@ -164,6 +176,8 @@ class MoE(LayerRule[MoEArgs]):
                 )
         for dim in (0, 1):
             ok &= same_sharding(ctx, "router", w["router"], dim, (), "every device routes its tokens over all experts")
+        if "balance_bias" in w:
+            ok &= same_sharding(ctx, "balance_bias", w["balance_bias"], 0, (), "every device chooses among all experts")
         shared_tp = w["s_in"].sharding[1] if "s_in" in w else ()
         if "s_in" in w:
             ok &= same_sharding(ctx, "s_in", w["s_in"], 0, (), "every device holds whole tokens")

@@ -7,10 +7,16 @@ from typing import Any
 import jax
 import optax
 
+# The weight of a mixture of experts' balancing bias, whose "gradient" is its excess load,
+# not a gradient of the loss: left out of the gradient norm.
+BALANCE_BIAS = "balance_bias"
+
 
 def step_metrics(grads: Any) -> dict[str, jax.Array]:
     """The figures of one optimizer step worth logging: the global L2 norm of its gradients
     (before any clipping), which spikes before a loss diverges."""
+    if isinstance(grads, dict):
+        grads = {name: g for name, g in grads.items() if not name.endswith(BALANCE_BIAS)}
     return {"grad_norm": optax.tree.norm(grads)}
 
 

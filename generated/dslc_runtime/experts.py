@@ -74,6 +74,7 @@ def moe(
     s_out: jax.Array | None = None,
     s_gate: jax.Array | None = None,
     s_router: jax.Array | None = None,
+    balance_bias: jax.Array | None = None,
     *,
     top_k: int,
     capacity: float | None,
@@ -120,10 +121,17 @@ def moe(
     The shared experts (`s_in`, `s_out`, `s_gate` for a gated activation; one MLP of their
     summed width) run on every token outside the routing, their output scaled by
     sigmoid(x @ s_router) where that weight is given (Qwen2-MoE), and added.
+
+    With `balance_bias` [experts] (DeepSeek-V3's auxiliary-loss-free balancing), experts are
+    chosen by the router's probabilities plus the bias, and weighted by the probabilities
+    alone; the bias gets no gradient from the loss: its "gradient" is each expert's share of
+    the choices less the even share (mean over the batch), for an update that moves it
+    against the sign of that (`dslc.runtime.training.make_optimizer`).
     """
     routing = Routing(top_k, capacity, aux_weight, z_weight, normalize, activation, dtype)
     experts = {"w_in": w_in, "w_out": w_out} | ({"w_gate": w_gate} if w_gate is not None else {})
-    y, aux = _routed(x, router, experts, routing, expert_axes, token_axes)
+    routers = {"router": router} | ({"balance_bias": balance_bias} if balance_bias is not None else {})
+    y, aux = _routed(x, routers, experts, routing, expert_axes, token_axes)
     if s_in is not None and s_out is not None:
         y = y + shared_experts(x, s_in, s_out, s_gate, s_router, activation=activation, dtype=dtype)
     return y, aux
@@ -167,7 +175,7 @@ def expert_activation(up: jax.Array, gate: jax.Array | None, activation: str) ->
 
 def _routed(
     x: jax.Array,
-    router: jax.Array,
+    routers: dict[str, jax.Array],
     experts: dict[str, jax.Array],
     routing: Routing,
     expert_axes: tuple[str, ...],
@@ -178,7 +186,7 @@ def _routed(
     split = _split_axes(expert_axes)
     if not split:
         # Every expert on every device: plain arrays; XLA splits the groups over the batch axes.
-        return body(x, router, experts, routing=routing, exchange="local", expert_axes=(), stats_axes=())
+        return body(x, routers, experts, routing=routing, exchange="local", expert_axes=(), stats_axes=())
     tokens = _split_axes(token_axes)
     exchanged = set(split) <= set(tokens)
     if routing.capacity is not None:
@@ -192,13 +200,14 @@ def _routed(
     # gradients over the token axes are then f32 all-reduces. (In bf16 with an automatic axis
     # beside the manual ones, XLA's CPU compiler aborts on the all-reduce jax emits, "Invalid
     # binary instruction opcode copy"; jax 0.10.2.)
-    router, experts = router.astype(jnp.float32), {k: w.astype(jnp.float32) for k, w in experts.items()}
+    routers = {k: w.astype(jnp.float32) for k, w in routers.items()}
+    experts = {k: w.astype(jnp.float32) for k, w in experts.items()}
     return shard_map(
         functools.partial(body, routing=routing, exchange=exchange, expert_axes=split, stats_axes=tokens),
         in_specs=(rows, PartitionSpec(), PartitionSpec(split)),
         out_specs=(rows, PartitionSpec()),
         axis_names=frozenset({*tokens, *split}),
-    )(x, router, experts)
+    )(x, routers, experts)
 
 
 def _shard_map_with_inner_vjp(
@@ -248,26 +257,26 @@ def _split_axes(axes: tuple[str, ...]) -> tuple[str, ...]:
 
 
 def _weights_in(
-    router: jax.Array,
+    routers: dict[str, jax.Array],
     experts: dict[str, jax.Array],
     dtype: str,
     token_axes: tuple[str, ...],
     expert_axes: tuple[str, ...],
-    routed_everywhere: bool,
-) -> tuple[jax.Array, dict[str, jax.Array]]:
+) -> tuple[dict[str, jax.Array], dict[str, jax.Array]]:
     """The weights inside the `shard_map`, in the compute dtype, typed as differing along the
-    manual axes the activations they meet differ along: the router along the token axes (and
-    the experts' too where the tokens it routes differ along them, `routed_everywhere`), the
-    experts along the token axes. Made so while still f32, so that jax's sum of each one's
-    gradient over those axes (the transpose of this cast) is an f32 all-reduce."""
+    manual axes the activations they meet differ along (every manual axis: the tokens differ
+    along the token axes, and along the experts' axes once gathered or cast so): the router
+    along all of them, the experts along the token axes. Made so while still f32, so that jax's sum of each one's
+    gradient over those axes (the transpose of this cast) is an f32 all-reduce. (A balancing
+    bias, beside the router, stays f32.)"""
     manual = (*token_axes, *(a for a in expert_axes if a not in token_axes))
-    router_axes = manual if routed_everywhere else token_axes
-    if router_axes:
-        router = lax.pcast(router, router_axes, to="varying")
+    if manual:
+        routers = {name: lax.pcast(w, manual, to="varying") for name, w in routers.items()}
     across = tuple(a for a in token_axes if a not in expert_axes)
     if across:
         experts = {name: lax.pcast(w, across, to="varying") for name, w in experts.items()}
-    return router.astype(dtype), {name: w.astype(dtype) for name, w in experts.items()}
+    routers = {name: w.astype(dtype) if name == "router" else w for name, w in routers.items()}
+    return routers, {name: w.astype(dtype) for name, w in experts.items()}
 
 
 # Sums over devices inside the experts' `shard_map`. In 16 bits, with an automatic axis left
@@ -326,19 +335,49 @@ class Choices(NamedTuple):
     balance: jax.Array
     z: jax.Array
     load: jax.Array
+    signal: jax.Array  # 0, whose gradient moves a balancing bias (`_balance_signal`)
 
 
-def _choose(x: jax.Array, router: jax.Array, routing: Routing) -> Choices:
+def _choose(x: jax.Array, routers: dict[str, jax.Array], routing: Routing) -> Choices:
+    router, bias = routers["router"], routers.get("balance_bias")
     tokens, experts = x.shape[1], router.shape[-1]
     logits = jnp.einsum("gsd,de->gse", x, router).astype(jnp.float32)
     probs = jax.nn.softmax(logits, axis=-1)
-    top, chosen = lax.top_k(probs, routing.top_k)  # [groups, tokens, k]
+    scores = probs if bias is None else probs + lax.stop_gradient(bias)
+    _, chosen = lax.top_k(scores, routing.top_k)  # [groups, tokens, k]
+    top = jnp.take_along_axis(probs, chosen, axis=-1)
     gates = top / top.sum(-1, keepdims=True) if routing.normalize else top
     load = jnp.sum(jax.nn.one_hot(chosen, experts, dtype=jnp.float32), axis=2)  # [groups, tokens, experts]
     share = load.sum(1) / (tokens * routing.top_k)  # f_e per group
     balance = experts * jnp.sum(share * probs.mean(1), axis=-1)
     z = jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2)
-    return Choices(chosen, gates, balance.mean(), z, load.sum((0, 1)))
+    counts = load.sum((0, 1))
+    signal = jnp.zeros((), jnp.float32)
+    if bias is not None:
+        signal = _balance_signal(bias, counts / jnp.sum(counts) - 1.0 / experts)
+    return Choices(chosen, gates, balance.mean(), z, counts, signal)
+
+
+@jax.custom_vjp
+def _balance_signal(bias: jax.Array, excess: jax.Array) -> jax.Array:
+    """0, whose gradient with respect to `bias` is `excess` (each expert's share of the
+    choices less the even share) times the incoming cotangent: added to the loss like the
+    other auxiliary values (averaged over devices and accumulation slices), it gives the bias
+    the batch's mean excess load, whatever the layout. (Computed from `excess` rather than
+    made a constant, so that inside a `shard_map` it is typed as differing per device, as the
+    value whose gradient it carries does.)"""
+    return 0.0 * jnp.sum(excess)
+
+
+def _balance_signal_forward(bias: jax.Array, excess: jax.Array) -> tuple[jax.Array, jax.Array]:
+    return _balance_signal(bias, excess), excess
+
+
+def _balance_signal_backward(excess: jax.Array, cotangent: jax.Array) -> tuple[jax.Array, jax.Array]:
+    return cotangent * excess, jnp.zeros_like(excess)
+
+
+_balance_signal.defvjp(_balance_signal_forward, _balance_signal_backward)
 
 
 def _aux(
@@ -353,15 +392,17 @@ def _aux(
     differ (`stats_axes`; every device holds as many groups, so a mean over groups is the
     mean of the devices' means) and averaged over those that routed the same groups
     (`shared_axes`)."""
-    balance, z, load = choices.balance, choices.z, choices.load
+    balance, z, load, signal = choices.balance, choices.z, choices.load, choices.signal
     if stats_axes:
-        balance, z = lax.pmean(balance, stats_axes), lax.pmean(z, stats_axes)
+        balance, z, signal = (lax.pmean(v, stats_axes) for v in (balance, z, signal))
         load, dropped, routed = (lax.psum(v, stats_axes) for v in (load, dropped, routed))
     if shared_axes:
-        balance, z, load, dropped, routed = (lax.pmean(v, shared_axes) for v in (balance, z, load, dropped, routed))
+        balance, z, signal, load, dropped, routed = (
+            lax.pmean(v, shared_axes) for v in (balance, z, signal, load, dropped, routed)
+        )
     z_loss = routing.z_weight * z
     return {
-        AUX_LOSS: routing.aux_weight * balance + z_loss,
+        AUX_LOSS: routing.aux_weight * balance + z_loss + signal,
         "moe_z_loss": z_loss,
         "moe_dropped": dropped,
         "moe_routed": routed,
@@ -375,7 +416,7 @@ def _aux(
 
 def _capacity_groups(
     x: jax.Array,
-    router: jax.Array,
+    routers: dict[str, jax.Array],
     experts: dict[str, jax.Array],
     *,
     routing: Routing,
@@ -389,12 +430,13 @@ def _capacity_groups(
     are split over."""
     assert routing.capacity is not None
     shape, dtype = x.shape, routing.dtype
-    router, experts = _weights_in(router, experts, dtype, stats_axes, expert_axes, exchange != "psum")
+    routers, experts = _weights_in(routers, experts, dtype, stats_axes, expert_axes)
     x = x.astype(dtype).reshape(shape[0], -1, shape[-1])  # [groups, tokens, dim]
     if exchange == "psum":
         x = _varying(x, expert_axes)  # each device takes its experts' slots of the same tokens
-    choices = _choose(x, router, routing)
-    dispatch, combine, dropped = _slots(choices, router.shape[-1], x.shape[1], routing.top_k, routing.capacity)
+    choices = _choose(x, routers, routing)
+    experts_count = routers["router"].shape[-1]
+    dispatch, combine, dropped = _slots(choices, experts_count, x.shape[1], routing.top_k, routing.capacity)
     if exchange == "psum":
         # The tokens are whole here, and so are the routing tables: keep this device's experts.
         mine = experts["w_in"].shape[0]
@@ -445,7 +487,7 @@ def _slots(
 
 def _dropless_groups(
     x: jax.Array,
-    router: jax.Array,
+    routers: dict[str, jax.Array],
     experts: dict[str, jax.Array],
     *,
     routing: Routing,
@@ -458,7 +500,7 @@ def _dropless_groups(
     `expert_axes` are gathered, each computes its experts' rows, the sums are scattered back)
     or "psum" (the tokens are whole along `expert_axes`)."""
     shape, dtype, k = x.shape, routing.dtype, routing.top_k
-    router, experts = _weights_in(router, experts, dtype, stats_axes, expert_axes, True)
+    routers, experts = _weights_in(routers, experts, dtype, stats_axes, expert_axes)
     x = x.astype(dtype).reshape(shape[0], -1, shape[-1])  # [groups, tokens, dim]
     if exchange == "gather":
         x = _gathered(x, expert_axes)
@@ -467,7 +509,7 @@ def _dropless_groups(
         # own rows: taken from an operand typed as the same everywhere, the rows' gradient
         # comes back wrong (each device's share misplaced; measured with jax 0.10.2).
         x = _varying(x, expert_axes)
-    choices = _choose(x, router, routing)
+    choices = _choose(x, routers, routing)
     groups, tokens, dim = x.shape
     held = experts["w_in"].shape[0]
     expert = choices.chosen.reshape(-1)  # [choices]: choice j of token t at t * k + j

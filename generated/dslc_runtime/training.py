@@ -38,8 +38,28 @@ def learning_rate(hyper: dict[str, float]) -> optax.Schedule:
     return optax.join_schedules([optax.linear_schedule(0.0, lr, warmup), optax.constant_schedule(lr)], [warmup])
 
 
-def make_optimizer(name: str, hyper: dict[str, float]) -> optax.GradientTransformation:
-    """adamw, adam or sgd with the spec's hyperparameters; `clip` adds global-norm clipping."""
+def make_optimizer(
+    name: str, hyper: dict[str, float], balanced: dict[str, float] | None = None
+) -> optax.GradientTransformation:
+    """adamw, adam or sgd with the spec's hyperparameters; `clip` adds global-norm clipping.
+    The parameters named in `balanced` (a mixture of experts' balancing biases, whose
+    "gradient" is each expert's excess load) take none of that: each moves by its rate
+    against the sign of its gradient (DeepSeek-V3's update), outside the clipping."""
+    main = _main_optimizer(name, hyper)
+    if not balanced:
+        return main
+    rates = {rate: f"balance {rate!r}" for rate in sorted(set(balanced.values()))}
+    transforms = {"main": main} | {
+        label: optax.chain(optax.scale_by_sign(), optax.scale(-rate)) for rate, label in rates.items()
+    }
+
+    def labels(params: dict[str, Any]) -> dict[str, str]:
+        return {name: rates[balanced[name]] if name in balanced else "main" for name in params}
+
+    return optax.multi_transform(transforms, labels)
+
+
+def _main_optimizer(name: str, hyper: dict[str, float]) -> optax.GradientTransformation:
     h = {**OPTIMIZER_DEFAULTS, **hyper}
     lr = learning_rate(hyper)
     if name == "adamw":

@@ -138,6 +138,16 @@ CASES = {
     # gates not renormalised, the z-loss, and shared experts behind a sigmoid gate.
     "modern_dropless_tensor_parallel": Case(modern("none"), dropped=False),
     "modern_capacity_tensor_parallel": Case(modern("1.25"), dropped=True),
+    # Auxiliary-loss-free balancing: experts chosen by probability plus a (here random) bias;
+    # the bias's gradient is the batch's excess load per expert, on any layout.
+    "balanced_dropless": Case(variant(("capacity=1.25)", "capacity=none, balance=0.001)")), dropped=False),
+    "balanced_capacity_tokens_whole": Case(
+        variant(
+            ("capacity=1.25)", "capacity=1.25, balance=0.001)"),
+            ("input tokens: i32[batch @ (data, expert), seq]", "input tokens: i32[batch @ data, seq]"),
+            ("input targets: i32[batch @ (data, expert), seq]", "input targets: i32[batch @ data, seq]"),
+        )
+    ),
 }
 
 
@@ -156,6 +166,12 @@ def evaluate(case: Case) -> Result:
     model = program.init(SEED)
     batch = program.example_batch(SEED)
     weights = program.export_weights(model)
+    biased = [name for name in weights if name.endswith("balance_bias")]
+    if biased:
+        # Biases of the size of the router's probabilities, so that they change choices.
+        rng = np.random.default_rng(SEED)
+        weights = {**weights, **{n: rng.normal(0, 0.1, weights[n].shape).astype(np.float32) for n in biased}}
+        model = program.load(weights)
     return Result(
         program,
         np.asarray(program.forward(model, batch)),
@@ -559,3 +575,32 @@ def test_16_bit_experts_run_beside_an_automatic_axis(capacity: str, results: Res
     model = program.init(SEED)
     loss = float(program.loss(model, program.example_batch(SEED)))
     assert relative_error(loss, results[name].loss) <= 1e-2
+
+
+def test_balancing_biases_move_by_their_rate_against_the_sign_of_their_excess_load() -> None:
+    """make_optimizer: a balancing bias steps by -rate x sign(its "gradient"), untouched by the
+    optimizer's own rule and outside its clipping; the other weights are updated as without
+    it. step_metrics leaves the biases out of the gradient norm."""
+    import jax.numpy as jnp
+    import optax
+
+    from dslc.runtime.metrics import step_metrics
+    from dslc.runtime.training import make_optimizer
+
+    params = {"w": jnp.ones((3,)), "layers.*.moe.balance_bias": jnp.zeros((2, 4))}
+    grads = {"w": jnp.asarray([3.0, 4.0, 0.0]), "layers.*.moe.balance_bias": jnp.asarray([[0.2, -0.1, 0.0, -0.1]] * 2)}
+    hyper = {"lr": 0.1, "clip": 1.0}
+    balanced = make_optimizer("adamw", hyper, {"layers.*.moe.balance_bias": 0.001})
+    updates, _ = balanced.update(grads, balanced.init(params), params)
+    np.testing.assert_allclose(updates["layers.*.moe.balance_bias"], [[-0.001, 0.001, 0.0, 0.001]] * 2, rtol=1e-6)
+    plain = make_optimizer("adamw", hyper)
+    alone, _ = plain.update({"w": grads["w"]}, plain.init({"w": params["w"]}), {"w": params["w"]})
+    np.testing.assert_allclose(updates["w"], alone["w"], rtol=1e-6)
+    assert float(step_metrics(grads)["grad_norm"]) == pytest.approx(5.0)
+    assert float(optax.tree.norm(grads)) > 5.0
+
+
+def test_a_balanced_spec_writes_its_rates_into_the_generated_module() -> None:
+    program = dslc.compile(variant(("capacity=1.25)", "capacity=none, balance=0.002)")))
+    assert program.module.OPTIMIZER[2] == {"layers.*.moe.balance_bias": 0.002}
+    assert len(dslc.compile(MOE_SMALL).module.OPTIMIZER) == 2
