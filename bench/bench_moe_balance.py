@@ -4,7 +4,7 @@ tokens after training, with and without the per-expert bias (`moe(..., balance=u
 specs/moe_small.par with 16 dropless experts and no load-balancing loss (`aux_weight=0`, so
 that nothing else evens the load), trained `--steps` steps on the embedded text (the same
 seed, data and everything else) with `balance=0` and with `balance=--rate`; every
-`--eval-every` steps `dslc train` measures the held-out loss and `moe_load_max`, the busiest
+`--eval-every` steps `dslc train` measures the held-out loss and `eval_moe_load_max`, the busiest
 expert's choices over the mean (averaged over the layers; 1 is perfectly even, 16 all to
 one expert). Prints both runs' figures at each evaluation.
 
@@ -43,7 +43,7 @@ def train(rate: float, steps: int, every: int, where: Path) -> list[dict[str, fl
     argv = ["train", str(path), "--steps", str(steps), "--eval-every", str(every), "--out", str(out)]
     assert cli.main(argv) == 0, argv
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return [line for line in lines if "moe_load_max" in line]
+    return [line for line in lines if "eval_moe_load_max" in line]
 
 
 def main() -> None:
@@ -60,7 +60,7 @@ def main() -> None:
     print(f"{'step':>6} {'no bias':>9} {'bias':>9} {'eval loss (no bias)':>20} {'eval loss (bias)':>17}")
     for a, b in zip(without, with_bias, strict=True):
         print(
-            f"{a['step']:>6} {a['moe_load_max']:>9.3f} {b['moe_load_max']:>9.3f} "
+            f"{a['step']:>6} {a['eval_moe_load_max']:>9.3f} {b['eval_moe_load_max']:>9.3f} "
             f"{a['eval_loss']:>20.4f} {b['eval_loss']:>17.4f}"
         )
 

@@ -256,6 +256,7 @@ def _train(
     eval_losses: dict[int, float] = {}
     first_step_s = None
     newest = checkpoints.latest_step()
+    routed = any(RULES[layer.kind].has_aux for layer in ir.all_layers(program.ir))
     step = run.start
     try:
         with (
@@ -289,7 +290,13 @@ def _train(
                     utilization.tflops_per_device(seconds),
                     utilization.mfu(seconds),
                 )
-                every, last = options.eval_every, step == options.steps or bool(stopping)
+                last = step == options.steps or bool(stopping)
+                if routed and (step % progress.every == 0 or last):
+                    # The experts' load on this step's batch, after its update.
+                    found = moe_metrics(program.aux(run.model, batch))
+                    metrics.annotate(found)
+                    progress.routed(step, found)
+                every = options.eval_every
                 if every is not None and (step % every == 0 or last):
                     assert dataset.held_out is not None, "train() refuses --eval-every without held-out data"
                     found = evaluate(program, run.model, dataset.held_out, run.seed, rows)
@@ -356,12 +363,14 @@ def evaluate(
     program: Program, model: DslcModel, held_out: Dataset, seed: int, rows: np.ndarray | None = None
 ) -> dict[str, float]:
     """The mean loss over EVAL_BATCHES held-out batches (dropout off) as `eval_loss`, and for
-    a mixture of experts its load and dropped tokens on them (`dslc.runtime.metrics`)."""
+    a mixture of experts its load and dropped tokens on them (`dslc.runtime.metrics`'s
+    figures, named `eval_moe_...`)."""
     batches = [held_out.batch(seed, i, rows) for i in range(EVAL_BATCHES)]
     found = {"eval_loss": float(np.mean([float(program.loss(model, b)) for b in batches]))}
     if any(RULES[layer.kind].has_aux for layer in ir.all_layers(program.ir)):
         aux = [program.aux(model, b) for b in batches]
-        found |= moe_metrics({k: float(np.mean([a[k] for a in aux])) for k in aux[0]})
+        on_held_out = moe_metrics({k: float(np.mean([a[k] for a in aux])) for k in aux[0]})
+        found |= {f"eval_{name}": value for name, value in on_held_out.items()}
     return found
 
 

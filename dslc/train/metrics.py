@@ -7,8 +7,10 @@ before its update), `grad_norm` (the global L2 norm of the step's gradients),
 `tflops_per_device`, `mfu` and `peak_tflops` (dslc.train.utilization) and `compiled` (true
 on the first step a process runs, whose time includes compilation). A step that evaluated
 (`--eval-every`) also has `eval_loss`, the mean loss on held-out batches after the step,
-and for a mixture of experts `moe_balance_loss`, `moe_z_loss`, `moe_dropped_fraction` and
-`moe_load_max` (the busiest expert's load over the mean) on them.
+and for a mixture of experts `eval_moe_balance_loss`, `eval_moe_z_loss`,
+`eval_moe_dropped_fraction` and `eval_moe_load_max` on them; every tenth step of a run (and its
+last) has the same without `eval_` on its own batch (the busiest expert's load over the mean,
+`moe_load_max`, is what to watch).
 """
 
 from __future__ import annotations

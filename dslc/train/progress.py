@@ -23,7 +23,7 @@ class TrainingProgress:
     def __init__(self, total: int, start: int, unit: str, shown: bool = True) -> None:
         self.total, self.start, self.unit, self.shown = total, start, unit, shown
         self._console = Console(file=sys.stderr)
-        self._every = max((total - start) // 10, 1)
+        self.every = max((total - start) // 10, 1)  # steps between the lines without a terminal
         self._bar: Progress | None = None
         if shown and self._console.is_terminal:
             self._bar = Progress(
@@ -34,13 +34,21 @@ class TrainingProgress:
                 TextColumn("{task.fields[step_ms]} ms/step"),
                 TextColumn("{task.fields[rate]} " + unit + "/s"),
                 TextColumn("{task.fields[flops]}"),
+                TextColumn("{task.fields[experts]}"),
                 TimeElapsedColumn(),
                 TextColumn("eta"),
                 TimeRemainingColumn(),
                 console=self._console,
             )
             self._task = self._bar.add_task(
-                "compiling the first step", total=total, completed=start, loss="-", step_ms="-", rate="-", flops=""
+                "compiling the first step",
+                total=total,
+                completed=start,
+                loss="-",
+                step_ms="-",
+                rate="-",
+                flops="",
+                experts="",
             )
 
     def __enter__(self) -> TrainingProgress:
@@ -82,9 +90,22 @@ class TrainingProgress:
                 rate=f"{per_s:,.0f}",
                 flops=rate,
             )
-        elif not compiled and ((step - self.start) % self._every == 0 or step == self.total):
+        elif not compiled and ((step - self.start) % self.every == 0 or step == self.total):
             timing = f"{step_time_s * 1e3:.0f} ms/step  {per_s:,.0f} {self.unit}/s  {rate}"
             self._console.print(f"step {step}/{self.total}  loss {loss:.4f}  {timing}", highlight=False)
+
+    def routed(self, step: int, figures: dict[str, float]) -> None:
+        """A mixture of experts' load on a step's batch (`dslc.runtime.metrics.moe_metrics`)."""
+        if not self.shown or not figures:
+            return
+        busiest = f"busiest expert {figures['moe_load_max']:.2f}x its share"
+        if self._bar is not None:
+            self._bar.update(self._task, experts=busiest)
+            return
+        parts = [busiest, f"{figures['moe_dropped_fraction']:.1%} dropped"]
+        parts += [f"balance loss {figures['moe_balance_loss']:.4f}"] if figures["moe_balance_loss"] else []
+        parts += [f"z-loss {figures['moe_z_loss']:.4f}"] if figures["moe_z_loss"] else []
+        self._console.print(f"step {step}: experts: {', '.join(parts)}", highlight=False, soft_wrap=True)
 
     def evaluated(self, step: int, loss: float) -> None:
         if self.shown:

@@ -28,6 +28,7 @@ token instead of choice by choice moves the forward output by 0.86 (273 dropped,
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -604,3 +605,21 @@ def test_a_balanced_spec_writes_its_rates_into_the_generated_module() -> None:
     program = dslc.compile(variant(("capacity=1.25)", "capacity=none, balance=0.002)")))
     assert program.module.OPTIMIZER[2] == {"layers.*.moe.balance_bias": 0.002}
     assert len(dslc.compile(MOE_SMALL).module.OPTIMIZER) == 2
+
+
+def test_training_logs_the_experts_load_on_its_batches_and_held_out(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`dslc train` on moe_small: the rows of every tenth step of the run (of 4 steps: every
+    step) hold the experts' figures on their batch, the progress line says them, and an
+    evaluated step adds the held-out ones as `eval_moe_...`."""
+    out = tmp_path / "run"
+    assert cli.main(["train", str(MOE_SMALL), "--steps", "4", "--eval-every", "4", "--out", str(out)]) == 0
+    err = capsys.readouterr().err
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    for row in rows:
+        assert 1.0 < row["moe_load_max"] <= 8.0 and 0.0 < row["moe_dropped_fraction"] < 1.0, row
+        assert f"step {row['step']}: experts: busiest expert {row['moe_load_max']:.2f}x its share" in err
+    assert "eval_moe_load_max" in rows[-1] and "eval_moe_load_max" not in rows[0]
+    assert rows[-1]["eval_moe_balance_loss"] > 0
