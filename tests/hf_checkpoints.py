@@ -4,8 +4,8 @@ models compute, both without `transformers` or torch.
 The checkpoints are config.json plus safetensors files with `save_pretrained`'s names and
 layouts: GPT-2's Conv1D weights [in, out] with q, k and v fused in `c_attn`, Llama's
 nn.Linear weights [out, in], a tied head left out. The forwards follow the modelling code of
-`GPT2LMHeadModel`, `LlamaForCausalLM`, `MixtralForCausalLM` and `Qwen3MoeForCausalLM` in
-float64 numpy, in its own form where dslc's differs:
+`GPT2LMHeadModel`, `LlamaForCausalLM`, `MixtralForCausalLM`, `Qwen3MoeForCausalLM` and
+`Qwen2MoeForCausalLM` in float64 numpy, in its own form where dslc's differs:
 the fused projection split after the product, rotary embeddings as `rotate_half` with
 the frequencies repeated over both halves, key/value heads repeated with `repeat_kv`, a -inf
 causal mask. Nothing here comes from dslc.
@@ -137,6 +137,30 @@ QWEN3_MOE_SET = {
 }
 
 
+QWEN2_MOE_CONFIG = {
+    **{k: v for k, v in QWEN3_MOE_CONFIG.items() if k not in ("head_dim", "attention_bias")},
+    "architectures": ["Qwen2MoeForCausalLM"],
+    "model_type": "qwen2_moe",
+    "num_key_value_heads": 4,
+    "shared_expert_intermediate_size": 40,
+    "norm_topk_prob": False,
+    "qkv_bias": True,
+}
+QWEN2_MOE_SET = {
+    "vocab": 96,
+    "d": 32,
+    "heads": 4,
+    "kv_heads": 4,
+    "ffn": 48,
+    "shared_ffn": 40,
+    "experts": 8,
+    "layers": 2,
+    "seq": 16,
+    "batch": 8,
+    "aux": 0.0,
+}
+
+
 def _normal(rng: np.random.Generator, *shape: int, scale: float = 0.1) -> np.ndarray:
     return (rng.standard_normal(shape) * scale).astype(np.float32)
 
@@ -177,7 +201,7 @@ def llama_tensors(config: dict[str, object], seed: int = 0) -> Tensors:
     d, vocab, ffn = (int(config[k]) for k in ("hidden_size", "vocab_size", "intermediate_size"))  # type: ignore[call-overload]
     heads, kv = int(config["num_attention_heads"]), int(config["num_key_value_heads"])  # type: ignore[call-overload]
     hd = int(config.get("head_dim") or d // heads)  # type: ignore[call-overload]
-    qkv_bias = config["model_type"] == "qwen2" or bool(config.get("attention_bias"))
+    qkv_bias = config["model_type"] == "qwen2" or bool(config.get("attention_bias") or config.get("qkv_bias"))
     t: Tensors = {"model.embed_tokens.weight": _normal(rng, vocab, d)}
     for i in range(int(config["num_hidden_layers"])):  # type: ignore[call-overload]
         at = f"model.layers.{i}."
@@ -243,6 +267,29 @@ def qwen3_moe_tensors(config: dict[str, object], seed: int = 0) -> Tensors:
             e = f"{at}mlp.experts.{j}."
             t |= {e + "gate_proj.weight": _normal(rng, ffn, d), e + "up_proj.weight": _normal(rng, ffn, d)}
             t[e + "down_proj.weight"] = _normal(rng, d, ffn)
+    return t
+
+
+def qwen2_moe_tensors(config: dict[str, object], seed: int = 0) -> Tensors:
+    """Qwen2's attention (q, k, v biases) with Qwen3-MoE's experts and, per layer, the shared
+    expert `mlp.shared_expert.{gate,up,down}_proj` and its gate `mlp.shared_expert_gate` [1, d]."""
+    t = llama_tensors({**config, "model_type": "qwen2"}, seed)
+    rng = np.random.default_rng(seed + 3000)
+    d, ffn, experts = (int(config[k]) for k in ("hidden_size", "moe_intermediate_size", "num_experts"))  # type: ignore[call-overload]
+    shared = int(config["shared_expert_intermediate_size"])  # type: ignore[call-overload]
+    for i in range(int(config["num_hidden_layers"])):  # type: ignore[call-overload]
+        at = f"model.layers.{i}.mlp."
+        for w in ("gate", "up", "down"):
+            del t[at + f"{w}_proj.weight"]
+        t[at + "gate.weight"] = _normal(rng, experts, d, scale=0.5)
+        for j in range(experts):
+            e = f"{at}experts.{j}."
+            t |= {e + "gate_proj.weight": _normal(rng, ffn, d), e + "up_proj.weight": _normal(rng, ffn, d)}
+            t[e + "down_proj.weight"] = _normal(rng, d, ffn)
+        s = at + "shared_expert."
+        t |= {s + "gate_proj.weight": _normal(rng, shared, d), s + "up_proj.weight": _normal(rng, shared, d)}
+        t[s + "down_proj.weight"] = _normal(rng, d, shared)
+        t[at + "shared_expert_gate.weight"] = _normal(rng, 1, d, scale=0.5)
     return t
 
 
@@ -388,4 +435,10 @@ def _sparse_moe(
         gate, up = h @ t[e + f"{gate_name}.weight"].T, h @ t[e + f"{up_name}.weight"].T
         y = (gate / (1.0 + np.exp(-gate)) * up) @ t[e + f"{down_name}.weight"].T
         out += np.where(chosen == j, weights, 0.0).sum(-1, keepdims=True) * y
+    if p + "shared_expert_gate.weight" in t:
+        # Qwen2MoeSparseMoeBlock: the shared expert, scaled by its sigmoid gate, added.
+        s = p + "shared_expert."
+        gate, up = h @ t[s + "gate_proj.weight"].T, h @ t[s + "up_proj.weight"].T
+        y = (gate / (1.0 + np.exp(-gate)) * up) @ t[s + "down_proj.weight"].T
+        out += y / (1.0 + np.exp(-(h @ t[p + "shared_expert_gate.weight"].T)))
     return out

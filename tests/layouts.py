@@ -73,6 +73,7 @@ TEST_SIZES: dict[str, dict[str, Any]] = {
     },
     "mixtral": {"overrides": {"batch": 32}},
     "qwen3_moe": {"overrides": {"batch": 32}},
+    "qwen2_moe": {"overrides": {"batch": 32}},
     "gpt3_175b": {
         "overrides": {"vocab": 256, "d": 64, "heads": 4, "seq": 32, "batch": 32, "n_layers": 8},
         "edits": (("microbatches 192", "microbatches 4"),),

@@ -25,7 +25,7 @@ from dslc.interop.advice import follows
 from dslc.interop.errors import CheckpointError, file_problem, file_span
 from dslc.interop.gpt2 import GPT2
 from dslc.interop.hf_config import CONFIG, GPT2Config, LlamaConfig, parse_config, read_config_json
-from dslc.interop.llama import Llama, Mixtral, Qwen3Moe
+from dslc.interop.llama import Llama, Mixtral, Qwen2Moe, Qwen3Moe
 from dslc.interop.mapping import (
     HEAD,
     Fact,
@@ -65,7 +65,7 @@ class Family(Protocol):
     def keep(self, written: Mapping[str, object], original: Mapping[str, object]) -> dict[str, object]: ...
 
 
-FAMILIES: tuple[Family, ...] = (GPT2(), Llama(), Mixtral(), Qwen3Moe())
+FAMILIES: tuple[Family, ...] = (GPT2(), Llama(), Mixtral(), Qwen3Moe(), Qwen2Moe())
 
 # The dtypes export writes: the spec's names, numpy's, and the torch_dtype config.json states.
 EXPORT_DTYPES = {

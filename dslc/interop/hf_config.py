@@ -94,13 +94,9 @@ class LlamaConfig(_Config):
         return "default"
 
     @property
-    def qkv_bias(self) -> bool:
-        return self.model_type == "qwen2" or self.attention_bias
-
-    @property
     def window(self) -> int | None:
         """The sliding window attention is limited to, if any."""
-        if self.model_type in ("qwen2", "qwen3_moe") and not self.use_sliding_window:
+        if self.model_type in ("qwen2", "qwen2_moe", "qwen3_moe") and not self.use_sliding_window:
             return None
         return self.sliding_window
 
@@ -145,9 +141,27 @@ class Qwen3MoeConfig(LlamaConfig):
     output_router_logits: bool = False
 
 
-HFConfig = Annotated[GPT2Config | LlamaConfig | MixtralConfig | Qwen3MoeConfig, Field(discriminator="model_type")]
-MODEL_TYPES = ("gpt2", "llama", "mistral", "qwen2", "mixtral", "qwen3_moe")
-_ADAPTER: TypeAdapter[GPT2Config | LlamaConfig | MixtralConfig | Qwen3MoeConfig] = TypeAdapter(HFConfig)
+class Qwen2MoeConfig(Qwen3MoeConfig):
+    """`Qwen2MoeForCausalLM`: Qwen2's attention (biases on q, k and v where `qkv_bias`, no
+    query-key norm) and Qwen3-MoE's experts, plus a shared expert of width
+    `shared_expert_intermediate_size` every token passes, scaled by a sigmoid gate. Its
+    defaults are transformers' (Qwen1.5-MoE-A2.7B's sizes)."""
+
+    model_type: Literal["qwen2_moe"]  # type: ignore[assignment]
+    intermediate_size: PositiveInt = 5632
+    num_attention_heads: PositiveInt = 16
+    num_key_value_heads: PositiveInt | None = 16
+    moe_intermediate_size: PositiveInt = 1408
+    shared_expert_intermediate_size: PositiveInt = 5632
+    num_experts: PositiveInt = 60
+    num_experts_per_tok: PositiveInt = 4
+    qkv_bias: bool = True
+
+
+CONFIGS = GPT2Config | LlamaConfig | MixtralConfig | Qwen3MoeConfig | Qwen2MoeConfig
+HFConfig = Annotated[CONFIGS, Field(discriminator="model_type")]
+MODEL_TYPES = ("gpt2", "llama", "mistral", "qwen2", "mixtral", "qwen3_moe", "qwen2_moe")
+_ADAPTER: TypeAdapter[CONFIGS] = TypeAdapter(HFConfig)
 
 
 def read_config_json(folder: Path) -> object:

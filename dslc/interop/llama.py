@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 
-from dslc.interop.hf_config import GPT2Config, LlamaConfig, MixtralConfig, Qwen3MoeConfig
+from dslc.interop.hf_config import GPT2Config, LlamaConfig, MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
 from dslc.interop.mapping import Fact, FamilyBase, Matched, Requirement, Structure, TensorMap, layer_weight
 from dslc.ir import nodes as ir
 
@@ -232,6 +232,12 @@ class Llama(FamilyBase):
 def _bias_facts(config: LlamaConfig, attn: ir.Layer) -> list[Fact]:
     """Qwen2 adds biases to q, k and v; a Llama with `attention_bias` to all four projections."""
     qkv, o = bool(attn.attr("bias") or attn.attr("qkv_bias")), bool(attn.attr("bias"))
+    if isinstance(config, Qwen2MoeConfig):
+        fix = "write `qkv_bias=true` on the attention" if config.qkv_bias else "leave out the attention's biases"
+        return [
+            Fact("qkv_bias", config.qkv_bias, qkv, "use of q, k and v biases", attn, "qkv_bias", fix),
+            Fact("qkv_bias", False, o, "use of an o bias (never)", attn, None, "leave out `bias=true`"),
+        ]
     if config.model_type == "qwen2":
         spec = "qwen2" if qkv and not o else "llama"
         fix = "write `qkv_bias=true` (and not `bias=true`) on the attention"
@@ -294,19 +300,25 @@ class Mixtral(Llama):
     structure = MIXTRAL_STRUCTURE
     # Whether the family always renormalises its gates (else its config says, a fact).
     always_renormalised = True
+    # Where a block's mixture is, and each expert's tensors with the spec's weight of each.
+    moe_prefix = "block_sparse_moe."
+    expert_tensors: tuple[tuple[str, str], ...] = (("w1", "w_gate"), ("w2", "w_out"), ("w3", "w_in"))
 
     def mlp_requirements(self, mlp: tuple[ir.Layer, ...]) -> list[Requirement]:
         (moe,) = mlp
         return [
             Requirement(moe, moe.attr("activation") == "swiglu", "its experts are SwiGLU", "write `activation=swiglu`"),
             Requirement(moe, moe.attr("capacity") is None, "it drops no token", "write `capacity=none`"),
-            Requirement(moe, not moe.attr("shared"), "it has no shared experts", "leave out `shared`"),
             Requirement(moe, not moe.attr("balance"), "its router has no balancing bias", "leave out `balance`"),
+            *self.shared_requirements(moe),
         ] + (
             [Requirement(moe, bool(moe.attr("normalize")), "its gates are renormalised", "leave out `normalize=false`")]
             if self.always_renormalised
             else []
         )
+
+    def shared_requirements(self, moe: ir.Layer) -> list[Requirement]:
+        return [Requirement(moe, not moe.attr("shared"), "it has no shared experts", "leave out `shared`")]
 
     def mlp_facts(self, config: LlamaConfig, mlp: tuple[ir.Layer, ...]) -> list[Fact]:
         assert isinstance(config, MixtralConfig)
@@ -343,10 +355,10 @@ class Mixtral(Llama):
 
     def mlp_tensors(self, at: str, mlp: tuple[ir.Layer, ...]) -> list[TensorMap]:
         (moe,) = mlp
-        at += "block_sparse_moe."
+        at += self.moe_prefix
         out = [TensorMap(at + "gate.weight", (layer_weight(moe, "router"),), transposed=True, kernel=True)]
         for j in range(moe.int_attr("experts")):
-            for name, weight in (("w1", "w_gate"), ("w2", "w_out"), ("w3", "w_in")):
+            for name, weight in self.expert_tensors:
                 out.append(
                     TensorMap(
                         f"{at}experts.{j}.{name}.weight",
@@ -388,6 +400,8 @@ class Qwen3Moe(Mixtral):
     model_types: tuple[str, ...] = ("qwen3_moe",)
     structure = QWEN3_MOE_STRUCTURE
     always_renormalised = False
+    moe_prefix = "mlp."
+    expert_tensors = (("gate_proj", "w_gate"), ("up_proj", "w_in"), ("down_proj", "w_out"))
 
     def qk_norm_requirement(self, attn: ir.Layer) -> Requirement:
         return Requirement(
@@ -402,10 +416,11 @@ class Qwen3Moe(Mixtral):
         out = super().facts(config, m, program)
         for block in m.blocks:
             attn, moe = block[1], block[3]
-            out.append(
-                Fact("rms_norm_eps", config.rms_norm_eps, attn.attr("norm_eps"), "query-key norm eps", attn, "eps",
-                     "change the attention's `norm_eps`")
-            )  # fmt: skip
+            if attn.attr("qk_norm"):
+                out.append(
+                    Fact("rms_norm_eps", config.rms_norm_eps, attn.attr("norm_eps"), "query-key norm eps", attn,
+                         "eps", "change the attention's `norm_eps`")
+                )  # fmt: skip
             fix = "leave out `normalize=false`" if config.norm_topk_prob else "write `normalize=false`"
             out.append(
                 Fact("norm_topk_prob", config.norm_topk_prob, moe.attr("normalize"), "renormalising of the gates",
@@ -437,23 +452,6 @@ class Qwen3Moe(Mixtral):
             )
         return out
 
-    def mlp_tensors(self, at: str, mlp: tuple[ir.Layer, ...]) -> list[TensorMap]:
-        (moe,) = mlp
-        at += "mlp."
-        out = [TensorMap(at + "gate.weight", (layer_weight(moe, "router"),), transposed=True, kernel=True)]
-        for j in range(moe.int_attr("experts")):
-            for name, weight in (("gate_proj", "w_gate"), ("up_proj", "w_in"), ("down_proj", "w_out")):
-                out.append(
-                    TensorMap(
-                        f"{at}experts.{j}.{name}.weight",
-                        (layer_weight(moe, weight),),
-                        transposed=True,
-                        kernel=True,
-                        index=j,
-                    )
-                )
-        return out
-
     def config(self, m: Matched, program: ir.Program, tied: bool, dtype: str) -> dict[str, object]:
         moe = m.blocks[0][3]
         out = super().config(m, program, tied, dtype)
@@ -468,4 +466,67 @@ class Qwen3Moe(Mixtral):
             "decoder_sparse_step": 1,
             "mlp_only_layers": [],
             "attention_bias": False,
+        }
+
+
+QWEN2_MOE_STRUCTURE = Structure(
+    "Qwen2-MoE", MIXTRAL_STRUCTURE.prefix, MIXTRAL_STRUCTURE.block, MIXTRAL_STRUCTURE.suffix
+)
+
+
+class Qwen2Moe(Qwen3Moe):
+    """`Qwen2MoeForCausalLM`: Qwen3-MoE's names and experts with Qwen2's attention (q, k and v
+    biases where `qkv_bias`, no query-key norm) and a shared expert every token passes —
+    `mlp.shared_expert.{gate,up,down}_proj`, scaled by sigmoid(`mlp.shared_expert_gate` x)
+    — the `moe`'s `shared` experts with `shared_router=true`."""
+
+    name = "Qwen2-MoE"
+    model_types: tuple[str, ...] = ("qwen2_moe",)
+    structure = QWEN2_MOE_STRUCTURE
+
+    def qk_norm_requirement(self, attn: ir.Layer) -> Requirement:
+        return Llama.qk_norm_requirement(self, attn)
+
+    def shared_requirements(self, moe: ir.Layer) -> list[Requirement]:
+        return [
+            Requirement(moe, bool(moe.attr("shared")), "it has a shared expert", "write `shared=...` (its width)"),
+            Requirement(
+                moe, bool(moe.attr("shared_router")), "its shared expert is gated", "write `shared_router=true`"
+            ),
+        ]
+
+    def mlp_facts(self, config: LlamaConfig, mlp: tuple[ir.Layer, ...]) -> list[Fact]:
+        assert isinstance(config, Qwen2MoeConfig)
+        (moe,) = mlp
+        shared = Fact(
+            "shared_expert_intermediate_size",
+            config.shared_expert_intermediate_size,
+            moe.attr("shared"),
+            "shared expert width",
+            moe,
+            "shared_ffn",
+            "change `shared`",
+        )
+        return [*super().mlp_facts(config, mlp), shared]
+
+    def mlp_tensors(self, at: str, mlp: tuple[ir.Layer, ...]) -> list[TensorMap]:
+        (moe,) = mlp
+        shared = at + "mlp.shared_expert"
+        return [
+            *super().mlp_tensors(at, mlp),
+            TensorMap(f"{shared}.gate_proj.weight", (layer_weight(moe, "s_gate"),), transposed=True, kernel=True),
+            TensorMap(f"{shared}.up_proj.weight", (layer_weight(moe, "s_in"),), transposed=True, kernel=True),
+            TensorMap(f"{shared}.down_proj.weight", (layer_weight(moe, "s_out"),), transposed=True, kernel=True),
+            TensorMap(f"{shared}_gate.weight", (layer_weight(moe, "s_router"),), transposed=True),
+        ]
+
+    def config(self, m: Matched, program: ir.Program, tied: bool, dtype: str) -> dict[str, object]:
+        attn, moe = m.blocks[0][1], m.blocks[0][3]
+        out = super().config(m, program, tied, dtype)
+        out.pop("attention_bias", None)
+        return out | {
+            "architectures": ["Qwen2MoeForCausalLM"],
+            "model_type": "qwen2_moe",
+            "shared_expert_intermediate_size": moe.attr("shared"),
+            "qkv_bias": bool(attn.attr("qkv_bias") or attn.attr("bias")),
         }

@@ -36,6 +36,7 @@ RUNNABLE: dict[str, dict[str, int]] = {
     "moe_small": {},
     "mixtral": {},
     "qwen3_moe": {},
+    "qwen2_moe": {},
     "gpt_small": {},
     "llama_small": {},
     "seed_mlp_pipeline": {},

@@ -32,6 +32,8 @@ from tests.hf_checkpoints import (
     LLAMA_SET,
     MIXTRAL_CONFIG,
     MIXTRAL_SET,
+    QWEN2_MOE_CONFIG,
+    QWEN2_MOE_SET,
     QWEN3_MOE_CONFIG,
     QWEN3_MOE_SET,
     gpt2_logits,
@@ -39,6 +41,7 @@ from tests.hf_checkpoints import (
     llama_logits,
     llama_tensors,
     mixtral_tensors,
+    qwen2_moe_tensors,
     qwen3_moe_tensors,
     write_checkpoint,
 )
@@ -140,6 +143,7 @@ def llama(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 MOE_FAMILIES = {
     "mixtral": (MIXTRAL_CONFIG, MIXTRAL_SET, mixtral_tensors),
     "qwen3_moe": (QWEN3_MOE_CONFIG, QWEN3_MOE_SET, qwen3_moe_tensors),
+    "qwen2_moe": (QWEN2_MOE_CONFIG, QWEN2_MOE_SET, qwen2_moe_tensors),
 }
 
 
@@ -161,6 +165,11 @@ def mixtral(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def qwen3_moe(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return _imported_moe(tmp_path_factory.mktemp("qwen3_moe"), "qwen3_moe")
+
+
+@pytest.fixture(scope="module")
+def qwen2_moe(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return _imported_moe(tmp_path_factory.mktemp("qwen2_moe"), "qwen2_moe")
 
 
 @pytest.mark.parametrize("mesh", ["1x1x1", None], ids=["one device", "2x2x2"])
@@ -228,6 +237,7 @@ def test_imported_mixture_of_experts_computes_the_reference_logits_and_loss(
     family: str,
     mixtral: dict[str, Any],
     qwen3_moe: dict[str, Any],
+    qwen2_moe: dict[str, Any],
     mesh: str | None,
     capsys: pytest.CaptureFixture[str],
     tmp_path: Path,
@@ -236,9 +246,10 @@ def test_imported_mixture_of_experts_computes_the_reference_logits_and_loss(
     head's query and key normalised and a head wider than d / heads), on one device and on
     data x expert x model (2x2x2: tokens gathered along `expert`, experts' hidden width over
     `model`): the logits and the cross-entropy of the float64 forward of MixtralForCausalLM
-    and Qwen3MoeForCausalLM (their load-balancing losses off, as transformers leaves them
+    and Qwen3MoeForCausalLM, and specs/qwen2_moe.par with its gated shared expert against
+    Qwen2MoeForCausalLM's (their load-balancing losses off, as transformers leaves them
     without output_router_logits)."""
-    case = {"mixtral": mixtral, "qwen3_moe": qwen3_moe}[family]
+    case = {"mixtral": mixtral, "qwen3_moe": qwen3_moe, "qwen2_moe": qwen2_moe}[family]
     config, sizes, _ = MOE_FAMILIES[family]
     inputs = batch(96, seed=6)
     np.savez(tmp_path / "inputs.npz", **inputs)
@@ -278,13 +289,14 @@ def test_a_spec_whose_experts_are_not_mixtrals_is_refused(
     assert "write `capacity=none`" in err and "its experts are SwiGLU" in err
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama", "mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["gpt2", "llama", "mixtral", "qwen3_moe", "qwen2_moe"])
 def test_export_writes_the_checkpoint_back_byte_for_byte(
     family: str,
     gpt2: dict[str, Any],
     llama: dict[str, Any],
     mixtral: dict[str, Any],
     qwen3_moe: dict[str, Any],
+    qwen2_moe: dict[str, Any],
     capsys: pytest.CaptureFixture[str],
     tmp_path: Path,
 ) -> None:
@@ -293,6 +305,7 @@ def test_export_writes_the_checkpoint_back_byte_for_byte(
         "llama": (llama, llama["spec"], LLAMA_SET, LLAMA_CONFIG),
         "mixtral": (mixtral, mixtral["spec"], MIXTRAL_SET, MIXTRAL_CONFIG),
         "qwen3_moe": (qwen3_moe, qwen3_moe["spec"], QWEN3_MOE_SET, QWEN3_MOE_CONFIG),
+        "qwen2_moe": (qwen2_moe, qwen2_moe["spec"], QWEN2_MOE_SET, QWEN2_MOE_CONFIG),
     }[family]
     out = tmp_path / "exported"
     code, printed, err = run(capsys, "export", spec, "--weights", case["weights"], "-o", out, *flags(sizes))

@@ -49,7 +49,7 @@ ACCURACY_SPECS = [
 # Specs the planner still misses by more than the tolerance, with the gradient step's planned
 # / XLA ratio measured by bench/bench_plan_accuracy.py and what XLA holds that the model
 # misses (docs/plan.md, "Known gaps").
-KNOWN_GAPS: dict[str, float] = {"mixtral": 0.826, "qwen3_moe": 0.816}
+KNOWN_GAPS: dict[str, float] = {"mixtral": 0.826, "qwen3_moe": 0.816, "qwen2_moe": 0.741}
 # What the tests compile on.
 BACKEND = "cpu"
 
