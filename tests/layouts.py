@@ -71,9 +71,14 @@ TEST_SIZES: dict[str, dict[str, Any]] = {
     "llama": {
         "overrides": {"vocab": 256, "d": 64, "heads": 4, "kv_heads": 2, "ffn": 128, "layers": 4, "seq": 32, "batch": 32}
     },
-    "mixtral": {"overrides": {"batch": 32}},
-    "qwen3_moe": {"overrides": {"batch": 32}},
-    "qwen2_moe": {"overrides": {"batch": 32}},
+    # The mixtures of experts in f32: in bf16 a choice of experts flips wherever two of a
+    # token's probabilities round apart differently on two layouts, and moves a token's whole
+    # gradient to another expert (qwen3_moe, top 2 of 8: 0.27 between 1x1x1 and 2x2x2, and as
+    # much against the reference; with every expert chosen 0.10; in f32 2e-6). Their 16-bit
+    # numerics are held by tests/codegen's golden figures.
+    "mixtral": {"overrides": {"batch": 32}, "edits": (("compute_dtype bf16", "compute_dtype f32"),)},
+    "qwen3_moe": {"overrides": {"batch": 32}, "edits": (("compute_dtype bf16", "compute_dtype f32"),)},
+    "qwen2_moe": {"overrides": {"batch": 32}, "edits": (("compute_dtype bf16", "compute_dtype f32"),)},
     "gpt3_175b": {
         "overrides": {"vocab": 256, "d": 64, "heads": 4, "seq": 32, "batch": 32, "n_layers": 8},
         "edits": (("microbatches 192", "microbatches 4"),),
