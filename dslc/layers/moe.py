@@ -346,9 +346,7 @@ def _moe_sizes(layer: Layer, mesh: Mesh, slices: int) -> Sizes:
             // mesh.size(split_axes(layer.weight("s_in").type.sharding[1], mesh))
         )
     if a.capacity is None:
-        # Gathered along the experts' axes, a device routes their tokens too, and its rows
-        # buffer holds all their choices (the worst case: every one for its experts).
-        routed = tokens * (mesh.size(axes) if exchanged else 1)
+        routed = routed_tokens(layer, mesh, tokens)
         held = e // mesh.size(axes)
         rows = tiled_rows(routed * a.top_k, held)
         tiles = rows // tile_size(routed * a.top_k, held)
@@ -359,6 +357,16 @@ def _moe_sizes(layer: Layer, mesh: Mesh, slices: int) -> Sizes:
     # its own groups fill; tokens whole along the expert axes fill only its experts' slots.
     computed = (tokens // per_group) * e * slots // (1 if exchanged else mesh.size(axes))
     return Sizes(x, tokens * e, slots, computed, d + hidden, shared)
+
+
+def routed_tokens(layer: Layer, mesh: Mesh, tokens: int) -> int:
+    """The tokens a device routes for `tokens` of its own: dropless, with the tokens split over
+    the experts' axes, those of every device along them (gathered; its rows buffer then holds
+    all their choices, the worst case being every one for its experts)."""
+    operand = layer.operand or layer.input.sharding
+    axes = expert_axes(layer, mesh)
+    gathered = MoE().args_of(layer).capacity is None and bool(set(axes) & set(operand[0]))
+    return tokens * (mesh.size(axes) if gathered else 1)
 
 
 def tiled_rows(rows: int, experts: int) -> int:

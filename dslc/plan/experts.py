@@ -23,7 +23,7 @@ from typing import assert_never
 
 from dslc.ir.nodes import Axes, Block, Layer, Layout, Node, Program, Repeat, Residual, TensorType
 from dslc.ir.state import state_sharding
-from dslc.layers.moe import MoE, capacity_slots, exchange_collectives, expert_axes, group_tokens
+from dslc.layers.moe import MoE, capacity_slots, exchange_collectives, expert_axes, group_tokens, routed_tokens
 from dslc.plan.communication import TRANSPOSE, _group_bytes, ring_bytes
 from dslc.plan.timetable import pipelined
 
@@ -73,7 +73,6 @@ def experts(program: Program) -> tuple[ExpertLayer, ...]:
                 for n, s in zip(matrices, stored, strict=True)
             )
             per_group = group_tokens(layer.input)
-            gathered = mesh.size(axes) if "reduce-scatter" in kinds else 1
             dropless = args.capacity is None
             out.append(
                 ExpertLayer(
@@ -87,8 +86,8 @@ def experts(program: Program) -> tuple[ExpertLayer, ...]:
                     parameter_bytes=params,
                     exchange_bytes=sent,
                     copies=copies,
-                    rows_worst=per_group * args.top_k * gathered if dropless else 0,
-                    rows_even=per_group * args.top_k * gathered // mesh.size(axes) if dropless else 0,
+                    rows_worst=routed_tokens(layer, mesh, per_group) * args.top_k if dropless else 0,
+                    rows_even=routed_tokens(layer, mesh, per_group) * args.top_k // mesh.size(axes) if dropless else 0,
                 )
             )
     return tuple(out)
