@@ -390,6 +390,15 @@ class Attention(LayerRule[AttentionArgs]):
         return x * c + (2 * q + k_v) * c + scores * _score_copies(compute)  # operand, q, k, v, mixed heads, probs
 
     def workspace_bytes(self, layer: Layer, mesh: Mesh, compute: str, slices: int) -> int:
+        # Besides the core's, the operand's gradient: one partial product of the operand's
+        # size from each of the q, k, v projections (in f32, as a matrix product writes it
+        # before the sum; whole on every device under tensor parallelism, then all-reduced).
+        # Ring attention adds its gradients up as it goes (below).
+        x = _attention_sizes(layer, mesh, slices)[0]
+        projections = 0 if context_axes(layer, mesh) else 3 * x * F32
+        return projections + self._core_workspace(layer, mesh, compute, slices)
+
+    def _core_workspace(self, layer: Layer, mesh: Mesh, compute: str, slices: int) -> int:
         if _flash(layer):
             # Flash's backward: one block's scores recomputed, their probabilities, the
             # probabilities' gradient and the scores' (f32), and f32 accumulators of dq (whole)
@@ -400,7 +409,10 @@ class Attention(LayerRule[AttentionArgs]):
             scores = rows // seq * block * block  # one query block against one key block
             return 4 * scores * F32 + q * F32 + k_v * F32 * block // seq
         if not context_axes(layer, mesh):
-            return self.residual_bytes(layer, mesh, compute, slices)
+            # The dense core's: the residuals' gradients, the probabilities' in the compute
+            # dtype, and the softmax's backward in f32 (the probabilities, the scores' gradient).
+            scores = _attention_sizes(layer, mesh, slices)[3]
+            return self.residual_bytes(layer, mesh, compute, slices) + 2 * scores * F32
         # Ring attention's backward adds its gradients up in f32 accumulators as it goes (dq,
         # and dk, dv travelling with the blocks: sent and received) rather than holding
         # gradients of all its residuals at once; its largest transients are one block's
@@ -468,11 +480,9 @@ def _scores_and_mix(a: AttentionArgs, x: TensorType) -> int:
 
 
 def _score_copies(compute: str) -> int:
-    """Bytes kept per score [b, heads, s, s]: the masked scores, their exp and the
-    probabilities in f32, the mask itself, and the probabilities in the compute dtype when
-    that is not f32."""
-    c = DTYPE_BYTES[compute]
-    return 3 * F32 + 1 + (c if c != F32 else 0)
+    """Bytes kept per score [b, heads, s, s]: the probabilities, in the compute dtype (the
+    dense core's softmax, dslc.runtime.attention._softmax, keeps nothing else)."""
+    return DTYPE_BYTES[compute]
 
 
 def _attention_sizes(layer: Layer, mesh: Mesh, slices: int) -> tuple[int, int, int, int, int]:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from dslc.diagnostics import Label
 from dslc.ir.nodes import DTYPE_BYTES, FLOAT_DTYPES, INT_DTYPES, Layer, Mesh, Sharding, TensorType
 from dslc.layers.base import (
+    F32,
     ArgSpec,
     Context,
     LayerRule,
@@ -62,6 +63,11 @@ class Linear(LayerRule[LinearArgs]):
     def residual_bytes(self, layer: Layer, mesh: Mesh, compute: str, slices: int) -> int:
         return layer.input.slice_numel(mesh, slices) * DTYPE_BYTES[compute]  # the operand, for the kernel's gradient
 
+    def workspace_bytes(self, layer: Layer, mesh: Mesh, compute: str, slices: int) -> int:
+        # The operand's gradient as the product writes it, in f32, and as it is returned.
+        x = layer.input.slice_numel(mesh, slices)
+        return x * DTYPE_BYTES[compute] + (x * F32 if DTYPE_BYTES[compute] < F32 else 0)
+
     def kernel_args(
         self, a: LinearArgs, dtype: str, operand: Sharding, weights: Mapping[str, Sharding]
     ) -> dict[str, object]:
@@ -100,9 +106,16 @@ class SwiGLU(LayerRule[SwiGLUArgs]):
         return 4 * y.numel * a.in_ + 4 * y.numel
 
     def residual_bytes(self, layer: Layer, mesh: Mesh, compute: str, slices: int) -> int:
-        # The operand, and four hidden-sized values: the gate, its sigmoid, silu(gate), up.
+        # The operand, and the two hidden-sized products (dslc.runtime.layers.gated keeps them
+        # and recomputes silu(gate) and its derivative).
         x, y = layer.input.slice_numel(mesh, slices), layer.output.slice_numel(mesh, slices)
-        return (x + 4 * y) * DTYPE_BYTES[compute]
+        return (x + 2 * y) * DTYPE_BYTES[compute]
+
+    def workspace_bytes(self, layer: Layer, mesh: Mesh, compute: str, slices: int) -> int:
+        # The products' gradients, and the operand's: a partial product of its size from each
+        # of the two matrices (f32, as a matrix product writes it before the sum).
+        x, y = layer.input.slice_numel(mesh, slices), layer.output.slice_numel(mesh, slices)
+        return 2 * y * DTYPE_BYTES[compute] + 2 * x * F32
 
     def kernel_args(
         self, a: SwiGLUArgs, dtype: str, operand: Sharding, weights: Mapping[str, Sharding]

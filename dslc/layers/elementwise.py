@@ -31,7 +31,8 @@ class DropoutArgs:
 
 class Elementwise(LayerRule[A]):
     cost = 1
-    kept = 1  # input-sized values autodiff keeps (the input, and the function's own terms)
+    # What is kept is the input, in the compute dtype: the kernels' own backward passes
+    # (dslc.runtime.layers) recompute an activation's derivative from it.
 
     def infer(self, a: A, x: TensorType, w: dict[str, TensorType], ctx: Context) -> TensorType | None:
         if x.dtype not in FLOAT_DTYPES:
@@ -47,11 +48,13 @@ class Elementwise(LayerRule[A]):
         return self.cost * x.numel
 
     def residual_bytes(self, layer: Layer, mesh: Mesh, compute: str, slices: int) -> int:
-        return self.kept * layer.input.slice_numel(mesh, slices) * DTYPE_BYTES[compute]
+        return self.kept_per_element(compute) * layer.input.slice_numel(mesh, slices)
 
-    def recomputed_bytes(self, layer: Layer, mesh: Mesh, compute: str, slices: int) -> int:
-        # Recomputed, the function's terms fuse into the backward that reads them: the input.
-        return layer.input.slice_numel(mesh, slices) * DTYPE_BYTES[compute]
+    def kept_per_element(self, compute: str) -> int:
+        return DTYPE_BYTES[compute]
+
+    def workspace_bytes(self, layer: Layer, mesh: Mesh, compute: str, slices: int) -> int:
+        return layer.input.slice_numel(mesh, slices) * DTYPE_BYTES[compute]  # the input's gradient
 
 
 class Relu(Elementwise[NoArgs]):
@@ -70,12 +73,6 @@ class Gelu(Elementwise[GeluArgs]):
     Args = GeluArgs
     cost = 8
 
-    def residual_bytes(self, layer: Layer, mesh: Mesh, compute: str, slices: int) -> int:
-        # The tanh form keeps the input and four of its terms; the erf form the input, erfc of
-        # it and the exponential its derivative needs.
-        kept = 5 if self.args_of(layer).approximate else 3
-        return kept * layer.input.slice_numel(mesh, slices) * DTYPE_BYTES[compute]
-
     def kernel_args(
         self, a: GeluArgs, dtype: str, operand: Sharding, weights: Mapping[str, Sharding]
     ) -> dict[str, object]:
@@ -87,7 +84,6 @@ class Silu(Elementwise[NoArgs]):
     doc = "x * sigmoid(x)."
     Args = NoArgs
     cost = 4
-    kept = 2  # the input and its sigmoid
 
 
 class Dropout(Elementwise[DropoutArgs]):
@@ -96,6 +92,9 @@ class Dropout(Elementwise[DropoutArgs]):
     args = (ArgSpec("rate", "float", doc="fraction dropped, in [0, 1)", positive=False),)
     Args = DropoutArgs
     random = True
+
+    def kept_per_element(self, compute: str) -> int:
+        return 1  # the mask, one byte an element, whatever the dtype
 
     def validate(self, a: DropoutArgs, ctx: Context) -> bool:
         rate = a.rate

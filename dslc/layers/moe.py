@@ -271,15 +271,16 @@ class MoE(LayerRule[MoEArgs]):
         (f32); with a capacity, the dispatch and combine tensors [groups, tokens, experts,
         slots]; for every row an expert computes (a slot; dropless, a choice, its buffer
         sized for the worst case under expert parallelism and padded to whole tiles as the CPU
-        form computes them), its input and output (dim each) and its hidden layer before and
-        after the activation (both halves of a gated one); dropless, the choices' rows in
-        token order and sorted, and each tile's copy of its expert's matrices; the shared
-        experts' hidden layer likewise. (XLA recomputes the one-hot choices and the
-        activation's terms inside the backward's fusions rather than keeping them.)"""
+        form computes them), its input and output (dim each) and its hidden layer before the
+        activation (both halves of a gated one), which the activation's own backward pass
+        keeps (dslc.runtime.layers); dropless, the choices' rows in token order and sorted,
+        and each tile's copy of its expert's matrices; the shared experts' hidden layer
+        likewise. (XLA recomputes the one-hot choices and the activation's output inside the
+        backward's fusions rather than keeping them.)"""
         c = DTYPE_BYTES[compute]
         s = _moe_sizes(layer, mesh, slices)
         dispatch = 2 * s.probs * s.slots * c
-        rows = 2 * s.rows * s.row_width + s.sorted_rows + s.tile_weights
+        rows = s.rows * (2 * s.row_width - s.hidden) + s.sorted_rows + s.tile_weights
         return s.x * c + s.probs * F32 + dispatch + rows * c + 2 * s.shared * c
 
     def workspace_bytes(self, layer: Layer, mesh: Mesh, compute: str, slices: int) -> int:
@@ -320,6 +321,7 @@ class Sizes:
     slots: int  # per expert and routing group (0: dropless)
     rows: int  # the rows its experts compute: slots, or dropless the choices' buffer
     row_width: int  # a row's activations: dim, and the hidden width per matrix it feeds
+    hidden: int  # of that, the hidden width (both halves of a gated activation)
     shared: int  # the shared experts' hidden activations
     # Dropless only: the choices in token order and sorted by expert ([choices, dim] each),
     # and the tiles' copies of their experts' matrices, which the backward's products read.
@@ -351,12 +353,12 @@ def _moe_sizes(layer: Layer, mesh: Mesh, slices: int) -> Sizes:
         rows = tiled_rows(routed * a.top_k, held)
         tiles = rows // tile_size(routed * a.top_k, held)
         weights = tiles * d * hidden * (3 if a.gated else 2) // (2 if a.gated else 1)
-        return Sizes(x, routed * e, 0, rows, d + hidden, shared, 2 * routed * a.top_k * d, weights)
+        return Sizes(x, routed * e, 0, rows, d + hidden, hidden, shared, 2 * routed * a.top_k * d, weights)
     slots = capacity_slots(a, per_group)
     # Split tokens reach their experts by all-to-all, and a device computes as many slots as
     # its own groups fill; tokens whole along the expert axes fill only its experts' slots.
     computed = (tokens // per_group) * e * slots // (1 if exchanged else mesh.size(axes))
-    return Sizes(x, tokens * e, slots, computed, d + hidden, shared)
+    return Sizes(x, tokens * e, slots, computed, d + hidden, hidden, shared)
 
 
 def routed_tokens(layer: Layer, mesh: Mesh, tokens: int) -> int:

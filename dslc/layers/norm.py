@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from dslc.diagnostics import Label
-from dslc.ir.nodes import FLOAT_DTYPES, Layer, Mesh, Sharding, TensorType
+from dslc.ir.nodes import DTYPE_BYTES, FLOAT_DTYPES, Layer, Mesh, Sharding, TensorType
 from dslc.layers.base import (
     F32,
     ArgSpec,
@@ -59,16 +59,25 @@ class _Norm(LayerRule[NormArgs]):
         # bias is then added as every rule adds a bias (`LayerRule.flops`).
         return 8 * x.numel + bias_add_flops(x.numel // a.dim, a.dim if a.bias else 0)
 
-    kept_f32 = 2  # input-sized f32 values kept: x and the normalised value (rmsnorm)
+    statistics = 1  # f32 values kept per row: 1 / rms (a layernorm's mean besides)
 
     def residual_bytes(self, layer: Layer, mesh: Mesh, compute: str, slices: int) -> int:
-        return self.kept_f32 * layer.input.slice_numel(mesh, slices) * F32
+        # The kernel's own backward pass (dslc.runtime.layers._norm) keeps the input as given
+        # and the per-row statistics, and recomputes the normalised value.
+        x = layer.input.slice_numel(mesh, slices)
+        rows = x // layer.input.shape[-1]
+        return x * DTYPE_BYTES[compute] + self.statistics * rows * F32
+
+    def workspace_bytes(self, layer: Layer, mesh: Mesh, compute: str, slices: int) -> int:
+        # The backward pass works in f32 (the output's gradient, widened) beside the input's
+        # gradient; the normalised value it recomputes fuses into the sums that read it.
+        return layer.input.slice_numel(mesh, slices) * (F32 + DTYPE_BYTES[compute])
 
 
 class LayerNorm(_Norm):
     kind = "layernorm"
     doc = "(x - mean) / std * scale + bias over the last dimension."
-    kept_f32 = 3  # x - mean, its square, the normalised value
+    statistics = 2  # the mean and 1 / standard deviation
     args = (
         ArgSpec("dim", "int", doc="features"),
         ArgSpec("eps", "float", 1e-5, "added to the variance"),

@@ -143,9 +143,11 @@ def _kept_by_node(
         case Layer():
             rule = RULES[node.kind]
             cast = any(w.type.dtype != compute for w in node.weights)
-            # Widened, what it keeps is held in f32; what a recompute or its backward makes
-            # runs in the loop, one layer at a time, and is not.
-            width = compute if recomputed else held_dtype(compute, widen)
+            # Widened, what it keeps is held in f32 — and what a checkpointed block's backward
+            # recomputes, wherever it runs: XLA's CPU backend converts the 16-bit operands of
+            # the recomputed matrix products to f32 once for both the forward and the backward
+            # product.
+            width = held_dtype(compute, "all" if recomputed and widen != "none" else widen)
             copies = weight_copies(node, mesh, width) if cast else 0
             residuals = rule.recomputed_bytes if recomputed else rule.residual_bytes
             kept = residuals(node, mesh, width, slices) + copies

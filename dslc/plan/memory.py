@@ -249,7 +249,7 @@ def cpu_widening(program: Program, placement: Placement) -> tuple[int, int, list
             (kept_by(c.nodes, mesh, compute, slices), kept_by(c.nodes, mesh, compute, slices, widen="scans"))
             for c in program.chunks
         ]
-        residuals = max((wide.kept - narrow.kept for narrow, wide in pairs), default=0)
+        residuals = max((wide.peak - narrow.peak for narrow, wide in pairs), default=0)
     else:
         narrow = kept_by(program.nodes, mesh, compute, slices)
         residuals = kept_by(program.nodes, mesh, compute, slices, widen="scans").peak - narrow.peak

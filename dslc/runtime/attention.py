@@ -41,6 +41,7 @@ from jax import lax
 from jax.sharding import PartitionSpec
 
 from .fused import flash_implementation
+from .layers import rmsnorm
 
 
 def attention(
@@ -114,10 +115,7 @@ def _heads(x: jax.Array, w: jax.Array, bias: jax.Array | None, n: int) -> jax.Ar
 def _head_norm(t: jax.Array, scale: jax.Array | None, eps: float) -> jax.Array:
     """RMSNorm over each head's features [b, s, n, head_dim] (statistics in f32); t itself
     without a scale."""
-    if scale is None:
-        return t
-    h = t.astype(jnp.float32)
-    return (h * lax.rsqrt((h * h).mean(-1, keepdims=True) + eps)).astype(t.dtype) * scale
+    return t if scale is None else rmsnorm(t, scale, eps=eps, dtype=str(t.dtype))
 
 
 def _project_out(heads_out: jax.Array, o: jax.Array, o_bias: jax.Array | None) -> jax.Array:
@@ -196,9 +194,35 @@ def dense_core(
     scores = jnp.einsum("bqkgd,bskd->bkgqs", queries, keys).astype(jnp.float32) * head_dim**-0.5
     seen = _mask_of(mask, at, at, segments)
     if seen is not None:
-        scores = jnp.where(seen[:, None, None] if seen.ndim == 3 else seen, scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(queries.dtype)
+        seen = seen[:, None, None] if seen.ndim == 3 else seen
+    probs = _softmax(scores, seen, str(queries.dtype))
     return jnp.einsum("bkgqs,bskd->bqkgd", probs, values)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _softmax(scores: jax.Array, seen: jax.Array | None, dtype: str) -> jax.Array:
+    """The softmax over the last axis of f32 scores, masked where `seen` is false, in `dtype`.
+    Its backward pass keeps only the probabilities as returned (the product with the values
+    keeps them anyway): masked scores have probability 0, so their gradient is 0 without the
+    mask, and the softmax's own gradient needs nothing else. Autodiff would keep the masked
+    scores, their exponentials and the probabilities in f32, and the mask: 15 bytes a score
+    where 2 do in bf16."""
+    if seen is not None:
+        scores = jnp.where(seen, scores, jnp.finfo(jnp.float32).min)
+    return jax.nn.softmax(scores, axis=-1).astype(dtype)
+
+
+def _softmax_forward(scores: jax.Array, seen: jax.Array | None, dtype: str) -> tuple[jax.Array, jax.Array]:
+    probs = _softmax(scores, seen, dtype)
+    return probs, probs
+
+
+def _softmax_backward(dtype: str, probs: jax.Array, cotangent: jax.Array) -> tuple[jax.Array, None]:
+    p, g = probs.astype(jnp.float32), cotangent.astype(jnp.float32)
+    return p * (g - jnp.sum(g * p, -1, keepdims=True)), None
+
+
+_softmax.defvjp(_softmax_forward, _softmax_backward)
 
 
 # ---- the online softmax, block by block: flash attention's and ring attention's --------------------

@@ -32,6 +32,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec
 
+from .layers import gated, gelu, relu, silu
+
 # The key of the auxiliary value every layer's aux dict may hold that is added to the loss.
 AUX_LOSS = "aux_loss"
 
@@ -161,15 +163,15 @@ def expert_activation(up: jax.Array, gate: jax.Array | None, activation: str) ->
     """An expert's hidden layer from x @ w_in (`up`) and, for a gated activation, x @ w_gate."""
     match activation:
         case "gelu":
-            return jax.nn.gelu(up, approximate=True)
+            return gelu(up, approximate=True)
         case "relu":
-            return jax.nn.relu(up)
+            return relu(up)
         case "silu":
-            return jax.nn.silu(up)
+            return silu(up)
         case "swiglu" if gate is not None:
-            return jax.nn.silu(gate) * up
+            return gated(gate, up, "silu")
         case "geglu" if gate is not None:
-            return jax.nn.gelu(gate, approximate=True) * up
+            return gated(gate, up, "gelu")
     raise ValueError(f"expert activation {activation!r} (with a gate: {gate is not None})")
 
 

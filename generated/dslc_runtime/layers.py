@@ -10,6 +10,9 @@ business: the caller pins inputs and outputs to the shardings the checker gave t
 
 from __future__ import annotations
 
+import functools
+import math
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -24,7 +27,7 @@ def linear(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *, dt
 
 def swiglu(x: jax.Array, gate: jax.Array, up: jax.Array, *, dtype: str) -> jax.Array:
     x = x.astype(dtype)
-    return jax.nn.silu(jnp.einsum("...i,io->...o", x, gate)) * jnp.einsum("...i,io->...o", x, up)
+    return gated(jnp.einsum("...i,io->...o", x, gate), jnp.einsum("...i,io->...o", x, up), "silu")
 
 
 def embed(ids: jax.Array, table: jax.Array, *, dtype: str) -> jax.Array:
@@ -51,28 +54,93 @@ def conv(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *, stri
 
 
 # ---- normalisation -------------------------------------------------------------------------------
+#
+# A norm keeps for its backward pass only its input, as given (16-bit under mixed precision),
+# and its per-row statistics in f32, and recomputes the normalised value from them: autodiff
+# of the plain formula would keep three input-sized f32 copies (x - mean, its square, the
+# normalised value), 12 bytes an element where 2 (and 8 a row) do.
 
 
 def layernorm(x: jax.Array, scale: jax.Array, bias: jax.Array | None = None, *, eps: float, dtype: str) -> jax.Array:
     # Statistics in f32 whatever the compute dtype: bf16 means lose too much.
-    h = x.astype(jnp.float32)
-    mean = h.mean(-1, keepdims=True)
-    var = ((h - mean) ** 2).mean(-1, keepdims=True)
-    y = ((h - mean) * lax.rsqrt(var + eps)).astype(dtype) * scale
-    return y if bias is None else y + bias
+    return _norm(x, _varying_like(scale, x), None if bias is None else _varying_like(bias, x), eps, dtype, True)
 
 
 def rmsnorm(x: jax.Array, scale: jax.Array, *, eps: float, dtype: str) -> jax.Array:
+    return _norm(x, _varying_like(scale, x), None, eps, dtype, False)
+
+
+def _varying_like(w: jax.Array, x: jax.Array) -> jax.Array:
+    """A weight typed as differing wherever x does inside a shard_map, as autodiff would type
+    it before multiplying (a custom backward pass returns the weight's gradient as it is
+    typed: summed over those axes by this cast's own backward, in f32)."""
+    missing = tuple(sorted(jax.typeof(x).mat.varying - jax.typeof(w).mat.varying))
+    if not missing:
+        return w
+    return lax.pcast(w.astype(jnp.float32), missing, to="varying").astype(w.dtype)
+
+
+def _normalised(x: jax.Array, eps: float, centred: bool) -> tuple[jax.Array, jax.Array | None, jax.Array]:
+    """(x - mean) / rms in f32 (no mean taken when not `centred`), with the mean and 1 / rms."""
     h = x.astype(jnp.float32)
-    y = h * lax.rsqrt((h * h).mean(-1, keepdims=True) + eps)
-    return y.astype(dtype) * scale
+    mean = h.mean(-1, keepdims=True) if centred else None
+    c = h if mean is None else h - mean
+    inv = lax.rsqrt((c * c).mean(-1, keepdims=True) + eps)
+    return c * inv, mean, inv
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _norm(x: jax.Array, scale: jax.Array, bias: jax.Array | None, eps: float, dtype: str, centred: bool) -> jax.Array:
+    y = _normalised(x, eps, centred)[0].astype(dtype) * scale
+    return y if bias is None else y + bias
+
+
+NormSaved = tuple[jax.Array, jax.Array, jax.Array | None, jax.Array | None, jax.Array]
+
+
+def _norm_forward(
+    x: jax.Array, scale: jax.Array, bias: jax.Array | None, eps: float, dtype: str, centred: bool
+) -> tuple[jax.Array, NormSaved]:
+    normalised, mean, inv = _normalised(x, eps, centred)
+    y = normalised.astype(dtype) * scale
+    return (y if bias is None else y + bias), (x, scale, bias, mean, inv)
+
+
+def _norm_backward(
+    eps: float, dtype: str, centred: bool, saved: NormSaved, cotangent: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+    # The barrier keeps XLA from merging this recomputation with the forward pass's, which
+    # would hold the f32 normalised value from the forward pass to here after all.
+    x, scale, bias, mean, inv = saved
+    x, mean, inv = lax.optimization_barrier((x, mean, inv))
+    h = x.astype(jnp.float32)
+    normalised = (h if mean is None else h - mean) * inv
+    g = cotangent.astype(jnp.float32)
+    rows = tuple(range(g.ndim - 1))
+    # The scale multiplied the normalised value as rounded to the compute dtype.
+    d_scale = jnp.sum(g * normalised.astype(dtype).astype(jnp.float32), rows).astype(scale.dtype)
+    d_bias = None if bias is None else jnp.sum(g, rows).astype(bias.dtype)
+    # d/dx of (x - mean) / rms: the gradient less its projections on the constant row (when
+    # centred) and on the normalised value, over rms.
+    gs = g * scale.astype(jnp.float32)
+    d_x = gs - normalised * jnp.mean(gs * normalised, -1, keepdims=True)
+    if centred:
+        d_x = d_x - jnp.mean(gs, -1, keepdims=True)
+    return (d_x * inv).astype(x.dtype), d_scale, d_bias
+
+
+_norm.defvjp(_norm_forward, _norm_backward)
 
 
 # ---- elementwise ---------------------------------------------------------------------------------
+#
+# An activation keeps only its input and recomputes its derivative from it (autodiff of the
+# tanh GeLU keeps the input and four of its terms), and a gated one (SwiGLU, GeGLU) its two
+# operands; dropout keeps its 1-byte mask rather than its 16-bit output.
 
 
 def gelu(x: jax.Array, *, approximate: bool) -> jax.Array:
-    return jax.nn.gelu(x, approximate=approximate)
+    return _activation(x, "gelu" if approximate else "gelu_exact")
 
 
 def relu(x: jax.Array) -> jax.Array:
@@ -80,15 +148,104 @@ def relu(x: jax.Array) -> jax.Array:
 
 
 def silu(x: jax.Array) -> jax.Array:
-    return jax.nn.silu(x)
+    return _activation(x, "silu")
+
+
+def gated(gate: jax.Array, up: jax.Array, activation: str) -> jax.Array:
+    """activation(gate) * up ("silu": SwiGLU, "gelu": GeGLU with the tanh GeLU), keeping the
+    two operands for the backward pass."""
+    return _gated(gate, up, activation)
+
+
+def _act(x: jax.Array, activation: str) -> jax.Array:
+    match activation:
+        case "gelu":
+            return jax.nn.gelu(x, approximate=True)
+        case "gelu_exact":
+            return jax.nn.gelu(x, approximate=False)
+        case "silu":
+            return jax.nn.silu(x)
+    raise ValueError(f"activation {activation!r}")
+
+
+def _act_derivative(x: jax.Array, activation: str) -> jax.Array:
+    """d activation / dx at x, in f32."""
+    h = x.astype(jnp.float32)
+    match activation:
+        case "gelu":
+            # 0.5 h (1 + tanh(u)), u = sqrt(2/pi) (h + 0.044715 h^3)
+            c = math.sqrt(2 / math.pi)
+            t = jnp.tanh(c * (h + 0.044715 * h * h * h))
+            return 0.5 * (1 + t) + 0.5 * h * (1 - t * t) * c * (1 + 3 * 0.044715 * h * h)
+        case "gelu_exact":
+            # h Phi(h): Phi(h) + h phi(h)
+            return 0.5 * (1 + lax.erf(h / math.sqrt(2))) + h * jnp.exp(-0.5 * h * h) / math.sqrt(2 * math.pi)
+        case "silu":
+            s = jax.nn.sigmoid(h)
+            return s * (1 + h * (1 - s))
+    raise ValueError(f"activation {activation!r}")
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _activation(x: jax.Array, activation: str) -> jax.Array:
+    return _act(x, activation)
+
+
+def _activation_forward(x: jax.Array, activation: str) -> tuple[jax.Array, jax.Array]:
+    return _act(x, activation), x
+
+
+def _activation_backward(activation: str, x: jax.Array, cotangent: jax.Array) -> tuple[jax.Array]:
+    x = lax.optimization_barrier(x)  # recomputed here, not merged with the forward's terms
+    return ((cotangent.astype(jnp.float32) * _act_derivative(x, activation)).astype(x.dtype),)
+
+
+_activation.defvjp(_activation_forward, _activation_backward)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _gated(gate: jax.Array, up: jax.Array, activation: str) -> jax.Array:
+    return _act(gate, activation) * up
+
+
+def _gated_forward(gate: jax.Array, up: jax.Array, activation: str) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    return _act(gate, activation) * up, (gate, up)
+
+
+def _gated_backward(
+    activation: str, saved: tuple[jax.Array, jax.Array], cotangent: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    gate, up = lax.optimization_barrier(saved)
+    g = cotangent.astype(jnp.float32)
+    d_gate = g * up.astype(jnp.float32) * _act_derivative(gate, activation)
+    d_up = g * _act(gate, activation).astype(jnp.float32)
+    return d_gate.astype(gate.dtype), d_up.astype(up.dtype)
+
+
+_gated.defvjp(_gated_forward, _gated_backward)
 
 
 def dropout(x: jax.Array, *, rate: float, key: jax.Array | None) -> jax.Array:
     """Inverted dropout; the identity when there is no key (evaluation)."""
     if key is None or rate == 0.0:
         return x
-    keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
+    return _dropped(x, jax.random.bernoulli(key, 1.0 - rate, x.shape), rate)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _dropped(x: jax.Array, keep: jax.Array, rate: float) -> jax.Array:
     return jnp.where(keep, x / (1.0 - rate), 0).astype(x.dtype)
+
+
+def _dropped_forward(x: jax.Array, keep: jax.Array, rate: float) -> tuple[jax.Array, jax.Array]:
+    return _dropped(x, keep, rate), keep
+
+
+def _dropped_backward(rate: float, keep: jax.Array, cotangent: jax.Array) -> tuple[jax.Array, None]:
+    return jnp.where(keep, cotangent / (1.0 - rate), 0).astype(cotangent.dtype), None
+
+
+_dropped.defvjp(_dropped_forward, _dropped_backward)
 
 
 # ---- losses (f32, mean over the positions counted) -----------------------------------------------

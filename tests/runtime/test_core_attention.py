@@ -123,26 +123,48 @@ train {
 """
 
 
+def _kept_per_layer(spec: str, policy: str, t: int) -> int:
+    analysis = dslc.analyze(spec.replace("POLICY", policy).replace("=T", f"={t}"))
+    assert analysis.program is not None and not analysis.diagnostics
+    program = analysis.program
+    return kept_by((_block(program),), program.mesh, "bf16", 1).kept
+
+
+S, B, H, A = 32, 8, 64, 4
+SBH = S * B * H
+# What dslc's layers keep beyond the paper's count: each layernorm's per-row mean and
+# 1 / standard deviation in f32 (two layernorms: 16 bytes per token), where the paper counts
+# the input alone. Norms, GeLU and dropout keep what a fused kernel keeps (their 16-bit input,
+# the mask as one byte) since their own backward passes (dslc.runtime.layers).
+STATISTICS = 2 * 2 * 4 * S * B
+
+
 @pytest.mark.parametrize("t", [1, 2])
 def test_activation_bytes_per_layer_follow_korthikanti(t: int) -> None:
-    s, b, h, a = 32, 8, 64, 4
-    sbh = s * b * h
-
-    def kept(policy: str) -> int:
-        analysis = dslc.analyze(KORTHIKANTI.replace("POLICY", policy).replace("=T", f"={t}"))
-        assert analysis.program is not None and not analysis.diagnostics
-        program = analysis.program
-        return kept_by((_block(program),), program.mesh, "bf16", 1).kept
-
     # Table 2, tensor parallel with selective recomputation: sbh(10 + 24/t) bytes per layer.
-    paper = sbh * (10 + 24 // t)
-    # Terms dslc's layers keep beyond the paper's (docs/plan.md, "Activations"): each
-    # layernorm keeps three f32 tensors of its input (12sbh, the paper's 2sbh input), the
-    # tanh GeLU four of its terms next to its input (40sbh/t, the paper's 8sbh/t), and each
-    # dropout one tensor of its size in the compute dtype (2sbh, the paper's 1-byte mask).
-    extra = 2 * (12 - 2) * sbh + (40 - 8) * sbh // t + 2 * (2 - 1) * sbh
-    assert kept("core_attention") == paper + extra
-    # What `core_attention` drops is the paper's 5as²b/t and dslc's f32 scores besides: the
-    # masked scores, their exponential and probabilities in f32, the mask, the bf16
-    # probabilities (no attention dropout in dslc's kernel: the paper's mask and its output).
-    assert kept("none") - kept("core_attention") == (3 * 4 + 1 + 2) * a * s * s * b // t
+    paper = SBH * (10 + 24 // t)
+    assert _kept_per_layer(KORTHIKANTI, "core_attention", t) == paper + STATISTICS
+    # What `core_attention` drops is the softmax's output, 2as²b/t: the paper's 5as²b/t less
+    # attention dropout's mask and output (dslc's attention has no dropout). The dense core's
+    # softmax keeps nothing else (dslc.runtime.attention._softmax).
+    dropped = _kept_per_layer(KORTHIKANTI, "none", t) - _kept_per_layer(KORTHIKANTI, "core_attention", t)
+    assert dropped == 2 * A * S * S * B // t
+
+
+# The same block with sequence parallelism: the tokens split over `model` outside the
+# tensor-parallel layers (the norms, dropout, the residual stream).
+SEQUENCE_PARALLEL = KORTHIKANTI.replace("bf16[8, 32, 64]", "bf16[8, 32 @ model, 64]").replace(
+    "    dropout(0.1)\n  }", "    layout [_, model, _]\n    dropout(0.1)\n  }"
+)
+
+
+@pytest.mark.parametrize("t", [2, 4])
+def test_activation_bytes_per_layer_follow_korthikanti_with_sequence_parallelism(t: int) -> None:
+    assert SEQUENCE_PARALLEL.count("layout") == 2 and SEQUENCE_PARALLEL.count("@ model") == 2
+    # Table 2, tensor and sequence parallel with selective recomputation: sbh(34/t).
+    paper = SBH * 34 // t
+    # Besides the statistics (of a device's tokens), the attention keeps its operand as its
+    # projections read it, the tokens gathered (2sbh), where Megatron keeps its own share and
+    # gathers it again in the backward pass (2sbh/t).
+    gathered = 2 * SBH - 2 * SBH // t
+    assert _kept_per_layer(SEQUENCE_PARALLEL, "core_attention", t) == paper + gathered + STATISTICS // t
