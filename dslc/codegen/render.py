@@ -225,6 +225,7 @@ def generate(
             "balanced": _balanced(program, placement),
         },
         "master": ir.DTYPES[program.train.master_dtype].jax if program.train.master_dtype else None,
+        "grad_dtype": ir.DTYPES[program.train.grad_dtype].jax if program.train.grad_dtype else None,
     }
     # The imports are what the rendered code calls: the runtime's functions and classes it
     # names, and the libraries it and the templates use.

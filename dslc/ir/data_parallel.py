@@ -20,7 +20,9 @@ def data_parallel_axes(program: Program) -> Axes:
     """The axes along which each device works through its own rows of the batch for the
     whole step, its gradients summed over them once; empty when the step is one slice (no
     pipeline, no accumulation), whose gradients are summed once anyway — unless ZeRO 1 splits
-    the optimizer state, whose pieces the sum reduce-scatters into.
+    the optimizer state, whose pieces the sum reduce-scatters into, or the gradients are summed
+    wider than the parameters (`grad_dtype`), which XLA's own sum, made where the backward pass
+    makes each gradient, would not be.
 
     They are the leading axes that split every input's first (batch) dimension — a device's
     rows must be one block of the batch — of more than one device, up to the first that
@@ -28,7 +30,9 @@ def data_parallel_axes(program: Program) -> Axes:
     and hand each slice's gradients straight back, reduce-scattered, so that no device ever
     holds a whole gradient; a mixture of experts' weights split over an axis exchange the
     tokens along it."""
-    if not (program.pipelined or program.train.accumulate > 1 or program.train.zero == 1) or not program.inputs:
+    train = program.train
+    by_hand = program.pipelined or train.accumulate > 1 or train.zero == 1 or train.grad_dtype is not None
+    if not by_hand or not program.inputs:
         return ()
     mesh = program.mesh
     batch = [tuple(a for a in i.type.sharding[0] if mesh.size((a,)) > 1) for i in program.inputs if i.type.rank]

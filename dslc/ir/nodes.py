@@ -361,6 +361,9 @@ class Train:
     # precision: 16-bit parameters and gradients, the update on the master); None: the
     # parameters are their own master.
     master_dtype: str | None = None
+    # The dtype gradients are summed in — over microbatches, accumulation steps and devices —
+    # where wider than the parameters' (Megatron's `main_grad`); None: the parameters'.
+    grad_dtype: str | None = None
     optimizer: Optimizer = Optimizer("adamw", ())
     span: Span = field(default=NO_SPAN, compare=False, repr=False)
 

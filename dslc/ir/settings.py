@@ -183,6 +183,7 @@ class _TrainFields(TypedDict, total=False):
     param_dtype: str
     compute_dtype: str
     master_dtype: str
+    grad_dtype: str
     optimizer: ir.Optimizer
 
 
@@ -220,7 +221,7 @@ def read_train(t: ast.TrainDef, mesh: ir.Mesh, constants: Mapping[str, ScalarVal
         if value is not None:
             fields["accumulate"] = value
 
-    def precision(key: Literal["param_dtype", "compute_dtype", "master_dtype"], s: ast.Setting) -> None:
+    def precision(key: Literal["param_dtype", "compute_dtype", "master_dtype", "grad_dtype"], s: ast.Setting) -> None:
         v = s.values[0] if len(s.values) == 1 else None
         if not isinstance(v, ast.NameRef):
             # Not a name at all (a number, a call, several values): nothing to suggest from.
@@ -272,6 +273,7 @@ def read_train(t: ast.TrainDef, mesh: ir.Mesh, constants: Mapping[str, ScalarVal
         "param_dtype": lambda s: precision("param_dtype", s),
         "compute_dtype": lambda s: precision("compute_dtype", s),
         "master_dtype": lambda s: precision("master_dtype", s),
+        "grad_dtype": lambda s: precision("grad_dtype", s),
         "optimizer": optimizer,
     }
     for key, s in settings.items():
@@ -287,8 +289,9 @@ def read_train(t: ast.TrainDef, mesh: ir.Mesh, constants: Mapping[str, ScalarVal
             settings["fsdp"].span,
             labels=[Label(settings["zero"].span, "zero stage set here")],
         )
-    if "master_dtype" in fields:
-        _check_master(settings, fields, diags)
+    for wide in ("master_dtype", "grad_dtype"):
+        if wide in fields:
+            _check_wide(wide, settings, fields, diags)
     return ir.Train(
         zero=fields.get("zero", train.zero),
         shard_axes=fields.get("shard_axes", train.shard_axes),
@@ -296,36 +299,49 @@ def read_train(t: ast.TrainDef, mesh: ir.Mesh, constants: Mapping[str, ScalarVal
         param_dtype=fields.get("param_dtype", train.param_dtype),
         compute_dtype=fields.get("compute_dtype", train.compute_dtype),
         master_dtype=fields.get("master_dtype", train.master_dtype),
+        grad_dtype=fields.get("grad_dtype", train.grad_dtype),
         optimizer=fields.get("optimizer", train.optimizer),
         span=t.span,
     )
 
 
-def _check_master(settings: dict[str, ast.PipelineItem], fields: _TrainFields, diags: Diagnostics) -> None:
-    """`master_dtype` keeps an f32 master copy of 16-bit parameters in the optimizer state:
-    it must be f32, and the parameters narrower. A setting that does not fit is dropped."""
-    where = settings["master_dtype"]
+# What each f32 copy beside 16-bit parameters keeps, as the diagnostics say it.
+_WIDE = {
+    "master_dtype": ("keeps an f32 master copy of 16-bit parameters", "the master in the optimizer state"),
+    "grad_dtype": ("sums the gradients of 16-bit parameters in f32", "their gradients summed in f32"),
+}
+
+
+def _check_wide(
+    key: Literal["master_dtype", "grad_dtype"],
+    settings: dict[str, ast.PipelineItem],
+    fields: _TrainFields,
+    diags: Diagnostics,
+) -> None:
+    """`master_dtype` keeps an f32 master copy of 16-bit parameters in the optimizer state, and
+    `grad_dtype` sums their gradients in f32: each must be f32, and the parameters narrower. A
+    setting that does not fit is dropped."""
+    where = settings[key]
     assert isinstance(where, ast.Setting)
     param = fields.get("param_dtype", ir.Train().param_dtype)
-    if fields["master_dtype"] != "f32":
+    does, kept = _WIDE[key]
+    if fields[key] != "f32":
         diags.error(
             "E026",
-            f"the master copy of the parameters is kept in f32, not {fields['master_dtype']}",
+            f"`{key}` {does}: it is f32, not {fields[key]}",
             where.values[0].span,
-            help="write `master_dtype f32`",
+            help=f"write `{key} f32`",
         )
-        del fields["master_dtype"]
+        del fields[key]
     elif param == "f32":
         written = settings.get("param_dtype")
         labels = [Label(written.span, "parameters kept in f32 here")] if written is not None else []
         diags.error(
             "E026",
-            "`master_dtype f32` keeps an f32 master copy of 16-bit parameters, but the parameters are f32 "
-            "and so their own master",
+            f"`{key} f32` {does}, but the parameters are f32 and so is everything computed from them",
             where.span,
             labels=labels,
             notes=["parameters are f32 unless `param_dtype` says otherwise"] if not labels else [],
-            help="add `param_dtype bf16` (parameters and gradients in 16 bits, the master in the optimizer state), "
-            "or leave `master_dtype` out",
+            help=f"add `param_dtype bf16` (parameters in 16 bits, {kept}), or leave `{key}` out",
         )
-        del fields["master_dtype"]
+        del fields[key]

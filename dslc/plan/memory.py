@@ -87,6 +87,11 @@ def optimizer_state_bytes(t: TensorType, sharding: tuple[tuple[str, ...], ...], 
     return copies * _local(t, sharding, program.mesh)
 
 
+def gradient_type(t: TensorType, program: Program) -> TensorType:
+    """A stored array's gradient, and what sums it: in `grad_dtype` where the spec widens it."""
+    return TensorType(program.train.grad_dtype or t.dtype, t.shape, t.sharding)
+
+
 def training_state(program: Program, placement: Placement | None = None) -> State:
     """Parameters, gradients, optimizer state and accumulators per device, as stored."""
     mesh, train = program.mesh, program.train
@@ -95,15 +100,17 @@ def training_state(program: Program, placement: Placement | None = None) -> Stat
     for array in (placement or place(program)).arrays:
         state = array.state(program)
         params += _local(array.type, state.params, mesh)
-        grad = _local(array.type, state.grads, mesh)
+        gradient = gradient_type(array.type, program)
+        grad = _local(gradient, state.grads, mesh)
         grads += grad
         optimizer += optimizer_state_bytes(array.type, state.optimizer, program)
         # What the step computes the gradient in: the stage's own piece, or a gathered whole.
         whole = tuple(tuple(a for a in axes if a != axis) for axes in array.type.sharding)
-        here = _local(array.type, whole if array.split_dim is not None else array.type.sharding, mesh)
+        computed = whole if array.split_dim is not None else array.type.sharding
+        here = _local(gradient, computed, mesh)
         held += here
         if array.split_dim is not None:
-            gathered += here
+            gathered += _local(array.type, computed, mesh)
         elif array.stage_dim is not None and grad == here:
             # The executor returns a stage's own piece of the accumulator as it is: the
             # accumulator's buffer is the gradient the step returns.
@@ -272,7 +279,8 @@ def summed_by_hand(program: Program, placement: Placement) -> tuple[int, list[tu
     mesh = program.mesh
     largest = max(
         (
-            _local(a.type, a.state(program).grads, mesh) + _local(a.type, a.state(program).optimizer, mesh)
+            _local(gradient_type(a.type, program), a.state(program).grads, mesh)
+            + _local(a.type, a.state(program).optimizer, mesh)
             for a in placement.arrays
         ),
         default=0,

@@ -115,8 +115,10 @@ def pipeline_value_and_grad(
     parameters: dict[str, Parameter],
     has_aux: bool = False,
     count: Callable[[dict[str, jax.Array]], jax.Array] | None = None,
+    grad_dtype: str | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Mean loss over the microbatches and the gradient of every stored array.
+    """Mean loss over the microbatches and the gradient of every stored array, summed over
+    the microbatches in `grad_dtype` when given (f32 beside 16-bit parameters).
 
     Each stored array comes in as `parameters` places it under the pipeline: its
     `stage_rows` is the dimension whose pieces are each stage's own (rows or layers), or its
@@ -156,7 +158,16 @@ def pipeline_value_and_grad(
         local: dict[str, jax.Array], micro: dict[str, jax.Array], tables: Any, key: jax.Array, weights: jax.Array
     ) -> Any:
         executor = _Executor(
-            chunks, shares, has_aux, local_pipeline, local, micro, tables, key if key_given else None, weights
+            chunks,
+            shares,
+            has_aux,
+            local_pipeline,
+            local,
+            micro,
+            tables,
+            key if key_given else None,
+            weights,
+            grad_dtype,
         )
         loss, gacc = executor.run()
         grads = {}
@@ -209,10 +220,13 @@ class _Executor:
         tables: dict[str, jax.Array],
         key: jax.Array | None,
         loss_weights: jax.Array,
+        grad_dtype: str | None = None,
     ) -> None:
         """`pipeline` as one stage sees it (its microbatches' rows), `local` the stage's pieces
         of the stored arrays, `micro` the microbatches, `tables` the schedule's tables as
-        arrays, `loss_weights` each microbatch's weight in the mean loss."""
+        arrays, `loss_weights` each microbatch's weight in the mean loss, `grad_dtype` the
+        accumulator's (None: the arrays' own)."""
+        self.grad_dtype = grad_dtype
         self.chunks, self.shares, self.has_aux, self.local, self.micro = chunks, shares, has_aux, local, micro
         self.tables, self.key, self.loss_weights = tables, key, loss_weights
         self.axis, self.stream, self.M = pipeline.axis, pipeline.stream, pipeline.microbatches
@@ -293,7 +307,7 @@ class _Executor:
             jnp.zeros((self.slots["stash_slot"] + 1, *self.shape), self.dtype),  # chunk inputs
             jnp.zeros((self.slots["activation_slot"] + 1, *self.shape), self.dtype),
             jnp.zeros((self.slots["gradient_slot"] + 1, *self.shape), self.dtype),
-            {name: jnp.zeros_like(value) for name, value in self.local.items()},
+            {name: jnp.zeros_like(value, self.grad_dtype or value.dtype) for name, value in self.local.items()},
             jnp.zeros((), jnp.float32),
         )
         (_, _, _, _, gacc, loss), _ = lax.scan(self.tick, carry, jnp.arange(self.tables["op"].shape[0]))
@@ -335,7 +349,7 @@ class _Executor:
             added, dx = lax.switch(
                 index, branches, kept, stash_x[read], grads_in[slot("gradient_slot")], inputs, key, m
             )
-        gacc = {name: gacc[name] + added[name] for name in gacc}
+        gacc = {name: gacc[name] + added[name].astype(gacc[name].dtype) for name in gacc}
 
         # Ring sends outside the switches, by every stage alike (none at a tick where nothing
         # arrives anywhere). A stage runs one op a tick: it sends its forward's output or its

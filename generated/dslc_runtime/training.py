@@ -102,6 +102,7 @@ def accumulate_gradients(
     key: jax.Array | None,
     steps: int,
     count: Callable[[dict[str, jax.Array]], jax.Array] | None = None,
+    grad_dtype: str | None = None,
 ) -> tuple[jax.Array, Any]:
     """Mean loss and gradients over `steps` slices of the batch, one slice at a time.
 
@@ -113,9 +114,13 @@ def accumulate_gradients(
     batch: cross-entropy leaves out ignored targets) has slices of different weights: slice
     j's loss and gradients are weighed by its share of the batch's counted positions, so the
     result is the full batch's mean over its counted positions, not a mean of slice means.
+
+    `grad_dtype` (f32 beside 16-bit parameters, Megatron's `main_grad`): the sum is kept in it,
+    each slice's gradients widened as they are added, so that no slice's contribution is
+    rounded away by the others'.
     """
     if steps == 1:
-        return value_and_grad(params, batch, key)
+        return widened(value_and_grad(params, batch, key), grad_dtype)
     sliced = {k: v.reshape(v.shape[0] // steps, steps, *v.shape[1:]).swapaxes(0, 1) for k, v in batch.items()}
     keys = jax.random.split(key, steps) if key is not None else None
     total_count = None if count is None else jnp.maximum(count(batch), 1.0)
@@ -126,13 +131,21 @@ def accumulate_gradients(
         if count is not None and total_count is not None:
             share = count(piece) / total_count
             value, grads = value * share, jax.tree.map(lambda g: g * share.astype(g.dtype), grads)
-        return (total[0] + value, jax.tree.map(jnp.add, total[1], grads)), None
+        return (total[0] + value, jax.tree.map(lambda t, g: t + g.astype(t.dtype), total[1], grads)), None
 
-    zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
+    zeros = (jnp.zeros((), jnp.float32), jax.tree.map(lambda p: jnp.zeros_like(p, grad_dtype or p.dtype), params))
     (value, total), _ = jax.lax.scan(one, zeros, jnp.arange(steps))
     if total_count is not None:
         return value, total
     return value / steps, jax.tree.map(lambda g: g / steps, total)
+
+
+def widened(result: tuple[jax.Array, Any], grad_dtype: str | None) -> tuple[jax.Array, Any]:
+    """(loss, gradients) with the gradients in `grad_dtype`, when given (the dtype a step sums
+    and returns them in: f32 beside 16-bit parameters, the `grad_dtype` setting)."""
+    if grad_dtype is None:
+        return result
+    return result[0], jax.tree.map(lambda g: g.astype(grad_dtype), result[1])
 
 
 def data_parallel(
@@ -145,6 +158,7 @@ def data_parallel(
     axes: tuple[str, ...],
     parameters: dict[str, Parameter],
     count: Callable[[dict[str, jax.Array]], jax.Array] | None = None,
+    grad_dtype: str | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Mean loss and gradients over the batch, each device working through its own rows of
     it, the gradients summed over the data-parallel `axes` once, at the end.
@@ -164,7 +178,8 @@ def data_parallel(
 
     Each device weighs by its share of the batch (of its counted positions, for a loss that
     averages over those: `count`), so the result is the whole batch's mean. Each device draws
-    its own random numbers (its key folded with its index along `axes`).
+    its own random numbers (its key folded with its index along `axes`). `grad_dtype`: the
+    devices' gradients are summed in it (f32 beside 16-bit parameters).
     """
     devices = math.prod(mesh.shape[a] for a in axes)
     # A device's block of each gradient: the parameter's sharding, behind the new dimension.
@@ -174,7 +189,7 @@ def data_parallel(
         params: dict[str, jax.Array], rows: dict[str, jax.Array], key: jax.Array
     ) -> tuple[jax.Array, dict[str, jax.Array]]:
         mine = jax.random.fold_in(key, lax.axis_index(axes)) if key_given else None
-        loss, grads = value_and_grad(params, rows, mine)
+        loss, grads = widened(value_and_grad(params, rows, mine), grad_dtype)
         if count is None:
             share = jnp.asarray(1.0 / devices, jnp.float32)
         else:

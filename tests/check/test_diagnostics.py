@@ -992,7 +992,21 @@ def test_e026_master_copy_of_parameters_that_are_already_f32() -> None:
 def test_e026_master_copy_narrower_than_f32() -> None:
     d = only(spec(after="train {\n  param_dtype bf16\n  master_dtype f16\n}\n"))
     assert (d.code, at(d)) == ("E026", (11, 16, 11, 19))
-    assert d.message == "the master copy of the parameters is kept in f32, not f16"
+    assert d.message == "`master_dtype` keeps an f32 master copy of 16-bit parameters: it is f32, not f16"
+
+
+def test_e026_gradients_summed_in_f32_beside_f32_parameters() -> None:
+    d = only(spec(after="train {\n  grad_dtype f32\n}\n"))
+    assert (d.code, at(d)) == ("E026", (10, 3, 10, 17))
+    assert d.message.startswith("`grad_dtype f32` sums the gradients of 16-bit parameters in f32")
+    assert d.notes == ("parameters are f32 unless `param_dtype` says otherwise",)
+    assert d.help is not None and "param_dtype bf16" in d.help
+
+
+def test_e026_gradients_summed_narrower_than_f32() -> None:
+    d = only(spec(after="train {\n  param_dtype bf16\n  grad_dtype bf16\n}\n"))
+    assert (d.code, at(d)) == ("E026", (11, 14, 11, 18))
+    assert d.message == "`grad_dtype` sums the gradients of 16-bit parameters in f32: it is f32, not bf16"
 
 
 def test_e026_unknown_checkpoint_policy() -> None:
