@@ -32,6 +32,46 @@ class IdRange:
     ignored: int | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class Packing:
+    """How a language model's sequences hold several documents: the input of document ids its
+    attention layers read (`segments=`, one for all: `readers`), and the loss's mask
+    (`mask=`), which packing fills with where a target stays in its document."""
+
+    segments: str | None
+    readers: tuple[str, ...]
+    mask: str | None
+
+    def describe(self) -> str:
+        """One sentence for `dslc show` and `dslc plan`; empty when nothing is packed."""
+        said = []
+        if self.segments is not None:
+            said.append(
+                f"{', '.join(f'`{r}`' for r in self.readers)} read document ids from `{self.segments}` "
+                "(a query sees only its own document's keys, rotary positions restart at each)"
+            )
+        if self.mask is not None:
+            said.append(f"the loss counts only positions where `{self.mask}` is not 0 (not a next document's first)")
+        return "documents packed into sequences: " + "; ".join(said) if said else ""
+
+
+# A program whose sequences are one document each.
+UNPACKED = Packing(None, (), None)
+
+
+def packing(program: ir.Program) -> Packing:
+    """The inputs that pack documents into `program`'s sequences (none: `UNPACKED`)."""
+    readers: dict[str, list[str]] = {}
+    for layer in ir.all_layers(program):
+        segments = layer.attr("segments") if layer.kind == "attention" else None
+        if segments is not None:
+            readers.setdefault(str(segments), []).append(layer.path)
+    loss = program.loss
+    mask = loss.attr("mask") if loss is not None and loss.kind == "cross_entropy" else None
+    segments = next(iter(readers)) if len(readers) == 1 else None
+    return Packing(segments, tuple(readers.get(segments, ())) if segments else (), None if mask is None else str(mask))
+
+
 def id_ranges(program: ir.Program) -> dict[str, IdRange]:
     """For integer inputs that index something: token ids below the embedding's vocabulary,
     class labels below the logits' width."""

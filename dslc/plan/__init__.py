@@ -6,6 +6,7 @@ no accelerator stack, so `dslc plan` answers before anything is compiled or allo
 
 from __future__ import annotations
 
+from dslc.ir.inputs import packing
 from dslc.ir.nodes import Program, all_layers, parameter_count
 from dslc.layers import RULES
 from dslc.plan.communication import Transfer, communication
@@ -52,6 +53,7 @@ def plan(
     intra = node_local_axes(program.mesh, order, hardware.node_size)
     bubble = pipe.bubble_fraction if pipe is not None else 0.0
     estimate = step_time(busiest_stage_flops(program), transfers, bubble, intra, hardware)
+    packed = packing(program)
     return Plan(
         model=program.name,
         mesh=tuple(zip(program.mesh.names, program.mesh.shape, strict=True)),
@@ -69,6 +71,10 @@ def plan(
         nodes_declared=program.mesh.nodes > 1,
         padding=paddings(program),
         logits_padding=logits_padding(program),
+        packing=packed,
+        packing_bytes=sum(
+            i.type.local_nbytes(program.mesh) for i in program.inputs if i.name in (packed.segments, packed.mask)
+        ),
     )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from dslc.ir.inputs import UNPACKED, Packing
 from dslc.plan.communication import Transfer
 from dslc.plan.experts import ExpertLayer
 from dslc.plan.flops import Flops
@@ -56,6 +57,8 @@ class Plan:
     nodes_declared: bool = False  # whether the spec says which (`across N nodes`), or Megatron's layout does
     padding: tuple[Padding, ...] = ()  # vocabularies padded to split evenly
     logits_padding: LogitsPadding | None = None
+    packing: Packing = UNPACKED  # documents packed into sequences
+    packing_bytes: int = 0  # the document ids and the loss mask, per device (among the inputs)
 
     @property
     def devices(self) -> int:
@@ -183,6 +186,12 @@ class Plan:
                     "flops": self.logits_padding.flops,
                 },
             },
+            "packing": {
+                "segments": self.packing.segments,
+                "readers": list(self.packing.readers),
+                "mask": self.packing.mask,
+                "bytes_per_device": self.packing_bytes,
+            },
             "device_memory": self.device_memory,
             "fits": None if self.device_memory is None else m.total <= self.device_memory,
             "warnings": list(self.warnings),
@@ -273,6 +282,8 @@ class Plan:
                 + (" (as the spec's mesh declares)" if self.nodes_declared else " (Megatron's layout, by node size)"),
             ]
         lines += self._padding_text()
+        if self.packing.describe():
+            lines += ["", self.packing.describe(), f"  their inputs: {format_bytes(self.packing_bytes)} per device"]
         lines += [f"warning: {w}" for w in self.warnings]
         return "\n".join(lines) + "\n"
 

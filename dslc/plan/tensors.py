@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dslc.ir import nodes as ir
+from dslc.ir.inputs import UNPACKED, Packing, packing
 from dslc.ir.placement import place
 from dslc.plan.report import format_bytes
 from dslc.plan.timetable import microbatch_slices, pipelined
@@ -152,6 +153,7 @@ class Tensors:
     pipelined: bool
     slices: int  # a step's batch runs in this many slices (microbatches x accumulation steps)
     rows: tuple[Row, ...]
+    packing: Packing = UNPACKED  # documents packed into the sequences
 
     @property
     def weight_bytes(self) -> int:
@@ -164,6 +166,11 @@ class Tensors:
             "mesh": dict(zip(self.mesh.names, self.mesh.shape, strict=True)),
             "weight_bytes": self.weight_bytes,
             "slices": self.slices,
+            "packing": {
+                "segments": self.packing.segments,
+                "readers": list(self.packing.readers),
+                "mask": self.packing.mask,
+            },
             "layers": [row.to_json() for row in self.rows],
         }
 
@@ -187,6 +194,8 @@ class Tensors:
         ]
         if self.slices > 1:
             lines.append(f"(outputs are a whole step's batch, which runs in {self.slices} slices)")
+        if self.packing.describe():
+            lines.append(self.packing.describe())
         return "\n".join(lines + _table(rows)) + "\n"
 
 
@@ -237,4 +246,4 @@ def tensors(program: ir.Program) -> Tensors:
                 copies=times,
             )
         )
-    return Tensors(program.name, mesh, pipelined(program), microbatch_slices(program), tuple(rows))
+    return Tensors(program.name, mesh, pipelined(program), microbatch_slices(program), tuple(rows), packing(program))

@@ -13,7 +13,7 @@ import hashlib
 from pathlib import Path
 
 from dslc.ir import nodes as ir
-from dslc.ir.inputs import integer_bounds
+from dslc.ir.inputs import integer_bounds, packing
 from dslc.train.corpus import stdlib_corpus
 from dslc.train.dataset import DataError, Dataset
 from dslc.train.digits import CLASSES, NATIVE_SIDE, DigitImages, image_side, load_digits
@@ -31,7 +31,8 @@ def dataset_for(program: ir.Program, data: Path | None = None, document_end: int
             f"spec `{program.name}` has no loss layer (cross_entropy or mse) at the end of `forward`: nothing to train"
         )
     target = program.input(str(loss.attr("targets")))
-    segments, counted = _packing_inputs(program, loss)
+    packed = packing(program)
+    segments, counted = packed.segments, packed.mask
     others = [i for i in program.inputs if i.name not in (stream.name, target.name, segments, counted)]
     if not others and _is_language_model(program, stream, target, loss):
         vocab = _token_count(program, stream, target, embedded=data is None)
@@ -50,17 +51,6 @@ def dataset_for(program: ir.Program, data: Path | None = None, document_end: int
     if not others and _is_image_classifier(stream, target, loss):
         return DigitImages(load_digits(), stream, target)
     raise DataError(_refusal(program))
-
-
-def _packing_inputs(program: ir.Program, loss: ir.Layer) -> tuple[str | None, str | None]:
-    """The inputs a language model reads to pack documents into its sequences: the document
-    ids its attention layers read (`segments=`, one input for all), and the loss's mask
-    (`mask=`), which packing fills with where a target stays in its document."""
-    named = {str(layer.attr("segments")) for layer in ir.all_layers(program) if layer.kind == "attention"}
-    named.discard("None")
-    segments = named.pop() if len(named) == 1 else None
-    mask = loss.attr("mask") if loss.kind == "cross_entropy" else None
-    return segments, (str(mask) if mask is not None else None)
 
 
 def _stdlib_tokens() -> TokenData:

@@ -115,3 +115,27 @@ def test_text_columns_line_up_however_wide_their_cells(capsys: pytest.CaptureFix
 def test_show_reports_spec_errors_with_exit_1(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["show", str(SPECS / "tiny.par"), "--mesh", "3x1"]) == 1
     assert "error[" in capsys.readouterr().err
+
+
+def test_packed_documents_are_said_by_show_and_counted_by_plan() -> None:
+    """A spec whose attention reads document ids and whose loss reads their mask: `show` says
+    so, and `plan` counts the two inputs (on tiny's 2x2 mesh each device holds 4 of the 8
+    sequences of 32 tokens: 4 x 32 i32 ids and 4 x 32 i8 mask values, 640 bytes)."""
+    from tests.train.test_data import PACKED
+
+    program = analyze(PACKED).program
+    assert program is not None
+    shown = tensors(program)
+    said = (
+        "documents packed into sequences: `layers.attn` read document ids from `docs` (a query sees only its own "
+        "document's keys, rotary positions restart at each); the loss counts only positions where `counted` is "
+        "not 0 (not a next document's first)"
+    )
+    assert said in shown.to_text().splitlines()
+    assert shown.to_json()["packing"] == {"segments": "docs", "readers": ["layers.attn"], "mask": "counted"}
+    planned = plan(program)
+    assert planned.packing_bytes == 4 * 32 * 4 + 4 * 32 * 1
+    assert said in planned.to_text() and "their inputs: 640 B per device" in planned.to_text()
+    unpacked = analyze(SPECS / "tiny.par").program
+    assert unpacked is not None
+    assert "documents packed" not in tensors(unpacked).to_text() + plan(unpacked).to_text()
