@@ -285,7 +285,7 @@ class Stage0(nnx.Module):
 
     def __call__(self, x: jax.Array, inputs: Arrays, key: jax.Array | None) -> jax.Array:
         # gpt2.par:53 wte: embed(vocab, d) shard table[model, _]
-        x = embed(x, **weights_of(self.wte), dtype=COMPUTE_DTYPE)
+        x = embed(x, **weights_of(self.wte), dtype=COMPUTE_DTYPE, scale=False)
         x = checkpoint_name(constrain(x, P("data", None, None)), "wte")
         # gpt2.par:54 wpe: position_embed(positions, d)
         x = position_embed(x, **weights_of(self.wpe))

@@ -285,7 +285,7 @@ class Stage0(nnx.Module):
 
     def __call__(self, x: jax.Array, inputs: Arrays, key: jax.Array | None) -> jax.Array:
         # gpt3_175b.par:45 embed: embed(vocab, d) shard table[model, _]
-        x = embed(x, **weights_of(self.embed), dtype=COMPUTE_DTYPE)
+        x = embed(x, **weights_of(self.embed), dtype=COMPUTE_DTYPE, scale=False)
         x = checkpoint_name(constrain(x, P("data", None, None)), "embed")
         # gpt3_175b.par:47 blocks: repeat n_layers gpt_block(d, heads, ffn)
         x = scan_layers(self.blocks, 6, x, inputs, key)

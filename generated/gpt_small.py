@@ -264,7 +264,7 @@ class Stage0(nnx.Module):
 
     def __call__(self, x: jax.Array, inputs: Arrays, key: jax.Array | None) -> jax.Array:
         # gpt_small.par:37 embed: embed(vocab, d) shard table[model, _]
-        x = embed(x, **weights_of(self.embed), dtype=COMPUTE_DTYPE)
+        x = embed(x, **weights_of(self.embed), dtype=COMPUTE_DTYPE, scale=False)
         x = checkpoint_name(constrain(x, P("data", None, None)), "embed")
         # gpt_small.par:39 blocks: repeat n_layers gpt_block(d, heads, ffn)
         x = scan_layers(self.blocks, 2, x, inputs, key)

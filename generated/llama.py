@@ -235,7 +235,7 @@ class LlamaBlock(nnx.Module):
         # llama.par:39: residual
         h = x
         # llama.par:40 attn_norm: rmsnorm(d, eps=eps)
-        h = rmsnorm(h, **weights_of(self.attn_norm), eps=1e-05, dtype=COMPUTE_DTYPE)
+        h = rmsnorm(h, **weights_of(self.attn_norm), eps=1e-05, dtype=COMPUTE_DTYPE, offset=False)
         h = checkpoint_name(constrain(h, P("data", None, None)), self.path + ".attn_norm")
         # llama.par:41 attn: attention(d, heads, kv_heads=kv_heads, rope=true, rope_base=rope_base, qkv_bia...
         h = attention(
@@ -254,10 +254,10 @@ class LlamaBlock(nnx.Module):
         # llama.par:43: residual
         h = x
         # llama.par:44 mlp_norm: rmsnorm(d, eps=eps)
-        h = rmsnorm(h, **weights_of(self.mlp_norm), eps=1e-05, dtype=COMPUTE_DTYPE)
+        h = rmsnorm(h, **weights_of(self.mlp_norm), eps=1e-05, dtype=COMPUTE_DTYPE, offset=False)
         h = checkpoint_name(constrain(h, P("data", None, None)), self.path + ".mlp_norm")
         # llama.par:45 gate_up: swiglu(d, ffn) shard gate[_, model], up[_, model]
-        h = swiglu(h, **weights_of(self.gate_up), dtype=COMPUTE_DTYPE)
+        h = swiglu(h, **weights_of(self.gate_up), dtype=COMPUTE_DTYPE, activation="silu")
         h = checkpoint_name(constrain(h, P("data", None, "model")), self.path + ".gate_up")
         # llama.par:46 down: linear(ffn, d, bias=false) shard kernel[model, _]
         h = linear(h, **weights_of(self.down), dtype=COMPUTE_DTYPE)
@@ -277,7 +277,7 @@ class Stage0(nnx.Module):
 
     def __call__(self, x: jax.Array, inputs: Arrays, key: jax.Array | None) -> jax.Array:
         # llama.par:51 embed: embed(vocab, d) shard table[model, _]
-        x = embed(x, **weights_of(self.embed), dtype=COMPUTE_DTYPE)
+        x = embed(x, **weights_of(self.embed), dtype=COMPUTE_DTYPE, scale=False)
         x = checkpoint_name(constrain(x, P("data", None, None)), "embed")
         # llama.par:53 layers: repeat layers llama_block(d, heads, kv_heads, ffn, eps, rope_base, qkv_bias)
         x = scan_layers(self.layers, 11, x, inputs, key)
@@ -299,7 +299,7 @@ class Stage1(nnx.Module):
         # llama.par:53 layers: repeat layers llama_block(d, heads, kv_heads, ffn, eps, rope_base, qkv_bias)
         x = scan_layers(self.layers, 11, x, inputs, key)
         # llama.par:55 norm: rmsnorm(d, eps=eps)
-        x = rmsnorm(x, **weights_of(self.norm), eps=1e-05, dtype=COMPUTE_DTYPE)
+        x = rmsnorm(x, **weights_of(self.norm), eps=1e-05, dtype=COMPUTE_DTYPE, offset=False)
         x = checkpoint_name(constrain(x, P("data", None, None)), "norm")
         # llama.par:56 head: linear(d, vocab, bias=false) shard kernel[_, model]
         x = linear(x, **weights_of(self.head), dtype=COMPUTE_DTYPE)

@@ -215,7 +215,7 @@ class LlamaBlock(nnx.Module):
         # llama_small.par:23: residual
         h = x
         # llama_small.par:24 attn_norm: rmsnorm(d)
-        h = rmsnorm(h, **weights_of(self.attn_norm), eps=1e-06, dtype=COMPUTE_DTYPE)
+        h = rmsnorm(h, **weights_of(self.attn_norm), eps=1e-06, dtype=COMPUTE_DTYPE, offset=False)
         h = checkpoint_name(constrain(h, P("data", None, None)), self.path + ".attn_norm")
         # llama_small.par:25 attn: attention(d, heads, kv_heads=kv_heads, rope=true) shard q[_, model], k[_...
         h = attention(
@@ -233,10 +233,10 @@ class LlamaBlock(nnx.Module):
         # llama_small.par:27: residual
         h = x
         # llama_small.par:28 mlp_norm: rmsnorm(d)
-        h = rmsnorm(h, **weights_of(self.mlp_norm), eps=1e-06, dtype=COMPUTE_DTYPE)
+        h = rmsnorm(h, **weights_of(self.mlp_norm), eps=1e-06, dtype=COMPUTE_DTYPE, offset=False)
         h = checkpoint_name(constrain(h, P("data", None, None)), self.path + ".mlp_norm")
         # llama_small.par:29 gate_up: swiglu(d, ffn) shard gate[_, model], up[_, model]
-        h = swiglu(h, **weights_of(self.gate_up), dtype=COMPUTE_DTYPE)
+        h = swiglu(h, **weights_of(self.gate_up), dtype=COMPUTE_DTYPE, activation="silu")
         h = checkpoint_name(constrain(h, P("data", None, "model")), self.path + ".gate_up")
         # llama_small.par:30 down: linear(ffn, d, bias=false) shard kernel[model, _]
         h = linear(h, **weights_of(self.down), dtype=COMPUTE_DTYPE)
@@ -260,12 +260,12 @@ class LlamaSmall(nnx.Module):
 
     def __call__(self, x: jax.Array, inputs: Arrays, key: jax.Array | None) -> jax.Array:
         # llama_small.par:35 embed: embed(vocab, d) shard table[model, _]
-        x = embed(x, **weights_of(self.embed), dtype=COMPUTE_DTYPE)
+        x = embed(x, **weights_of(self.embed), dtype=COMPUTE_DTYPE, scale=False)
         x = checkpoint_name(constrain(x, P("data", None, None)), "embed")
         # llama_small.par:36 layers: repeat n_layers llama_block(d, heads, kv_heads, ffn)
         x = scan_layers(self.layers, 4, x, inputs, key)
         # llama_small.par:37 norm: rmsnorm(d)
-        x = rmsnorm(x, **weights_of(self.norm), eps=1e-06, dtype=COMPUTE_DTYPE)
+        x = rmsnorm(x, **weights_of(self.norm), eps=1e-06, dtype=COMPUTE_DTYPE, offset=False)
         x = checkpoint_name(constrain(x, P("data", None, None)), "norm")
         # llama_small.par:38 head: linear(d, vocab, bias=false) shard kernel[_, model]
         x = linear(x, **weights_of(self.head), dtype=COMPUTE_DTYPE)

@@ -205,7 +205,7 @@ class Decoder(nnx.Module):
         # long_context.par:25: residual
         h = x
         # long_context.par:26 attn_norm: rmsnorm(d)
-        h = rmsnorm(h, **weights_of(self.attn_norm), eps=1e-06, dtype=COMPUTE_DTYPE)
+        h = rmsnorm(h, **weights_of(self.attn_norm), eps=1e-06, dtype=COMPUTE_DTYPE, offset=False)
         h = checkpoint_name(constrain(h, P("data", "context", None)), self.path + ".attn_norm")
         # long_context.par:27 attn: attention(d, heads, kv_heads=kv_heads, rope=true) shard q[_, model], k[...
         h = ring_attention(
@@ -223,10 +223,10 @@ class Decoder(nnx.Module):
         # long_context.par:29: residual
         h = x
         # long_context.par:30 mlp_norm: rmsnorm(d)
-        h = rmsnorm(h, **weights_of(self.mlp_norm), eps=1e-06, dtype=COMPUTE_DTYPE)
+        h = rmsnorm(h, **weights_of(self.mlp_norm), eps=1e-06, dtype=COMPUTE_DTYPE, offset=False)
         h = checkpoint_name(constrain(h, P("data", "context", None)), self.path + ".mlp_norm")
         # long_context.par:31 gate_up: swiglu(d, ffn) shard gate[_, model], up[_, model]
-        h = swiglu(h, **weights_of(self.gate_up), dtype=COMPUTE_DTYPE)
+        h = swiglu(h, **weights_of(self.gate_up), dtype=COMPUTE_DTYPE, activation="silu")
         h = checkpoint_name(constrain(h, P("data", "context", "model")), self.path + ".gate_up")
         # long_context.par:32 down: linear(ffn, d, bias=false) shard kernel[model, _]
         h = linear(h, **weights_of(self.down), dtype=COMPUTE_DTYPE)
@@ -250,12 +250,12 @@ class LongContext(nnx.Module):
 
     def __call__(self, x: jax.Array, inputs: Arrays, key: jax.Array | None) -> jax.Array:
         # long_context.par:37 embed: embed(vocab, d) shard table[model, _]
-        x = embed(x, **weights_of(self.embed), dtype=COMPUTE_DTYPE)
+        x = embed(x, **weights_of(self.embed), dtype=COMPUTE_DTYPE, scale=False)
         x = checkpoint_name(constrain(x, P("data", "context", None)), "embed")
         # long_context.par:38 layers: repeat n_layers decoder(d, heads, kv_heads, ffn)
         x = scan_layers(self.layers, 2, x, inputs, key)
         # long_context.par:39 norm: rmsnorm(d)
-        x = rmsnorm(x, **weights_of(self.norm), eps=1e-06, dtype=COMPUTE_DTYPE)
+        x = rmsnorm(x, **weights_of(self.norm), eps=1e-06, dtype=COMPUTE_DTYPE, offset=False)
         x = checkpoint_name(constrain(x, P("data", "context", None)), "norm")
         # long_context.par:40 head: linear(d, vocab, bias=false) shard kernel[_, model]
         x = linear(x, **weights_of(self.head), dtype=COMPUTE_DTYPE)

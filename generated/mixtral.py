@@ -217,7 +217,7 @@ class MixtralBlock(nnx.Module):
         # mixtral.par:40: residual
         h = x
         # mixtral.par:41 attn_norm: rmsnorm(d, eps=eps)
-        h = rmsnorm(h, **weights_of(self.attn_norm), eps=1e-05, dtype=COMPUTE_DTYPE)
+        h = rmsnorm(h, **weights_of(self.attn_norm), eps=1e-05, dtype=COMPUTE_DTYPE, offset=False)
         h = checkpoint_name(constrain(h, P(("data", "expert"), None, None)), self.path + ".attn_norm")
         # mixtral.par:42 attn: attention(d, heads, kv_heads=kv_heads, rope=true, rope_base=rope_base) shard...
         h = attention(
@@ -235,7 +235,7 @@ class MixtralBlock(nnx.Module):
         # mixtral.par:44: residual
         h = x
         # mixtral.par:45 moe_norm: rmsnorm(d, eps=eps)
-        h = rmsnorm(h, **weights_of(self.moe_norm), eps=1e-05, dtype=COMPUTE_DTYPE)
+        h = rmsnorm(h, **weights_of(self.moe_norm), eps=1e-05, dtype=COMPUTE_DTYPE, offset=False)
         h = checkpoint_name(constrain(h, P(("data", "expert"), None, None)), self.path + ".moe_norm")
         # mixtral.par:46 moe: moe(d, ffn, experts, top_k=top_k, capacity=none, activation=swiglu, aux_weigh...
         h, more = moe(
@@ -273,13 +273,13 @@ class Mixtral(nnx.Module):
     def __call__(self, x: jax.Array, inputs: Arrays, key: jax.Array | None) -> tuple[jax.Array, Aux]:
         aux: Aux = {}  # the layers' auxiliary values, summed
         # mixtral.par:51 embed: embed(vocab, d) shard table[model, _]
-        x = embed(x, **weights_of(self.embed), dtype=COMPUTE_DTYPE)
+        x = embed(x, **weights_of(self.embed), dtype=COMPUTE_DTYPE, scale=False)
         x = checkpoint_name(constrain(x, P(("data", "expert"), None, None)), "embed")
         # mixtral.par:52 layers: repeat layers mixtral_block(d, heads, kv_heads, ffn, experts, top_k, eps, ...
         x, more = scan_layers(self.layers, 2, x, inputs, key)
         aux = add_aux(aux, more)
         # mixtral.par:53 norm: rmsnorm(d, eps=eps)
-        x = rmsnorm(x, **weights_of(self.norm), eps=1e-05, dtype=COMPUTE_DTYPE)
+        x = rmsnorm(x, **weights_of(self.norm), eps=1e-05, dtype=COMPUTE_DTYPE, offset=False)
         x = checkpoint_name(constrain(x, P(("data", "expert"), None, None)), "norm")
         # mixtral.par:54 head: linear(d, vocab, bias=false) shard kernel[_, model]
         x = linear(x, **weights_of(self.head), dtype=COMPUTE_DTYPE)

@@ -265,7 +265,7 @@ class MoeSmall(nnx.Module):
     def __call__(self, x: jax.Array, inputs: Arrays, key: jax.Array | None) -> tuple[jax.Array, Aux]:
         aux: Aux = {}  # the layers' auxiliary values, summed
         # moe_small.par:35 embed: embed(vocab, d)
-        x = embed(x, **weights_of(self.embed), dtype=COMPUTE_DTYPE)
+        x = embed(x, **weights_of(self.embed), dtype=COMPUTE_DTYPE, scale=False)
         x = checkpoint_name(constrain(x, P(("data", "expert"), None, None)), "embed")
         # moe_small.par:36 layers: repeat 2 decoder(d, heads)
         x, more = scan_layers(self.layers, 2, x, inputs, key)

@@ -232,7 +232,7 @@ class Qwen2MoeBlock(nnx.Module):
         # qwen2_moe.par:42: residual
         h = x
         # qwen2_moe.par:43 attn_norm: rmsnorm(d, eps=eps)
-        h = rmsnorm(h, **weights_of(self.attn_norm), eps=1e-06, dtype=COMPUTE_DTYPE)
+        h = rmsnorm(h, **weights_of(self.attn_norm), eps=1e-06, dtype=COMPUTE_DTYPE, offset=False)
         h = checkpoint_name(constrain(h, P(("data", "expert"), None, None)), self.path + ".attn_norm")
         # qwen2_moe.par:44 attn: attention(d, heads, kv_heads=kv_heads, rope=true, rope_base=rope_base, qkv...
         h = attention(
@@ -250,7 +250,7 @@ class Qwen2MoeBlock(nnx.Module):
         # qwen2_moe.par:46: residual
         h = x
         # qwen2_moe.par:47 moe_norm: rmsnorm(d, eps=eps)
-        h = rmsnorm(h, **weights_of(self.moe_norm), eps=1e-06, dtype=COMPUTE_DTYPE)
+        h = rmsnorm(h, **weights_of(self.moe_norm), eps=1e-06, dtype=COMPUTE_DTYPE, offset=False)
         h = checkpoint_name(constrain(h, P(("data", "expert"), None, None)), self.path + ".moe_norm")
         # qwen2_moe.par:48 moe: moe(d, ffn, experts, top_k=top_k, capacity=none, activation=swiglu, normali...
         h, more = moe(
@@ -288,13 +288,13 @@ class Qwen2Moe(nnx.Module):
     def __call__(self, x: jax.Array, inputs: Arrays, key: jax.Array | None) -> tuple[jax.Array, Aux]:
         aux: Aux = {}  # the layers' auxiliary values, summed
         # qwen2_moe.par:53 embed: embed(vocab, d) shard table[model, _]
-        x = embed(x, **weights_of(self.embed), dtype=COMPUTE_DTYPE)
+        x = embed(x, **weights_of(self.embed), dtype=COMPUTE_DTYPE, scale=False)
         x = checkpoint_name(constrain(x, P(("data", "expert"), None, None)), "embed")
         # qwen2_moe.par:54 layers: repeat layers qwen2_moe_block(d, heads, kv_heads, ffn, shared_ffn, exper...
         x, more = scan_layers(self.layers, 2, x, inputs, key)
         aux = add_aux(aux, more)
         # qwen2_moe.par:55 norm: rmsnorm(d, eps=eps)
-        x = rmsnorm(x, **weights_of(self.norm), eps=1e-06, dtype=COMPUTE_DTYPE)
+        x = rmsnorm(x, **weights_of(self.norm), eps=1e-06, dtype=COMPUTE_DTYPE, offset=False)
         x = checkpoint_name(constrain(x, P(("data", "expert"), None, None)), "norm")
         # qwen2_moe.par:56 head: linear(d, vocab, bias=false) shard kernel[_, model]
         x = linear(x, **weights_of(self.head), dtype=COMPUTE_DTYPE)

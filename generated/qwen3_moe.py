@@ -222,7 +222,7 @@ class Qwen3MoeBlock(nnx.Module):
         # qwen3_moe.par:43: residual
         h = x
         # qwen3_moe.par:44 attn_norm: rmsnorm(d, eps=eps)
-        h = rmsnorm(h, **weights_of(self.attn_norm), eps=1e-06, dtype=COMPUTE_DTYPE)
+        h = rmsnorm(h, **weights_of(self.attn_norm), eps=1e-06, dtype=COMPUTE_DTYPE, offset=False)
         h = checkpoint_name(constrain(h, P(("data", "expert"), None, None)), self.path + ".attn_norm")
         # qwen3_moe.par:45 attn: attention(d, heads, kv_heads=kv_heads, head_dim=head_dim, rope=true, rope_...
         h = attention(
@@ -241,7 +241,7 @@ class Qwen3MoeBlock(nnx.Module):
         # qwen3_moe.par:47: residual
         h = x
         # qwen3_moe.par:48 moe_norm: rmsnorm(d, eps=eps)
-        h = rmsnorm(h, **weights_of(self.moe_norm), eps=1e-06, dtype=COMPUTE_DTYPE)
+        h = rmsnorm(h, **weights_of(self.moe_norm), eps=1e-06, dtype=COMPUTE_DTYPE, offset=False)
         h = checkpoint_name(constrain(h, P(("data", "expert"), None, None)), self.path + ".moe_norm")
         # qwen3_moe.par:49 moe: moe(d, ffn, experts, top_k=top_k, capacity=none, activation=swiglu, normali...
         h, more = moe(
@@ -279,13 +279,13 @@ class Qwen3Moe(nnx.Module):
     def __call__(self, x: jax.Array, inputs: Arrays, key: jax.Array | None) -> tuple[jax.Array, Aux]:
         aux: Aux = {}  # the layers' auxiliary values, summed
         # qwen3_moe.par:54 embed: embed(vocab, d) shard table[model, _]
-        x = embed(x, **weights_of(self.embed), dtype=COMPUTE_DTYPE)
+        x = embed(x, **weights_of(self.embed), dtype=COMPUTE_DTYPE, scale=False)
         x = checkpoint_name(constrain(x, P(("data", "expert"), None, None)), "embed")
         # qwen3_moe.par:55 layers: repeat layers qwen3_moe_block(d, heads, kv_heads, head_dim, ffn, experts...
         x, more = scan_layers(self.layers, 2, x, inputs, key)
         aux = add_aux(aux, more)
         # qwen3_moe.par:56 norm: rmsnorm(d, eps=eps)
-        x = rmsnorm(x, **weights_of(self.norm), eps=1e-06, dtype=COMPUTE_DTYPE)
+        x = rmsnorm(x, **weights_of(self.norm), eps=1e-06, dtype=COMPUTE_DTYPE, offset=False)
         x = checkpoint_name(constrain(x, P(("data", "expert"), None, None)), "norm")
         # qwen3_moe.par:57 head: linear(d, vocab, bias=false) shard kernel[_, model]
         x = linear(x, **weights_of(self.head), dtype=COMPUTE_DTYPE)

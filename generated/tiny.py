@@ -241,7 +241,7 @@ class Tiny(nnx.Module):
 
     def __call__(self, x: jax.Array, inputs: Arrays, key: jax.Array | None) -> jax.Array:
         # tiny.par:33 embed: embed(vocab, d) shard table[model, _] # vocab parallel
-        x = embed(x, **weights_of(self.embed), dtype=COMPUTE_DTYPE)
+        x = embed(x, **weights_of(self.embed), dtype=COMPUTE_DTYPE, scale=False)
         x = checkpoint_name(constrain(x, P("data", None, None)), "embed")
         # tiny.par:34 layers: repeat 2 decoder(d, heads, ffn)
         x = scan_layers(self.layers, 2, x, inputs, key)

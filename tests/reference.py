@@ -235,11 +235,14 @@ def linear(layer: ir.Layer, w: Weights, x: Array, ctx: _Context) -> Array:
 def swiglu(layer: ir.Layer, w: Weights, x: Array, ctx: _Context) -> Array:
     gate = _f32(_matmul("...i,io->...o", x, w["gate"], ctx))
     up = _f32(_matmul("...i,io->...o", x, w["up"], ctx))
+    if layer.attr("activation") == "gelu":
+        return _gelu_tanh(gate) * up
     return gate * _sigmoid(gate) * up
 
 
 def embed(layer: ir.Layer, w: Weights, ids: Array, ctx: _Context) -> Array:
-    return w["table"][ids]
+    y = w["table"][ids]
+    return y * np.sqrt(w["table"].shape[1]) if layer.attr("scale") else y
 
 
 def position_embed(layer: ir.Layer, w: Weights, x: Array, ctx: _Context) -> Array:
@@ -259,7 +262,8 @@ def layernorm(layer: ir.Layer, w: Weights, x: Array, ctx: _Context) -> Array:
 def rmsnorm(layer: ir.Layer, w: Weights, x: Array, ctx: _Context) -> Array:
     h = _f32(x)
     eps = float(layer.attr("eps"))  # type: ignore[arg-type]
-    return h / jnp.sqrt((h**2).mean(-1, keepdims=True) + eps) * _f32(w["scale"])
+    scale = 1 + _f32(w["scale"]) if layer.attr("offset") else _f32(w["scale"])
+    return h / jnp.sqrt((h**2).mean(-1, keepdims=True) + eps) * scale
 
 
 def _rotate(t: Array, base: float, positions: np.ndarray) -> Array:
@@ -339,6 +343,11 @@ def relu(layer: ir.Layer, w: Weights, x: Array, ctx: _Context) -> Array:
 def silu(layer: ir.Layer, w: Weights, x: Array, ctx: _Context) -> Array:
     h = _f32(x)
     return h * _sigmoid(h)
+
+
+def softcap(layer: ir.Layer, w: Weights, x: Array, ctx: _Context) -> Array:
+    cap = float(layer.attr("cap"))  # type: ignore[arg-type]
+    return cap * jnp.tanh(_f32(x) / cap)
 
 
 def dropout(layer: ir.Layer, w: Weights, x: Array, ctx: _Context) -> Array:
@@ -458,6 +467,7 @@ LAYERS: dict[str, LayerMath] = {
     "gelu": gelu,
     "relu": relu,
     "silu": silu,
+    "softcap": softcap,
     "dropout": dropout,
     "conv": conv,
 }

@@ -8,7 +8,7 @@ from dslc.layers.attention import Attention
 from dslc.layers.base import LayerRule
 from dslc.layers.conv import Conv
 from dslc.layers.dense import Embed, Linear, PositionEmbed, SwiGLU
-from dslc.layers.elementwise import Dropout, Gelu, Relu, Silu
+from dslc.layers.elementwise import Dropout, Gelu, Relu, Silu, Softcap
 from dslc.layers.loss import CrossEntropy, MeanSquaredError
 from dslc.layers.moe import MoE
 from dslc.layers.norm import LayerNorm, RmsNorm
@@ -25,6 +25,7 @@ RULES: dict[str, LayerRule[Any]] = {
         Gelu(),
         Relu(),
         Silu(),
+        Softcap(),
         SwiGLU(),
         Dropout(),
         Conv(),

@@ -80,12 +80,20 @@ class SwiGLUArgs:
 
     in_: int
     hidden: int
+    activation: str
 
 
 class SwiGLU(LayerRule[SwiGLUArgs]):
     kind = "swiglu"
-    doc = "silu(x @ gate) * (x @ up): the gated half of a Llama MLP. Shard gate and up alike."
-    args = (ArgSpec("in", "int", doc="input features"), ArgSpec("hidden", "int", doc="hidden features"))
+    doc = (
+        "silu(x @ gate) * (x @ up): the gated half of a Llama MLP (activation=gelu: GeGLU, with the tanh "
+        "GeLU, as Gemma's). Shard gate and up alike."
+    )
+    args = (
+        ArgSpec("in", "int", doc="input features"),
+        ArgSpec("hidden", "int", doc="hidden features"),
+        ArgSpec("activation", "choice", "silu", "the gate's activation", choices=("silu", "gelu")),
+    )
     Args = SwiGLUArgs
 
     def weights(self, a: SwiGLUArgs) -> tuple[WeightSpec, ...]:
@@ -120,7 +128,7 @@ class SwiGLU(LayerRule[SwiGLUArgs]):
     def kernel_args(
         self, a: SwiGLUArgs, dtype: str, operand: Sharding, weights: Mapping[str, Sharding]
     ) -> dict[str, object]:
-        return {"dtype": dtype}
+        return {"dtype": dtype, "activation": a.activation}
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,12 +137,17 @@ class EmbedArgs:
 
     vocab: int
     dim: int
+    scale: bool
 
 
 class Embed(LayerRule[EmbedArgs]):
     kind = "embed"
     doc = "Token ids to vectors. Vocab parallel: table[tp, _] (masked lookup, then all-reduce)."
-    args = (ArgSpec("vocab", "int", doc="vocabulary size"), ArgSpec("dim", "int", doc="vector size"))
+    args = (
+        ArgSpec("vocab", "int", doc="vocabulary size"),
+        ArgSpec("dim", "int", doc="vector size"),
+        ArgSpec("scale", "bool", False, "multiply the vectors by sqrt(dim), in the compute dtype (Gemma)"),
+    )
     Args = EmbedArgs
 
     def weights(self, a: EmbedArgs) -> tuple[WeightSpec, ...]:
@@ -168,7 +181,7 @@ class Embed(LayerRule[EmbedArgs]):
     def kernel_args(
         self, a: EmbedArgs, dtype: str, operand: Sharding, weights: Mapping[str, Sharding]
     ) -> dict[str, object]:
-        return {"dtype": dtype}
+        return {"dtype": dtype, "scale": a.scale}
 
 
 @dataclass(frozen=True, slots=True)

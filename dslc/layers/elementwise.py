@@ -79,6 +79,26 @@ class Gelu(Elementwise[GeluArgs]):
         return {"approximate": a.approximate}
 
 
+@dataclass(frozen=True, slots=True)
+class SoftcapArgs:
+    """The arguments of one use of `Softcap`."""
+
+    cap: float
+
+
+class Softcap(Elementwise[SoftcapArgs]):
+    kind = "softcap"
+    doc = "cap * tanh(x / cap): values squashed smoothly into (-cap, cap), as Gemma 2 caps its logits."
+    args = (ArgSpec("cap", "float", doc="the bound, for example 30.0"),)
+    Args = SoftcapArgs
+    cost = 4
+
+    def kernel_args(
+        self, a: SoftcapArgs, dtype: str, operand: Sharding, weights: Mapping[str, Sharding]
+    ) -> dict[str, object]:
+        return {"cap": a.cap}
+
+
 class Silu(Elementwise[NoArgs]):
     kind = "silu"
     doc = "x * sigmoid(x)."

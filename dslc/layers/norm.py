@@ -27,6 +27,7 @@ class NormArgs:
     dim: int
     eps: float
     bias: bool = False
+    offset: bool = False
 
 
 class _Norm(LayerRule[NormArgs]):
@@ -97,12 +98,16 @@ class LayerNorm(_Norm):
 class RmsNorm(_Norm):
     kind = "rmsnorm"
     doc = "x / rms(x) * scale over the last dimension."
-    args = (ArgSpec("dim", "int", doc="features"), ArgSpec("eps", "float", 1e-6, "added to the mean square"))
+    args = (
+        ArgSpec("dim", "int", doc="features"),
+        ArgSpec("eps", "float", 1e-6, "added to the mean square"),
+        ArgSpec("offset", "bool", False, "the scale is 1 + the stored weight, which starts at 0 (Gemma's norms)"),
+    )
 
     def weights(self, a: NormArgs) -> tuple[WeightSpec, ...]:
-        return (WeightSpec("scale", (a.dim,), "ones"),)
+        return (WeightSpec("scale", (a.dim,), "zeros" if a.offset else "ones"),)
 
     def kernel_args(
         self, a: NormArgs, dtype: str, operand: Sharding, weights: Mapping[str, Sharding]
     ) -> dict[str, object]:
-        return {"eps": a.eps, "dtype": dtype}
+        return {"eps": a.eps, "dtype": dtype, "offset": a.offset}

@@ -25,16 +25,19 @@ def linear(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *, dt
     return y if bias is None else y + bias
 
 
-def swiglu(x: jax.Array, gate: jax.Array, up: jax.Array, *, dtype: str) -> jax.Array:
+def swiglu(x: jax.Array, gate: jax.Array, up: jax.Array, *, dtype: str, activation: str = "silu") -> jax.Array:
+    """activation(x @ gate) * (x @ up): SwiGLU with "silu", GeGLU (the tanh GeLU) with "gelu"."""
     x = x.astype(dtype)
-    return gated(jnp.einsum("...i,io->...o", x, gate), jnp.einsum("...i,io->...o", x, up), "silu")
+    return gated(jnp.einsum("...i,io->...o", x, gate), jnp.einsum("...i,io->...o", x, up), activation)
 
 
-def embed(ids: jax.Array, table: jax.Array, *, dtype: str) -> jax.Array:
+def embed(ids: jax.Array, table: jax.Array, *, dtype: str, scale: bool = False) -> jax.Array:
     # A one-hot contraction rather than a gather: with the table split over the vocabulary
     # it is exactly Megatron's masked local lookup followed by one all-reduce.
     one_hot = jax.nn.one_hot(ids, table.shape[0], dtype=dtype)
-    return jnp.einsum("...v,vd->...d", one_hot, table)
+    y = jnp.einsum("...v,vd->...d", one_hot, table)
+    # Gemma scales by sqrt(dim) rounded to the compute dtype, as its checkpoints expect.
+    return y * jnp.asarray(table.shape[1] ** 0.5, dtype) if scale else y
 
 
 def position_embed(x: jax.Array, table: jax.Array) -> jax.Array:
@@ -66,8 +69,9 @@ def layernorm(x: jax.Array, scale: jax.Array, bias: jax.Array | None = None, *, 
     return _norm(x, _varying_like(scale, x), None if bias is None else _varying_like(bias, x), eps, dtype, True)
 
 
-def rmsnorm(x: jax.Array, scale: jax.Array, *, eps: float, dtype: str) -> jax.Array:
-    return _norm(x, _varying_like(scale, x), None, eps, dtype, False)
+def rmsnorm(x: jax.Array, scale: jax.Array, *, eps: float, dtype: str, offset: bool = False) -> jax.Array:
+    """`offset`: the scale applied is 1 + the stored one (Gemma's norms)."""
+    return _norm(x, _varying_like(1 + scale if offset else scale, x), None, eps, dtype, False)
 
 
 def _varying_like(w: jax.Array, x: jax.Array) -> jax.Array:
@@ -149,6 +153,29 @@ def relu(x: jax.Array) -> jax.Array:
 
 def silu(x: jax.Array) -> jax.Array:
     return _activation(x, "silu")
+
+
+def softcap(x: jax.Array, *, cap: float) -> jax.Array:
+    """cap * tanh(x / cap), its backward pass keeping only x."""
+    return _capped(x, cap)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _capped(x: jax.Array, cap: float) -> jax.Array:
+    return (cap * jnp.tanh(x.astype(jnp.float32) / cap)).astype(x.dtype)
+
+
+def _capped_forward(x: jax.Array, cap: float) -> tuple[jax.Array, jax.Array]:
+    return _capped(x, cap), x
+
+
+def _capped_backward(cap: float, x: jax.Array, cotangent: jax.Array) -> tuple[jax.Array]:
+    x = lax.optimization_barrier(x)
+    t = jnp.tanh(x.astype(jnp.float32) / cap)
+    return ((cotangent.astype(jnp.float32) * (1 - t * t)).astype(x.dtype),)
+
+
+_capped.defvjp(_capped_forward, _capped_backward)
 
 
 def gated(gate: jax.Array, up: jax.Array, activation: str) -> jax.Array:
