@@ -315,6 +315,9 @@ def attention(layer: ir.Layer, w: Weights, x: Array, ctx: _Context) -> Array:
     v = jnp.repeat(v, group, axis=2)
     # Every query head attends on its own, to its own (repeated) key/value head.
     scores = _f32(_matmul("bqhd,bkhd->bhqk", q, k, ctx)) / math.sqrt(head_dim)
+    cap = layer.attr("softcap")
+    if cap is not None:
+        scores = float(cap) * jnp.tanh(scores / float(cap))  # type: ignore[arg-type]
     # Which keys each query may not see [b, q, k]: later ones (causal), those more than a
     # window back, those of another document.
     query, key = np.arange(s)[:, None], np.arange(s)[None, :]

@@ -49,7 +49,9 @@ def attention_kernels(program: ir.Program, backend: str) -> list[KernelChoice]:
             why = "kernel=dense" if a.kernel == "dense" else f"{seq} tokens, under the {FLASH_FROM} that take flash"
             found.append(KernelChoice(layer, "dense", "dense", why))
             continue
-        implementation, why = flash_implementation(backend, dtype, a.head_dim, seq, a.segments is not None)
+        implementation, why = flash_implementation(
+            backend, dtype, a.head_dim, seq, a.segments is not None, a.softcap is not None
+        )
         found.append(KernelChoice(layer, "flash", implementation, why))
     return found
 

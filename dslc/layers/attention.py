@@ -58,6 +58,7 @@ class AttentionArgs:
     segments: str | None
     qk_norm: bool
     norm_eps: float
+    softcap: float | None
 
 
 # Under `kernel=auto`, sequences of at least this many tokens take the flash algorithm,
@@ -108,6 +109,12 @@ class Attention(LayerRule[AttentionArgs]):
         ),
         ArgSpec("qk_norm", "bool", False, "RMSNorm each head's query and key before the rotary (Qwen3, OLMo 2)"),
         ArgSpec("norm_eps", "float", 1e-6, "added to the variance in the query and key norms"),
+        ArgSpec(
+            "softcap",
+            "float",
+            None,
+            "cap the scaled scores at softcap * tanh(s / softcap) before the mask and softmax (Gemma 2: 50.0)",
+        ),
     )
     Args = AttentionArgs
 
@@ -210,6 +217,16 @@ class Attention(LayerRule[AttentionArgs]):
                 f"{fmt_axes(context)}",
                 labels=[Label(ctx.input_span, split)],
                 help="split the sequence over one axis (a mesh axis of their combined size) for context parallelism",
+            )
+            return False
+        if a.softcap is not None and ctx.mesh.size(context) > 1:
+            ctx.error(
+                "E029",
+                f"`{ctx.path}` is ring attention (its sequence is split over {fmt_axes(context)}), which takes no "
+                "cap on its scores",
+                at=ctx.arg_span("softcap"),
+                labels=[Label(ctx.input_span, split)],
+                help="leave the sequence whole, or leave out `softcap`",
             )
             return False
         if a.window is not None and ctx.mesh.size(context) > 1:
@@ -372,7 +389,7 @@ class Attention(LayerRule[AttentionArgs]):
         if not self.core_flops(layer):
             return 0
         _, _, _, scores, _ = _attention_sizes(layer, mesh, slices)
-        return scores * _score_copies(compute)
+        return scores * _score_copies(compute, self.args_of(layer))
 
     def residual_bytes(self, layer: Layer, mesh: Mesh, compute: str, slices: int) -> int:
         c = DTYPE_BYTES[compute]
@@ -387,7 +404,8 @@ class Attention(LayerRule[AttentionArgs]):
             # projection's.
             outputs = 2 if self.args_of(layer).causal else 1
             return x * c + (q + k_v + outputs * q) * c + rows * F32  # operand, q, k, v, outputs, lse
-        return x * c + (2 * q + k_v) * c + scores * _score_copies(compute)  # operand, q, k, v, mixed heads, probs
+        # The operand, q, k, v, the mixed heads, the probabilities (and a cap's f32 input).
+        return x * c + (2 * q + k_v) * c + scores * _score_copies(compute, self.args_of(layer))
 
     def workspace_bytes(self, layer: Layer, mesh: Mesh, compute: str, slices: int) -> int:
         # Besides the core's, the operand's gradient: one partial product of the operand's
@@ -407,7 +425,9 @@ class Attention(LayerRule[AttentionArgs]):
             seq = layer.input.shape[1]
             block = flash_block(seq)
             scores = rows // seq * block * block  # one query block against one key block
-            return 4 * scores * F32 + q * F32 + k_v * F32 * block // seq
+            # With a cap, the scores before and after it exist side by side (its gradient).
+            copies = 5 if self.args_of(layer).softcap is not None else 4
+            return copies * scores * F32 + q * F32 + k_v * F32 * block // seq
         if not context_axes(layer, mesh):
             # The dense core's: the residuals' gradients, the probabilities' in the compute
             # dtype, and the softmax's backward in f32 (the probabilities, the scores' gradient).
@@ -434,6 +454,8 @@ class Attention(LayerRule[AttentionArgs]):
             static["rope"] = BoundKernel("rotary", (("base", a.rope_base),))
         if a.qk_norm:
             static["norm_eps"] = a.norm_eps
+        if a.softcap is not None and not operand[1]:
+            static["softcap"] = a.softcap
         return static | {"dtype": dtype}
 
     def sized_args(self, a: AttentionArgs, x: TensorType, operand: Sharding) -> dict[str, object]:
@@ -479,10 +501,11 @@ def _scores_and_mix(a: AttentionArgs, x: TensorType) -> int:
     return 2 * 2 * b * h * s * s * hd
 
 
-def _score_copies(compute: str) -> int:
+def _score_copies(compute: str, a: AttentionArgs) -> int:
     """Bytes kept per score [b, heads, s, s]: the probabilities, in the compute dtype (the
-    dense core's softmax, dslc.runtime.attention._softmax, keeps nothing else)."""
-    return DTYPE_BYTES[compute]
+    dense core's softmax, dslc.runtime.attention._softmax, keeps nothing else), and with
+    `softcap` the scores before the cap, in f32, for its gradient."""
+    return DTYPE_BYTES[compute] + (F32 if a.softcap is not None else 0)
 
 
 def _attention_sizes(layer: Layer, mesh: Mesh, slices: int) -> tuple[int, int, int, int, int]:

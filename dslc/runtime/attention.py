@@ -41,7 +41,7 @@ from jax import lax
 from jax.sharding import PartitionSpec
 
 from .fused import flash_implementation
-from .layers import rmsnorm
+from .layers import capped, rmsnorm
 
 
 def attention(
@@ -66,6 +66,7 @@ def attention(
     block: int = 0,
     rope: Callable[[jax.Array, jax.Array], jax.Array] | None = None,
     norm_eps: float = 1e-6,
+    softcap: float | None = None,
     dtype: str,
     recompute_core: bool = False,
 ) -> jax.Array:
@@ -78,7 +79,8 @@ def attention(
     softmax from the kept queries and keys rather than keeping its [batch, heads, seq, seq]
     intermediates (Korthikanti et al.'s selective recomputation; the flash core keeps none).
     With `q_norm` and `k_norm` every head's query and key is RMS-normalised (`norm_eps`) and
-    scaled by them before the rotary (Qwen3's, OLMo 2's query-key norm)."""
+    scaled by them before the rotary (Qwen3's, OLMo 2's query-key norm). `softcap` caps the
+    scaled scores at softcap * tanh(s / softcap) before the mask and softmax (Gemma 2's)."""
     b, s, _ = x.shape
     h = x.astype(dtype)
     queries, keys, values = _heads(h, q, q_bias, heads), _heads(h, k, k_bias, kv_heads), _heads(h, v, v_bias, kv_heads)
@@ -91,9 +93,9 @@ def attention(
     queries = queries.reshape(b, s, kv_heads, heads // kv_heads, head_dim)
     mask = Mask(causal, window)
     if kernel == "flash":
-        out = flash_core(queries, keys, values, segments, mask=mask, block=block)
+        out = flash_core(queries, keys, values, segments, mask=mask, block=block, softcap=softcap)
     else:
-        core = functools.partial(dense_core, mask=mask)
+        core = functools.partial(dense_core, mask=mask, softcap=softcap)
         out = (jax.checkpoint(core) if recompute_core else core)(queries, keys, values, segments)
     return _project_out(out.reshape(b, s, heads * head_dim), o, o_bias)
 
@@ -186,12 +188,21 @@ def _mask_of(mask: Mask, q_at: jax.Array, k_at: jax.Array, segments: jax.Array |
 
 
 def dense_core(
-    queries: jax.Array, keys: jax.Array, values: jax.Array, segments: jax.Array | None = None, *, mask: Mask
+    queries: jax.Array,
+    keys: jax.Array,
+    values: jax.Array,
+    segments: jax.Array | None = None,
+    *,
+    mask: Mask,
+    softcap: float | None = None,
 ) -> jax.Array:
-    """softmax(q·kᵀ/sqrt(d) + mask)·v with every score at once; scores and softmax in f32."""
+    """softmax(q·kᵀ/sqrt(d) + mask)·v with every score at once; scores and softmax in f32.
+    With `softcap` the scores are capped first, which keeps them (f32) for the cap's gradient."""
     s, head_dim = queries.shape[1], queries.shape[-1]
     at = jnp.arange(s)
     scores = jnp.einsum("bqkgd,bskd->bkgqs", queries, keys).astype(jnp.float32) * head_dim**-0.5
+    if softcap is not None:
+        scores = capped(scores, softcap)
     seen = _mask_of(mask, at, at, segments)
     if seen is not None:
         seen = seen[:, None, None] if seen.ndim == 3 else seen
@@ -230,10 +241,19 @@ _softmax.defvjp(_softmax_forward, _softmax_backward)
 Stats = tuple[jax.Array, jax.Array, jax.Array]
 
 
-def _scores(q: jax.Array, k: jax.Array, mask: jax.Array | None) -> jax.Array:
-    """Scaled scores [b, kv_heads, group, queries, keys] in f32, masked ones at the f32
-    minimum; `mask` is [queries, keys] or [b, queries, keys]."""
+def _scores(q: jax.Array, k: jax.Array, mask: jax.Array | None, cap: float | None = None) -> jax.Array:
+    """Scaled scores [b, kv_heads, group, queries, keys] in f32 (capped at cap * tanh(s / cap)
+    when `cap` is given), masked ones at the f32 minimum; `mask` is [queries, keys] or
+    [b, queries, keys]."""
+    return _masked(_capped_scores(q, k, cap), mask)
+
+
+def _capped_scores(q: jax.Array, k: jax.Array, cap: float | None) -> jax.Array:
     s = jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=jnp.float32) * q.shape[-1] ** -0.5
+    return s if cap is None else cap * jnp.tanh(s / cap)
+
+
+def _masked(s: jax.Array, mask: jax.Array | None) -> jax.Array:
     if mask is None:
         return s
     # Added as a bias rather than selected against a broadcast minimum: XLA hoists a
@@ -243,8 +263,8 @@ def _scores(q: jax.Array, k: jax.Array, mask: jax.Array | None) -> jax.Array:
     return s + (bias[:, None, None] if bias.ndim == 3 else bias)
 
 
-def _block_stats(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None) -> Stats:
-    s = _scores(q, k, mask)
+def _block_stats(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, cap: float | None = None) -> Stats:
+    s = _scores(q, k, mask, cap)
     m = s.max(-1)
     p = jnp.exp(s - m[..., None])
     acc = jnp.einsum("bkgqs,bskd->bkgqd", p.astype(q.dtype), v, preferred_element_type=jnp.float32)
@@ -273,13 +293,21 @@ def _block_grads(
     lse: jax.Array,
     delta: jax.Array,
     mask: jax.Array | None,
+    cap: float | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """dq, dk, dv (f32) of one query block against one key/value block, the probabilities
     recomputed from the saved log-sum-exp; delta is rowsum(dout * out)."""
-    p = jnp.exp(_scores(q, k, mask) - lse[..., None])
+    s = _capped_scores(q, k, cap)
+    p = jnp.exp(_masked(s, mask) - lse[..., None])
     dv = jnp.einsum("bkgqs,bqkgd->bskd", p.astype(q.dtype), dout, preferred_element_type=jnp.float32)
     dp = jnp.einsum("bqkgd,bskd->bkgqs", dout, v, preferred_element_type=jnp.float32)
-    ds = (p * (dp - delta[..., None]) * q.shape[-1] ** -0.5).astype(q.dtype)
+    ds = p * (dp - delta[..., None]) * q.shape[-1] ** -0.5
+    if cap is not None:
+        # Through the cap: d(cap tanh(u / cap))/du = 1 - tanh^2, tanh the capped score over
+        # the cap (taken before the mask's bias, which would make it overflow).
+        t = s / cap
+        ds = ds * (1 - t * t)
+    ds = ds.astype(q.dtype)
     dq = jnp.einsum("bkgqs,bskd->bqkgd", ds, k, preferred_element_type=jnp.float32)
     dk = jnp.einsum("bkgqs,bqkgd->bskd", ds, q, preferred_element_type=jnp.float32)
     return dq, dk, dv
@@ -301,18 +329,24 @@ def flash_core(
     *,
     mask: Mask,
     block: int,
+    softcap: float | None = None,
 ) -> jax.Array:
     """The flash algorithm, by the fastest implementation this backend has for the case:
     cuDNN's fused kernel on NVIDIA GPUs, splash attention on TPUs, `flash_attention`
     otherwise (`flash_implementation` says which and why)."""
     implementation, _ = flash_implementation(
-        jax.default_backend(), queries.dtype.name, queries.shape[-1], queries.shape[1], segments is not None
+        jax.default_backend(),
+        queries.dtype.name,
+        queries.shape[-1],
+        queries.shape[1],
+        segments is not None,
+        softcap is not None,
     )
     if implementation == "cudnn":
         return cudnn_attention(queries, keys, values, mask=mask)
     if implementation == "splash":
-        return splash_attention(queries, keys, values, segments, mask=mask)
-    return flash_attention(queries, keys, values, segments, mask=mask, block=block)
+        return splash_attention(queries, keys, values, segments, mask=mask, softcap=softcap)
+    return flash_attention(queries, keys, values, segments, mask=mask, block=block, softcap=softcap)
 
 
 def flash_attention(
@@ -323,6 +357,7 @@ def flash_attention(
     *,
     mask: Mask,
     block: int,
+    softcap: float | None = None,
 ) -> jax.Array:
     """The flash algorithm in plain JAX: query blocks of `block` tokens, each merging the
     key blocks it sees one at a time (fully masked ones skipped), so that at most one block
@@ -331,15 +366,15 @@ def flash_attention(
 
     @jax.custom_vjp
     def core(q: jax.Array, k: jax.Array, v: jax.Array, segments: jax.Array | None) -> jax.Array:
-        return _flash_forward(q, k, v, segments, mask, block)[0]
+        return _flash_forward(q, k, v, segments, mask, block, softcap)[0]
 
     def forward(q: jax.Array, k: jax.Array, v: jax.Array, segments: jax.Array | None) -> tuple[jax.Array, tuple]:
-        out, lse = _flash_forward(q, k, v, segments, mask, block)
+        out, lse = _flash_forward(q, k, v, segments, mask, block, softcap)
         return out, (q, k, v, segments, out, lse)
 
     def backward(saved: tuple, dout: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, None]:
         q, k, v, segments, out, lse = saved
-        return (*_flash_backward(q, k, v, segments, out, lse, dout, mask, block), None)
+        return (*_flash_backward(q, k, v, segments, out, lse, dout, mask, block, softcap), None)
 
     core.defvjp(forward, backward)
     return core(queries, keys, values, segments)
@@ -351,7 +386,13 @@ def _block(x: jax.Array, i: jax.Array, block: int) -> jax.Array:
 
 
 def _flash_forward(
-    q: jax.Array, k: jax.Array, v: jax.Array, segments: jax.Array | None, mask: Mask, block: int
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    segments: jax.Array | None,
+    mask: Mask,
+    block: int,
+    cap: float | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """The output and the log-sum-exp [b, kv_heads, group, s] of every query row."""
     s = q.shape[1]
@@ -363,12 +404,12 @@ def _flash_forward(
         def visit(j: jax.Array, stats: Stats) -> Stats:
             kat = j * block + jnp.arange(block)
             seen = _mask_of(mask, at, kat, segments)
-            return _merge_stats(stats, _block_stats(qi, _block(k, j, block), _block(v, j, block), seen))
+            return _merge_stats(stats, _block_stats(qi, _block(k, j, block), _block(v, j, block), seen, cap))
 
         # Its own diagonal block first: every query sees itself there, so the running
         # maximum is finite from the start and a fully masked block later adds nothing.
         first, last = mask.key_blocks(i, block, blocks)
-        own = _block_stats(qi, _block(k, i, block), _block(v, i, block), _mask_of(mask, at, at, segments))
+        own = _block_stats(qi, _block(k, i, block), _block(v, i, block), _mask_of(mask, at, at, segments), cap)
         stats = lax.fori_loop(first, i, visit, own)
         return _finish(lax.fori_loop(i + 1, last + 1, visit, stats), q.dtype)
 
@@ -389,6 +430,7 @@ def _flash_backward(
     dout: jax.Array,
     mask: Mask,
     block: int,
+    cap: float | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Key block by key block: each gathers its dk and dv over the query blocks that see it,
     adding their dq into one f32 accumulator as it goes."""
@@ -405,7 +447,7 @@ def _flash_backward(
             rows = lax.dynamic_slice_in_dim(lse, i * block, block, axis=-1)
             drows = lax.dynamic_slice_in_dim(delta, i * block, block, axis=-1)
             seen = _mask_of(mask, at, kat, segments)
-            dq_i, dk_i, dv_i = _block_grads(_block(q, i, block), kj, vj, _block(dout, i, block), rows, drows, seen)
+            dq_i, dk_i, dv_i = _block_grads(_block(q, i, block), kj, vj, _block(dout, i, block), rows, drows, seen, cap)
             dq = lax.dynamic_update_slice_in_dim(dq, _block(dq, i, block) + dq_i, i * block, axis=1)
             return dq, dk + dk_i, dv + dv_i
 
@@ -445,7 +487,13 @@ CUDNN: Literal["cudnn", "xla"] = "cudnn"
 
 
 def splash_attention(
-    queries: jax.Array, keys: jax.Array, values: jax.Array, segments: jax.Array | None = None, *, mask: Mask
+    queries: jax.Array,
+    keys: jax.Array,
+    values: jax.Array,
+    segments: jax.Array | None = None,
+    *,
+    mask: Mask,
+    softcap: float | None = None,
 ) -> jax.Array:
     """Pallas splash attention (TPU): a grouped-query kernel per key/value head, vmapped over
     the batch; the queries scaled first (the kernel does not)."""
@@ -460,7 +508,9 @@ def splash_attention(
         one = masks.CausalMask((s, s))
     else:
         one = masks.LocalMask((s, s), (mask.window - 1, 0), offset=0)
-    kernel = splash.make_splash_mqa_single_device(masks.MultiHeadMask([one] * group), interpret=SPLASH_INTERPRET)
+    kernel = splash.make_splash_mqa_single_device(
+        masks.MultiHeadMask([one] * group), interpret=SPLASH_INTERPRET, attn_logits_soft_cap=softcap
+    )
     ids = None if segments is None else splash.SegmentIds(segments, segments)
 
     def one_sequence(q: jax.Array, k: jax.Array, v: jax.Array, ids: splash.SegmentIds | None) -> jax.Array:

@@ -4,11 +4,16 @@ that the runtime chooses with it when it traces and `dslc check` says the same b
 from __future__ import annotations
 
 
-def flash_implementation(backend: str, dtype: str, head_dim: int, seq: int, segments: bool) -> tuple[str, str]:
+def flash_implementation(
+    backend: str, dtype: str, head_dim: int, seq: int, segments: bool, softcap: bool = False
+) -> tuple[str, str]:
     """Which implementation of the flash algorithm runs on `backend` ("cpu", "gpu", "tpu"),
-    for heads of `head_dim` in `dtype` over `seq` tokens, and why not a fused one when not:
-    ("cudnn" | "splash" | "blockwise", reason). Pure: the checker asks it too."""
+    for heads of `head_dim` in `dtype` over `seq` tokens (with packed documents, with capped
+    scores), and why not a fused one when not: ("cudnn" | "splash" | "blockwise", reason).
+    Pure: the checker asks it too."""
     if backend in ("gpu", "cuda"):
+        if softcap:
+            return "blockwise", "cuDNN's fused attention through jax takes no cap on the scores (softcap)"
         if dtype not in ("bfloat16", "float16"):
             return "blockwise", f"cuDNN's fused attention takes 16-bit heads, these are {dtype}"
         if head_dim > 128 or head_dim % 8:

@@ -157,16 +157,16 @@ def silu(x: jax.Array) -> jax.Array:
 
 def softcap(x: jax.Array, *, cap: float) -> jax.Array:
     """cap * tanh(x / cap), its backward pass keeping only x."""
-    return _capped(x, cap)
+    return capped(x, cap)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def _capped(x: jax.Array, cap: float) -> jax.Array:
+def capped(x: jax.Array, cap: float) -> jax.Array:
     return (cap * jnp.tanh(x.astype(jnp.float32) / cap)).astype(x.dtype)
 
 
 def _capped_forward(x: jax.Array, cap: float) -> tuple[jax.Array, jax.Array]:
-    return _capped(x, cap), x
+    return capped(x, cap), x
 
 
 def _capped_backward(cap: float, x: jax.Array, cotangent: jax.Array) -> tuple[jax.Array]:
@@ -175,7 +175,7 @@ def _capped_backward(cap: float, x: jax.Array, cotangent: jax.Array) -> tuple[ja
     return ((cotangent.astype(jnp.float32) * (1 - t * t)).astype(x.dtype),)
 
 
-_capped.defvjp(_capped_forward, _capped_backward)
+capped.defvjp(_capped_forward, _capped_backward)
 
 
 def gated(gate: jax.Array, up: jax.Array, activation: str) -> jax.Array:
