@@ -219,26 +219,19 @@ class Attention(LayerRule[AttentionArgs]):
                 help="split the sequence over one axis (a mesh axis of their combined size) for context parallelism",
             )
             return False
-        if a.softcap is not None and ctx.mesh.size(context) > 1:
-            ctx.error(
-                "E029",
-                f"`{ctx.path}` is ring attention (its sequence is split over {fmt_axes(context)}), which takes no "
-                "cap on its scores",
-                at=ctx.arg_span("softcap"),
-                labels=[Label(ctx.input_span, split)],
-                help="leave the sequence whole, or leave out `softcap`",
-            )
-            return False
-        if a.window is not None and ctx.mesh.size(context) > 1:
-            ctx.error(
-                "E029",
-                f"`{ctx.path}` is ring attention (its sequence is split over {fmt_axes(context)}), which takes no "
-                "sliding window",
-                at=ctx.arg_span("window"),
-                labels=[Label(ctx.input_span, split)],
-                help="leave the sequence whole, or leave out `window`",
-            )
-            return False
+        # What the ring's blocks do not compute: a sliding window, a cap on the scores.
+        untaken = {"window": (a.window, "sliding window"), "softcap": (a.softcap, "cap on its scores")}
+        for name, (given, what) in untaken.items():
+            if given is not None and ctx.mesh.size(context) > 1:
+                ctx.error(
+                    "E029",
+                    f"`{ctx.path}` is ring attention (its sequence is split over {fmt_axes(context)}), which takes no "
+                    + what,
+                    at=ctx.arg_span(name),
+                    labels=[Label(ctx.input_span, split)],
+                    help=f"leave the sequence whole, or leave out `{name}`",
+                )
+                return False
         ring, seq = ctx.mesh.size(context), x.shape[1]
         # A ring of one device is plain attention: nothing to balance.
         if a.causal and ring > 1 and seq % (2 * ring):
