@@ -266,9 +266,11 @@ def rmsnorm(layer: ir.Layer, w: Weights, x: Array, ctx: _Context) -> Array:
     return h / jnp.sqrt((h**2).mean(-1, keepdims=True) + eps) * scale
 
 
-def _rotate(t: Array, base: float, positions: np.ndarray) -> Array:
+def _rotate(t: Array, base: float, positions: np.ndarray, dims: int | None = None) -> Array:
     """Rotary embedding, rotate-half convention, on [batch, seq, heads, head_dim] at
-    `positions` [batch, seq]; f32."""
+    `positions` [batch, seq]; f32. With `dims`, on each head's first `dims` features only."""
+    if dims is not None:
+        return jnp.concatenate([_rotate(t[..., :dims], base, positions), _f32(t[..., dims:])], axis=-1)
     head_dim = t.shape[3]
     half = head_dim // 2
     freqs = base ** (-np.arange(half, dtype=np.float64) / half)
@@ -307,8 +309,10 @@ def attention(layer: ir.Layer, w: Weights, x: Array, ctx: _Context) -> Array:
                 same = docs[row, t] == docs[row, t - 1]
                 positions[row, t] = positions[row, t - 1] + 1 if same else 0
         base = float(layer.attr("rope_base"))  # type: ignore[arg-type]
-        q = _rotate(q, base, positions).astype(ctx.compute)
-        k = _rotate(k, base, positions).astype(ctx.compute)
+        dims = layer.attr("rope_dims")
+        assert dims is None or isinstance(dims, int)
+        q = _rotate(q, base, positions, dims).astype(ctx.compute)
+        k = _rotate(k, base, positions, dims).astype(ctx.compute)
     # Query head i reads key/value head i // (heads // kv_heads).
     group = heads // kv_heads
     k = jnp.repeat(k, group, axis=2)

@@ -51,6 +51,7 @@ class AttentionArgs:
     causal: bool
     rope: bool
     rope_base: float
+    rope_dims: int | None
     bias: bool
     qkv_bias: bool
     window: int | None
@@ -89,6 +90,13 @@ class Attention(LayerRule[AttentionArgs]):
         ArgSpec("causal", "bool", True, "mask future tokens"),
         ArgSpec("rope", "bool", False, "rotary position embedding on q and k"),
         ArgSpec("rope_base", "float", 10000.0, "rotary base frequency"),
+        ArgSpec(
+            "rope_dims",
+            "int",
+            None,
+            "rotate only the first `rope_dims` features of each head, the rest as they are (GPT-NeoX's rotary_pct, "
+            "GPT-J's rotary_dim); all of them when left out",
+        ),
         ArgSpec("bias", "bool", False, "add a bias to q, k, v and o (GPT-2)"),
         ArgSpec("qkv_bias", "bool", False, "add a bias to q, k and v only (Qwen2)"),
         ArgSpec("window", "int", None, "sliding window: a query sees only the `window` latest keys, itself included"),
@@ -157,6 +165,15 @@ class Attention(LayerRule[AttentionArgs]):
                 "E024",
                 f"rotary embeddings rotate pairs of features, so head_dim must be even, got {a.head_dim}",
                 at=ctx.arg_span("head_dim") if "head_dim" in ctx.arg_spans else ctx.arg_span("rope"),
+            )
+            return False
+        if a.rope_dims is not None and not (a.rope and a.rope_dims % 2 == 0 and a.rope_dims <= a.head_dim):
+            ctx.error(
+                "E024",
+                f"rope_dims rotates pairs among a head's first features: an even number up to head_dim = "
+                f"{a.head_dim}, with rope=true; got {a.rope_dims}" + ("" if a.rope else " without rope"),
+                at=ctx.arg_span("rope_dims"),
+                help="write rope=true, and an even rope_dims no larger than head_dim",
             )
             return False
         return True
@@ -444,7 +461,8 @@ class Attention(LayerRule[AttentionArgs]):
         static: dict[str, object] = {"heads": a.heads, "kv_heads": a.kv_heads, "causal": a.causal}
         static |= {"axis": operand[1][0]} if operand[1] else {"window": a.window} if a.window is not None else {}
         if a.rope:
-            static["rope"] = BoundKernel("rotary", (("base", a.rope_base),))
+            partial = (("dims", a.rope_dims),) if a.rope_dims not in (None, a.head_dim) else ()
+            static["rope"] = BoundKernel("rotary", (("base", a.rope_base), *partial))
         if a.qk_norm:
             static["norm_eps"] = a.norm_eps
         if a.softcap is not None and not operand[1]:

@@ -125,9 +125,13 @@ def _project_out(heads_out: jax.Array, o: jax.Array, o_bias: jax.Array | None) -
     return y if o_bias is None else y + o_bias
 
 
-def rotary(t: jax.Array, positions: jax.Array, *, base: float) -> jax.Array:
+def rotary(t: jax.Array, positions: jax.Array, *, base: float, dims: int | None = None) -> jax.Array:
     """Rotary position embedding on [batch, seq, heads, head_dim] (rotate-half layout);
-    `positions` [seq] or [batch, seq] are the tokens' places in their sequence."""
+    `positions` [seq] or [batch, seq] are the tokens' places in their sequence. With `dims`
+    only each head's first `dims` features are rotated (their own frequencies), the rest
+    pass as they are."""
+    if dims is not None and dims < t.shape[-1]:
+        return jnp.concatenate([rotary(t[..., :dims], positions, base=base), t[..., dims:]], axis=-1)
     half = t.shape[-1] // 2
     freqs = base ** (-jnp.arange(half, dtype=jnp.float32) / half)
     angles = positions.astype(jnp.float32)[..., None] * freqs

@@ -1,9 +1,12 @@
-"""Gemma's building blocks as layer arguments and kinds: the embedding scaled by sqrt(d)
-(`embed(..., scale=true)`), norms whose scale is stored as an offset from 1 (`rmsnorm(...,
-offset=true)`, initialised at 0), GeGLU (`swiglu(..., activation=gelu)`), the attention
-scores' soft cap (`attention(..., softcap=50.0)`, in the dense and the flash core) and the
-final logits' (`softcap(30.0)`), each against the plain single-device reference
-(tests/reference.py) on a data x model mesh, forward, loss and every gradient."""
+"""The pieces other families are built from, as layer arguments and kinds, each against the
+plain single-device reference (tests/reference.py) on a data x model mesh: forward, loss and
+every gradient.
+
+Gemma's: the embedding scaled by sqrt(d) (`embed(..., scale=true)`), norms whose scale is
+stored as an offset from 1 (`rmsnorm(..., offset=true)`, initialised at 0), GeGLU
+(`swiglu(..., activation=gelu)`), the attention scores' soft cap (`attention(...,
+softcap=50.0)`, in the dense and the flash core) and the final logits' (`softcap(30.0)`).
+GPT-NeoX's and GPT-J's: rotary embeddings on part of each head (`rope_dims`)."""
 
 from __future__ import annotations
 
@@ -113,3 +116,32 @@ def test_capped_attention_is_planned_within_ten_percent_of_xla(kernel: str) -> N
     planned = plan(program, backend="cpu").memory.grads_step
     measured = dslc.compile(source).compiled_memory("grads").total
     assert abs(planned / measured - 1) <= 0.10, planned / measured
+
+
+# ---- partial rotary (GPT-NeoX, GPT-J) -------------------------------------------------------------
+
+
+def test_partial_rotary_matches_the_reference_and_leaves_the_rest_of_each_head() -> None:
+    """`rope_dims=4` of 8-wide heads: the reference rotates the first 4 features only. Against
+    the whole-head rotary the outputs differ (so the argument reaches the kernel)."""
+    partial = GEMMA_LIKE.replace("CORE", "dense").replace("rope=true,", "rope=true, rope_dims=4,")
+    assert partial.count("rope_dims=4") == 1
+    program = dslc.compile(partial)
+    model = program.init(0)
+    weights = program.export_weights(model)
+    batch = program.example_batch(0)
+    want = reference.evaluate(program.ir, weights, batch)
+    got = np.asarray(program.forward(model, batch))
+    assert relative_error(got, want.output) <= F32.forward
+    loss, grads = program.loss_and_grads(model, batch)
+    assert want.loss is not None and abs(loss - want.loss) <= F32.loss * abs(want.loss)
+    assert_grads_close(grads, want.grads, F32.grads)
+    whole = dslc.compile(GEMMA_LIKE.replace("CORE", "dense"))
+    assert relative_error(np.asarray(whole.forward(whole.load(weights), batch)), got) > 1e-3
+
+
+@pytest.mark.parametrize(("argument", "why"), [("rope_dims=3", "got 3"), ("rope_dims=10", "got 10")])
+def test_partial_rotary_takes_an_even_count_up_to_the_head_width(argument: str, why: str) -> None:
+    bad = GEMMA_LIKE.replace("CORE", "dense").replace("rope=true,", f"rope=true, {argument},")
+    (d,) = [d for d in dslc.check(bad) if d.code == "E024"]
+    assert why in d.message and "head_dim = 8" in d.message
