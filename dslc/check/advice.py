@@ -17,7 +17,7 @@ LARGE_TENSOR_BYTES = 16 * 1024 * 1024
 
 def check_efficiency(program: Program, diags: Diagnostics) -> None:
     p = program.pipeline
-    stages = program.mesh.size((p.axis,)) if p else 1
+    stages = program.stages
     if p is None or stages < 2:
         return
     try:
@@ -42,7 +42,7 @@ def check_efficiency(program: Program, diags: Diagnostics) -> None:
 
 def check_balance(program: Program, diags: Diagnostics) -> None:
     p = program.pipeline
-    stages = program.mesh.size((p.axis,)) if p else 1
+    stages = program.stages
     if p is None or stages < 2 or not program.chunks:
         return
     try:

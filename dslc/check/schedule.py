@@ -17,7 +17,7 @@ def check_schedule(program: Program, diags: Diagnostics) -> None:
     p = program.pipeline
     if p is None or p.table is not None or p.schedule not in KINDS:
         return
-    stages = program.mesh.size((p.axis,))
+    stages = program.stages
     try:
         kind, virtual = check_arguments(p.schedule, stages, p.microbatches, p.virtual)
     except ScheduleError as exc:
@@ -52,7 +52,7 @@ def check_executor(program: Program, diags: Diagnostics) -> None:
     p = program.pipeline
     if p is None or not pipelined(program):
         return
-    stages = program.mesh.size((p.axis,))
+    stages = program.stages
     try:
         actions = _actions(program)
     except ScheduleError:
@@ -74,7 +74,7 @@ def _actions(program: Program) -> int:
     assert p is not None
     if p.table is not None:
         return sum(len(row) for row in p.table.actions_by_stage)
-    stages = program.mesh.size((p.axis,))
+    stages = program.stages
     kind, virtual = check_arguments(p.schedule, stages, p.microbatches, p.virtual)
     return table_actions(kind, stages, p.microbatches, virtual)
 
@@ -90,7 +90,7 @@ def check_pipelined_kernels(program: Program, diags: Diagnostics) -> None:
     stages that take another branch never join it and the step deadlocks. The ring would have to pass
     its blocks outside the switch, as the executor's own sends do."""
     p = program.pipeline
-    if p is None or program.mesh.size((p.axis,)) * p.virtual == 1:
+    if p is None or program.stages * p.virtual == 1:
         return
     for layer in all_layers(program):
         refusal = RULES[layer.kind].pipeline_refusal(layer)

@@ -82,7 +82,7 @@ def _pipeline(program: Program) -> Pipeline | None:
     p = program.pipeline
     if p is None:
         return None
-    stages = program.mesh.size((p.axis,))
+    stages = program.stages
     figures = pipeline_figures(program)
     if figures is None:  # one stage: nothing to schedule
         return None

@@ -467,7 +467,7 @@ class AutoPlanner:
         program = costed.program
         assert program.pipeline is not None
         accumulate = program.train.accumulate
-        stages = program.mesh.size((program.pipeline.axis,))
+        stages = program.stages
         count = sends_per_tick(stages) * fig.ticks * accumulate
         boundary = costed.boundary(microbatches * accumulate)
         sent = ring_bytes("ppermute", stages, boundary) * count

@@ -261,7 +261,7 @@ def _pipeline_sends(program: Program, totals: Totals) -> None:
     mesh = program.mesh
     slices = microbatch_slices(program)
     boundary = max((tensor_bytes(t, mesh, slices) for t in program.boundaries), default=0)
-    sends = sends_per_tick(mesh.size((p.axis,))) * figures.ticks * program.train.accumulate
+    sends = sends_per_tick(program.stages) * figures.ticks * program.train.accumulate
     _add(totals, mesh, "ppermute", (p.axis,), "pipeline", boundary, sends)
     for array in place(program).arrays:
         if array.split_dim is None:

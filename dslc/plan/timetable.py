@@ -22,7 +22,7 @@ def schedule_table(program: Program) -> Schedule:
     assert p is not None, "a pipelined program"
     if p.table is not None:
         return p.table
-    return build(p.schedule, program.mesh.size((p.axis,)), p.microbatches, p.virtual)
+    return build(p.schedule, program.stages, p.microbatches, p.virtual)
 
 
 def pipeline_figures(program: Program) -> Figures | None:
@@ -34,7 +34,7 @@ def pipeline_figures(program: Program) -> Figures | None:
         return None
     if p.table is not None:
         return _table_figures(p.table)
-    return figures(p.schedule, program.mesh.size((p.axis,)), p.microbatches, p.virtual)
+    return figures(p.schedule, program.stages, p.microbatches, p.virtual)
 
 
 @functools.lru_cache(maxsize=16)
@@ -49,7 +49,7 @@ def stage_of(program: Program) -> tuple[int, ...]:
         return tuple(0 for _ in program.chunks)
     if p.table is not None:
         return p.table.placement
-    return placement(p.schedule, program.mesh.size((p.axis,)), p.virtual)
+    return placement(p.schedule, program.stages, p.virtual)
 
 
 def splits_backward(program: Program) -> bool:
@@ -65,7 +65,7 @@ def splits_backward(program: Program) -> bool:
 def pipelined(program: Program) -> bool:
     """Whether the lowering runs the pipeline executor (more than one chunk in the table)."""
     p = program.pipeline
-    return p is not None and program.mesh.size((p.axis,)) * p.virtual > 1
+    return p is not None and program.stages * p.virtual > 1
 
 
 def microbatch_slices(program: Program) -> int:
