@@ -7,7 +7,6 @@ from dslc.diagnostics import Diagnostics, Label
 from dslc.ir.nodes import Program, all_layers
 from dslc.layers import RULES
 from dslc.plan.schedule_figures import closed_form
-from dslc.plan.timetable import pipelined
 from dslc.schedules import KINDS, MAX_ACTIONS, ScheduleError, check_arguments, table_actions
 
 
@@ -36,7 +35,7 @@ def check_schedule(program: Program, diags: Diagnostics) -> None:
         )
         return
     actions = table_actions(kind, stages, p.microbatches, virtual)
-    if pipelined(program) and not closed_form(kind, stages) and actions > MAX_ACTIONS:
+    if program.pipelined and not closed_form(kind, stages) and actions > MAX_ACTIONS:
         diags.error(
             "E031",
             f"the {kind} table for {stages} stages, {p.microbatches} microbatches has {actions:,} actions, "
@@ -50,7 +49,7 @@ def check_executor(program: Program, diags: Diagnostics) -> None:
     """What dslc plans and draws but the executor cannot run (E031): a table too large to
     build (the executor runs the whole table)."""
     p = program.pipeline
-    if p is None or not pipelined(program):
+    if p is None or not program.pipelined:
         return
     stages = program.stages
     try:

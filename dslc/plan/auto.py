@@ -54,7 +54,6 @@ from dslc.plan.memory import training_state as memory_state
 from dslc.plan.roles import read_roles
 from dslc.plan.schedule_figures import Figures, figures
 from dslc.plan.step_time import PER_MICROBATCH, Hardware, StepTime, node_local_axes, step_time
-from dslc.plan.timetable import pipelined
 from dslc.schedules import KINDS, SPLIT_BACKWARD, V_KINDS, Kind, ScheduleError, placement
 from dslc.syntax import ast
 
@@ -126,7 +125,7 @@ class _Costed:
         group's first option's: a layer's collectives run once per microbatch."""
         transfers = self.cost(schedule)[1]
         first = self.group.options[0][1]
-        if not (pipelined(self.program) and first and microbatches) or first == microbatches:
+        if not (self.program.pipelined and first and microbatches) or first == microbatches:
             return transfers
         return tuple(
             replace(t, count=t.count // first * microbatches) if t.phase in PER_MICROBATCH else t for t in transfers
@@ -447,7 +446,7 @@ class AutoPlanner:
         """Each (schedule, microbatches) option of the group, with its step time."""
         group = costed.group
         stages = self._stages(group.sizes)
-        staged = pipelined(costed.program)
+        staged = costed.program.pipelined
         pending = []
         for schedule, microbatches in group.options:
             fig = None

@@ -25,7 +25,6 @@ from dslc.ir.nodes import Axes, Block, Layer, Layout, Node, Program, Repeat, Res
 from dslc.ir.state import state_sharding
 from dslc.layers.moe import MoE, capacity_slots, exchange_collectives, expert_axes, group_tokens, routed_tokens
 from dslc.plan.communication import TRANSPOSE, _group_bytes, ring_bytes
-from dslc.plan.timetable import pipelined
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,7 +49,7 @@ class ExpertLayer:
 
 def experts(program: Program) -> tuple[ExpertLayer, ...]:
     mesh = program.mesh
-    staged = pipelined(program)
+    staged = program.pipelined
     out = []
     for chunk in program.chunks:
         for layer, checkpointed, copies in _moe_layers(chunk.nodes, False):

@@ -21,7 +21,7 @@ from dslc.ir import nodes as ir
 from dslc.ir.inputs import UNPACKED, Packing, packing
 from dslc.ir.placement import place
 from dslc.plan.report import format_bytes
-from dslc.plan.timetable import microbatch_slices, pipelined
+from dslc.plan.timetable import microbatch_slices
 
 
 def partition_spec(sharding: ir.Sharding) -> str:
@@ -246,4 +246,4 @@ def tensors(program: ir.Program) -> Tensors:
                 copies=times,
             )
         )
-    return Tensors(program.name, mesh, pipelined(program), microbatch_slices(program), tuple(rows), packing(program))
+    return Tensors(program.name, mesh, program.pipelined, microbatch_slices(program), tuple(rows), packing(program))

@@ -30,7 +30,7 @@ def pipeline_figures(program: Program) -> Figures | None:
     `ScheduleError` for a table too large to build where the kind has no closed form (the
     checker reports it)."""
     p = program.pipeline
-    if p is None or not pipelined(program):
+    if p is None or not program.pipelined:
         return None
     if p.table is not None:
         return _table_figures(p.table)
@@ -55,21 +55,15 @@ def stage_of(program: Program) -> tuple[int, ...]:
 def splits_backward(program: Program) -> bool:
     """Whether the pipeline's table splits each backward into I and W."""
     p = program.pipeline
-    if p is None or not pipelined(program):
+    if p is None or not program.pipelined:
         return False
     if p.table is not None:
         return any(a.op is Op.INPUT_GRAD for row in p.table.actions_by_stage for a in row)
     return p.schedule in SPLIT_BACKWARD
 
 
-def pipelined(program: Program) -> bool:
-    """Whether the lowering runs the pipeline executor (more than one chunk in the table)."""
-    p = program.pipeline
-    return p is not None and program.stages * p.virtual > 1
-
-
 def microbatch_slices(program: Program) -> int:
     """How many slices of the batch a step runs its layers on, one after another: pipeline
     microbatches (when the executor runs) times accumulation steps."""
-    microbatches = program.pipeline.microbatches if pipelined(program) and program.pipeline else 1
+    microbatches = program.pipeline.microbatches if program.pipelined and program.pipeline else 1
     return microbatches * program.train.accumulate
