@@ -24,8 +24,9 @@ from dslc.ir.data_parallel import data_parallel_axes
 from dslc.ir.inputs import integer_bounds
 from dslc.ir.placement import Placement, Share, StateSharding, StoredArray, place
 from dslc.ir.signature import chunk_signature
-from dslc.layers import RULES
+from dslc.layers import RULES, args
 from dslc.layers.base import BoundKernel
+from dslc.layers.moe import MoE
 from dslc.plan.timetable import schedule_table
 from dslc.schedules.notation import timelines
 from dslc.schedules.render import to_text
@@ -266,7 +267,7 @@ def _balanced(program: ir.Program, placement: Placement) -> dict[str, float]:
     `balance`; the largest, should the layers an array holds differ)."""
     rates: dict[str, float] = {}
     for layer in ir.all_layers(program):
-        rate = layer.attr("balance") if layer.kind == "moe" else 0.0
+        rate = args(layer, MoE).balance if layer.kind == "moe" else 0.0
         if not rate:
             continue
         assert isinstance(rate, float)

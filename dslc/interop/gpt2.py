@@ -12,8 +12,21 @@ import re
 from collections.abc import Mapping
 
 from dslc.interop.hf_config import GPT2Config, LlamaConfig
-from dslc.interop.mapping import Fact, FamilyBase, Matched, Requirement, Structure, TensorMap, layer_weight
+from dslc.interop.mapping import (
+    Fact,
+    FamilyBase,
+    Matched,
+    Requirement,
+    Structure,
+    TensorMap,
+    layer_weight,
+)
 from dslc.ir import nodes as ir
+from dslc.layers import args
+from dslc.layers.attention import Attention
+from dslc.layers.dense import Embed, Linear, PositionEmbed
+from dslc.layers.elementwise import Gelu
+from dslc.layers.norm import LayerNorm
 
 PREFIX = "transformer."
 STRUCTURE = Structure(
@@ -47,31 +60,31 @@ class GPT2(FamilyBase):
             out += [
                 Requirement(
                     attn,
-                    bool(attn.attr("bias")),
+                    bool(args(attn, Attention).bias),
                     "its attention adds biases to q, k, v and o",
                     "write `bias=true` on the attention",
                 ),
-                Requirement(attn, bool(attn.attr("causal")), "its attention is causal", "write `causal=true`"),
-                Requirement(attn, not attn.attr("rope"), "it has no rotary embeddings", "leave `rope` false"),
+                Requirement(attn, bool(args(attn, Attention).causal), "its attention is causal", "write `causal=true`"),
+                Requirement(attn, not args(attn, Attention).rope, "it has no rotary embeddings", "leave `rope` false"),
                 Requirement(
                     attn,
-                    attn.attr("kv_heads") == attn.attr("heads"),
+                    args(attn, Attention).kv_heads == args(attn, Attention).heads,
                     "every query head has its own key/value head",
                     "leave `kv_heads` to its default",
                 ),
                 Requirement(
                     attn,
-                    attn.int_attr("head_dim") * attn.int_attr("heads") == wte.int_attr("dim"),
+                    args(attn, Attention).head_dim * args(attn, Attention).heads == args(wte, Embed).dim,
                     "its heads split the model width",
                     "leave `head_dim` to its default",
                 ),
             ]
             out += [
-                Requirement(layer, bool(layer.attr("bias")), "its projections have biases", "write `bias=true`")
+                Requirement(layer, bool(args(layer, Linear).bias), "its projections have biases", "write `bias=true`")
                 for layer in (fc, proj)
             ]
             out += [
-                Requirement(ln, bool(ln.attr("bias")), "its layernorms have biases", "write `bias=true`")
+                Requirement(ln, bool(args(ln, LayerNorm).bias), "its layernorms have biases", "write `bias=true`")
                 for ln in (ln_1, ln_2, ln_f)
             ]
         return out
@@ -86,13 +99,13 @@ class GPT2(FamilyBase):
             Fact(
                 "n_positions",
                 config.n_positions,
-                wpe.attr("positions"),
+                args(wpe, PositionEmbed).positions,
                 "position table's length",
                 wpe,
                 "positions",
                 "change `positions`",
             ),
-            Fact("n_embd", config.n_embd, wte.attr("dim"), "width", wte, "d", "change the embedding's `dim`"),
+            Fact("n_embd", config.n_embd, args(wte, Embed).dim, "width", wte, "d", "change the embedding's `dim`"),
             Fact(
                 "n_layer",
                 config.n_layer,
@@ -104,19 +117,19 @@ class GPT2(FamilyBase):
             ),
         ]
         for _, attn, _, fc, gelu, _ in m.blocks:
-            approximate = "gelu_new" if gelu.attr("approximate") else "gelu"
+            approximate = "gelu_new" if args(gelu, Gelu).approximate else "gelu"
             wanted = "gelu_new" if config.activation_function in APPROXIMATE else config.activation_function
             out += [
                 Fact(
                     "n_head",
                     config.n_head,
-                    attn.attr("heads"),
+                    args(attn, Attention).heads,
                     "number of attention heads",
                     attn,
                     "heads",
                     "change `heads`",
                 ),
-                Fact("n_inner", config.ffn, fc.attr("out"), "MLP width", fc, "ffn", "change the MLP's width"),
+                Fact("n_inner", config.ffn, args(fc, Linear).out, "MLP width", fc, "ffn", "change the MLP's width"),
                 Fact(
                     "activation_function",
                     wanted,
@@ -132,7 +145,7 @@ class GPT2(FamilyBase):
                 Fact(
                     "layer_norm_epsilon",
                     config.layer_norm_epsilon,
-                    ln.attr("eps"),
+                    args(ln, LayerNorm).eps,
                     "layernorm eps",
                     ln,
                     "eps",
@@ -196,19 +209,19 @@ class GPT2(FamilyBase):
     def config(self, m: Matched, program: ir.Program, tied: bool, dtype: str) -> dict[str, object]:
         wte, wpe = m.prefix
         ln_1, attn, _, fc, gelu, _ = m.blocks[0]
-        d = wte.int_attr("dim")
-        ffn = fc.int_attr("out")
+        d = args(wte, Embed).dim
+        ffn = args(fc, Linear).out
         return {
             "architectures": ["GPT2LMHeadModel"],
             "model_type": "gpt2",
-            "vocab_size": wte.attr("vocab"),
-            "n_positions": wpe.attr("positions"),
+            "vocab_size": args(wte, Embed).vocab,
+            "n_positions": args(wpe, PositionEmbed).positions,
             "n_embd": d,
             "n_layer": len(m.blocks),
-            "n_head": attn.attr("heads"),
+            "n_head": args(attn, Attention).heads,
             "n_inner": None if ffn == 4 * d else ffn,
-            "activation_function": "gelu_new" if gelu.attr("approximate") else "gelu",
-            "layer_norm_epsilon": ln_1.attr("eps"),
+            "activation_function": "gelu_new" if args(gelu, Gelu).approximate else "gelu",
+            "layer_norm_epsilon": args(ln_1, LayerNorm).eps,
             "tie_word_embeddings": tied,
             "torch_dtype": dtype,
         }

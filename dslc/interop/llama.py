@@ -16,8 +16,21 @@ import re
 from collections.abc import Mapping
 
 from dslc.interop.hf_config import GPT2Config, LlamaConfig, MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
-from dslc.interop.mapping import Fact, FamilyBase, Matched, Requirement, Structure, TensorMap, layer_weight
+from dslc.interop.mapping import (
+    Fact,
+    FamilyBase,
+    Matched,
+    Requirement,
+    Structure,
+    TensorMap,
+    layer_weight,
+)
 from dslc.ir import nodes as ir
+from dslc.layers import args
+from dslc.layers.attention import Attention
+from dslc.layers.dense import Embed, Linear, SwiGLU
+from dslc.layers.moe import MoE
+from dslc.layers.norm import RmsNorm
 
 PREFIX = "model."
 STRUCTURE = Structure(
@@ -45,8 +58,10 @@ class Llama(FamilyBase):
         for block in m.blocks:
             attn = block[1]
             out += [
-                Requirement(attn, bool(attn.attr("rope")), "its attention has rotary embeddings", "write `rope=true`"),
-                Requirement(attn, bool(attn.attr("causal")), "its attention is causal", "write `causal=true`"),
+                Requirement(
+                    attn, bool(args(attn, Attention).rope), "its attention has rotary embeddings", "write `rope=true`"
+                ),
+                Requirement(attn, bool(args(attn, Attention).causal), "its attention is causal", "write `causal=true`"),
                 self.qk_norm_requirement(attn),
                 *self.mlp_requirements(block[3:]),
             ]
@@ -54,13 +69,16 @@ class Llama(FamilyBase):
 
     def qk_norm_requirement(self, attn: ir.Layer) -> Requirement:
         return Requirement(
-            attn, not attn.attr("qk_norm"), "its attention does not normalise queries and keys", "leave out `qk_norm`"
+            attn,
+            not args(attn, Attention).qk_norm,
+            "its attention does not normalise queries and keys",
+            "leave out `qk_norm`",
         )
 
     def mlp_requirements(self, mlp: tuple[ir.Layer, ...]) -> list[Requirement]:
         """What the block's MLP layers (those after its second norm) must be."""
         down = mlp[-1]
-        return [Requirement(down, not down.attr("bias"), "its MLP has no biases", "write `bias=false`")]
+        return [Requirement(down, not args(down, Linear).bias, "its MLP has no biases", "write `bias=false`")]
 
     def facts(self, config: GPT2Config | LlamaConfig, m: Matched, program: ir.Program) -> list[Fact]:
         assert isinstance(config, LlamaConfig)
@@ -68,7 +86,7 @@ class Llama(FamilyBase):
         norm = m.suffix[0]
         out = [
             *self.vocab_facts(config.vocab_size, m),
-            Fact("hidden_size", config.hidden_size, embed.attr("dim"), "width", embed, "d", "change `dim`"),
+            Fact("hidden_size", config.hidden_size, args(embed, Embed).dim, "width", embed, "d", "change `dim`"),
             Fact(
                 "num_hidden_layers",
                 config.num_hidden_layers,
@@ -85,7 +103,7 @@ class Llama(FamilyBase):
                 Fact(
                     "num_attention_heads",
                     config.num_attention_heads,
-                    attn.attr("heads"),
+                    args(attn, Attention).heads,
                     "number of attention heads",
                     attn,
                     "heads",
@@ -94,7 +112,7 @@ class Llama(FamilyBase):
                 Fact(
                     "num_key_value_heads",
                     config.kv_heads,
-                    attn.attr("kv_heads"),
+                    args(attn, Attention).kv_heads,
                     "number of key/value heads",
                     attn,
                     "kv_heads",
@@ -105,7 +123,7 @@ class Llama(FamilyBase):
                 Fact(
                     "rope_theta",
                     config.rope_base,
-                    attn.attr("rope_base"),
+                    args(attn, Attention).rope_base,
                     "rotary base",
                     attn,
                     "rope_base",
@@ -116,10 +134,20 @@ class Llama(FamilyBase):
             ]
             for n in (attn_norm, mlp_norm):
                 out.append(
-                    Fact("rms_norm_eps", config.rms_norm_eps, n.attr("eps"), "rmsnorm eps", n, "eps", "change `eps`")
+                    Fact(
+                        "rms_norm_eps",
+                        config.rms_norm_eps,
+                        args(n, RmsNorm).eps,
+                        "rmsnorm eps",
+                        n,
+                        "eps",
+                        "change `eps`",
+                    )
                 )
         out.append(
-            Fact("rms_norm_eps", config.rms_norm_eps, norm.attr("eps"), "rmsnorm eps", norm, "eps", "change `eps`")
+            Fact(
+                "rms_norm_eps", config.rms_norm_eps, args(norm, RmsNorm).eps, "rmsnorm eps", norm, "eps", "change `eps`"
+            )
         )
         out.append(self.tied_fact(config.tie_word_embeddings, m, program))
         return out
@@ -130,14 +158,20 @@ class Llama(FamilyBase):
             Fact(
                 "intermediate_size",
                 config.intermediate_size,
-                gate_up.attr("hidden"),
+                args(gate_up, SwiGLU).hidden,
                 "MLP width",
                 gate_up,
                 "ffn",
                 "change the swiglu's `hidden`",
             ),
             Fact(
-                "intermediate_size", config.intermediate_size, down.attr("in"), "MLP width", down, "ffn", "change `in`"
+                "intermediate_size",
+                config.intermediate_size,
+                args(down, Linear).in_,
+                "MLP width",
+                down,
+                "ffn",
+                "change `in`",
             ),
         ]
 
@@ -171,7 +205,7 @@ class Llama(FamilyBase):
                 )
                 if f"{w}_bias" in {x.name for x in attn.weights}:
                     out.append(TensorMap(f"{at}self_attn.{w}_proj.bias", (layer_weight(attn, f"{w}_bias"),)))
-            if attn.attr("qk_norm"):
+            if args(attn, Attention).qk_norm:
                 out += [TensorMap(f"{at}self_attn.{w}_norm.weight", (layer_weight(attn, f"{w}_norm"),)) for w in "qk"]
             out.append(TensorMap(at + "post_attention_layernorm.weight", (layer_weight(mlp_norm, "scale"),)))
             out += self.mlp_tensors(at, block[3:])
@@ -192,26 +226,26 @@ class Llama(FamilyBase):
     def config(self, m: Matched, program: ir.Program, tied: bool, dtype: str) -> dict[str, object]:
         (embed,) = m.prefix
         attn_norm, attn = m.blocks[0][:2]
-        qwen2 = bool(attn.attr("qkv_bias")) and not attn.attr("bias")
+        qwen2 = bool(args(attn, Attention).qkv_bias) and not args(attn, Attention).bias
         out: dict[str, object] = {
             "architectures": ["Qwen2ForCausalLM" if qwen2 else "LlamaForCausalLM"],
             "model_type": "qwen2" if qwen2 else "llama",
-            "vocab_size": embed.attr("vocab"),
-            "hidden_size": embed.attr("dim"),
-            "intermediate_size": m.blocks[0][3].attr("hidden"),
+            "vocab_size": args(embed, Embed).vocab,
+            "hidden_size": args(embed, Embed).dim,
+            "intermediate_size": _mlp_width(m.blocks[0][3]),
             "num_hidden_layers": len(m.blocks),
-            "num_attention_heads": attn.attr("heads"),
-            "num_key_value_heads": attn.attr("kv_heads"),
-            "head_dim": attn.attr("head_dim"),
+            "num_attention_heads": args(attn, Attention).heads,
+            "num_key_value_heads": args(attn, Attention).kv_heads,
+            "head_dim": args(attn, Attention).head_dim,
             "hidden_act": "silu",
-            "rms_norm_eps": attn_norm.attr("eps"),
-            "rope_theta": attn.attr("rope_base"),
+            "rms_norm_eps": args(attn_norm, RmsNorm).eps,
+            "rope_theta": args(attn, Attention).rope_base,
             "max_position_embeddings": program.input(program.stream).type.shape[-1],
             "tie_word_embeddings": tied,
             "torch_dtype": dtype,
         }
         if not qwen2:
-            out |= {"attention_bias": bool(attn.attr("bias")), "mlp_bias": False}
+            out |= {"attention_bias": bool(args(attn, Attention).bias), "mlp_bias": False}
         return out
 
     def keep(self, written: Mapping[str, object], original: Mapping[str, object]) -> dict[str, object]:
@@ -229,9 +263,14 @@ class Llama(FamilyBase):
         return out
 
 
+def _mlp_width(first: ir.Layer) -> int:
+    """The hidden width of a block's MLP from its first layer: a SwiGLU's, or each expert's."""
+    return args(first, MoE).hidden if first.kind == "moe" else args(first, SwiGLU).hidden
+
+
 def _bias_facts(config: LlamaConfig, attn: ir.Layer) -> list[Fact]:
     """Qwen2 adds biases to q, k and v; a Llama with `attention_bias` to all four projections."""
-    qkv, o = bool(attn.attr("bias") or attn.attr("qkv_bias")), bool(attn.attr("bias"))
+    qkv, o = bool(args(attn, Attention).bias or args(attn, Attention).qkv_bias), bool(args(attn, Attention).bias)
     if isinstance(config, Qwen2MoeConfig):
         fix = "write `qkv_bias=true` on the attention" if config.qkv_bias else "leave out the attention's biases"
         return [
@@ -259,24 +298,24 @@ def _window_facts(config: LlamaConfig, attn: ir.Layer, seq: int) -> list[Fact]:
     def within(window: object) -> object:
         return window if isinstance(window, int) and window < seq else None
 
-    if within(config.window) == within(attn.attr("window")):
+    if within(config.window) == within(args(attn, Attention).window):
         return []
     fix = (
         f"write `window={config.window}` on the attention"
         if within(config.window) is not None
         else "leave out `window` on the attention"
     )
-    return [Fact("sliding_window", config.window, attn.attr("window"), "sliding window", attn, None, fix)]
+    return [Fact("sliding_window", config.window, args(attn, Attention).window, "sliding window", attn, None, fix)]
 
 
 def _head_width_facts(config: LlamaConfig, embed: ir.Layer, attn: ir.Layer) -> list[Fact]:
     """A head's width, where either side gives it rather than leaving it to width // heads
     (which the width and heads facts check already)."""
-    default = embed.int_attr("dim") // attn.int_attr("heads")
-    if config.head_dim is None and attn.attr("head_dim") == default:
+    default = args(embed, Embed).dim // args(attn, Attention).heads
+    if config.head_dim is None and args(attn, Attention).head_dim == default:
         return []
     fix = f"write `head_dim={config.head_width}` on the attention"
-    return [Fact("head_dim", config.head_width, attn.attr("head_dim"), "head width", attn, "head_dim", fix)]
+    return [Fact("head_dim", config.head_width, args(attn, Attention).head_dim, "head width", attn, "head_dim", fix)]
 
 
 MIXTRAL_STRUCTURE = Structure(
@@ -307,18 +346,24 @@ class Mixtral(Llama):
     def mlp_requirements(self, mlp: tuple[ir.Layer, ...]) -> list[Requirement]:
         (moe,) = mlp
         return [
-            Requirement(moe, moe.attr("activation") == "swiglu", "its experts are SwiGLU", "write `activation=swiglu`"),
-            Requirement(moe, moe.attr("capacity") is None, "it drops no token", "write `capacity=none`"),
-            Requirement(moe, not moe.attr("balance"), "its router has no balancing bias", "leave out `balance`"),
+            Requirement(
+                moe, args(moe, MoE).activation == "swiglu", "its experts are SwiGLU", "write `activation=swiglu`"
+            ),
+            Requirement(moe, args(moe, MoE).capacity is None, "it drops no token", "write `capacity=none`"),
+            Requirement(moe, not args(moe, MoE).balance, "its router has no balancing bias", "leave out `balance`"),
             *self.shared_requirements(moe),
         ] + (
-            [Requirement(moe, bool(moe.attr("normalize")), "its gates are renormalised", "leave out `normalize=false`")]
+            [
+                Requirement(
+                    moe, bool(args(moe, MoE).normalize), "its gates are renormalised", "leave out `normalize=false`"
+                )
+            ]
             if self.always_renormalised
             else []
         )
 
     def shared_requirements(self, moe: ir.Layer) -> list[Requirement]:
-        return [Requirement(moe, not moe.attr("shared"), "it has no shared experts", "leave out `shared`")]
+        return [Requirement(moe, not args(moe, MoE).shared, "it has no shared experts", "leave out `shared`")]
 
     def mlp_facts(self, config: LlamaConfig, mlp: tuple[ir.Layer, ...]) -> list[Fact]:
         assert isinstance(config, MixtralConfig)
@@ -327,7 +372,7 @@ class Mixtral(Llama):
             Fact(
                 "intermediate_size",
                 config.intermediate_size,
-                moe.attr("hidden"),
+                args(moe, MoE).hidden,
                 "expert width",
                 moe,
                 "ffn",
@@ -336,7 +381,7 @@ class Mixtral(Llama):
             Fact(
                 "num_local_experts",
                 config.num_local_experts,
-                moe.attr("experts"),
+                args(moe, MoE).experts,
                 "number of experts",
                 moe,
                 "experts",
@@ -345,7 +390,7 @@ class Mixtral(Llama):
             Fact(
                 "num_experts_per_tok",
                 config.num_experts_per_tok,
-                moe.attr("top_k"),
+                args(moe, MoE).top_k,
                 "experts per token",
                 moe,
                 "top_k",
@@ -357,7 +402,7 @@ class Mixtral(Llama):
         (moe,) = mlp
         at += self.moe_prefix
         out = [TensorMap(at + "gate.weight", (layer_weight(moe, "router"),), transposed=True, kernel=True)]
-        for j in range(moe.int_attr("experts")):
+        for j in range(args(moe, MoE).experts):
             for name, weight in self.expert_tensors:
                 out.append(
                     TensorMap(
@@ -378,8 +423,8 @@ class Mixtral(Llama):
         return out | {
             "architectures": ["MixtralForCausalLM"],
             "model_type": "mixtral",
-            "num_local_experts": moe.attr("experts"),
-            "num_experts_per_tok": moe.attr("top_k"),
+            "num_local_experts": args(moe, MoE).experts,
+            "num_experts_per_tok": args(moe, MoE).top_k,
         }
 
 
@@ -406,7 +451,7 @@ class Qwen3Moe(Mixtral):
     def qk_norm_requirement(self, attn: ir.Layer) -> Requirement:
         return Requirement(
             attn,
-            bool(attn.attr("qk_norm")),
+            bool(args(attn, Attention).qk_norm),
             "its attention normalises each head's query and key",
             "write `qk_norm=true`",
         )
@@ -416,14 +461,15 @@ class Qwen3Moe(Mixtral):
         out = super().facts(config, m, program)
         for block in m.blocks:
             attn, moe = block[1], block[3]
-            if attn.attr("qk_norm"):
+            a = args(attn, Attention)
+            if a.qk_norm:
                 out.append(
-                    Fact("rms_norm_eps", config.rms_norm_eps, attn.attr("norm_eps"), "query-key norm eps", attn,
-                         "eps", "change the attention's `norm_eps`")
+                    Fact("rms_norm_eps", config.rms_norm_eps, a.norm_eps, "query-key norm eps", attn, "eps",
+                         "change the attention's `norm_eps`")
                 )  # fmt: skip
             fix = "leave out `normalize=false`" if config.norm_topk_prob else "write `normalize=false`"
             out.append(
-                Fact("norm_topk_prob", config.norm_topk_prob, moe.attr("normalize"), "renormalising of the gates",
+                Fact("norm_topk_prob", config.norm_topk_prob, args(moe, MoE).normalize, "renormalising of the gates",
                      moe, "normalize", fix)
             )  # fmt: skip
         return out
@@ -432,11 +478,11 @@ class Qwen3Moe(Mixtral):
         assert isinstance(config, Qwen3MoeConfig)
         (moe,) = mlp
         return [
-            Fact("moe_intermediate_size", config.moe_intermediate_size, moe.attr("hidden"), "expert width", moe,
+            Fact("moe_intermediate_size", config.moe_intermediate_size, args(moe, MoE).hidden, "expert width", moe,
                  "ffn", "change `hidden`"),
-            Fact("num_experts", config.num_experts, moe.attr("experts"), "number of experts", moe, "experts",
+            Fact("num_experts", config.num_experts, args(moe, MoE).experts, "number of experts", moe, "experts",
                  "change `experts`"),
-            Fact("num_experts_per_tok", config.num_experts_per_tok, moe.attr("top_k"), "experts per token", moe,
+            Fact("num_experts_per_tok", config.num_experts_per_tok, args(moe, MoE).top_k, "experts per token", moe,
                  "top_k", "change `top_k`"),
         ]  # fmt: skip
 
@@ -460,9 +506,9 @@ class Qwen3Moe(Mixtral):
         return out | {
             "architectures": ["Qwen3MoeForCausalLM"],
             "model_type": "qwen3_moe",
-            "moe_intermediate_size": moe.attr("hidden"),
-            "num_experts": moe.attr("experts"),
-            "norm_topk_prob": bool(moe.attr("normalize")),
+            "moe_intermediate_size": args(moe, MoE).hidden,
+            "num_experts": args(moe, MoE).experts,
+            "norm_topk_prob": bool(args(moe, MoE).normalize),
             "decoder_sparse_step": 1,
             "mlp_only_layers": [],
             "attention_bias": False,
@@ -489,9 +535,9 @@ class Qwen2Moe(Qwen3Moe):
 
     def shared_requirements(self, moe: ir.Layer) -> list[Requirement]:
         return [
-            Requirement(moe, bool(moe.attr("shared")), "it has a shared expert", "write `shared=...` (its width)"),
+            Requirement(moe, bool(args(moe, MoE).shared), "it has a shared expert", "write `shared=...` (its width)"),
             Requirement(
-                moe, bool(moe.attr("shared_router")), "its shared expert is gated", "write `shared_router=true`"
+                moe, bool(args(moe, MoE).shared_router), "its shared expert is gated", "write `shared_router=true`"
             ),
         ]
 
@@ -501,7 +547,7 @@ class Qwen2Moe(Qwen3Moe):
         shared = Fact(
             "shared_expert_intermediate_size",
             config.shared_expert_intermediate_size,
-            moe.attr("shared"),
+            args(moe, MoE).shared,
             "shared expert width",
             moe,
             "shared_ffn",
@@ -527,6 +573,6 @@ class Qwen2Moe(Qwen3Moe):
         return out | {
             "architectures": ["Qwen2MoeForCausalLM"],
             "model_type": "qwen2_moe",
-            "shared_expert_intermediate_size": moe.attr("shared"),
-            "qkv_bias": bool(attn.attr("qkv_bias") or attn.attr("bias")),
+            "shared_expert_intermediate_size": args(moe, MoE).shared,
+            "qkv_bias": bool(args(attn, Attention).qkv_bias or args(attn, Attention).bias),
         }

@@ -18,7 +18,8 @@ from dslc.diagnostics import Diagnostic, Label, error
 from dslc.frontend import Analysis
 from dslc.interop.errors import CheckpointError, file_span
 from dslc.ir import nodes as ir
-from dslc.layers import LOSS_KINDS
+from dslc.layers import LOSS_KINDS, args
+from dslc.layers.dense import Embed, Linear
 from dslc.syntax import ast
 
 OPEN, CLOSE = "(", ")"  # a residual branch begins and ends
@@ -337,13 +338,23 @@ class FamilyBase:
         """The vocabulary: the embedding's and the head's outputs."""
         embed, head = m.prefix[0], m.suffix[-1]
         return [
-            Fact("vocab_size", vocab_size, embed.attr("vocab"), "vocabulary size", embed, "vocab", "change `vocab`"),
-            Fact("vocab_size", vocab_size, head.attr("out"), "number of head outputs", head, "vocab", "change `out`"),
+            Fact(
+                "vocab_size", vocab_size, args(embed, Embed).vocab, "vocabulary size", embed, "vocab", "change `vocab`"
+            ),
+            Fact(
+                "vocab_size",
+                vocab_size,
+                args(head, Linear).out,
+                "number of head outputs",
+                head,
+                "vocab",
+                "change `out`",
+            ),
         ]
 
     def head_has_no_bias(self, m: Matched) -> Requirement:
         head = m.suffix[-1]
-        return Requirement(head, not head.attr("bias"), "its head has no bias", "write `bias=false` on the head")
+        return Requirement(head, not args(head, Linear).bias, "its head has no bias", "write `bias=false` on the head")
 
     def ties(self, m: Matched) -> bool:
         """Whether the spec's head reads the embedding's table itself: one weight, not a copy."""

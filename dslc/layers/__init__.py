@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar, cast
 
+from dslc.ir.nodes import Layer
 from dslc.layers.attention import Attention
 from dslc.layers.base import LayerRule
 from dslc.layers.conv import Conv
@@ -36,3 +37,14 @@ RULES: dict[str, LayerRule[Any]] = {
 }
 
 LOSS_KINDS = frozenset(kind for kind, rule in RULES.items() if rule.is_loss)
+
+
+A = TypeVar("A")
+
+
+def args(layer: Layer, rule: type[LayerRule[A]]) -> A:
+    """The arguments of `layer` as `rule`'s typed `Args` (`args(attn, Attention).heads`): a use
+    of `rule`'s kind, or of a kind whose arguments are the same (rmsnorm's and layernorm's).
+    What reads a layer's arguments outside its rule reads them so, never by name."""
+    assert RULES[layer.kind].Args is rule.Args, (layer.kind, rule.kind)
+    return cast(A, RULES[rule.kind].args_of(layer))

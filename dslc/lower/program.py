@@ -24,6 +24,8 @@ from dslc.codegen.names import safe_identifier
 from dslc.ir import nodes as ir
 from dslc.ir.inputs import check_inputs, integer_bounds, read_inputs
 from dslc.ir.weights import mismatches
+from dslc.layers import args
+from dslc.layers.loss import CrossEntropy
 from dslc.runtime import as_dslc_runtime
 from dslc.runtime.storage import shapes_of
 from dslc.runtime.training import learning_rate
@@ -318,7 +320,7 @@ class Program:
         module = self.module
         run = module.run if hasattr(module, "run") else lambda params, inputs: (module.forward(params, inputs), {})
         loss = self.ir.loss
-        classes = loss.attr("classes") if loss is not None and "classes" in dict(loss.attrs) else 0
+        classes = args(loss, CrossEntropy).classes if loss is not None and loss.kind == "cross_entropy" else 0
         assert isinstance(classes, int)
 
         def output(params: Params, inputs: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 from dslc.ir.nodes import Layer, Program, TensorType
 from dslc.ir.placement import place
+from dslc.layers import args
+from dslc.layers.loss import CrossEntropy
 from dslc.plan.memory import MOMENTS
 
 
@@ -62,7 +64,7 @@ def paddings(program: Program) -> tuple[Padding, ...]:
 def logits_padding(program: Program) -> LogitsPadding | None:
     """The loss's padded logits, or None where the loss reads them unpadded."""
     loss = program.loss
-    classes = loss.int_attr("classes") if loss is not None and "classes" in dict(loss.attrs) else 0
+    classes = args(loss, CrossEntropy).classes if loss is not None and loss.kind == "cross_entropy" else 0
     if loss is None or not classes:
         return None
     width = loss.input.shape[-1]

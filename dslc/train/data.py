@@ -14,6 +14,8 @@ from pathlib import Path
 
 from dslc.ir import nodes as ir
 from dslc.ir.inputs import integer_bounds, packing
+from dslc.layers import args
+from dslc.layers.attention import Attention
 from dslc.train.corpus import stdlib_corpus
 from dslc.train.dataset import DataError, Dataset
 from dslc.train.digits import CLASSES, NATIVE_SIDE, DigitImages, image_side, load_digits
@@ -77,7 +79,7 @@ def data_warnings(program: ir.Program) -> list[str]:
     if not _is_language_model(program, stream, target, loss):
         return []
     layers = ir.all_layers(program)
-    both_ways = [layer.path for layer in layers if layer.kind == "attention" and not layer.attr("causal")]
+    both_ways = [layer.path for layer in layers if layer.kind == "attention" and not args(layer, Attention).causal]
     if not both_ways:
         return []
     more = f" (and {len(both_ways) - 1} more)" if len(both_ways) > 1 else ""
