@@ -14,13 +14,13 @@ from dslc.plan.experts import ExpertLayer, experts
 from dslc.plan.flops import Flops, busiest_stage_flops, flops
 from dslc.plan.memory import Memory, memory
 from dslc.plan.padding import logits_padding, paddings
-from dslc.plan.report import Pipeline, Plan, format_bytes
+from dslc.plan.report import PipelineFigures, Plan, format_bytes
 from dslc.plan.roles import read_roles
 from dslc.plan.step_time import Hardware, StepTime, node_local_axes, step_time
 from dslc.plan.timetable import pipeline_figures
 from dslc.schedules import theoretical_bubble
 
-__all__ = ["ExpertLayer", "Flops", "Hardware", "Memory", "Pipeline", "Plan", "StepTime", "Transfer", "plan"]
+__all__ = ["ExpertLayer", "Flops", "Hardware", "Memory", "PipelineFigures", "Plan", "StepTime", "Transfer", "plan"]
 
 
 def plan(
@@ -78,7 +78,7 @@ def plan(
     )
 
 
-def _pipeline(program: Program) -> Pipeline | None:
+def _pipeline(program: Program) -> PipelineFigures | None:
     p = program.pipeline
     if p is None:
         return None
@@ -86,7 +86,7 @@ def _pipeline(program: Program) -> Pipeline | None:
     figures = pipeline_figures(program)
     if figures is None:  # one stage: nothing to schedule
         return None
-    return Pipeline(
+    return PipelineFigures(
         schedule=p.schedule,
         stages=stages,
         microbatches=p.microbatches,

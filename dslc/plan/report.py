@@ -17,7 +17,11 @@ GIB = 1 << 30
 
 
 @dataclass(frozen=True, slots=True)
-class Pipeline:
+class PipelineFigures:
+    """The pipeline's figures in a plan: its schedule and sizes, its bubble (measured on the
+    schedule's table, and in closed form where there is one) and the most chunk inputs a
+    stage holds at once."""
+
     schedule: str
     stages: int
     microbatches: int
@@ -46,7 +50,7 @@ class Plan:
     memory: Memory
     communication: tuple[Transfer, ...]
     flops: Flops
-    pipeline: Pipeline | None
+    pipeline: PipelineFigures | None
     device_memory: int | None
     warnings: tuple[str, ...]
     experts: tuple[ExpertLayer, ...] = ()
