@@ -1,4 +1,5 @@
-"""The second backend: checked IR -> a readable, standalone Python module (jinja2 templates).
+"""The one backend: checked IR -> a readable, standalone Python module (jinja2 templates),
+which `dslc compile` writes and `Program` (dslc.lower) loads and runs.
 
 Imports no jax: generating code is as quick as checking.
 """

@@ -1,7 +1,7 @@
 """Bytes per device, by what they hold: the training state and the activations.
 
 Training state is counted array by array as the module stores it (`dslc.ir.placement`),
-split by ZeRO / FSDP as `dslc.ir.state` says — the backend reads both:
+split by ZeRO / FSDP as `dslc.ir.state` says — the generated module reads both:
 
 * a repeat's weights are one stacked array each; under a pipeline each stage holds only its
   own stage's layers (or rows), and a weight outside the stages' region (an embedding, a head)

@@ -1,4 +1,4 @@
-"""The direct backend: collectives, ZeRO/FSDP state placement, checkpointing, precision, CLI.
+"""Compiled programs: collectives, ZeRO/FSDP state placement, checkpointing, precision, CLI.
 
 Numerics against an independent reference live in test_numerics.py; this file checks that
 the compiled programs are shaped the way the spec and the IR say.
