@@ -54,7 +54,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import dslc
-from dslc.plan.timetable import schedule_table
+from dslc.ir.schedule import schedule_table
 from dslc.runtime.training import OPTIMIZER_DEFAULTS
 
 SPEC = Path(__file__).resolve().parent.parent / "specs" / "gpt_small.par"

@@ -6,7 +6,7 @@ import math
 
 from dslc.diagnostics import Diagnostics, Label, Span
 from dslc.ir.nodes import Program, StackedWeight, counted_layers, stacked_weights
-from dslc.plan.timetable import pipeline_figures, stage_of
+from dslc.ir.schedule import pipeline_figures, stage_of
 from dslc.schedules import ScheduleError
 
 MIN_EFFICIENCY = 0.80

@@ -6,8 +6,8 @@ from __future__ import annotations
 from dslc.diagnostics import Diagnostics, Label
 from dslc.ir.nodes import Program, all_layers
 from dslc.layers import RULES
-from dslc.plan.schedule_figures import closed_form
 from dslc.schedules import KINDS, MAX_ACTIONS, ScheduleError, check_arguments, table_actions
+from dslc.schedules.figures import closed_form
 
 
 def check_schedule(program: Program, diags: Diagnostics) -> None:

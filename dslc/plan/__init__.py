@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dslc.ir.inputs import packing
 from dslc.ir.nodes import Program, all_layers, parameter_count
+from dslc.ir.schedule import pipeline_figures
 from dslc.layers import RULES
 from dslc.plan.communication import Transfer, communication
 from dslc.plan.experts import ExpertLayer, experts
@@ -17,7 +18,6 @@ from dslc.plan.padding import logits_padding, paddings
 from dslc.plan.report import PipelineFigures, Plan, format_bytes
 from dslc.plan.roles import read_roles
 from dslc.plan.step_time import Hardware, StepTime, node_local_axes, step_time
-from dslc.plan.timetable import pipeline_figures
 from dslc.schedules import theoretical_bubble
 
 __all__ = ["ExpertLayer", "Flops", "Hardware", "Memory", "PipelineFigures", "Plan", "StepTime", "Transfer", "plan"]

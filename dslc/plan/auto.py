@@ -52,9 +52,9 @@ from dslc.plan.flops import busiest_stage_flops, flops
 from dslc.plan.memory import Memory, memory
 from dslc.plan.memory import training_state as memory_state
 from dslc.plan.roles import read_roles
-from dslc.plan.schedule_figures import Figures, figures
 from dslc.plan.step_time import PER_MICROBATCH, Hardware, StepTime, node_local_axes, step_time
 from dslc.schedules import KINDS, SPLIT_BACKWARD, V_KINDS, Kind, ScheduleError, placement
+from dslc.schedules.figures import Figures, figures
 from dslc.syntax import ast
 
 # The most chunks per stage tried: the bubble shrinks as 1/V while the stash slots, the sends

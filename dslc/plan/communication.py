@@ -61,9 +61,9 @@ from dslc.ir.nodes import (
     counted_layers,
 )
 from dslc.ir.placement import place
+from dslc.ir.schedule import microbatch_slices, pipeline_figures, splits_backward, stage_of
 from dslc.layers import RULES
 from dslc.plan.activations import tensor_bytes
-from dslc.plan.timetable import microbatch_slices, pipeline_figures, splits_backward, stage_of
 
 Phase = Literal["forward", "backward", "recompute", "gradients", "pipeline"]
 Totals = dict[tuple[str, Axes, Phase, bool], tuple[int, int]]

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from typing import assert_never
 
 from dslc.ir.nodes import Block, Layer, Layout, Node, Program, Repeat, Residual, counted_layers, own_layers
+from dslc.ir.schedule import splits_backward, stage_of
 from dslc.layers import RULES
-from dslc.plan.timetable import splits_backward, stage_of
 
 
 @dataclass(frozen=True, slots=True)

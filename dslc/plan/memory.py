@@ -26,9 +26,9 @@ from dataclasses import dataclass
 from dslc.ir.data_parallel import data_parallel_axes
 from dslc.ir.nodes import DTYPE_BYTES, Mesh, Node, Program, Repeat, TensorType
 from dslc.ir.placement import Placement, place
+from dslc.ir.schedule import microbatch_slices, pipeline_figures
 from dslc.ir.state import gathered_weights_kept
 from dslc.plan.activations import Kept, kept_by, tensor_bytes
-from dslc.plan.timetable import microbatch_slices, pipeline_figures
 
 MOMENTS = {"adamw": 2, "adam": 2, "sgd": 1}
 

@@ -20,8 +20,8 @@ from typing import Any
 from dslc.ir import nodes as ir
 from dslc.ir.inputs import UNPACKED, Packing, packing
 from dslc.ir.placement import place
+from dslc.ir.schedule import microbatch_slices
 from dslc.plan.report import format_bytes
-from dslc.plan.timetable import microbatch_slices
 
 
 def partition_spec(sharding: ir.Sharding) -> str:

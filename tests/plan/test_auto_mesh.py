@@ -28,10 +28,10 @@ from dslc.plan.auto import AutoPlanner, factorizations
 from dslc.plan.auto_report import AutoPlan, Candidate
 from dslc.plan.communication import Transfer
 from dslc.plan.roles import Roles, read_roles
-from dslc.plan.schedule_figures import figures
 from dslc.plan.step_time import Hardware, intra_node_axes, node_local_axes, step_time
 from dslc.schedules import build
 from dslc.schedules.buffers import allocate_slots
+from dslc.schedules.figures import figures
 from tests.conftest import SPECS, TEST_SPECS
 
 GIB = 1 << 30

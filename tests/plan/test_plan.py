@@ -22,8 +22,8 @@ import pytest
 import dslc
 from bench.bench_plan_accuracy import RESIDUAL_MLP, SECOND_MESH, STATE_SETTINGS, option_cases, residual_mlp, with_master
 from dslc import cli
+from dslc.ir.schedule import pipeline_figures
 from dslc.plan import Plan, plan
-from dslc.plan.timetable import pipeline_figures
 from tests.conftest import ROOT, SPECS, TEST_SPECS, compiled
 
 TOLERANCE = 0.10
@@ -443,8 +443,8 @@ def test_a_pipeline_too_large_to_tabulate_is_planned_in_closed_form(kind: str, m
     def refuse(*args: object) -> None:
         raise AssertionError(f"built a table: {args}")
 
-    monkeypatch.setattr("dslc.plan.schedule_figures.build", refuse)
-    monkeypatch.setattr("dslc.plan.timetable.build", refuse)
+    monkeypatch.setattr("dslc.schedules.figures.build", refuse)
+    monkeypatch.setattr("dslc.ir.schedule.build", refuse)
     analysis = dslc.analyze(HUGE.replace("schedule 1f1b", f"schedule {kind}"), running=False)
     assert analysis.ok and analysis.program is not None
     pipeline = plan(analysis.program).pipeline

@@ -269,7 +269,7 @@ def test_zero3_gathers_a_stage_row_before_slicing_it(monkeypatch: pytest.MonkeyP
 def test_the_pipelined_step_does_the_flops_of_the_unpipelined_one() -> None:
     """The spec's checkpointing alone decides recomputation: without it the pipeline keeps
     each chunk's residuals from its forward tick to its backward tick and reruns nothing."""
-    from dslc.plan.timetable import schedule_table
+    from dslc.ir.schedule import schedule_table
     from tests.jaxpr_flops import dot_flops
 
     def flops(checkpoint: str) -> tuple[float, float]:

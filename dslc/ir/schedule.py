@@ -11,8 +11,8 @@ from __future__ import annotations
 import functools
 
 from dslc.ir.nodes import Program
-from dslc.plan.schedule_figures import Figures, figures, table_figures
 from dslc.schedules import SPLIT_BACKWARD, Op, Schedule, build, placement
+from dslc.schedules.figures import Figures, figures, table_figures
 
 
 def schedule_table(program: Program) -> Schedule:
