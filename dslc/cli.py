@@ -747,8 +747,8 @@ def _plan_auto(args: argparse.Namespace) -> int:
     import json
 
     from dslc.frontend import check_overrides, parse_overrides
-    from dslc.plan.auto import AutoPlanner
     from dslc.plan.report import format_bytes
+    from dslc.search.auto import AutoPlanner
 
     if args.devices is None or args.device_memory is None:
         raise UsageError("--mesh auto needs --devices N and --device-memory GiB (how many devices, how much each)")

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 from dslc.frontend import Overrides
 from dslc.lower.devices import request_host_devices
-from dslc.plan.auto_report import AutoPlan, Candidate
 from dslc.plan.report import format_bytes
+from dslc.search.report import AutoPlan, Candidate
 from dslc.syntax import ast
 
 # Beyond this ratio either way, the report says that measurement and plan disagree.

@@ -24,14 +24,14 @@ from dslc import cli
 from dslc.frontend import Analysis
 from dslc.ir.nodes import Mesh, MeshAxis
 from dslc.plan import plan
-from dslc.plan.auto import AutoPlanner, factorizations
-from dslc.plan.auto_report import AutoPlan, Candidate
 from dslc.plan.communication import Transfer
 from dslc.plan.roles import Roles, read_roles
 from dslc.plan.step_time import Hardware, intra_node_axes, node_local_axes, step_time
 from dslc.schedules import build
 from dslc.schedules.buffers import allocate_slots
 from dslc.schedules.figures import figures
+from dslc.search.auto import AutoPlanner, factorizations
+from dslc.search.report import AutoPlan, Candidate
 from tests.conftest import SPECS, TEST_SPECS
 
 GIB = 1 << 30

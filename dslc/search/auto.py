@@ -46,7 +46,6 @@ from dslc.elaborate import elaborate
 from dslc.ir.evaluate import ScalarValue
 from dslc.ir.nodes import Mesh, MeshAxis, Program, TensorType, weights_by_path
 from dslc.plan.activations import tensor_bytes
-from dslc.plan.auto_report import AutoPlan, Candidate, Excluded
 from dslc.plan.communication import Transfer, communication, ring_bytes, sends_per_tick
 from dslc.plan.flops import busiest_stage_flops, flops
 from dslc.plan.memory import Memory, memory
@@ -55,6 +54,7 @@ from dslc.plan.roles import read_roles
 from dslc.plan.step_time import PER_MICROBATCH, Hardware, StepTime, node_local_axes, step_time
 from dslc.schedules import KINDS, SPLIT_BACKWARD, V_KINDS, Kind, ScheduleError, placement
 from dslc.schedules.figures import Figures, figures
+from dslc.search.report import AutoPlan, Candidate, Excluded
 from dslc.syntax import ast
 
 # The most chunks per stage tried: the bubble shrinks as 1/V while the stash slots, the sends
