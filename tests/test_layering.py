@@ -1,0 +1,47 @@
+"""dslc's packages in layers, read off every module's imports without importing anything: no
+two of them import each other, and the planner reads only the IR, the layer rules and the
+schedules (the `--mesh auto` search, `dslc.search`, runs it with the elaborator and the
+checker, from above)."""
+
+from __future__ import annotations
+
+import ast
+from collections import defaultdict
+
+from tests.conftest import ROOT
+
+PACKAGE = ROOT / "dslc"
+
+
+def imports_between_packages() -> dict[str, set[str]]:
+    """For each top-level package or module of dslc (`plan`, `check`, `cli`, ...), the others
+    its modules import."""
+    found: dict[str, set[str]] = defaultdict(set)
+    for module in PACKAGE.rglob("*.py"):
+        own = module.relative_to(PACKAGE).parts[0].removesuffix(".py")
+        for node in ast.walk(ast.parse(module.read_text(encoding="utf-8"), str(module))):
+            names = (
+                [alias.name for alias in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom) and node.level == 0
+                else []
+            )
+            for name in names:
+                parts = name.split(".")
+                if parts[0] == "dslc" and len(parts) > 1 and parts[1] != own:
+                    found[own].add(parts[1])
+    return found
+
+
+def test_no_two_packages_import_each_other() -> None:
+    edges = imports_between_packages()
+    assert {"plan", "check", "search"} <= set(edges)  # the walk saw the packages
+    both_ways = sorted(
+        {tuple(sorted((a, b))) for a, targets in edges.items() for b in targets if a in edges.get(b, set())}
+    )
+    assert both_ways == []
+
+
+def test_the_planner_imports_nothing_above_the_ir() -> None:
+    assert imports_between_packages().get("plan", set()) <= {"ir", "layers", "schedules", "diagnostics"}
