@@ -37,6 +37,7 @@ SPECS = Path(__file__).resolve().parent.parent / "specs"
 REDUCED: dict[str, dict[str, ScalarValue]] = {
     "seed_hybrid_3d": {"layers": 4, "seq": 64, "hidden": 128},
     "gpt2": {"vocab": 128, "positions": 32, "d": 64, "heads": 4, "layers": 4, "seq": 32, "batch": 16},
+    "gpt_neox": {"vocab": 128, "d": 64, "heads": 4, "layers": 4, "seq": 32, "batch": 16},
     "llama": {"vocab": 128, "d": 64, "heads": 4, "kv_heads": 2, "ffn": 176, "layers": 4, "seq": 32, "batch": 16},
 }
 SKIPPED = {"gpt3_175b"}
@@ -45,6 +46,7 @@ SKIPPED = {"gpt3_175b"}
 SECOND_MESH = {
     "gpt_small": "2x2x4",
     "gpt2": "1x2x4",
+    "gpt_neox": "1x2x4",
     "llama": "1x2x4",
     "seed_hybrid_3d": "2x2x4",
     "seed_mlp_pipeline": "2x3",

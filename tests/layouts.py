@@ -68,6 +68,7 @@ TEST_SIZES: dict[str, dict[str, Any]] = {
     "seed_mlp_pipeline": {"overrides": {"batch": 64}},
     "gpt_small": {"overrides": {"batch": 32}},
     "gpt2": {"overrides": {"vocab": 257, "positions": 64, "d": 64, "heads": 4, "layers": 4, "seq": 32, "batch": 32}},
+    "gpt_neox": {"overrides": {"vocab": 256, "d": 64, "heads": 4, "layers": 4, "seq": 32, "batch": 32}},
     "llama": {
         "overrides": {"vocab": 256, "d": 64, "heads": 4, "kv_heads": 2, "ffn": 128, "layers": 4, "seq": 32, "batch": 32}
     },

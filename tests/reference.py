@@ -156,6 +156,13 @@ def _run(
             case ir.Residual():
                 y, more = _run(node.body, x, params, ctx, name)
                 x = (x + y).astype(ctx.dtype(node.output))
+            case ir.Branches():
+                y = None
+                for arm in node.arms:
+                    out, one = _run(arm, x, params, ctx, name)
+                    y = out if y is None else y + out
+                    more = {k: more.get(k, 0.0) + one.get(k, 0.0) for k in {*more, *one}}
+                x = y.astype(ctx.dtype(node.output))
             case ir.Block():
                 # Checkpointing changes what is stored, never a number.
                 x, more = _run(node.body, x, params, ctx, name)

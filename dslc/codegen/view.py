@@ -46,7 +46,7 @@ class WeightArg:
 
 @dataclass(frozen=True, slots=True)
 class Statement:
-    kind: Literal["layer", "copy", "add", "layout", "block", "scan"]
+    kind: Literal["layer", "copy", "branch", "add", "sum", "layout", "block", "scan"]
     var: str
     source: str = ""  # where it was written: "gpt_small.par:24  attn: attention(...)"
     # layer
@@ -58,8 +58,9 @@ class Statement:
     static: tuple[tuple[str, object], ...] = ()
     output: ir.Sharding | None = None
     path: Path | None = None
-    # copy / add: the other variable; layout: the sharding
+    # copy / branch / add: the other variable; sum: the variables summed; layout: the sharding
     other: str = ""
+    others: tuple[str, ...] = ()
     sharding: ir.Sharding = ()
     # block / scan
     attribute: str = ""
@@ -144,6 +145,12 @@ class Builder:
                     cls.statements.append(Statement("copy", inner, self.where(node.span, text=False), other=var))
                     self.statements(cls, node.body, inner, base, attrs, depth + 1)
                     cls.statements.append(Statement("add", var, other=inner))
+                case ir.Branches():
+                    arms = tuple(f"{var}_{i + 1}" for i in range(len(node.arms)))
+                    for arm, arm_var, at in zip(node.arms, arms, node.arm_spans, strict=True):
+                        cls.statements.append(Statement("branch", arm_var, self.where(at, text=False), other=var))
+                        self.statements(cls, arm, arm_var, base, attrs, depth)
+                    cls.statements.append(Statement("sum", var, others=arms))
                 case ir.Block():
                     attr = attrs.claim(_label(node.path, base))
                     cls.attributes.append(

@@ -1,4 +1,4 @@
-"""Instantiate the forward body: blocks expanded at each use, repeats elaborated once, residual
+"""Instantiate the forward body: blocks expanded at each use, repeats elaborated once, residuals,
 branches and layouts, in the order the activation flows through them. Each statement is named
 (`names`), its arguments bound (`arguments`), a built-in layer typed by its rule (`infer`), a
 block's checkpoint resolved (`checkpoints`) as the walk reaches it, so every mistake is
@@ -92,18 +92,21 @@ class _Builder(Walk):
         self, stmts: Sequence[ast.Stmt], flow: Flow, scope: Scope, prefix: str, names: dict[int, str]
     ) -> list[ir.Node]:
         out: list[ir.Node] = []
-        for stmt in stmts:
+        for stmt in _branch_runs(stmts):
             if self.too_big:
                 break
+            span = stmt.span if not isinstance(stmt, tuple) else stmt[0].span.to(stmt[-1].span)
             if flow.after_loss is not None and not isinstance(stmt, (ast.LayoutStmt,)):
                 self.diags.error(
                     "E028",
                     "layers after the loss are never reached",
-                    stmt.span,
+                    span,
                     labels=[Label(flow.after_loss, "the loss ends the forward pass here")],
                 )
                 flow.after_loss = None
             match stmt:
+                case tuple():
+                    out.append(self._branches(stmt, span, flow, scope, prefix, names))
                 case ast.LayerStmt():
                     node = self._use(
                         stmt.call, stmt.shards, names[id(stmt)], flow, scope, prefix, stmt.span, ties=stmt.ties
@@ -160,6 +163,69 @@ class _Builder(Walk):
         out_type = x if x is not UNKNOWN else UNKNOWN
         flow.type, flow.span = out_type, stmt.span
         return ir.Residual(path, tuple(body), x, out_type, stmt.span)
+
+    def _branches(
+        self,
+        run: tuple[ast.BranchStmt, ...],
+        span: Span,
+        flow: Flow,
+        scope: Scope,
+        prefix: str,
+        names: dict[int, str],
+    ) -> ir.Node:
+        """Consecutive branches: each arm runs on the same input, and the arms' outputs are
+        summed, so they must agree in shape and sharding."""
+        if len(run) == 1:
+            self.diags.error(
+                "E028",
+                "a `branch` alone has nothing to be summed with",
+                run[0].span,
+                help="write its layers without `branch`, or follow it with the branch it is summed with",
+            )
+        x, start = flow.type, flow.span
+        arms: list[tuple[ir.Node, ...]] = []
+        ends: list[Flow] = []
+        for stmt in run:
+            arm = Flow(x, start, classes=flow.classes)
+            inner_prefix = prefix + stmt.label.text + "." if stmt.label else prefix
+            inner_names = name_statements(stmt.body, self.diags) if stmt.label else names
+            arms.append(tuple(self._seq(stmt.body, arm, scope, inner_prefix, inner_names)))
+            if arm.after_loss is not None:
+                self.diags.error(
+                    "E028",
+                    "a loss ends the forward pass, so it cannot sit inside a `branch`",
+                    arm.after_loss,
+                    help="compute the loss after the branches are summed",
+                )
+                arm.type = UNKNOWN  # reported once, not again as the arms' shapes
+            ends.append(arm)
+        first = ends[0]
+        for stmt, end in zip(run[1:], ends[1:], strict=True):
+            y, z = first.type, end.type
+            if y is UNKNOWN or z is UNKNOWN:
+                continue
+            labels = [Label(first.span, f"the first branch's output, {y.describe()}, produced here")]
+            if z.shape != y.shape:
+                self.diags.error(
+                    "E016",
+                    f"branches' outputs are summed, so they must have one shape, but this branch makes {z.describe()}",
+                    stmt.span,
+                    labels=labels,
+                )
+            elif z.sharding != y.sharding:
+                self.diags.error(
+                    "E017",
+                    f"branches' outputs are summed, so they must be sharded alike, but this branch makes "
+                    f"{z.describe()}",
+                    stmt.span,
+                    labels=labels,
+                    help="end every branch with the same sharding: a row-parallel layer, or `layout`",
+                )
+        known = all(end.type is not UNKNOWN for end in ends)
+        out_type = first.type if known else UNKNOWN
+        flow.type, flow.span, flow.classes = out_type, span, first.classes
+        path = prefix.rstrip(".") or "branches"
+        return ir.Branches(path, tuple(arms), x, out_type, span, tuple(stmt.span for stmt in run))
 
     def _repeat(self, stmt: ast.RepeatStmt, name: str, flow: Flow, scope: Scope, prefix: str) -> list[ir.Node]:
         """A run of one block, elaborated once: the block must hand the next copy what it
@@ -291,3 +357,16 @@ class _Builder(Walk):
         use = Label(call.span, f"in this use of `{name}`")
         items = self.diags.items
         items[first:] = [d if d.span == call.span else replace(d, labels=(*d.labels, use)) for d in items[first:]]
+
+
+def _branch_runs(stmts: Sequence[ast.Stmt]) -> list[ast.Stmt | tuple[ast.BranchStmt, ...]]:
+    """The statements with each run of consecutive `branch` statements gathered into one."""
+    out: list[ast.Stmt | tuple[ast.BranchStmt, ...]] = []
+    for stmt in stmts:
+        if isinstance(stmt, ast.BranchStmt) and out and isinstance(out[-1], tuple):
+            out[-1] = (*out[-1], stmt)
+        elif isinstance(stmt, ast.BranchStmt):
+            out.append((stmt,))
+        else:
+            out.append(stmt)
+    return out

@@ -12,7 +12,7 @@ from dslc.syntax import ast
 def name_statements(stmts: Sequence[ast.Stmt], diags: Diagnostics) -> dict[int, str]:
     """Names for the statements of one scope, by statement id. Unlabelled statements are named
     after what they call (`gelu`, or `gelu_0`, `gelu_1` when there are several); `residual`,
-    `stage` and `stages` without a label are transparent and share their parent's scope."""
+    `branch`, `stage` and `stages` without a label are transparent and share their parent's scope."""
     named = _named(stmts)
     labels = _labels(named, diags)
     bases = {id(s): _base(s) for s in named if getattr(s, "label", None) is None}
@@ -47,7 +47,7 @@ def _named(body: Sequence[ast.Stmt]) -> list[ast.Stmt]:
         match s:
             case ast.StageStmt(body=inner) | ast.StagesStmt(body=inner):
                 named.extend(_named(inner))
-            case ast.ResidualStmt(label=None, body=inner):
+            case ast.ResidualStmt(label=None, body=inner) | ast.BranchStmt(label=None, body=inner):
                 named.extend(_named(inner))
             case ast.LayoutStmt():
                 pass

@@ -260,6 +260,25 @@ class Residual:
 
 
 @dataclass(frozen=True, slots=True)
+class Branches:
+    """y = arm_1(x) + arm_2(x) + ...: consecutive `branch` statements, each reading the same
+    input (GPT-NeoX's and PaLM's parallel attention and MLP). The arms' outputs agree in shape
+    and sharding."""
+
+    path: str
+    arms: tuple[tuple[Node, ...], ...]
+    input: TensorType
+    output: TensorType
+    span: Span = field(default=NO_SPAN, compare=False, repr=False)
+    arm_spans: tuple[Span, ...] = field(default=(), compare=False, repr=False)  # each `branch { }`
+
+    @property
+    def body(self) -> tuple[Node, ...]:
+        """Every arm's nodes, one arm after another: the order the forward pass runs them in."""
+        return tuple(node for arm in self.arms for node in arm)
+
+
+@dataclass(frozen=True, slots=True)
 class Block:
     """One use of a user-defined block."""
 
@@ -315,7 +334,7 @@ class Repeat:
         return self.total or self.count
 
 
-Node: TypeAlias = Layer | Residual | Block | Layout | Repeat
+Node: TypeAlias = Layer | Residual | Branches | Block | Layout | Repeat
 
 
 @dataclass(frozen=True, slots=True)
@@ -430,7 +449,7 @@ class Program:
 
 def children(node: Node) -> tuple[Node, ...]:
     match node:
-        case Residual(body=body) | Block(body=body):
+        case Residual(body=body) | Branches(body=body) | Block(body=body):
             return body
         case Repeat(body=block):
             return (block,)
@@ -467,7 +486,7 @@ def own_layers(body: tuple[Node, ...]) -> list[Layer]:
         node = stack.pop()
         if isinstance(node, Layer):
             out.append(node)
-        elif isinstance(node, Residual):
+        elif isinstance(node, Residual | Branches):
             stack.extend(reversed(node.body))
     return out
 
@@ -502,6 +521,8 @@ def unrolled(nodes: tuple[Node, ...]) -> tuple[Node, ...]:
                     out.append(replace(copy, body=unrolled(copy.body)))
             case Residual() | Block():
                 out.append(replace(node, body=unrolled(node.body)))
+            case Branches():
+                out.append(replace(node, arms=tuple(unrolled(arm) for arm in node.arms)))
             case Layer() | Layout():
                 out.append(node)
     return tuple(out)
@@ -517,6 +538,9 @@ def _renamed(node: Node, prefix: str, index: int) -> Node:
             return replace(node, path=path)
         case Residual() | Block():
             return replace(node, path=path, body=tuple(_renamed(c, prefix, index) for c in node.body))
+        case Branches():
+            arms = tuple(tuple(_renamed(c, prefix, index) for c in arm) for arm in node.arms)
+            return replace(node, path=path, arms=arms)
         case Repeat():
             body = _renamed(node.body, prefix, index)
             assert isinstance(body, Block)
@@ -565,7 +589,7 @@ def stacked_weights(nodes: tuple[Node, ...]) -> list[StackedWeight]:
                     out.append(StackedWeight(name, w, node, repeats))
             case Repeat():
                 visit(node.body, (*repeats, node))
-            case Residual() | Block():
+            case Residual() | Branches() | Block():
                 for child in node.body:
                     visit(child, repeats)
             case Layout():

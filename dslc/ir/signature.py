@@ -32,6 +32,9 @@ def signature(node: ir.Node, prefix: str | None = None) -> object:
             return ("layout", node.input, node.output)
         case ir.Repeat():
             return ("repeat", relative, node.count, signature(node.body, prefix))
+        case ir.Branches():
+            arms = tuple(tuple(signature(c, prefix) for c in arm) for arm in node.arms)
+            return ("branches", relative, node.input, node.output, arms)
         case ir.Residual() | ir.Block():
             remat = node.remat if isinstance(node, ir.Block) else None
             saved = tuple(p[len(prefix) :] for p in remat.saved) if remat else ()

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from dslc.ir.nodes import (
     Axes,
     Block,
+    Branches,
     Layer,
     Mesh,
     Node,
@@ -95,7 +96,7 @@ def gathered_weights_kept(program: Program) -> int:
             match node:
                 case Layer():
                     total += times * sum(w.type.local_nbytes(mesh) for w in node.weights if kept(node, w))
-                case Residual():
+                case Residual() | Branches():
                     total += walk(node.body, times)
                 case Repeat():
                     total += walk((node.body,), times * node.count)

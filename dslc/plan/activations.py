@@ -31,6 +31,7 @@ from typing import Literal, assert_never
 from dslc.ir.nodes import (
     DTYPE_BYTES,
     Block,
+    Branches,
     Layer,
     Layout,
     Mesh,
@@ -126,7 +127,7 @@ def _transient(node: Node, mesh: Mesh, compute: str, slices: int, recomputed: bo
             return max((_transient(c, mesh, compute, slices, recomputed, widen) for c in node.body), default=0) + max(
                 _cores(node, mesh, compute, slices, widen), default=0
             )
-        case Block() | Residual():
+        case Block() | Residual() | Branches():
             return max((_transient(c, mesh, compute, slices, recomputed, widen) for c in node.body), default=0)
         case Repeat():
             return _transient(node.body, mesh, compute, slices, recomputed, widen)
@@ -152,7 +153,7 @@ def _kept_by_node(
             residuals = rule.recomputed_bytes if recomputed else rule.residual_bytes
             kept = residuals(node, mesh, width, slices) + copies
             return Kept(kept, kept + rule.workspace_bytes(node, mesh, compute, slices))
-        case Residual():
+        case Residual() | Branches():
             return kept_by(node.body, mesh, compute, slices, recomputed, widen)
         case Repeat():
             return _kept_by_scan(node, mesh, compute, slices, recomputed, widen)
@@ -194,7 +195,7 @@ def _reruns(block: Block) -> list[tuple[Node, ...]]:
     stack = list(reversed(block.body))
     while stack:
         node = stack.pop()
-        if isinstance(node, Residual):
+        if isinstance(node, Residual | Branches):
             stack.extend(reversed(node.body))
             continue
         runs[-1].append(node)

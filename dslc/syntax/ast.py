@@ -186,6 +186,15 @@ class ResidualStmt:
 
 
 @dataclass(frozen=True, slots=True)
+class BranchStmt:
+    """One of consecutive branches that read the same input and whose outputs are summed."""
+
+    label: Ident | None
+    body: tuple[Stmt, ...]
+    span: Span = field(compare=False, repr=False)
+
+
+@dataclass(frozen=True, slots=True)
 class RepeatStmt:
     label: Ident | None
     count: Expr
@@ -212,7 +221,7 @@ class LayoutStmt:
     span: Span = field(compare=False, repr=False)
 
 
-Stmt: TypeAlias = LayerStmt | ResidualStmt | RepeatStmt | StageStmt | StagesStmt | LayoutStmt
+Stmt: TypeAlias = LayerStmt | ResidualStmt | BranchStmt | RepeatStmt | StageStmt | StagesStmt | LayoutStmt
 
 
 @dataclass(frozen=True, slots=True)

@@ -122,6 +122,8 @@ class _Printer:
                 self.emit(text, line)
             case ast.ResidualStmt(label=label, body=body):
                 self.body(_label(label) + "residual", line, body, s.span.end_line)
+            case ast.BranchStmt(label=label, body=body):
+                self.body(_label(label) + "branch", line, body, s.span.end_line)
             case ast.RepeatStmt(label=label, count=count, call=call, body=body):
                 head = f"{_label(label)}repeat {expr(count)}"
                 if call is not None:

@@ -297,6 +297,11 @@ class _ToAst(Transformer[Token, Any]):
         body = tuple(c[1:] if label else c)
         return ast.ResidualStmt(label, body, self._span(meta))
 
+    def branch_stmt(self, meta: Any, c: list[Any]) -> ast.BranchStmt:
+        label = c[0] if c and isinstance(c[0], ast.Ident) else None
+        body = tuple(c[1:] if label else c)
+        return ast.BranchStmt(label, body, self._span(meta))
+
     def repeat_stmt(self, meta: Any, c: list[Any]) -> ast.RepeatStmt:
         label = c[0] if isinstance(c[0], ast.Ident) else None
         rest = c[1:] if label else c

@@ -44,6 +44,8 @@ RUNNABLE: dict[str, dict[str, int]] = {
     "seed_hybrid_3d": {"layers": 4, "seq": 64, "hidden": 128},
     # GPT-2 small at its declared size is 124M parameters; this keeps every layer kind, the
     # mesh and the pipeline, and an odd vocabulary (as GPT-2's 50257) that `model` pads.
+    # Pythia-160M's parallel branches, partial rotary and pipeline, small.
+    "gpt_neox": {"vocab": 96, "d": 32, "heads": 4, "layers": 2, "seq": 16, "batch": 8},
     "gpt2": {"vocab": 95, "positions": 32, "d": 32, "heads": 4, "layers": 2, "seq": 16, "batch": 8},
 }
 # gpt3_175b is planned, never run: 175B parameters do not fit a test machine. Its module is

@@ -32,6 +32,7 @@ TOLERANCE = 0.10
 SMALL = {
     "seed_hybrid_3d": {"layers": 4, "seq": 64, "hidden": 128},
     "gpt2": {"vocab": 128, "positions": 32, "d": 64, "heads": 4, "layers": 4, "seq": 32, "batch": 16},
+    "gpt_neox": {"vocab": 128, "d": 64, "heads": 4, "layers": 4, "seq": 32, "batch": 16},
     "llama": {"vocab": 128, "d": 64, "heads": 4, "kv_heads": 2, "ffn": 176, "layers": 4, "seq": 32, "batch": 16},
 }
 ACCURACY_SPECS = [
@@ -41,6 +42,7 @@ ACCURACY_SPECS = [
     "seed_hybrid_3d",
     "moe_small",
     "gpt2",
+    "gpt_neox",
     "llama_small",
     "llama",
     "long_context",
