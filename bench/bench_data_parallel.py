@@ -42,7 +42,7 @@ import jax
 import dslc
 from dslc.lower.hlo import Collective, collectives
 from dslc.lower.program import Program, load_module
-from dslc.runtime.training import accumulate_gradients
+from dslc.runtime.training import accumulate_gradients, init_optimizer, make_train_step
 
 SPECS = Path(__file__).resolve().parent.parent / "specs"
 CASES = {
@@ -96,9 +96,9 @@ def measure(program: Program, module: Any, steps: int) -> tuple[int, int, float,
     with jax.set_mesh(mesh):
         model = program.init(0)
         params = model.arrays()
-        state = module.init_optimizer(params, program.optimizer, mesh)
+        state = init_optimizer(module.PARAMETERS, params, program.optimizer, mesh, module.MASTER_DTYPE)
         batch = program.place(program.example_batch(0), loss=True)
-        step = module.make_train_step(mesh, program.optimizer)
+        step = make_train_step(module.gradients, module.PARAMETERS, mesh, program.optimizer, module.MASTER_DTYPE)
         start = time.perf_counter()
         compiled = step.lower(params, state, batch, jax.random.key(0)).compile()
         compile_s = time.perf_counter() - start

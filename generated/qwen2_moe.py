@@ -17,25 +17,20 @@ from __future__ import annotations
 
 import argparse
 import functools
-from collections.abc import Callable
-from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
-import numpy as np
-import optax
 from dslc_runtime.attention import attention, rotary
 from dslc_runtime.experts import AUX_LOSS, add_aux, moe
+from dslc_runtime.inputs import Input, place, random_batch
 from dslc_runtime.layers import cross_entropy, cross_entropy_count, embed, linear, rmsnorm
-from dslc_runtime.mesh import build_mesh
-from dslc_runtime.metrics import step_metrics
-from dslc_runtime.params import initial_array
-from dslc_runtime.storage import Parameter, from_weights, to_weights
-from dslc_runtime.training import make_optimizer
+from dslc_runtime.mesh import TooFewDevices, machine_mesh
+from dslc_runtime.model import Aux, constrain, layers_of, scan_layers, weights_of
+from dslc_runtime.params import Arrays, init_params
+from dslc_runtime.storage import Parameter
+from dslc_runtime.training import init_optimizer, make_optimizer, make_train_step
 from flax import nnx
-from jax import lax
 from jax.ad_checkpoint import checkpoint_name
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 # ---- the mesh ----------------------------------------------------------------------------------
@@ -45,40 +40,6 @@ MESH_SHAPE = (2, 2, 2)
 DEVICES = 8
 MESH_NODES = (1, 1, 1)  # how many nodes each axis spans (the slow network between them)
 COMPUTE_DTYPE = "bfloat16"
-Arrays = dict[str, jax.Array]  # arrays by name: the parameters, their gradients, a batch
-
-
-def make_mesh() -> Mesh:
-    """The mesh on this machine's devices, or on simulated CPU devices when there are too few."""
-    devices = jax.devices()
-    if len(devices) < DEVICES:
-        devices = jax.devices("cpu")
-    if len(devices) < DEVICES:
-        raise SystemExit(f"the mesh needs {DEVICES} devices and this process has {len(devices)}")
-    return build_mesh(MESH_SHAPE, MESH_AXES, MESH_NODES, devices[:DEVICES])
-
-
-def constrain(x: jax.Array, spec: P) -> jax.Array:
-    """Pin an array to a sharding of the current mesh; XLA inserts the collectives it implies.
-    Inside `shard_map` (data parallelism, the pipeline's stages) the spec's manual axes are
-    left out: along them each device holds only its own piece already."""
-    manual = jax.sharding.get_abstract_mesh().manual_axes
-    if manual:
-        names = [(entry,) if isinstance(entry, str) else tuple(entry or ()) for entry in spec]
-        spec = P(*(tuple(a for a in axes if a not in manual) or None for axes in names))
-    return lax.with_sharding_constraint(x, spec)
-
-
-def weights_of(layer: nnx.Dict, gather: dict[str, P] | None = None, transposed: str = "") -> Arrays:
-    """A layer's parameters by name, as its kernel takes them: in the compute dtype; with
-    `gather`, each gathered to its sharding there first (parameters stored split over the data
-    axes, ZeRO-3 and FSDP); the one named `transposed` read the other way round (a head
-    reading a tied embedding's table)."""
-    out = {}
-    for name, param in layer.items():
-        value = (param[...] if gather is None else constrain(param[...], gather[name])).astype(COMPUTE_DTYPE)
-        out[name] = value.T if name == transposed else value
-    return out
 
 
 # ---- parameters and inputs ---------------------------------------------------------------------
@@ -117,15 +78,6 @@ PARAMETERS = {
 }
 
 
-class Input(NamedTuple):
-    """An input of the model: its shape, dtype and sharding; integer inputs are ids below `bound`."""
-
-    shape: tuple[int, ...]
-    dtype: str
-    sharding: P
-    bound: int
-
-
 INPUTS = {
     # qwen2_moe.par:38 input tokens: i32[batch @ (data, expert), seq]
     "tokens": Input((8, 64), "int32", P(("data", "expert"), None), 512),
@@ -135,61 +87,7 @@ INPUTS = {
 STREAM = "tokens"  # the input the forward pass starts from
 
 
-def init_params(seed: int, mesh: Mesh) -> Arrays:
-    """Fresh parameters, each generated straight into its shards (never whole on one device)."""
-
-    def create() -> Arrays:
-        key = jax.random.key(seed)
-        return {name: initial_array(name, p, key) for name, p in PARAMETERS.items()}
-
-    shardings = {name: NamedSharding(mesh, p.sharding) for name, p in PARAMETERS.items()}
-    return jax.jit(create, out_shardings=shardings)()
-
-
-def export_weights(params: Arrays) -> dict[str, np.ndarray]:
-    """Every weight by its per-layer name, as numpy arrays."""
-    return to_weights(PARAMETERS, {name: jax.device_get(value) for name, value in params.items()})
-
-
-def import_weights(weights: dict[str, np.ndarray], mesh: Mesh) -> Arrays:
-    """The stored arrays for weights given by their per-layer names, placed on the mesh."""
-    placed = {}
-    for name, value in from_weights(PARAMETERS, weights).items():
-        p = PARAMETERS[name]
-        placed[name] = jax.device_put(value.astype(jnp.dtype(p.dtype)), NamedSharding(mesh, p.sharding))
-    return placed
-
-
-def place(batch: dict[str, np.ndarray], mesh: Mesh) -> Arrays:
-    """Put each input on the mesh with its declared sharding."""
-    placed = {}
-    for name, spec in INPUTS.items():
-        if name in batch:
-            placed[name] = jax.device_put(np.asarray(batch[name], dtype=spec.dtype), NamedSharding(mesh, spec.sharding))
-    return placed
-
-
-def random_batch(seed: int) -> dict[str, np.ndarray]:
-    """Random inputs: integer ids below each input's bound, floats from a standard normal."""
-    rng = np.random.default_rng(seed)
-    batch = {}
-    for name, spec in INPUTS.items():
-        if np.issubdtype(np.dtype(spec.dtype), np.integer):
-            batch[name] = rng.integers(0, spec.bound, size=spec.shape).astype(spec.dtype)
-        else:
-            batch[name] = rng.standard_normal(spec.shape).astype(spec.dtype)
-    return batch
-
-
 # ---- the model ---------------------------------------------------------------------------------
-
-# A layer's auxiliary values by name: a mixture of experts' balancing loss and token counts.
-Aux = dict[str, jax.Array]
-
-
-def layers_of(params: Arrays, prefix: str) -> Arrays:
-    """The weights under `prefix` (a block's, or a repeat's stacked ones), named relative to it."""
-    return {name[len(prefix) :]: value for name, value in params.items() if name.startswith(prefix)}
 
 
 class Qwen2MoeBlock(nnx.Module):
@@ -232,12 +130,12 @@ class Qwen2MoeBlock(nnx.Module):
         # qwen2_moe.par:42: residual
         h = x
         # qwen2_moe.par:43 attn_norm: rmsnorm(d, eps=eps)
-        h = rmsnorm(h, **weights_of(self.attn_norm), eps=1e-06, dtype=COMPUTE_DTYPE, offset=False)
+        h = rmsnorm(h, **weights_of(self.attn_norm, COMPUTE_DTYPE), eps=1e-06, dtype=COMPUTE_DTYPE, offset=False)
         h = checkpoint_name(constrain(h, P(("data", "expert"), None, None)), self.path + ".attn_norm")
         # qwen2_moe.par:44 attn: attention(d, heads, kv_heads=kv_heads, rope=true, rope_base=rope_base, qkv...
         h = attention(
             h,
-            **weights_of(self.attn),
+            **weights_of(self.attn, COMPUTE_DTYPE),
             heads=4,
             kv_heads=4,
             causal=True,
@@ -250,12 +148,12 @@ class Qwen2MoeBlock(nnx.Module):
         # qwen2_moe.par:46: residual
         h = x
         # qwen2_moe.par:47 moe_norm: rmsnorm(d, eps=eps)
-        h = rmsnorm(h, **weights_of(self.moe_norm), eps=1e-06, dtype=COMPUTE_DTYPE, offset=False)
+        h = rmsnorm(h, **weights_of(self.moe_norm, COMPUTE_DTYPE), eps=1e-06, dtype=COMPUTE_DTYPE, offset=False)
         h = checkpoint_name(constrain(h, P(("data", "expert"), None, None)), self.path + ".moe_norm")
         # qwen2_moe.par:48 moe: moe(d, ffn, experts, top_k=top_k, capacity=none, activation=swiglu, normali...
         h, more = moe(
             h,
-            **weights_of(self.moe),
+            **weights_of(self.moe, COMPUTE_DTYPE),
             top_k=2,
             capacity=None,
             aux_weight=0.001,
@@ -288,37 +186,18 @@ class Qwen2Moe(nnx.Module):
     def __call__(self, x: jax.Array, inputs: Arrays, key: jax.Array | None) -> tuple[jax.Array, Aux]:
         aux: Aux = {}  # the layers' auxiliary values, summed
         # qwen2_moe.par:53 embed: embed(vocab, d) shard table[model, _]
-        x = embed(x, **weights_of(self.embed), dtype=COMPUTE_DTYPE, scale=False)
+        x = embed(x, **weights_of(self.embed, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE, scale=False)
         x = checkpoint_name(constrain(x, P(("data", "expert"), None, None)), "embed")
         # qwen2_moe.par:54 layers: repeat layers qwen2_moe_block(d, heads, kv_heads, ffn, shared_ffn, exper...
         x, more = scan_layers(self.layers, 2, x, inputs, key)
         aux = add_aux(aux, more)
         # qwen2_moe.par:55 norm: rmsnorm(d, eps=eps)
-        x = rmsnorm(x, **weights_of(self.norm), eps=1e-06, dtype=COMPUTE_DTYPE, offset=False)
+        x = rmsnorm(x, **weights_of(self.norm, COMPUTE_DTYPE), eps=1e-06, dtype=COMPUTE_DTYPE, offset=False)
         x = checkpoint_name(constrain(x, P(("data", "expert"), None, None)), "norm")
         # qwen2_moe.par:56 head: linear(d, vocab, bias=false) shard kernel[_, model]
-        x = linear(x, **weights_of(self.head), dtype=COMPUTE_DTYPE)
+        x = linear(x, **weights_of(self.head, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE)
         x = checkpoint_name(constrain(x, P(("data", "expert"), None, "model")), "head")
         return x, aux
-
-
-def scan_layers(
-    layers: nnx.Module, count: int, x: jax.Array, inputs: Arrays, key: jax.Array | None
-) -> tuple[jax.Array, Aux]:
-    """A repeat's `count` layers as one `lax.scan`: `layers` holds every layer's weights stacked
-    (the layer index first), and each step runs one layer on its own slice of them. One loop
-    body instead of N copies keeps compile time flat in depth, and makes activation
-    checkpointing save memory."""
-    graphdef, stacked = nnx.split(layers)
-
-    def body(h: jax.Array, step: tuple[jax.Array, Any]) -> tuple[jax.Array, Aux]:
-        index, state = step
-        layer_key = None if key is None else jax.random.fold_in(key, index)
-        return nnx.merge(graphdef, state)(h, inputs, layer_key)
-
-    # Each layer's auxiliary values come out stacked, one row per layer.
-    y, aux = lax.scan(body, x, (jnp.arange(count), stacked))
-    return y, {name: value.sum(0) for name, value in aux.items()}
 
 
 def run(params: Arrays, inputs: Arrays, key: jax.Array | None = None) -> tuple[jax.Array, Aux]:
@@ -367,48 +246,7 @@ def gradients(params: Arrays, batch: Arrays, key: jax.Array | None, mesh: Mesh) 
     return value_and_grad(params, batch, key, mesh)
 
 
-def optimizer_state(optimizer: optax.GradientTransformation, params: Arrays) -> Any:
-    """The optimizer state: the optimizer's own state of the parameters."""
-    return optimizer.init(params)
-
-
-def optimizer_shardings(state: Any, mesh: Mesh) -> Any:
-    """Optimizer-state leaves shaped like a parameter follow its optimizer sharding."""
-
-    def pick(path: tuple[Any, ...], leaf: Any) -> NamedSharding:
-        for entry in path:
-            name = getattr(entry, "key", None)
-            if name in PARAMETERS and tuple(leaf.shape) == PARAMETERS[name].shape:
-                return NamedSharding(mesh, PARAMETERS[name].update_sharding)
-        return NamedSharding(mesh, P())
-
-    return jax.tree_util.tree_map_with_path(pick, state)
-
-
-def make_train_step(mesh: Mesh, optimizer: optax.GradientTransformation, metrics: bool = True) -> Callable[..., Any]:
-    """One jitted optimizer step: (params, optimizer state, batch, key) -> the new two, the loss
-    and the step's figures (`step_metrics`; none without `metrics`, sparing their collectives)."""
-    # Each gradient where its optimizer state lives: its piece of it under ZeRO.
-    grad_shardings = {name: NamedSharding(mesh, p.update_sharding) for name, p in PARAMETERS.items()}
-    param_shardings = {name: NamedSharding(mesh, p.sharding) for name, p in PARAMETERS.items()}
-    abstract = {name: jax.ShapeDtypeStruct(p.shape, p.dtype) for name, p in PARAMETERS.items()}
-    state_shardings = optimizer_shardings(jax.eval_shape(functools.partial(optimizer_state, optimizer), abstract), mesh)
-
-    def step(params: Arrays, opt_state: Any, batch: Arrays, key: jax.Array) -> tuple[Arrays, Any, jax.Array, Arrays]:
-        value, grads = gradients(params, batch, key, mesh)
-        grads = lax.with_sharding_constraint(grads, grad_shardings)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, value, step_metrics(grads) if metrics else {}
-
-    replicated = NamedSharding(mesh, P())
-    outputs = (param_shardings, state_shardings, replicated, replicated)
-    return jax.jit(step, out_shardings=outputs, donate_argnums=(0, 1))
-
-
-def init_optimizer(params: Arrays, optimizer: optax.GradientTransformation, mesh: Mesh) -> Any:
-    """The optimizer state, split as the spec's ZeRO stage says."""
-    init = functools.partial(optimizer_state, optimizer)
-    return jax.jit(init, out_shardings=optimizer_shardings(jax.eval_shape(init, params), mesh))(params)
+MASTER_DTYPE = None  # the optimizer updates the parameters themselves (no master copy)
 
 
 # ---- running it --------------------------------------------------------------------------------
@@ -422,14 +260,17 @@ def main() -> None:
     # Where there are fewer accelerators than the mesh needs, the mesh is simulated on CPU
     # devices; their number must be set before jax first touches a device.
     jax.config.update("jax_num_cpu_devices", max(DEVICES, 1))
-    mesh = make_mesh()
+    try:
+        mesh = machine_mesh(MESH_SHAPE, MESH_AXES, MESH_NODES)
+    except TooFewDevices as exc:
+        raise SystemExit(str(exc)) from None
     with jax.set_mesh(mesh):
-        params = init_params(args.seed, mesh)
+        params = init_params(PARAMETERS, args.seed, mesh)
         optimizer = make_optimizer(*OPTIMIZER)
-        opt_state = init_optimizer(params, optimizer, mesh)
-        step = make_train_step(mesh, optimizer, metrics=False)
+        opt_state = init_optimizer(PARAMETERS, params, optimizer, mesh, MASTER_DTYPE)
+        step = make_train_step(gradients, PARAMETERS, mesh, optimizer, MASTER_DTYPE, metrics=False)
         for i in range(args.steps):
-            batch = place(random_batch(args.seed + i), mesh)
+            batch = place(INPUTS, random_batch(INPUTS, args.seed + i), mesh)
             params, opt_state, value, _ = step(params, opt_state, batch, jax.random.key(i))
             print(f"step {i + 1}: loss {float(value):.6f}")
 

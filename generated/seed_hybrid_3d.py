@@ -17,26 +17,21 @@ from __future__ import annotations
 
 import argparse
 import functools
-from collections.abc import Callable
-from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
-import numpy as np
-import optax
 from dslc_runtime.attention import attention
+from dslc_runtime.inputs import Input, place, random_batch
 from dslc_runtime.layers import gelu, layernorm, linear, mse
-from dslc_runtime.mesh import build_mesh
-from dslc_runtime.metrics import step_metrics
-from dslc_runtime.params import initial_array
+from dslc_runtime.mesh import TooFewDevices, machine_mesh
+from dslc_runtime.model import constrain, layers_of, scan_layers, weights_of
+from dslc_runtime.params import Arrays, init_params
 from dslc_runtime.pipeline import Pipeline, layer_shares, pipeline_value_and_grad, take_share
 from dslc_runtime.schedule import schedule_tables
-from dslc_runtime.storage import Parameter, from_weights, to_weights
-from dslc_runtime.training import data_parallel, make_optimizer
+from dslc_runtime.storage import Parameter
+from dslc_runtime.training import data_parallel, init_optimizer, make_optimizer, make_train_step
 from flax import nnx
-from jax import lax
 from jax.ad_checkpoint import checkpoint_name
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 # ---- the mesh ----------------------------------------------------------------------------------
@@ -46,40 +41,6 @@ MESH_SHAPE = (2, 4, 2)
 DEVICES = 16
 MESH_NODES = (1, 1, 1)  # how many nodes each axis spans (the slow network between them)
 COMPUTE_DTYPE = "float32"
-Arrays = dict[str, jax.Array]  # arrays by name: the parameters, their gradients, a batch
-
-
-def make_mesh() -> Mesh:
-    """The mesh on this machine's devices, or on simulated CPU devices when there are too few."""
-    devices = jax.devices()
-    if len(devices) < DEVICES:
-        devices = jax.devices("cpu")
-    if len(devices) < DEVICES:
-        raise SystemExit(f"the mesh needs {DEVICES} devices and this process has {len(devices)}")
-    return build_mesh(MESH_SHAPE, MESH_AXES, MESH_NODES, devices[:DEVICES])
-
-
-def constrain(x: jax.Array, spec: P) -> jax.Array:
-    """Pin an array to a sharding of the current mesh; XLA inserts the collectives it implies.
-    Inside `shard_map` (data parallelism, the pipeline's stages) the spec's manual axes are
-    left out: along them each device holds only its own piece already."""
-    manual = jax.sharding.get_abstract_mesh().manual_axes
-    if manual:
-        names = [(entry,) if isinstance(entry, str) else tuple(entry or ()) for entry in spec]
-        spec = P(*(tuple(a for a in axes if a not in manual) or None for axes in names))
-    return lax.with_sharding_constraint(x, spec)
-
-
-def weights_of(layer: nnx.Dict, gather: dict[str, P] | None = None, transposed: str = "") -> Arrays:
-    """A layer's parameters by name, as its kernel takes them: in the compute dtype; with
-    `gather`, each gathered to its sharding there first (parameters stored split over the data
-    axes, ZeRO-3 and FSDP); the one named `transposed` read the other way round (a head
-    reading a tied embedding's table)."""
-    out = {}
-    for name, param in layer.items():
-        value = (param[...] if gather is None else constrain(param[...], gather[name])).astype(COMPUTE_DTYPE)
-        out[name] = value.T if name == transposed else value
-    return out
 
 
 # ---- parameters and inputs ---------------------------------------------------------------------
@@ -112,15 +73,6 @@ PARAMETERS = {
 }
 
 
-class Input(NamedTuple):
-    """An input of the model: its shape, dtype and sharding; integer inputs are ids below `bound`."""
-
-    shape: tuple[int, ...]
-    dtype: str
-    sharding: P
-    bound: int
-
-
 INPUTS = {
     # seed_hybrid_3d.par:16 input x: f32[batch @ data, seq, hidden]
     "x": Input((16, 512, 1024), "float32", P("data", None, None), 2),
@@ -130,58 +82,7 @@ INPUTS = {
 STREAM = "x"  # the input the forward pass starts from
 
 
-def init_params(seed: int, mesh: Mesh) -> Arrays:
-    """Fresh parameters, each generated straight into its shards (never whole on one device)."""
-
-    def create() -> Arrays:
-        key = jax.random.key(seed)
-        return {name: initial_array(name, p, key) for name, p in PARAMETERS.items()}
-
-    shardings = {name: NamedSharding(mesh, p.sharding) for name, p in PARAMETERS.items()}
-    return jax.jit(create, out_shardings=shardings)()
-
-
-def export_weights(params: Arrays) -> dict[str, np.ndarray]:
-    """Every weight by its per-layer name, as numpy arrays."""
-    return to_weights(PARAMETERS, {name: jax.device_get(value) for name, value in params.items()})
-
-
-def import_weights(weights: dict[str, np.ndarray], mesh: Mesh) -> Arrays:
-    """The stored arrays for weights given by their per-layer names, placed on the mesh."""
-    placed = {}
-    for name, value in from_weights(PARAMETERS, weights).items():
-        p = PARAMETERS[name]
-        placed[name] = jax.device_put(value.astype(jnp.dtype(p.dtype)), NamedSharding(mesh, p.sharding))
-    return placed
-
-
-def place(batch: dict[str, np.ndarray], mesh: Mesh) -> Arrays:
-    """Put each input on the mesh with its declared sharding."""
-    placed = {}
-    for name, spec in INPUTS.items():
-        if name in batch:
-            placed[name] = jax.device_put(np.asarray(batch[name], dtype=spec.dtype), NamedSharding(mesh, spec.sharding))
-    return placed
-
-
-def random_batch(seed: int) -> dict[str, np.ndarray]:
-    """Random inputs: integer ids below each input's bound, floats from a standard normal."""
-    rng = np.random.default_rng(seed)
-    batch = {}
-    for name, spec in INPUTS.items():
-        if np.issubdtype(np.dtype(spec.dtype), np.integer):
-            batch[name] = rng.integers(0, spec.bound, size=spec.shape).astype(spec.dtype)
-        else:
-            batch[name] = rng.standard_normal(spec.shape).astype(spec.dtype)
-    return batch
-
-
 # ---- the model ---------------------------------------------------------------------------------
-
-
-def layers_of(params: Arrays, prefix: str) -> Arrays:
-    """The weights under `prefix` (a block's, or a repeat's stacked ones), named relative to it."""
-    return {name[len(prefix) :]: value for name, value in params.items() if name.startswith(prefix)}
 
 
 class TransformerLayer(nnx.Module):
@@ -209,27 +110,33 @@ class TransformerLayer(nnx.Module):
         # seed_hybrid_3d.par:20: residual
         h = x
         # seed_hybrid_3d.par:21 ln1: layernorm(hidden)
-        h = layernorm(h, **weights_of(self.ln1), eps=1e-05, dtype=COMPUTE_DTYPE)
+        h = layernorm(h, **weights_of(self.ln1, COMPUTE_DTYPE), eps=1e-05, dtype=COMPUTE_DTYPE)
         h = checkpoint_name(constrain(h, P("data", None, None)), self.path + ".ln1")
         # seed_hybrid_3d.par:22 attn: attention(hidden, heads) shard q[_, model], k[_, model], v[_, model],...
         h = attention(
-            h, **weights_of(self.attn), heads=16, kv_heads=16, causal=True, dtype=COMPUTE_DTYPE, kernel="dense"
+            h,
+            **weights_of(self.attn, COMPUTE_DTYPE),
+            heads=16,
+            kv_heads=16,
+            causal=True,
+            dtype=COMPUTE_DTYPE,
+            kernel="dense",
         )
         h = checkpoint_name(constrain(h, P("data", None, None)), self.path + ".attn")
         x = x + h
         # seed_hybrid_3d.par:24: residual
         h = x
         # seed_hybrid_3d.par:25 ln2: layernorm(hidden)
-        h = layernorm(h, **weights_of(self.ln2), eps=1e-05, dtype=COMPUTE_DTYPE)
+        h = layernorm(h, **weights_of(self.ln2, COMPUTE_DTYPE), eps=1e-05, dtype=COMPUTE_DTYPE)
         h = checkpoint_name(constrain(h, P("data", None, None)), self.path + ".ln2")
         # seed_hybrid_3d.par:26 up: linear(hidden, 4 * hidden) shard kernel[_, model], bias[model]
-        h = linear(h, **weights_of(self.up), dtype=COMPUTE_DTYPE)
+        h = linear(h, **weights_of(self.up, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE)
         h = checkpoint_name(constrain(h, P("data", None, "model")), self.path + ".up")
         # seed_hybrid_3d.par:27 gelu()
         h = gelu(h, approximate=True)
         h = checkpoint_name(constrain(h, P("data", None, "model")), self.path + ".gelu")
         # seed_hybrid_3d.par:28 down: linear(4 * hidden, hidden) shard kernel[model, _]
-        h = linear(h, **weights_of(self.down), dtype=COMPUTE_DTYPE)
+        h = linear(h, **weights_of(self.down, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE)
         h = checkpoint_name(constrain(h, P("data", None, None)), self.path + ".down")
         x = x + h
         return x
@@ -246,21 +153,6 @@ class Stage0(nnx.Module):
         # seed_hybrid_3d.par:34 blocks: repeat layers transformer_layer(hidden, heads)
         x = scan_layers(self.blocks, 12, x, inputs, key)
         return x
-
-
-def scan_layers(layers: nnx.Module, count: int, x: jax.Array, inputs: Arrays, key: jax.Array | None) -> jax.Array:
-    """A repeat's `count` layers as one `lax.scan`: `layers` holds every layer's weights stacked
-    (the layer index first), and each step runs one layer on its own slice of them. One loop
-    body instead of N copies keeps compile time flat in depth, and makes activation
-    checkpointing save memory."""
-    graphdef, stacked = nnx.split(layers)
-
-    def body(h: jax.Array, step: tuple[jax.Array, Any]) -> tuple[jax.Array, None]:
-        index, state = step
-        layer_key = None if key is None else jax.random.fold_in(key, index)
-        return nnx.merge(graphdef, state)(h, inputs, layer_key), None
-
-    return lax.scan(body, x, (jnp.arange(count), stacked))[0]
 
 
 # The class of each chunk of the pipeline, in model order.
@@ -355,48 +247,7 @@ def gradients(params: Arrays, batch: Arrays, key: jax.Array | None, mesh: Mesh) 
     return data_parallel(rows, params, batch, key, mesh=mesh, axes=DATA_AXES, parameters=PARAMETERS)
 
 
-def optimizer_state(optimizer: optax.GradientTransformation, params: Arrays) -> Any:
-    """The optimizer state: the optimizer's own state of the parameters."""
-    return optimizer.init(params)
-
-
-def optimizer_shardings(state: Any, mesh: Mesh) -> Any:
-    """Optimizer-state leaves shaped like a parameter follow its optimizer sharding."""
-
-    def pick(path: tuple[Any, ...], leaf: Any) -> NamedSharding:
-        for entry in path:
-            name = getattr(entry, "key", None)
-            if name in PARAMETERS and tuple(leaf.shape) == PARAMETERS[name].shape:
-                return NamedSharding(mesh, PARAMETERS[name].update_sharding)
-        return NamedSharding(mesh, P())
-
-    return jax.tree_util.tree_map_with_path(pick, state)
-
-
-def make_train_step(mesh: Mesh, optimizer: optax.GradientTransformation, metrics: bool = True) -> Callable[..., Any]:
-    """One jitted optimizer step: (params, optimizer state, batch, key) -> the new two, the loss
-    and the step's figures (`step_metrics`; none without `metrics`, sparing their collectives)."""
-    # Each gradient where its optimizer state lives: its piece of it under ZeRO.
-    grad_shardings = {name: NamedSharding(mesh, p.update_sharding) for name, p in PARAMETERS.items()}
-    param_shardings = {name: NamedSharding(mesh, p.sharding) for name, p in PARAMETERS.items()}
-    abstract = {name: jax.ShapeDtypeStruct(p.shape, p.dtype) for name, p in PARAMETERS.items()}
-    state_shardings = optimizer_shardings(jax.eval_shape(functools.partial(optimizer_state, optimizer), abstract), mesh)
-
-    def step(params: Arrays, opt_state: Any, batch: Arrays, key: jax.Array) -> tuple[Arrays, Any, jax.Array, Arrays]:
-        value, grads = gradients(params, batch, key, mesh)
-        grads = lax.with_sharding_constraint(grads, grad_shardings)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, value, step_metrics(grads) if metrics else {}
-
-    replicated = NamedSharding(mesh, P())
-    outputs = (param_shardings, state_shardings, replicated, replicated)
-    return jax.jit(step, out_shardings=outputs, donate_argnums=(0, 1))
-
-
-def init_optimizer(params: Arrays, optimizer: optax.GradientTransformation, mesh: Mesh) -> Any:
-    """The optimizer state, split as the spec's ZeRO stage says."""
-    init = functools.partial(optimizer_state, optimizer)
-    return jax.jit(init, out_shardings=optimizer_shardings(jax.eval_shape(init, params), mesh))(params)
+MASTER_DTYPE = None  # the optimizer updates the parameters themselves (no master copy)
 
 
 # ---- running it --------------------------------------------------------------------------------
@@ -410,14 +261,17 @@ def main() -> None:
     # Where there are fewer accelerators than the mesh needs, the mesh is simulated on CPU
     # devices; their number must be set before jax first touches a device.
     jax.config.update("jax_num_cpu_devices", max(DEVICES, 1))
-    mesh = make_mesh()
+    try:
+        mesh = machine_mesh(MESH_SHAPE, MESH_AXES, MESH_NODES)
+    except TooFewDevices as exc:
+        raise SystemExit(str(exc)) from None
     with jax.set_mesh(mesh):
-        params = init_params(args.seed, mesh)
+        params = init_params(PARAMETERS, args.seed, mesh)
         optimizer = make_optimizer(*OPTIMIZER)
-        opt_state = init_optimizer(params, optimizer, mesh)
-        step = make_train_step(mesh, optimizer, metrics=False)
+        opt_state = init_optimizer(PARAMETERS, params, optimizer, mesh, MASTER_DTYPE)
+        step = make_train_step(gradients, PARAMETERS, mesh, optimizer, MASTER_DTYPE, metrics=False)
         for i in range(args.steps):
-            batch = place(random_batch(args.seed + i), mesh)
+            batch = place(INPUTS, random_batch(INPUTS, args.seed + i), mesh)
             params, opt_state, value, _ = step(params, opt_state, batch, jax.random.key(i))
             print(f"step {i + 1}: loss {float(value):.6f}")
 

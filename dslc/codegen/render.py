@@ -10,12 +10,12 @@ import ast
 import itertools
 import math
 import re
-import sys
 from pathlib import PurePath
 
 import jinja2
 
 from dslc.codegen import source
+from dslc.codegen.layout import laid_out
 from dslc.codegen.names import class_name, global_namer, safe_identifier
 from dslc.codegen.view import Builder, ModuleClass, Statement
 from dslc.ir import nodes as ir
@@ -121,25 +121,9 @@ def runs(entries: list[str]) -> list[str]:
     return out
 
 
-def bracketed(entries: list[str], head: str, close: str, indent: int = 0, after: str = "", call: bool = False) -> str:
-    """`head` (its last character the opening bracket), the entries and `close`, as `ruff format`
-    writes them at `indent`: on one line where that fits in 120 columns (followed by `after`);
-    else, for a call's arguments, all on one line of their own where that fits; else one entry
-    a line. A tuple of one entry (not a call) keeps its comma."""
-    inner = ", ".join(entries) + ("," if close == ")" and len(entries) == 1 and not call else "")
-    line = f"{head}{inner}{close}{after}"
-    pad = " " * indent
-    if indent + len(line) <= 120 and "\n" not in line:
-        return line
-    if call and indent + 4 + len(inner) <= 120 and "\n" not in inner:
-        return f"{head}\n{pad}    {inner}\n{pad}{close}{after}"
-    return "\n".join([head, *(f"{pad}    {entry}," for entry in entries), pad + close + after])
-
-
 _ENV.filters["py"] = py
 _ENV.filters["spec"] = spec
 _ENV.filters["runs"] = runs
-_ENV.filters["bracketed"] = bracketed
 
 
 def generate(
@@ -208,10 +192,6 @@ def generate(
         "inputs": _inputs(program, builder),
         "stream": program.stream,
         "classes": [*builder.blocks, *top],
-        # Whether a layer draws random numbers (dropout), and whether a repeat runs as a scan:
-        # only then does the module define what they call.
-        "random": any(RULES[layer.kind].random for layer in ir.all_layers(program)),
-        "scans": any(s.kind == "scan" for c in [*builder.blocks, *top] for s in c.statements),
         "top": [c.name for c in top],
         "stages": stages,
         "chunk_weights": chunk_weights,
@@ -231,7 +211,7 @@ def generate(
     # The imports are what the rendered code calls: the runtime's functions and classes it
     # names, and the libraries it and the templates use.
     template = _ENV.get_template("module.py.j2")
-    return template.render(context | {"imports": _imports(template.render(context | {"imports": []}))})
+    return laid_out(template.render(context | {"imports": _imports(template.render(context | {"imports": []}))}))
 
 
 # ---- parts of the context -----------------------------------------------------------------------
@@ -285,20 +265,20 @@ def _layer_paths(name: str) -> list[str]:
     return [f"{p}.{last}" for p in head.split("|")]
 
 
+# The fewest of a repeat's arrays that `PARAMETERS` lists as a table rather than one by one.
+TABLE_FROM = 4
+
+
 def _parameters(program: ir.Program, placement: Placement) -> list[str]:
     """The entries of the `PARAMETERS` table (each as its first line follows 4 spaces): one
-    `Parameter(...)` per stored array; a repeat's arrays as one loop over a table of what
-    differs between them, where that is shorter."""
+    `Parameter(...)` per stored array; a repeat's arrays, from `TABLE_FROM` of them, as one
+    loop over a table of what differs between them (a block's weights read as one table)."""
     arrays = list(placement.arrays)
     out: list[str] = []
     while arrays:
         group = _repeat_group(program, arrays)
-        singles = [_parameter_entry(program, a) for a in group]
-        loop = _repeat_entry(program, group) if len(group) > 1 else None
-        if loop is not None and loop.count("\n") < sum(e.count("\n") + 1 for e in singles):
-            out.append(loop)
-        else:
-            out.extend(singles)
+        loop = _repeat_entry(program, group) if len(group) >= TABLE_FROM else None
+        out.extend([loop] if loop is not None else [_parameter_entry(program, a) for a in group])
         del arrays[: len(group)]
     return out
 
@@ -315,7 +295,7 @@ def _parameter_entry(program: ir.Program, array: StoredArray) -> str:
             for row in array.rows
         ]
         args.append("\n".join(["rows=(", *(f"{' ' * 12}{row}," for row in rows), " " * 8 + ")"]))
-    return bracketed(args, f"{py(array.name)}: Parameter(", ")", 4, ",", call=True)
+    return f"{py(array.name)}: Parameter({', '.join(args)}),"
 
 
 def _placement_keywords(
@@ -401,10 +381,10 @@ def _repeat_entry(program: ir.Program, group: list[StoredArray]) -> str | None:
         st = a.state(program)
         row = [py(a.name[len(prefix) :]), py(a.type.shape[n:]), py(a.init), _entries_tuple(st.params[n:])]
         row += [_entries_tuple(st.grads[n:])] * grads + [_entries_tuple(st.optimizer[n:])] * optimizer
-        rows.append(bracketed(row, "(", ")", 12, ","))
+        rows.append(f"({', '.join(row)}),")
     name = "f" + py(prefix + "{name}")
     layers = " x ".join(map(str, first.type.shape[:n]))
-    element = bracketed(args, f"{name}: Parameter(", ")", 8, call=True)
+    element = f"{name}: Parameter({', '.join(args)})"
     return "\n".join(
         [
             f"# The weights of `{prefix[:-1]}`: each stacks its {layers} layers ahead of one layer's shape",
@@ -434,7 +414,7 @@ def _chunk_weights(placement: Placement) -> list[str]:
     while chunks:
         entries, layers = chunks[0]
         if layers is None:
-            out.append(bracketed(entries, "{", "}", 4, ","))
+            out.append("{" + ", ".join(entries) + "},")
             del chunks[0]
             continue
         prefix, (start, stop) = layers
@@ -562,8 +542,9 @@ def _imports(text: str) -> list[str]:
     runtime = source.all_definitions()
     lines = {source.PRELUDE_IMPORTS[n] for n in used & set(source.PRELUDE_IMPORTS)}
     lines |= {f"from {source.RUNTIME}.{runtime[n].module} import {n}" for n in used & set(runtime)}
-    lines |= {"from jax.sharding import Mesh, NamedSharding", "from jax.sharding import PartitionSpec as P"}
-    return _sorted_imports(lines)
+    if "P" in used:  # the module's own name for the specs it writes
+        lines.add("from jax.sharding import PartitionSpec as P")
+    return sorted(lines)  # in any order: the layout sorts and merges them
 
 
 def _top_level_definitions(tree: ast.Module) -> list[ast.AST]:
@@ -576,43 +557,3 @@ def _top_level_definitions(tree: ast.Module) -> list[ast.AST]:
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
             found.extend(n for t in targets for n in ast.walk(t) if isinstance(n, ast.Name))
     return found
-
-
-def _sorted_imports(lines: set[str]) -> list[str]:
-    """Imports as ruff's isort writes them: the standard library, then third parties, one
-    blank line between; in each, `import x` lines before `from x import y` lines, by module;
-    names of one `from` merged (constants, then classes, then the rest), `as` imports apart."""
-    merged: dict[str, set[str]] = {}
-    kept: set[str] = set()
-    for line in lines:
-        if line.startswith("from ") and " as " not in line:
-            module, _, listed = line[5:].partition(" import ")
-            merged.setdefault(module, set()).update(n.strip() for n in listed.split(","))
-        else:
-            kept.add(line)
-    for module, names in merged.items():
-        kept.add(f"from {module} import {', '.join(sorted(names, key=_name_order))}")
-    sections: dict[bool, list[str]] = {True: [], False: []}
-    for line in kept:
-        sections[line.split()[1].split(".")[0] in sys.stdlib_module_names].append(line)
-    out: list[str] = []
-    for in_stdlib in (True, False):
-        entries = sorted(sections[in_stdlib], key=lambda line: (line.startswith("from "), line.split()[1], line))
-        if out and entries:
-            out.append("")
-        out.extend(_import_line(line) for line in entries)
-    return out
-
-
-def _import_line(line: str) -> str:
-    """An import too long for a line, one name a line in parentheses, as ruff lays it out."""
-    if len(line) <= 120 or not line.startswith("from "):
-        return line
-    head, _, names = line.partition(" import ")
-    return head + " import (\n" + "".join(f"    {name.strip()},\n" for name in names.split(",")) + ")"
-
-
-def _name_order(name: str) -> tuple[int, str]:
-    if name.isupper():
-        return 0, name
-    return (1 if name[:1].isupper() else 2), name

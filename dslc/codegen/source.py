@@ -35,11 +35,14 @@ PRELUDE_IMPORTS = {
     "lax": "from jax import lax",
     "checkpoint_name": "from jax.ad_checkpoint import checkpoint_name",
     "PartitionSpec": "from jax.sharding import PartitionSpec",
+    "Mesh": "from jax.sharding import Mesh",
+    "NamedSharding": "from jax.sharding import NamedSharding",
     "Any": "from typing import Any",
     "Literal": "from typing import Literal",
     "NamedTuple": "from typing import NamedTuple",
     "Callable": "from collections.abc import Callable",
     "Sequence": "from collections.abc import Sequence",
+    "Mapping": "from collections.abc import Mapping",
 }
 
 

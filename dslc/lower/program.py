@@ -1,8 +1,10 @@
 """`Program`: a checked spec bound to a device mesh, ready to initialise, run and differentiate.
 
 What runs is the spec's generated module — the text `dslc compile` writes — loaded as a
-module of its own: `Program` holds the mesh and the model's state and calls the module's
-functions under jit. Tracebacks from inside it show the generated lines.
+module of its own: `Program` holds the mesh and the model's state, and calls the module's
+model and gradients, and the runtime library's functions on the module's tables (its
+`PARAMETERS`, `INPUTS`, ...), under jit, as the module's own `main` does. Tracebacks from
+inside it show the generated lines.
 """
 
 from __future__ import annotations
@@ -22,13 +24,22 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from dslc.codegen.names import safe_identifier
 from dslc.ir import nodes as ir
-from dslc.ir.inputs import check_inputs, integer_bounds, read_inputs
+from dslc.ir.inputs import check_inputs, read_inputs
 from dslc.ir.weights import mismatches
 from dslc.layers import args
 from dslc.layers.loss import CrossEntropy
 from dslc.runtime import as_dslc_runtime
+from dslc.runtime.inputs import place, random_batch
+from dslc.runtime.params import export_weights, import_weights, init_params
 from dslc.runtime.storage import shapes_of
-from dslc.runtime.training import learning_rate
+from dslc.runtime.training import (
+    init_optimizer,
+    learning_rate,
+    make_optimizer,
+    make_train_step,
+    optimizer_shardings,
+    optimizer_state,
+)
 
 Params = dict[str, jax.Array]
 
@@ -91,23 +102,25 @@ class Program:
         self.mesh = mesh
         self.source = source  # the generated module's text, which `module` runs
         self.module = load_module(source, program.name)
-        self.optimizer = self.module.make_optimizer(*self.module.OPTIMIZER)
-        self._shardings = {name: NamedSharding(mesh, p.sharding) for name, p in self.module.PARAMETERS.items()}
+        self.parameters = self.module.PARAMETERS  # every stored array: shape, dtype, sharding
+        self.master_dtype = self.module.MASTER_DTYPE
+        self.optimizer = make_optimizer(*self.module.OPTIMIZER)
+        self._shardings = {name: NamedSharding(mesh, p.sharding) for name, p in self.parameters.items()}
 
     # --- parameters ---------------------------------------------------------------------------
 
     def init(self, seed: int) -> DslcModel:
         with jax.set_mesh(self.mesh):
-            return DslcModel(self.module.init_params(seed, self.mesh))
+            return DslcModel(init_params(self.parameters, seed, self.mesh))
 
     def export_weights(self, model: DslcModel, opt_state: Any = None) -> dict[str, np.ndarray]:
         """Every weight by its per-layer name (copies: on CPU a fetched array may share the
         device buffer, which the next donating train step frees and reuses). Given the
         optimizer state of a spec that keeps a master copy (`master_dtype`), the master's
         values: the parameters the 16-bit working copy rounds."""
-        if opt_state is not None and self.ir.train.master_dtype:
-            return self.module.export_weights(opt_state["master"])
-        return self.module.export_weights(model.arrays())
+        if opt_state is not None and self.master_dtype:
+            return export_weights(self.parameters, opt_state["master"])
+        return export_weights(self.parameters, model.arrays())
 
     def import_weights(self, model: DslcModel, weights: Mapping[str, Any]) -> None:
         """Load a dict of arrays by per-layer name. Every name and shape is checked before
@@ -126,12 +139,11 @@ class Program:
         problems = mismatches(self.ir, {name: tuple(np.shape(value)) for name, value in weights.items()})
         if problems:
             raise WeightsError("cannot load weights, nothing was loaded: " + "; ".join(problems))
-        placed: Params = self.module.import_weights(dict(weights), self.mesh)
-        return placed
+        return import_weights(self.parameters, dict(weights), self.mesh)
 
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every weight's per-layer name and shape."""
-        return shapes_of(self.module.PARAMETERS)
+        return shapes_of(self.parameters)
 
     def param_shardings(self, model: DslcModel) -> dict[str, PartitionSpec]:
         """Where each stored array lives, by its stored name (`blocks.*.attn.q`)."""
@@ -168,12 +180,12 @@ class Program:
     def grads(self, model: DslcModel, batch: Mapping[str, Any]) -> dict[str, np.ndarray]:
         """The loss's gradient of every weight, by per-layer name (over the spec's
         accumulation steps, through its pipeline schedule)."""
-        return self.module.export_weights(self.stored_grads(model, batch))
+        return export_weights(self.parameters, self.stored_grads(model, batch))
 
     def loss_and_grads(self, model: DslcModel, batch: Mapping[str, Any]) -> tuple[float, dict[str, np.ndarray]]:
         """`loss` and `grads` from one compiled step (each alone compiles its own)."""
         loss, stored = self.value_and_grad(model, batch)
-        return loss, self.module.export_weights(stored)
+        return loss, export_weights(self.parameters, stored)
 
     def stored_grads(self, model: DslcModel, batch: Mapping[str, Any]) -> Params:
         """The gradients as the module keeps them: one per stored array, where they live."""
@@ -189,32 +201,13 @@ class Program:
     def example_batch(self, seed: int) -> dict[str, np.ndarray]:
         """Random inputs with the names, shapes and dtypes the spec declares; integer inputs
         are drawn below the vocabulary or class count of the layer that reads them."""
-        rng = np.random.default_rng(seed)
-        bounds = integer_bounds(self.ir)
-        batch = {}
-        for inp in self.ir.inputs:
-            t = inp.type
-            dtype = np.dtype(jax.numpy.dtype(ir.DTYPES[t.dtype].jax))
-            if t.dtype in ir.INT_DTYPES:
-                batch[inp.name] = rng.integers(0, bounds.get(inp.name, 2), size=t.shape).astype(dtype)
-            else:
-                batch[inp.name] = rng.standard_normal(t.shape).astype(dtype)
-        return batch
+        return random_batch(self.module.INPUTS, seed)
 
     def place(self, batch: Mapping[str, Any], loss: bool = False) -> dict[str, jax.Array]:
         """Put each input on the mesh with its declared sharding, after checking the batch
         (`InputError`): what the forward pass reads, and with `loss` the targets too."""
         check_inputs(self.ir, batch, read_inputs(self.ir, loss))
-        placed: dict[str, jax.Array] = {}
-        for inp in self.ir.inputs:
-            if inp.name not in batch:
-                continue
-            value = np.asarray(batch[inp.name]).astype(jax.numpy.dtype(ir.DTYPES[inp.type.dtype].jax))
-            # Every process holds the whole batch and builds only its own devices' shards;
-            # device_put onto a mesh spanning processes would all-gather it to compare first.
-            sharding = NamedSharding(self.mesh, partition_spec(inp.type.sharding))
-            placed[inp.name] = jax.make_array_from_callback(value.shape, sharding, value.__getitem__)
-        return placed
+        return place(self.module.INPUTS, batch, self.mesh)
 
     # --- training -----------------------------------------------------------------------------
 
@@ -222,7 +215,7 @@ class Program:
         """The optimizer state, split like the spec's ZeRO stage says (stage >= 1: over the
         data axes)."""
         with jax.set_mesh(self.mesh):
-            return self.module.init_optimizer(model.arrays(), self.optimizer, self.mesh)
+            return init_optimizer(self.parameters, model.arrays(), self.optimizer, self.mesh, self.master_dtype)
 
     def train_step(self, model: DslcModel, opt_state: Any, batch: Mapping[str, Any], step: int) -> tuple[Any, float]:
         """One optimizer step on `batch` (dropout on, keyed by `step`); updates `model` in
@@ -270,11 +263,12 @@ class Program:
                 return self._run.trace(params, batch)
             if step == "grads":
                 return self._grads.trace(params, batch)
-            abstract = jax.eval_shape(functools.partial(self.module.optimizer_state, self.optimizer), params)
+            init = functools.partial(optimizer_state, self.optimizer, master_dtype=self.master_dtype)
+            abstract = jax.eval_shape(init, params)
             state = jax.tree.map(
                 lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
                 abstract,
-                self.module.optimizer_shardings(abstract, self.mesh),
+                optimizer_shardings(self.parameters, abstract, self.mesh),
             )
             return self._step.trace(params, state, batch, jax.random.key(0))
 
@@ -283,15 +277,11 @@ class Program:
         `lower` compile for, without allocating anything."""
         params = {
             name: jax.ShapeDtypeStruct(p.shape, jax.numpy.dtype(p.dtype), sharding=self._shardings[name])
-            for name, p in self.module.PARAMETERS.items()
+            for name, p in self.parameters.items()
         }
         batch = {
-            inp.name: jax.ShapeDtypeStruct(
-                inp.type.shape,
-                jax.numpy.dtype(ir.DTYPES[inp.type.dtype].jax),
-                sharding=NamedSharding(self.mesh, partition_spec(inp.type.sharding)),
-            )
-            for inp in self.ir.inputs
+            name: jax.ShapeDtypeStruct(i.shape, jax.numpy.dtype(i.dtype), sharding=NamedSharding(self.mesh, i.sharding))
+            for name, i in self.module.INPUTS.items()
         }
         return params, batch
 
@@ -337,7 +327,7 @@ class Program:
     def _grads(self) -> Any:
         grad_shardings = {
             name: NamedSharding(self.mesh, p.sharding if p.grad_sharding is None else p.grad_sharding)
-            for name, p in self.module.PARAMETERS.items()
+            for name, p in self.parameters.items()
         }
         replicated = NamedSharding(self.mesh, PartitionSpec())
 
@@ -350,13 +340,10 @@ class Program:
     def _step(self) -> Any:
         """The step `train_step` runs: without the figures it would discard (`step_metrics`'s
         global gradient norm costs an all-reduce, 4% of gpt_small's step on 16 CPU devices)."""
-        return self.module.make_train_step(self.mesh, self.optimizer, metrics=False)
+        return make_train_step(
+            self.module.gradients, self.parameters, self.mesh, self.optimizer, self.master_dtype, metrics=False
+        )
 
     @functools.cached_property
     def _step_with_metrics(self) -> Any:
-        return self.module.make_train_step(self.mesh, self.optimizer)
-
-
-def partition_spec(sharding: ir.Sharding) -> PartitionSpec:
-    """The jax PartitionSpec of an IR sharding (one tuple of mesh axes per dimension)."""
-    return PartitionSpec(*(None if not axes else axes[0] if len(axes) == 1 else axes for axes in sharding))
+        return make_train_step(self.module.gradients, self.parameters, self.mesh, self.optimizer, self.master_dtype)

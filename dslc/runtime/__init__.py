@@ -23,6 +23,8 @@ SOURCES = {
     for name in (
         "storage",
         "params",
+        "inputs",
+        "model",
         "layers",
         "fused",
         "attention",

@@ -27,6 +27,24 @@ class NodeLayoutError(ValueError):
     """The devices cannot be divided into the nodes the mesh asks for."""
 
 
+class TooFewDevices(ValueError):
+    """This process has fewer devices than the mesh needs, even simulated on CPU."""
+
+
+def machine_mesh(shape: Sequence[int], names: Sequence[str], nodes: Sequence[int]) -> Any:
+    """The mesh on this machine's devices, or on simulated CPU devices when there are too few
+    (a script's fallback: `dslc` itself refuses, saying why, in `dslc.lower.devices`)."""
+    import jax
+
+    count = math.prod(shape)
+    devices = jax.devices()
+    if len(devices) < count:
+        devices = jax.devices("cpu")
+    if len(devices) < count:
+        raise TooFewDevices(f"the mesh needs {count} devices and this process has {len(devices)}")
+    return build_mesh(shape, names, nodes, devices[:count])
+
+
 def build_mesh(shape: Sequence[int], names: Sequence[str], nodes: Sequence[int], devices: Sequence[Any]) -> Any:
     """The `jax.sharding.Mesh` of `shape` over `devices` (as many as it needs), axes `Auto`:
     jax's own layout when no axis crosses nodes, else the node layout (`node_layout`)."""

@@ -177,12 +177,10 @@ def local_rows(program: Program) -> np.ndarray | None:
     import numpy as np
     from jax.sharding import NamedSharding
 
-    from dslc.lower.program import partition_spec
-
     size = program.ir.input(program.ir.stream).type.shape[0]
     rows: set[int] = set()
-    for inp in program.ir.inputs:
-        sharding = NamedSharding(program.mesh, partition_spec(inp.type.sharding))
-        for index in sharding.addressable_devices_indices_map(inp.type.shape).values():
+    for inp in program.module.INPUTS.values():
+        sharding = NamedSharding(program.mesh, inp.sharding)
+        for index in sharding.addressable_devices_indices_map(inp.shape).values():
             rows.update(range(*index[0].indices(size)) if index else range(size))
     return None if len(rows) == size else np.array(sorted(rows))

@@ -1,8 +1,9 @@
-"""The optimizer, gradient accumulation and data parallelism: the parts of a training step
-that do not depend on the spec."""
+"""The optimizer, gradient accumulation, data parallelism and the jitted optimizer step: the
+parts of a training step that do not depend on the spec."""
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -11,9 +12,14 @@ import jax
 import jax.numpy as jnp
 import optax
 from jax import lax
-from jax.sharding import PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from .metrics import step_metrics
+from .params import Arrays
 from .storage import Parameter, axes_of
+
+# The mean loss and the gradients of the parameters over a batch: (params, batch, key, mesh).
+Gradients = Callable[[Arrays, Arrays, jax.Array | None, Mesh], tuple[jax.Array, Arrays]]
 
 OPTIMIZER_DEFAULTS = {
     "lr": 1e-3,
@@ -93,6 +99,76 @@ def master_update(
     updates, inner = optimizer.update(grads, state["optimizer"], master)
     master = optax.apply_updates(master, updates)
     return jax.tree.map(lambda m, p: m.astype(p.dtype), master, params), {"master": master, "optimizer": inner}
+
+
+def optimizer_state(optimizer: optax.GradientTransformation, params: Any, master_dtype: str | None = None) -> Any:
+    """The optimizer's own state of the parameters; with `master_dtype`, of a master copy of
+    them in that dtype, kept beside it (`master_state`)."""
+    return optimizer.init(params) if master_dtype is None else master_state(optimizer, params, master_dtype)
+
+
+def optimizer_shardings(parameters: dict[str, Parameter], state: Any, mesh: Mesh) -> Any:
+    """Where each leaf of an optimizer state lives: one shaped like a parameter (its moments,
+    its master copy) follows the parameter's optimizer sharding (its ZeRO split), anything
+    else (step counts) is replicated."""
+
+    def pick(path: tuple[Any, ...], leaf: Any) -> NamedSharding:
+        for entry in path:
+            name = getattr(entry, "key", None)
+            if name in parameters and tuple(leaf.shape) == parameters[name].shape:
+                return NamedSharding(mesh, parameters[name].update_sharding)
+        return NamedSharding(mesh, PartitionSpec())
+
+    return jax.tree_util.tree_map_with_path(pick, state)
+
+
+def init_optimizer(
+    parameters: dict[str, Parameter],
+    params: Arrays,
+    optimizer: optax.GradientTransformation,
+    mesh: Mesh,
+    master_dtype: str | None = None,
+) -> Any:
+    """The optimizer state of `params`, made where it lives (split as the ZeRO stage says)."""
+    init = functools.partial(optimizer_state, optimizer, master_dtype=master_dtype)
+    return jax.jit(init, out_shardings=optimizer_shardings(parameters, jax.eval_shape(init, params), mesh))(params)
+
+
+def make_train_step(
+    gradients: Gradients,
+    parameters: dict[str, Parameter],
+    mesh: Mesh,
+    optimizer: optax.GradientTransformation,
+    master_dtype: str | None = None,
+    metrics: bool = True,
+) -> Callable[..., Any]:
+    """One jitted optimizer step: (params, optimizer state, batch, key) -> the new two, the loss
+    and the step's figures (`step_metrics`; none without `metrics`, sparing their collectives).
+    Parameters and state are donated: updated in place."""
+    # Each gradient where its optimizer state lives: its piece of it under ZeRO.
+    grad_shardings = {name: NamedSharding(mesh, p.update_sharding) for name, p in parameters.items()}
+    param_shardings = {name: NamedSharding(mesh, p.sharding) for name, p in parameters.items()}
+    abstract = {name: jax.ShapeDtypeStruct(p.shape, p.dtype) for name, p in parameters.items()}
+    init = functools.partial(optimizer_state, optimizer, master_dtype=master_dtype)
+    state_shardings = optimizer_shardings(parameters, jax.eval_shape(init, abstract), mesh)
+
+    def step(params: Arrays, opt_state: Any, batch: Arrays, key: jax.Array) -> tuple[Arrays, Any, jax.Array, Arrays]:
+        value, grads = gradients(params, batch, key, mesh)
+        grads = lax.with_sharding_constraint(grads, grad_shardings)
+        figures = step_metrics(grads) if metrics else {}
+        if master_dtype is not None:
+            # The update runs on the master copy; the parameters are its rounding to their dtype.
+            params, opt_state = master_update(optimizer, grads, opt_state, params)
+            return params, opt_state, value, figures
+        # The update reads the gradients in the parameters' dtype (summed wider under
+        # `grad_dtype`, with no master copy to update).
+        grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value, figures
+
+    replicated = NamedSharding(mesh, PartitionSpec())
+    outputs = (param_shardings, state_shardings, replicated, replicated)
+    return jax.jit(step, out_shardings=outputs, donate_argnums=(0, 1))
 
 
 def accumulate_gradients(
