@@ -3,12 +3,14 @@ models compute, both without `transformers` or torch.
 
 The checkpoints are config.json plus safetensors files with `save_pretrained`'s names and
 layouts: GPT-2's Conv1D weights [in, out] with q, k and v fused in `c_attn`, Llama's
-nn.Linear weights [out, in], a tied head left out. The forwards follow the modelling code of
-`GPT2LMHeadModel`, `LlamaForCausalLM`, `MixtralForCausalLM`, `Qwen3MoeForCausalLM` and
-`Qwen2MoeForCausalLM` in float64 numpy, in its own form where dslc's differs:
-the fused projection split after the product, rotary embeddings as `rotate_half` with
-the frequencies repeated over both halves, key/value heads repeated with `repeat_kv`, a -inf
-causal mask. Nothing here comes from dslc.
+nn.Linear weights [out, in], GPT-NeoX's too with q, k and v fused head by head in
+`query_key_value`, a tied head left out. The forwards follow the modelling code of
+`GPT2LMHeadModel`, `LlamaForCausalLM`, `MixtralForCausalLM`, `Qwen3MoeForCausalLM`,
+`Qwen2MoeForCausalLM` and `GPTNeoXForCausalLM` in float64 numpy, in its own form where
+dslc's differs: the fused projection split after the product, rotary embeddings as
+`rotate_half` with the frequencies repeated over both halves (on each head's first
+`rotary_ndims` features alone for GPT-NeoX), key/value heads repeated with `repeat_kv`, a
+-inf causal mask. Nothing here comes from dslc.
 """
 
 from __future__ import annotations
@@ -161,6 +163,34 @@ QWEN2_MOE_SET = {
 }
 
 
+GPT_NEOX_CONFIG = {
+    "architectures": ["GPTNeoXForCausalLM"],
+    "model_type": "gpt_neox",
+    "vocab_size": 96,
+    "hidden_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "intermediate_size": 128,
+    "hidden_act": "gelu",
+    # Pythia's quarter of each head: 2 of its 8 features rotate.
+    "rotary_pct": 0.25,
+    "rotary_emb_base": 10000,
+    "max_position_embeddings": 64,
+    "layer_norm_eps": 1e-5,
+    "use_parallel_residual": True,
+    "tie_word_embeddings": False,
+    "initializer_range": 0.02,
+    "attention_dropout": 0.0,
+    "hidden_dropout": 0.0,
+    "bos_token_id": 0,
+    "eos_token_id": 0,
+    "use_cache": True,
+    "torch_dtype": "float32",
+}
+# specs/gpt_neox.par derives `ffn = 4 * d` and `rope_dims = d // heads // 4` from these.
+GPT_NEOX_SET = {"vocab": 96, "d": 32, "heads": 4, "layers": 2, "seq": 16, "batch": 8}
+
+
 def _normal(rng: np.random.Generator, *shape: int, scale: float = 0.1) -> np.ndarray:
     return (rng.standard_normal(shape) * scale).astype(np.float32)
 
@@ -290,6 +320,38 @@ def qwen2_moe_tensors(config: dict[str, object], seed: int = 0) -> Tensors:
         t |= {s + "gate_proj.weight": _normal(rng, shared, d), s + "up_proj.weight": _normal(rng, shared, d)}
         t[s + "down_proj.weight"] = _normal(rng, d, shared)
         t[at + "shared_expert_gate.weight"] = _normal(rng, 1, d, scale=0.5)
+    return t
+
+
+def gpt_neox_tensors(config: dict[str, object], seed: int = 0) -> Tensors:
+    """GPT-NeoX's tensors: `attention.query_key_value` [3 d, d] holds q, k and v head by head
+    (rows [heads, 3, head_dim]); the attention's biases only with `attention_bias` (its
+    default true), the head `embed_out` only when untied."""
+    rng = np.random.default_rng(seed)
+    d, vocab, ffn = (int(config[k]) for k in ("hidden_size", "vocab_size", "intermediate_size"))  # type: ignore[call-overload]
+    t: Tensors = {"gpt_neox.embed_in.weight": _normal(rng, vocab, d)}
+    for i in range(int(config["num_hidden_layers"])):  # type: ignore[call-overload]
+        at = f"gpt_neox.layers.{i}."
+        t |= {
+            at + "input_layernorm.weight": 1 + _normal(rng, d),
+            at + "input_layernorm.bias": _normal(rng, d),
+            at + "post_attention_layernorm.weight": 1 + _normal(rng, d),
+            at + "post_attention_layernorm.bias": _normal(rng, d),
+            at + "attention.query_key_value.weight": _normal(rng, 3 * d, d),
+            at + "attention.dense.weight": _normal(rng, d, d),
+            at + "mlp.dense_h_to_4h.weight": _normal(rng, ffn, d),
+            at + "mlp.dense_h_to_4h.bias": _normal(rng, ffn),
+            at + "mlp.dense_4h_to_h.weight": _normal(rng, d, ffn),
+            at + "mlp.dense_4h_to_h.bias": _normal(rng, d),
+        }
+        if config.get("attention_bias", True):
+            t |= {
+                at + "attention.query_key_value.bias": _normal(rng, 3 * d),
+                at + "attention.dense.bias": _normal(rng, d),
+            }
+    t |= {"gpt_neox.final_layer_norm.weight": 1 + _normal(rng, d), "gpt_neox.final_layer_norm.bias": _normal(rng, d)}
+    if not config.get("tie_word_embeddings", False):
+        t["embed_out.weight"] = _normal(rng, vocab, d)
     return t
 
 
@@ -442,3 +504,51 @@ def _sparse_moe(
         y = (gate / (1.0 + np.exp(-gate)) * up) @ t[s + "down_proj.weight"].T
         out += y / (1.0 + np.exp(-(h @ t[p + "shared_expert_gate.weight"].T)))
     return out
+
+
+def _gelu(x: np.ndarray, hidden_act: str) -> np.ndarray:
+    """ACT2FN's GELUs: `gelu` the exact one (erf), `gelu_new` and `gelu_pytorch_tanh` the tanh form."""
+    if hidden_act in ("gelu_new", "gelu_pytorch_tanh"):
+        return 0.5 * x * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x**3)))
+    assert hidden_act == "gelu"
+    return 0.5 * x * (1.0 + np.vectorize(math.erf)(x / math.sqrt(2.0)))
+
+
+def gpt_neox_logits(config: dict[str, object], tensors: Tensors, ids: np.ndarray) -> np.ndarray:
+    """GPTNeoXForCausalLM with `use_parallel_residual`: x + attn(ln_1(x)) + mlp(ln_2(x))."""
+    assert config.get("use_parallel_residual", True)
+    t = {name.removeprefix("gpt_neox."): value.astype(np.float64) for name, value in tensors.items()}
+    heads, eps = int(config["num_attention_heads"]), float(config["layer_norm_eps"])  # type: ignore[call-overload, arg-type]
+    base = float(config.get("rotary_emb_base", 10000))  # type: ignore[arg-type]
+    b, s = ids.shape
+    hd = int(config["hidden_size"]) // heads  # type: ignore[call-overload]
+    rotary_ndims = int(hd * float(config.get("rotary_pct", 0.25)))  # type: ignore[arg-type]
+    inv_freq = 1.0 / base ** (np.arange(0, rotary_ndims, 2) / rotary_ndims)
+    freqs = np.outer(np.arange(s), inv_freq)
+    emb = np.concatenate([freqs, freqs], axis=-1)
+    cos, sin = np.cos(emb)[None, None], np.sin(emb)[None, None]
+
+    def rotate(x: np.ndarray) -> np.ndarray:
+        """The first rotary_ndims features of each head rotated, the rest passed."""
+        rot, rest = x[..., :rotary_ndims], x[..., rotary_ndims:]
+        return np.concatenate([rot * cos + _rotate_half(rot) * sin, rest], axis=-1)
+
+    x = t["embed_in.weight"][ids]
+    for i in range(int(config["num_hidden_layers"])):  # type: ignore[call-overload]
+        p = f"layers.{i}."
+
+        def linear(name: str, h: np.ndarray, p: str = p) -> np.ndarray:
+            y = h @ t[p + name + ".weight"].T
+            return y + t[p + name + ".bias"] if p + name + ".bias" in t else y
+
+        h = _layernorm(x, t[p + "input_layernorm.weight"], t[p + "input_layernorm.bias"], eps)
+        # [b, s, 3 d] viewed as [b, s, heads, 3 head_dim], then cut in three: q, k, v of each head.
+        qkv = linear("attention.query_key_value", h).reshape(b, s, heads, 3 * hd).transpose(0, 2, 1, 3)
+        q, k, v = np.split(qkv, 3, axis=-1)
+        attn = linear("attention.dense", _causal_attention(rotate(q), rotate(k), v))
+        h = _layernorm(x, t[p + "post_attention_layernorm.weight"], t[p + "post_attention_layernorm.bias"], eps)
+        mlp = linear("mlp.dense_4h_to_h", _gelu(linear("mlp.dense_h_to_4h", h), str(config["hidden_act"])))
+        x = x + attn + mlp
+    x = _layernorm(x, t["final_layer_norm.weight"], t["final_layer_norm.bias"], eps)
+    head = tensors.get("embed_out.weight", tensors["gpt_neox.embed_in.weight"]).astype(np.float64)
+    return x @ head.T

@@ -24,10 +24,10 @@ from dslc.frontend import Analysis
 from dslc.interop.advice import follows
 from dslc.interop.errors import CheckpointError, file_problem, file_span
 from dslc.interop.gpt2 import GPT2
-from dslc.interop.hf_config import CONFIG, GPT2Config, LlamaConfig, parse_config, read_config_json
+from dslc.interop.gpt_neox import GPTNeoX
+from dslc.interop.hf_config import CONFIG, AnyConfig, parse_config, read_config_json
 from dslc.interop.llama import Llama, Mixtral, Qwen2Moe, Qwen3Moe
 from dslc.interop.mapping import (
-    HEAD,
     Fact,
     Matched,
     Requirement,
@@ -46,17 +46,18 @@ from dslc.ir.weights import mismatches
 
 
 class Family(Protocol):
-    """How one family of checkpoints maps onto a spec (see gpt2.py, llama.py)."""
+    """How one family of checkpoints maps onto a spec (see gpt2.py, llama.py, gpt_neox.py)."""
 
     name: str
     model_types: tuple[str, ...]
     structure: Structure
+    head_tensor: str
 
     def canonical(self, name: str) -> str: ...
     def ignored(self, name: str) -> bool: ...
     def requirements(self, m: Matched) -> list[Requirement]: ...
-    def facts(self, config: GPT2Config | LlamaConfig, m: Matched, program: ir.Program) -> list[Fact]: ...
-    def unsupported(self, config: GPT2Config | LlamaConfig, program: ir.Program) -> list[tuple[str, str]]: ...
+    def facts(self, config: AnyConfig, m: Matched, program: ir.Program) -> list[Fact]: ...
+    def unsupported(self, config: AnyConfig, program: ir.Program) -> list[tuple[str, str]]: ...
     def ties(self, m: Matched) -> bool: ...
     def tied(self, m: Matched, program: ir.Program) -> bool: ...
     def head_and_table(self, m: Matched) -> tuple[str, str]: ...
@@ -65,7 +66,7 @@ class Family(Protocol):
     def keep(self, written: Mapping[str, object], original: Mapping[str, object]) -> dict[str, object]: ...
 
 
-FAMILIES: tuple[Family, ...] = (GPT2(), Llama(), Mixtral(), Qwen3Moe(), Qwen2Moe())
+FAMILIES: tuple[Family, ...] = (GPT2(), Llama(), Mixtral(), Qwen3Moe(), Qwen2Moe(), GPTNeoX())
 
 # The dtypes export writes: the spec's names, numpy's, and the torch_dtype config.json states.
 EXPORT_DTYPES = {
@@ -128,8 +129,7 @@ class ImportPlan:
                 if len(slices) == self.shapes[part][0]:
                     yield part, np.stack(stacking.pop(part))
                 continue
-            widths = [self.shapes[p][-1] for p in m.parts]
-            yield from zip(m.parts, np.split(tensor, np.cumsum(widths)[:-1], axis=-1), strict=True)
+            yield from zip(m.parts, m.split(tensor, [self.shapes[p][-1] for p in m.parts]), strict=True)
             if self.copy is not None and m.parts == (self.table,):
                 yield self.copy, tensor.T
 
@@ -192,7 +192,9 @@ def plan_import(analysis: Analysis, folder: Path) -> ImportPlan:
     covered = {p for m in maps for p in m.parts} | ({copy} if copy else set())
     assert covered == set(shapes), f"the {family.name} mapping misses {sorted(set(shapes) ^ covered)}"
     found = _check_tensors(family, files, maps, shapes, tied)
-    stored_head = next((name for name in files.tensors if family.canonical(name) == HEAD), None) if tied else None
+    stored_head = (
+        next((name for name in files.tensors if family.canonical(name) == family.head_tensor), None) if tied else None
+    )
     dtype = np.dtype(np.float64) if program.train.param_dtype == "f64" else np.dtype(np.float32)
     return ImportPlan(
         family,
@@ -240,7 +242,7 @@ def _check_tensors(
     left_over = [
         name
         for canonical, name in found.items()
-        if canonical not in wanted and not family.ignored(name) and not (tied and canonical.startswith("lm_head."))
+        if canonical not in wanted and not family.ignored(name) and not (tied and canonical == family.head_tensor)
     ]
     if missing:
         problems.append(
@@ -286,7 +288,8 @@ def _check_tensors(
 
 
 def _checkpoint_shape(m: TensorMap, shapes: dict[str, tuple[int, ...]]) -> tuple[int, ...]:
-    """The shape the checkpoint stores `m` in, from the spec's weights."""
+    """The shape the checkpoint stores `m` in, from the spec's weights (whose parts take the
+    same room side by side or interleaved by head)."""
     first = shapes[m.parts[0]]
     shape = (*first[:-1], sum(shapes[p][-1] for p in m.parts))
     if m.index is not None:
@@ -416,7 +419,7 @@ def _assemble(m: TensorMap, weights: Mapping[str, np.ndarray], dtype: np.dtype) 
     parts = [np.asarray(weights[p]) for p in m.parts]
     if m.index is not None:
         parts = [parts[0][m.index]]
-    tensor = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=-1)
+    tensor = m.join(parts)
     return np.ascontiguousarray((tensor.T if m.transposed else tensor).astype(dtype, copy=False))
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 
-from dslc.interop.hf_config import GPT2Config, LlamaConfig
+from dslc.interop.hf_config import AnyConfig, GPT2Config
 from dslc.interop.mapping import (
     Fact,
     FamilyBase,
@@ -89,7 +89,7 @@ class GPT2(FamilyBase):
             ]
         return out
 
-    def facts(self, config: GPT2Config | LlamaConfig, m: Matched, program: ir.Program) -> list[Fact]:
+    def facts(self, config: AnyConfig, m: Matched, program: ir.Program) -> list[Fact]:
         assert isinstance(config, GPT2Config)
         wte, wpe = m.prefix
         ln_f = m.suffix[0]
@@ -155,7 +155,7 @@ class GPT2(FamilyBase):
         out.append(self.tied_fact(config.tie_word_embeddings, m, program))
         return out
 
-    def unsupported(self, config: GPT2Config | LlamaConfig, program: ir.Program) -> list[tuple[str, str]]:
+    def unsupported(self, config: AnyConfig, program: ir.Program) -> list[tuple[str, str]]:
         assert isinstance(config, GPT2Config)
         out = []
         if config.activation_function not in APPROXIMATE + EXACT:

@@ -88,10 +88,7 @@ class LlamaConfig(_Config):
     @property
     def rope_type(self) -> str:
         """ "default" for plain rotary embeddings; otherwise the scaling the config asks for."""
-        for given in (self.rope_parameters, self.rope_scaling):
-            if given:
-                return str(given.get("rope_type", given.get("type", "default")))
-        return "default"
+        return _rope_type(self.rope_parameters, self.rope_scaling)
 
     @property
     def window(self) -> int | None:
@@ -158,9 +155,77 @@ class Qwen2MoeConfig(Qwen3MoeConfig):
     qkv_bias: bool = True
 
 
-CONFIGS = GPT2Config | LlamaConfig | MixtralConfig | Qwen3MoeConfig | Qwen2MoeConfig
+class GPTNeoXConfig(_Config):
+    """`GPTNeoXForCausalLM` (Pythia): pre-norm blocks whose attention and MLP read the same
+    input (`use_parallel_residual`), q, k and v fused head by head, rotary embeddings on the
+    first `rotary_pct` of each head's features, an untied head `embed_out`.
+
+    transformers 4 writes the rotary base and share as `rotary_emb_base` and `rotary_pct`
+    (its later releases also as `rope_theta` and `partial_rotary_factor`), 5 in
+    `rope_parameters`; `rope_base` and `rotary_share` read them in the order transformers
+    does, the newest first."""
+
+    model_type: Literal["gpt_neox"]
+    vocab_size: PositiveInt = 50432
+    hidden_size: PositiveInt = 6144
+    num_hidden_layers: PositiveInt = 44
+    num_attention_heads: PositiveInt = 64
+    intermediate_size: PositiveInt = 24576
+    hidden_act: str = "gelu"
+    rotary_pct: PositiveFloat | None = None
+    partial_rotary_factor: PositiveFloat | None = None
+    rotary_emb_base: PositiveFloat | None = None
+    rope_theta: PositiveFloat | None = None
+    rope_scaling: dict[str, Any] | None = None
+    rope_parameters: dict[str, Any] | None = None
+    max_position_embeddings: PositiveInt = 2048
+    layer_norm_eps: PositiveFloat = 1e-5
+    use_parallel_residual: bool = True
+    attention_bias: bool = True
+    tie_word_embeddings: bool = False
+
+    @property
+    def head_width(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def rope_base(self) -> float:
+        if self.rope_parameters is not None and "rope_theta" in self.rope_parameters:
+            return float(self.rope_parameters["rope_theta"])
+        return next((b for b in (self.rotary_emb_base, self.rope_theta) if b is not None), 10000.0)
+
+    @property
+    def rotary_share(self) -> float:
+        """The share of each head's features that rotate (transformers' default a quarter)."""
+        if self.rope_parameters is not None and "partial_rotary_factor" in self.rope_parameters:
+            return float(self.rope_parameters["partial_rotary_factor"])
+        return next((p for p in (self.rotary_pct, self.partial_rotary_factor) if p is not None), 0.25)
+
+    @property
+    def rotary_dims(self) -> int:
+        """How many of each head's features rotate, as transformers counts them: the share's,
+        rounded down."""
+        return int(self.head_width * self.rotary_share)
+
+    @property
+    def rope_type(self) -> str:
+        return _rope_type(self.rope_parameters, self.rope_scaling)
+
+
+def _rope_type(*given: dict[str, Any] | None) -> str:
+    """ "default" for plain rotary embeddings; otherwise the scaling the first config field
+    `given` that says one asks for."""
+    for fields in given:
+        if fields:
+            return str(fields.get("rope_type", fields.get("type", "default")))
+    return "default"
+
+
+CONFIGS = GPT2Config | LlamaConfig | MixtralConfig | Qwen3MoeConfig | Qwen2MoeConfig | GPTNeoXConfig
 HFConfig = Annotated[CONFIGS, Field(discriminator="model_type")]
-MODEL_TYPES = ("gpt2", "llama", "mistral", "qwen2", "mixtral", "qwen3_moe", "qwen2_moe")
+# A config.json as `parse_config` reads it (Mixtral's and the Qwen MoEs' are LlamaConfigs).
+AnyConfig = GPT2Config | LlamaConfig | GPTNeoXConfig
+MODEL_TYPES = ("gpt2", "llama", "mistral", "qwen2", "mixtral", "qwen3_moe", "qwen2_moe", "gpt_neox")
 _ADAPTER: TypeAdapter[CONFIGS] = TypeAdapter(HFConfig)
 
 
@@ -181,7 +246,7 @@ def read_config_json(folder: Path) -> object:
     return data
 
 
-def parse_config(data: object, path: Path) -> GPT2Config | LlamaConfig:
+def parse_config(data: object, path: Path) -> AnyConfig:
     """config.json's content (at `path`, for the messages), validated; a CheckpointError
     (C004) when it cannot be used."""
     if not isinstance(data, dict):

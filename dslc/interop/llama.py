@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 
-from dslc.interop.hf_config import GPT2Config, LlamaConfig, MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
+from dslc.interop.hf_config import AnyConfig, LlamaConfig, MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
 from dslc.interop.mapping import (
     Fact,
     FamilyBase,
@@ -80,7 +80,7 @@ class Llama(FamilyBase):
         down = mlp[-1]
         return [Requirement(down, not args(down, Linear).bias, "its MLP has no biases", "write `bias=false`")]
 
-    def facts(self, config: GPT2Config | LlamaConfig, m: Matched, program: ir.Program) -> list[Fact]:
+    def facts(self, config: AnyConfig, m: Matched, program: ir.Program) -> list[Fact]:
         assert isinstance(config, LlamaConfig)
         (embed,) = m.prefix
         norm = m.suffix[0]
@@ -175,7 +175,7 @@ class Llama(FamilyBase):
             ),
         ]
 
-    def unsupported(self, config: GPT2Config | LlamaConfig, program: ir.Program) -> list[tuple[str, str]]:
+    def unsupported(self, config: AnyConfig, program: ir.Program) -> list[tuple[str, str]]:
         assert isinstance(config, LlamaConfig)
         out = []
         if config.hidden_act != "silu":
@@ -249,18 +249,7 @@ class Llama(FamilyBase):
         return out
 
     def keep(self, written: Mapping[str, object], original: Mapping[str, object]) -> dict[str, object]:
-        """Also the original's `max_position_embeddings` where it is longer than the spec's
-        sequence: the spec was run shorter than the model can go, which leaves the model as
-        long as it was (rotary embeddings learn nothing per position)."""
-        out = super().keep(written, original)
-        longest, seq = original.get("max_position_embeddings"), written["max_position_embeddings"]
-        if isinstance(longest, int) and isinstance(seq, int) and not isinstance(longest, bool) and longest > seq:
-            out["max_position_embeddings"] = longest
-        # transformers 5 keeps the rotary base here too: it must be the spec's.
-        rope = original.get("rope_parameters")
-        if isinstance(rope, dict) and "rope_theta" in rope:
-            out["rope_parameters"] = {**rope, "rope_theta": written["rope_theta"]}
-        return out
+        return self.keep_rotary(super().keep(written, original), written, original, {"rope_theta": "rope_theta"})
 
 
 def _mlp_width(first: ir.Layer) -> int:
@@ -456,7 +445,7 @@ class Qwen3Moe(Mixtral):
             "write `qk_norm=true`",
         )
 
-    def facts(self, config: GPT2Config | LlamaConfig, m: Matched, program: ir.Program) -> list[Fact]:
+    def facts(self, config: AnyConfig, m: Matched, program: ir.Program) -> list[Fact]:
         assert isinstance(config, Qwen3MoeConfig)
         out = super().facts(config, m, program)
         for block in m.blocks:
@@ -486,7 +475,7 @@ class Qwen3Moe(Mixtral):
                  "top_k", "change `top_k`"),
         ]  # fmt: skip
 
-    def unsupported(self, config: GPT2Config | LlamaConfig, program: ir.Program) -> list[tuple[str, str]]:
+    def unsupported(self, config: AnyConfig, program: ir.Program) -> list[tuple[str, str]]:
         assert isinstance(config, Qwen3MoeConfig)
         out = super().unsupported(config, program)
         if config.mlp_only_layers or config.decoder_sparse_step != 1:

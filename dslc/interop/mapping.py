@@ -2,8 +2,9 @@
 state (checked against each other before a tensor is read), and where each tensor goes.
 
 A family is recognised in a spec by the order of its layers, not by their names: the labels
-are the spec author's. `match` walks the checked IR (residual branches marked, blocks and
-repeats unrolled, dropout left out as it holds no weights) against the family's `Structure`.
+are the spec author's. `match` walks the checked IR (residual branches and the arms of
+`branch` statements marked, blocks and repeats unrolled, dropout left out as it holds no
+weights) against the family's `Structure`.
 """
 
 from __future__ import annotations
@@ -13,8 +14,11 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
-from dslc.diagnostics import Diagnostic, Label, error
+import numpy as np
+
+from dslc.diagnostics import Diagnostic, Label, Span, error
 from dslc.frontend import Analysis
 from dslc.interop.errors import CheckpointError, file_span
 from dslc.ir import nodes as ir
@@ -23,12 +27,25 @@ from dslc.layers.dense import Embed, Linear
 from dslc.syntax import ast
 
 OPEN, CLOSE = "(", ")"  # a residual branch begins and ends
+# One `branch { }` begins and ends: an arm of consecutive branches, which read the same input
+# and whose outputs are summed (GPT-NeoX's attention and MLP side by side).
+ARM_OPEN, ARM_CLOSE = "[", "]"
+
+# How the spec's text writes each mark, and how a diagnostic names it.
+_WRITTEN = {OPEN: "residual {", ARM_OPEN: "branch {", CLOSE: "}", ARM_CLOSE: "}"}
+_NAMED = {
+    OPEN: "a residual branch",
+    CLOSE: "the end of a residual branch",
+    ARM_OPEN: "a `branch`",
+    ARM_CLOSE: "the end of a `branch`",
+}
 
 
 @dataclass(frozen=True, slots=True)
 class Structure:
     """A family's layers in order: those before the repeated block, one block (with its
-    residual branches marked by OPEN and CLOSE), those after."""
+    residual branches marked by OPEN and CLOSE, and the arms of its `branch`es by ARM_OPEN
+    and ARM_CLOSE), those after."""
 
     family: str
     prefix: tuple[str, ...]
@@ -37,7 +54,7 @@ class Structure:
 
     def describe(self) -> str:
         def words(kinds: tuple[str, ...]) -> str:
-            text = " ".join("residual {" if k == OPEN else "}" if k == CLOSE else f"{k}," for k in kinds)
+            text = " ".join(_WRITTEN.get(k, f"{k},") for k in kinds)
             return text.replace(", }", " }").rstrip(",")
 
         return f"{words(self.prefix)}, then blocks of {words(self.block)}, then {words(self.suffix)}"
@@ -52,7 +69,13 @@ class Matched:
     suffix: tuple[ir.Layer, ...]
 
 
-Token = tuple[str, ir.Node]
+class Token(NamedTuple):
+    """A layer of the spec (its kind), or a mark where a residual branch or a `branch`
+    begins or ends; `span` is where the text writes it."""
+
+    kind: str
+    node: ir.Node
+    span: Span
 
 
 def _tokens(nodes: Sequence[ir.Node]) -> list[Token]:
@@ -62,9 +85,13 @@ def _tokens(nodes: Sequence[ir.Node]) -> list[Token]:
             case ir.Layer(kind=kind) if kind == "dropout" or kind in LOSS_KINDS:
                 pass
             case ir.Layer(kind=kind):
-                out.append((kind, node))
+                out.append(Token(kind, node, node.span))
             case ir.Residual(body=body):
-                out += [(OPEN, node), *_tokens(body), (CLOSE, node)]
+                out += [Token(OPEN, node, node.span), *_tokens(body), Token(CLOSE, node, node.span)]
+            case ir.Branches(arms=arms):
+                spans = node.arm_spans or (node.span,) * len(arms)
+                for arm, span in zip(arms, spans, strict=True):
+                    out += [Token(ARM_OPEN, node, span), *_tokens(arm), Token(ARM_CLOSE, node, span)]
             case ir.Block(body=body):
                 out += _tokens(body)
             case ir.Layout():
@@ -83,10 +110,10 @@ def match(structure: Structure, program: ir.Program) -> Matched:
         taken = []
         for kind in kinds:
             found = tokens[at] if at < len(tokens) else None
-            if found is None or found[0] != kind:
+            if found is None or found.kind != kind:
                 raise CheckpointError([_out_of_place(structure, kind, found, program)])
-            if isinstance(found[1], ir.Layer):
-                taken.append(found[1])
+            if isinstance(found.node, ir.Layer):
+                taken.append(found.node)
             at += 1
         return tuple(taken)
 
@@ -101,16 +128,14 @@ def match(structure: Structure, program: ir.Program) -> Matched:
 
 
 def _out_of_place(structure: Structure, wanted: str, found: Token | None, program: ir.Program) -> Diagnostic:
-    shown = {OPEN: "a residual branch", CLOSE: "the end of a residual branch"}.get(wanted, f"`{wanted}`")
+    shown = _NAMED.get(wanted, f"`{wanted}`")
     if found is None:
         what, span = (
             "the end of `forward`",
             program.chunks[-1].nodes[-1].span if program.chunks[-1].nodes else program.span,
         )
     else:
-        kind, node = found
-        what = {OPEN: "a residual branch", CLOSE: "the end of a residual branch"}.get(kind, f"`{kind}` `{node.path}`")
-        span = node.span
+        what, span = _NAMED.get(found.kind, f"`{found.kind}` `{found.node.path}`"), found.span
     return error(
         "C002",
         f"the spec is not built like a {structure.family}: {shown} should come here, not {what}",
@@ -128,7 +153,10 @@ class Fact:
 
     `constant` is the spec constant that holds it by the family specs' convention: where the
     spec declares it with the value in question, the diagnostic points at it and `--set` fixes
-    it; otherwise it points at `layer`, and `fix` says what to write there."""
+    it; otherwise it points at `layer`, and `fix` says what to write there. `config` is the
+    value in the constant's terms, which `--set` gives it; `stated`, where the key says it
+    in other terms (GPT-NeoX's `rotary_pct`, a share of each head, for the number of
+    features `rope_dims` counts), is how the message quotes the config."""
 
     key: str
     config: object
@@ -137,6 +165,7 @@ class Fact:
     layer: ir.Layer
     constant: str | None
     fix: str
+    stated: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,7 +217,8 @@ def disagreements(
     out: list[Diagnostic] = []
     for found_one in found:
         f = found_one.fact
-        message = f"config.json's `{f.key}` is {_json(f.config)}, but the spec's {f.what} {_is(f.spec)}"
+        stated = f.stated if f.stated is not None else _json(f.config)
+        message = f"config.json's `{f.key}` is {stated}, but the spec's {f.what} {_is(f.spec)}"
         notes = [f"in {config}"]
         if found_one.count > 1:
             notes.append(f"{found_one.count} layers of the spec disagree with it")
@@ -272,9 +302,11 @@ def _is(value: object) -> str:
 class TensorMap:
     """One tensor of the checkpoint (its name as `save_pretrained` writes it) and the spec's
     weights it holds: side by side along its last dimension when there are several (GPT-2's
-    fused q, k, v), and stored [out, in] where the spec's are [in, out] when `transposed`;
-    with `index`, the one weight's slice at that index of its first dimension (one expert of
-    a mixture's stacked [experts, ...] matrices)."""
+    fused q, k, v), or with `heads`, interleaved along it head by head — head 0's slice of
+    every part, then head 1's, ... (GPT-NeoX's fused q, k, v, [heads, 3, head_dim]); stored
+    [out, in] where the spec's are [in, out] when `transposed`; with `index`, the one
+    weight's slice at that index of its first dimension (one expert of a mixture's stacked
+    [experts, ...] matrices)."""
 
     name: str
     parts: tuple[str, ...]
@@ -283,6 +315,26 @@ class TensorMap:
     # (embedding tables are [vocab, d] in every convention).
     kernel: bool = False
     index: int | None = None
+    heads: int | None = None
+
+    def split(self, tensor: np.ndarray, widths: Sequence[int]) -> list[np.ndarray]:
+        """The parts of `tensor` (as the spec lays it out, [..., sum of widths]), each of its
+        width along the last dimension."""
+        if self.heads is None:
+            return np.split(tensor, np.cumsum(widths)[:-1], axis=-1)
+        lead = tensor.shape[:-1]
+        per_head = tensor.reshape(*lead, self.heads, -1)
+        cuts = np.cumsum([w // self.heads for w in widths])[:-1]
+        return [part.reshape(*lead, -1) for part in np.split(per_head, cuts, axis=-1)]
+
+    def join(self, parts: Sequence[np.ndarray]) -> np.ndarray:
+        """The tensor `split` takes apart: the parts side by side, or interleaved head by head."""
+        if len(parts) == 1:
+            return parts[0]
+        if self.heads is None:
+            return np.concatenate(parts, axis=-1)
+        joined = np.concatenate([p.reshape(*p.shape[:-1], self.heads, -1) for p in parts], axis=-1)
+        return joined.reshape(*joined.shape[:-2], -1)
 
 
 def layer_weight(layer: ir.Layer, name: str) -> str:
@@ -294,21 +346,19 @@ def constant(program: ir.Program, name: str, default: object) -> object:
     return dict(program.constants).get(name, default)
 
 
-HEAD = "lm_head.weight"  # the head's tensor in every family, beside the body's prefix
-
-
 class FamilyBase:
     """What the families share. Their tensors are named `save_pretrained`'s way, the body's
-    under `prefix` (which older checkpoints leave out) and the head as HEAD; `buffer` matches
-    the buffers older checkpoints carry, which dslc computes itself. The spec has an embedding
-    first and a head last, which a checkpoint ties (`tie_word_embeddings`) or not: tied where
-    the spec ties them itself (`tie kernel = wte.table.T`, one weight), or else where the
-    spec's `tied` constant says so, or the family's default (a head of its own holding a copy
-    of the table)."""
+    under `prefix` (which older checkpoints leave out) and the head's weight beside it, as
+    `head_tensor`; `buffer` matches the buffers older checkpoints carry, which dslc computes
+    itself. The spec has an embedding first and a head last, which a checkpoint ties
+    (`tie_word_embeddings`) or not: tied where the spec ties them itself (`tie kernel =
+    wte.table.T`, one weight), or else where the spec's `tied` constant says so, or the
+    family's default (a head of its own holding a copy of the table)."""
 
     prefix: str
     buffer: re.Pattern[str]
     tied_by_default: bool
+    head_tensor: str = "lm_head.weight"  # GPT-NeoX's is `embed_out.weight`
     # Keys of a config.json the spec determines that `config` may not write: other names for
     # the sizes it writes, settings it writes for some model types only.
     determined: frozenset[str] = frozenset()
@@ -327,9 +377,34 @@ class FamilyBase:
                 out[key] = value
         return out | {key: value for key, value in written.items() if key not in out}
 
+    def keep_rotary(
+        self,
+        out: dict[str, object],
+        written: Mapping[str, object],
+        original: Mapping[str, object],
+        rotary: Mapping[str, str],
+    ) -> dict[str, object]:
+        """`out`, as `keep` gives it for a model with rotary embeddings, with the original's
+        `max_position_embeddings` where it is longer than the spec's sequence: the spec was
+        run shorter than the model can go, which leaves the model as long as it was (rotary
+        embeddings learn nothing per position). `rotary` names the rotary settings other
+        transformers versions keep under other keys (the key -> the written key that holds
+        the spec's value): where the original has one, at the top or in transformers 5's
+        `rope_parameters`, it is the spec's."""
+        longest, seq = original.get("max_position_embeddings"), written["max_position_embeddings"]
+        if isinstance(longest, int) and isinstance(seq, int) and not isinstance(longest, bool) and longest > seq:
+            out["max_position_embeddings"] = longest
+        for key, source in rotary.items():
+            if key in out:
+                out[key] = written[source]
+        rope = original.get("rope_parameters")
+        if isinstance(rope, dict):
+            out["rope_parameters"] = rope | {key: written[source] for key, source in rotary.items() if key in rope}
+        return out
+
     def canonical(self, name: str) -> str:
         """The name `save_pretrained` gives a tensor."""
-        return name if name.startswith(self.prefix) or name == HEAD else self.prefix + name
+        return name if name.startswith(self.prefix) or name == self.head_tensor else self.prefix + name
 
     def ignored(self, name: str) -> bool:
         return self.buffer.fullmatch(name) is not None
@@ -373,8 +448,8 @@ class FamilyBase:
         """The head's tensor of an untied checkpoint: the head's kernel turned, or for a spec
         whose head reads the embedding's table, that table (as [vocab, d] either way)."""
         if self.ties(m):
-            return TensorMap(HEAD, (layer_weight(m.prefix[0], "table"),))
-        return TensorMap(HEAD, (layer_weight(m.suffix[-1], "kernel"),), transposed=True, kernel=True)
+            return TensorMap(self.head_tensor, (layer_weight(m.prefix[0], "table"),))
+        return TensorMap(self.head_tensor, (layer_weight(m.suffix[-1], "kernel"),), transposed=True, kernel=True)
 
     def tied_fact(self, tie_word_embeddings: bool, m: Matched, program: ir.Program) -> Fact:
         if self.ties(m):

@@ -1,16 +1,19 @@
 """`dslc import` and `dslc export`: Hugging Face checkpoints in and out.
 
 Checkpoints are written here in the layout `save_pretrained` writes (tests/hf_checkpoints.py),
-with random weights at the shrunk sizes of specs/gpt2.par and specs/llama.par. Imported, the
-spec's forward gives the logits of an independent float64 forward of the same architecture;
-exported again, the safetensors file is the original byte for byte. Every way a checkpoint
-can fail to fit is refused with its diagnostic and leaves nothing behind.
+with random weights at the shrunk sizes of specs/gpt2.par, specs/llama.par and the other
+family specs. Imported, the spec's forward gives the logits of an independent float64
+forward of the same architecture; exported again, the safetensors file is the original byte
+for byte. Every way a checkpoint can fail to fit is refused with its diagnostic and leaves
+nothing behind.
 
 Tolerance of the logits: 2e-5 relative (max |dslc - reference| / max |reference|). dslc
 computes in f32, the reference in float64; f32 roundings through two layers give a few 1e-7
-(measured: GPT-2 3.5e-7 on one device, 3.7e-7 on 2x2x2; Llama 3.6e-7 and 3.9e-7), while a
-mistake in a layout moves them by far more (GPT-2's first `c_proj` transposed: 1.04; its q
-and k swapped: 0.32).
+(measured: GPT-2 3.5e-7 on one device, 3.7e-7 on 2x2x2; Llama 3.6e-7 and 3.9e-7; GPT-NeoX
+2.8e-7 and 2.3e-7), while a mistake in a layout moves them by far more (GPT-2's first
+`c_proj` transposed: 1.04; its q and k swapped: 0.32; GPT-NeoX's fused q, k, v read as q|k|v
+blocks rather than head by head: 0.74; its rotary on every feature of a head rather than the
+first quarter: 0.099).
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ from tests.conftest import ROOT, SPECS
 from tests.hf_checkpoints import (
     GPT2_CONFIG,
     GPT2_SET,
+    GPT_NEOX_CONFIG,
+    GPT_NEOX_SET,
     LLAMA_CONFIG,
     LLAMA_SET,
     MIXTRAL_CONFIG,
@@ -38,6 +43,8 @@ from tests.hf_checkpoints import (
     QWEN3_MOE_SET,
     gpt2_logits,
     gpt2_tensors,
+    gpt_neox_logits,
+    gpt_neox_tensors,
     llama_logits,
     llama_tensors,
     mixtral_tensors,
@@ -75,8 +82,14 @@ def f32_llama(folder: Path, name: str = "llama") -> Path:
     return path
 
 
-# The line of specs/llama.par that declares `eps`, where a disagreeing epsilon is reported.
-EPS_LINE = next(i for i, line in enumerate((SPECS / "llama.par").read_text().splitlines(), 1) if "const eps" in line)
+def declared_at(name: str, spec: str) -> int:
+    """The line of specs/`spec`.par that declares constant `name`: where a disagreement with
+    it is reported."""
+    lines = (SPECS / f"{spec}.par").read_text().splitlines()
+    return next(i for i, line in enumerate(lines, 1) if line.startswith(f"const {name} "))
+
+
+EPS_LINE = declared_at("eps", "llama")
 
 
 def batch(vocab: int, seed: int = 1) -> dict[str, np.ndarray]:
@@ -139,6 +152,17 @@ def llama(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return {"root": root, "folder": folder, "tensors": tensors, "weights": weights, "spec": spec}
 
 
+@pytest.fixture(scope="module")
+def gpt_neox(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    root = tmp_path_factory.mktemp("gpt_neox")
+    tensors = gpt_neox_tensors(GPT_NEOX_CONFIG)
+    folder = write_checkpoint(root / "checkpoint", GPT_NEOX_CONFIG, tensors)
+    spec = f32_llama(root, "gpt_neox")
+    weights = root / "weights.npz"
+    assert cli.main(["import", str(spec), str(folder), "-o", str(weights), *flags(GPT_NEOX_SET)]) == 0
+    return {"root": root, "folder": folder, "tensors": tensors, "weights": weights, "spec": spec}
+
+
 # The mixture-of-experts families: config, the --set that shrinks the spec, the tensors.
 MOE_FAMILIES = {
     "mixtral": (MIXTRAL_CONFIG, MIXTRAL_SET, mixtral_tensors),
@@ -192,6 +216,75 @@ def test_imported_llama_computes_the_reference_logits(
     got = logits_of(capsys, llama["spec"], llama["weights"], inputs, LLAMA_SET, mesh, tmp_path)
     want = llama_logits(LLAMA_CONFIG, llama["tensors"], inputs["tokens"])
     assert relative_error(got, want) <= TOLERANCE
+
+
+@pytest.mark.parametrize("mesh", ["1x1x1", None], ids=["one device", "2x2x2"])
+def test_imported_gpt_neox_computes_the_reference_logits(
+    gpt_neox: dict[str, Any], mesh: str | None, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """specs/gpt_neox.par (Pythia's parallel blocks, x + attn(ln_1(x)) + mlp(ln_2(x)), rotary
+    on 2 of each head's 8 features) against GPTNeoXForCausalLM's forward: `query_key_value`
+    split head by head. On 2x2x2 the two branches' row-parallel outputs are summed before
+    their one reduction over `model`, and the blocks split over two pipeline stages."""
+    inputs = batch(96, seed=9)
+    got = logits_of(capsys, gpt_neox["spec"], gpt_neox["weights"], inputs, GPT_NEOX_SET, mesh, tmp_path)
+    assert relative_error(got, gpt_neox_logits(GPT_NEOX_CONFIG, gpt_neox["tensors"], inputs["tokens"])) <= TOLERANCE
+
+
+def test_a_gpt_neox_without_attention_biases_imports_and_exports_again(
+    gpt_neox: dict[str, Any], capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """`attention_bias: false` leaves `query_key_value` and `dense` without biases: the
+    spec's attention without `bias=true` (and their shardings) takes it, computes the
+    reference and writes it back byte for byte."""
+    config = {**GPT_NEOX_CONFIG, "attention_bias": False}
+    tensors = gpt_neox_tensors(config, seed=10)
+    assert not any(n.endswith(("query_key_value.bias", "dense.bias")) for n in tensors)
+    folder = write_checkpoint(tmp_path / "unbiased", config, tensors)
+    text = Path(gpt_neox["spec"]).read_text()
+    biased = "bias=true) shard q[_, model], q_bias[model], k[_, model], k_bias[model], v[_, model], v_bias[model],"
+    assert biased in text
+    spec = tmp_path / "unbiased.par"
+    spec.write_text(text.replace(biased, "bias=false) shard q[_, model], k[_, model], v[_, model],"))
+    weights = tmp_path / "w.npz"
+    code, _, err = run(capsys, "import", spec, folder, "-o", weights, *flags(GPT_NEOX_SET))
+    assert code == 0, err
+    inputs = batch(96, seed=11)
+    got = logits_of(capsys, spec, weights, inputs, GPT_NEOX_SET, "1x1x1", tmp_path)
+    assert relative_error(got, gpt_neox_logits(config, tensors, inputs["tokens"])) <= TOLERANCE
+    code, _, err = run(capsys, "export", spec, "--weights", weights, "-o", tmp_path / "out", *flags(GPT_NEOX_SET))
+    assert code == 0, err
+    assert (tmp_path / "out" / "model.safetensors").read_bytes() == (folder / "model.safetensors").read_bytes()
+    assert _exported(tmp_path / "out")[0]["attention_bias"] is False
+
+
+def test_a_tied_gpt_neox_stores_its_head_as_embed_out_if_at_all(
+    gpt_neox: dict[str, Any], capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """GPT-NeoX's head is `embed_out`, not `lm_head`: a tied checkpoint may leave it out or
+    store the embedding there, and one whose `embed_out` differs is refused."""
+    config = {**GPT_NEOX_CONFIG, "tie_word_embeddings": True}
+    tensors = gpt_neox_tensors(config, seed=12)
+    assert "embed_out.weight" not in tensors
+    spec = tmp_path / "tied.par"
+    spec.write_text(
+        Path(gpt_neox["spec"]).read_text().replace("const batch = 16", "const batch = 16\nconst tied = true")
+    )
+    table = tensors["gpt_neox.embed_in.weight"]
+    for name, stored, said in [
+        ("left out", {}, None),
+        ("stored", {"embed_out.weight": table}, None),
+        ("stored apart", {"embed_out.weight": table + 1}, "error[C006]: `embed_out.weight` differs from the embedding"),
+    ]:
+        folder = write_checkpoint(tmp_path / name, config, {**tensors, **stored})
+        weights = tmp_path / f"{name}.npz"
+        code, _, err = run(capsys, "import", spec, folder, "-o", weights, *flags(GPT_NEOX_SET))
+        if said is not None:
+            assert code == 1 and said in err and not weights.exists(), err
+            continue
+        assert code == 0, err
+        with np.load(weights) as got:
+            assert np.array_equal(got["head.kernel"], table.T) and np.array_equal(got["embed.table"], table)
 
 
 def test_imported_mistral_with_a_sliding_window_computes_the_reference_logits(
@@ -289,7 +382,7 @@ def test_a_spec_whose_experts_are_not_mixtrals_is_refused(
     assert "write `capacity=none`" in err and "its experts are SwiGLU" in err
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama", "mixtral", "qwen3_moe", "qwen2_moe"])
+@pytest.mark.parametrize("family", ["gpt2", "llama", "mixtral", "qwen3_moe", "qwen2_moe", "gpt_neox"])
 def test_export_writes_the_checkpoint_back_byte_for_byte(
     family: str,
     gpt2: dict[str, Any],
@@ -297,6 +390,7 @@ def test_export_writes_the_checkpoint_back_byte_for_byte(
     mixtral: dict[str, Any],
     qwen3_moe: dict[str, Any],
     qwen2_moe: dict[str, Any],
+    gpt_neox: dict[str, Any],
     capsys: pytest.CaptureFixture[str],
     tmp_path: Path,
 ) -> None:
@@ -306,6 +400,7 @@ def test_export_writes_the_checkpoint_back_byte_for_byte(
         "mixtral": (mixtral, mixtral["spec"], MIXTRAL_SET, MIXTRAL_CONFIG),
         "qwen3_moe": (qwen3_moe, qwen3_moe["spec"], QWEN3_MOE_SET, QWEN3_MOE_CONFIG),
         "qwen2_moe": (qwen2_moe, qwen2_moe["spec"], QWEN2_MOE_SET, QWEN2_MOE_CONFIG),
+        "gpt_neox": (gpt_neox, gpt_neox["spec"], GPT_NEOX_SET, GPT_NEOX_CONFIG),
     }[family]
     out = tmp_path / "exported"
     code, printed, err = run(capsys, "export", spec, "--weights", case["weights"], "-o", out, *flags(sizes))
@@ -627,6 +722,130 @@ def test_a_llama_config_is_checked_before_a_tensor_is_read(
     assert (tmp_path / "w.npz").exists() == (not said)
 
 
+ROPE_DIMS_LINE = declared_at("rope_dims", "gpt_neox")
+FIRST_BRANCH_LINE = next(
+    i for i, line in enumerate((SPECS / "gpt_neox.par").read_text().splitlines(), 1) if line.strip() == "branch {"
+)
+# transformers 5 keeps the rotary base and share in `rope_parameters`, which it reads first.
+ROPE_PARAMETERS = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}
+
+
+@pytest.mark.parametrize(
+    ("change", "said"),
+    [
+        # Where both are given, `rope_parameters` decides, as in transformers 5.
+        ({"rope_parameters": ROPE_PARAMETERS, "rotary_pct": 0.5}, []),
+        (
+            {"rotary_pct": 0.5},
+            [
+                f"gpt_neox_f32.par:{ROPE_DIMS_LINE}:1: error[C001]: config.json's `rotary_pct` is 0.5 (4 of each "
+                "head's 8 features), but the spec's number of rotated features of each head is 2",
+                "used by `layers.0.attn`",
+                "= help: --set rope_dims=4",
+            ],
+        ),
+        (
+            {"rope_parameters": {**ROPE_PARAMETERS, "partial_rotary_factor": 1.0}},
+            ["config.json's `rotary_pct` is 1.0 (8 of each head's 8 features)", "= help: --set rope_dims=8"],
+        ),
+        # No constant holds these: the diagnostic points at the layer and says what to write there.
+        ({"rotary_emb_base": 500}, ["`rotary_emb_base` is 500", "write `rope_base=500.0` on the attention"]),
+        (
+            {"hidden_act": "gelu_new"},
+            ['config.json\'s `hidden_act` is "gelu_new", but the spec\'s GELU is "gelu"', "`gelu()` for gelu_new"],
+        ),
+        (
+            {"attention_bias": False},
+            ["`attention_bias` is false, but the spec's use of attention biases is true", "leave out the attention's"],
+        ),
+        (
+            {"use_parallel_residual": False},
+            [
+                "error[C003]: use_parallel_residual is false: dslc maps GPT-NeoX blocks whose attention and MLP read "
+                "the same input"
+            ],
+        ),
+        ({"rope_scaling": {"type": "linear", "factor": 2.0}}, ["error[C003]: rope type 'linear'"]),
+        ({"hidden_act": "relu"}, ["error[C003]: hidden_act 'relu' is not one dslc computes"]),
+    ],
+)
+def test_a_gpt_neox_config_is_checked_before_a_tensor_is_read(
+    change: dict[str, object],
+    said: list[str],
+    gpt_neox: dict[str, Any],
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+) -> None:
+    folder = write_checkpoint(tmp_path / "checkpoint", {**GPT_NEOX_CONFIG, **change}, gpt_neox["tensors"])
+    if said:
+        (folder / "model.safetensors").unlink()
+    out = tmp_path / "out"
+    out.mkdir()
+    code, _, err = run(capsys, "import", gpt_neox["spec"], folder, "-o", out / "w.npz", *flags(GPT_NEOX_SET))
+    assert code == (1 if said else 0), err
+    for words in said:
+        assert words in err, err
+    assert [p.name for p in out.iterdir()] == ([] if said else ["w.npz"])
+
+
+@pytest.mark.parametrize(
+    ("spec", "folder", "said"),
+    [
+        # The spec's first block opens a residual whose first layer is no `branch`.
+        (
+            "llama",
+            "gpt_neox",
+            [
+                "error[C002]: the spec is not built like a GPT-NeoX: a `branch` should come here, not `rmsnorm` "
+                "`layers.0.attn_norm`",
+                "= note: a GPT-NeoX is embed, then blocks of residual { branch { layernorm, attention } branch { "
+                "layernorm, linear, gelu, linear } }, then layernorm, linear (dropout anywhere)",
+            ],
+        ),
+        # ... and a GPT-NeoX spec is not a Llama: the diagnostic points at the `branch`.
+        (
+            "gpt_neox",
+            "llama",
+            [
+                f"gpt_neox_f32.par:{FIRST_BRANCH_LINE}:5: error[C002]",
+                "error[C002]: the spec is not built like a Llama: `rmsnorm` should come here, not a `branch`",
+            ],
+        ),
+    ],
+)
+def test_a_spec_is_matched_to_a_family_by_its_residuals_and_branches(
+    spec: str,
+    folder: str,
+    said: list[str],
+    gpt_neox: dict[str, Any],
+    llama: dict[str, Any],
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+) -> None:
+    cases = {"gpt_neox": (gpt_neox, GPT_NEOX_SET), "llama": (llama, LLAMA_SET)}
+    (spec_case, sizes), (checkpoint, _) = cases[spec], cases[folder]
+    code, _, err = run(
+        capsys, "import", spec_case["spec"], checkpoint["folder"], "-o", tmp_path / "w.npz", *flags(sizes)
+    )
+    assert code == 1 and not (tmp_path / "w.npz").exists()
+    for words in said:
+        assert words in err, err
+
+
+def test_a_tensor_map_with_heads_interleaves_its_parts_head_by_head() -> None:
+    """GPT-NeoX's `query_key_value` rows, [heads, 3, head_dim]: q, k and v of head 0, then of
+    head 1; `join` puts back what `split` takes apart."""
+    from dslc.interop.mapping import TensorMap
+
+    fused = TensorMap("qkv", ("q", "k", "v"), heads=2)
+    rows = np.arange(2 * 12).reshape(2, 12)  # [in, 2 heads x 3 parts x head_dim 2]
+    q, k, v = fused.split(rows, [4, 4, 4])
+    assert q[0].tolist() == [0, 1, 6, 7] and k[0].tolist() == [2, 3, 8, 9] and v[1].tolist() == [16, 17, 22, 23]
+    assert np.array_equal(fused.join([q, k, v]), rows)
+    blocks = TensorMap("qkv", ("q", "k", "v"))
+    assert blocks.split(rows, [4, 4, 4])[0][0].tolist() == [0, 1, 2, 3]
+
+
 def test_every_checkpoint_diagnostic_is_documented_and_tested() -> None:
     emitted = {
         code
@@ -644,6 +863,13 @@ def test_every_checkpoint_diagnostic_is_documented_and_tested() -> None:
     [
         # specs/gpt2.par declares `const ffn = 4 * d`: `--set d=64` makes the MLP 256 wide too.
         ("gpt2", {"n_embd": 64}, ["--set d=64"], {"n_inner": "`--set d=64` fixes this too"}),
+        # specs/gpt_neox.par derives `ffn` and `rope_dims` from `d`: `--set d=64` gives both.
+        (
+            "gpt_neox",
+            {"hidden_size": 64, "intermediate_size": 256},
+            ["--set d=64"],
+            {"intermediate_size": "`--set d=64` fixes this too", "rotary_pct": "`--set d=64` fixes this too"},
+        ),
         # A config that states head_dim = hidden_size / heads: the width's `--set` gives it.
         ("llama", {"hidden_size": 64, "head_dim": 16}, ["--set d=64"], {"head_dim": "`--set d=64` fixes this too"}),
         # ... or the width's and the heads' together, neither alone.
@@ -669,6 +895,7 @@ def test_a_mismatch_that_a_suggested_set_fixes_gets_no_advice_of_its_own(
     needed: list[str],
     follows: dict[str, str],
     llama: dict[str, Any],
+    gpt_neox: dict[str, Any],
     capsys: pytest.CaptureFixture[str],
     tmp_path: Path,
 ) -> None:
@@ -677,6 +904,7 @@ def test_a_mismatch_that_a_suggested_set_fixes_gets_no_advice_of_its_own(
     spec, config, sizes = {
         "gpt2": (GPT2, GPT2_CONFIG, GPT2_SET),
         "llama": (llama["spec"], LLAMA_CONFIG, LLAMA_SET),
+        "gpt_neox": (gpt_neox["spec"], GPT_NEOX_CONFIG, GPT_NEOX_SET),
     }[family]
     given = {k: v for k, v in sizes.items() if k != "d"}
     folder = write_checkpoint(tmp_path / "checkpoint", {**config, **change}, {})  # no tensors: config first
@@ -712,6 +940,21 @@ def test_a_mismatch_that_a_suggested_set_fixes_gets_no_advice_of_its_own(
             None,
             {"head_dim": 8, "max_position_embeddings": 16},
         ),
+        # transformers 5's `rope_parameters`, which import reads first, is kept; a later
+        # transformers 4's second names for the rotary base and share are kept too, stating
+        # the spec's whatever they said; so is Pythia's context of 2048.
+        (
+            "gpt_neox",
+            {
+                "rope_parameters": ROPE_PARAMETERS,
+                "rope_theta": 5000,
+                "partial_rotary_factor": 0.5,
+                "max_position_embeddings": 2048,
+                "_name_or_path": "tiny-pythia",
+            },
+            None,
+            {"attention_bias": True, "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+        ),
     ],
 )
 def test_export_keeps_what_the_imported_config_said(
@@ -721,6 +964,7 @@ def test_export_keeps_what_the_imported_config_said(
     exported: dict[str, object],
     gpt2: dict[str, Any],
     llama: dict[str, Any],
+    gpt_neox: dict[str, Any],
     capsys: pytest.CaptureFixture[str],
     tmp_path: Path,
 ) -> None:
@@ -729,6 +973,7 @@ def test_export_keeps_what_the_imported_config_said(
     case, spec, sizes, config = {
         "gpt2": (gpt2, GPT2, GPT2_SET, GPT2_CONFIG),
         "llama": (llama, llama["spec"], LLAMA_SET, LLAMA_CONFIG),
+        "gpt_neox": (gpt_neox, gpt_neox["spec"], GPT_NEOX_SET, GPT_NEOX_CONFIG),
     }[family]
     config = {**config, **change}
     folder = write_checkpoint(tmp_path / "checkpoint", config, case["tensors"])
