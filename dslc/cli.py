@@ -588,7 +588,7 @@ def _init(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     program = _compile(args)  # first: it decides how many host devices jax starts with
     from dslc.interop import CheckpointError
-    from dslc.ir.inputs import check_inputs, read_inputs
+    from dslc.layers.inputs import check_inputs, read_inputs
     from dslc.lower.program import WeightsError
 
     try:

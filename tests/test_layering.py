@@ -6,6 +6,7 @@ checker, from above)."""
 from __future__ import annotations
 
 import ast
+import re
 from collections import defaultdict
 
 from tests.conftest import ROOT
@@ -45,3 +46,17 @@ def test_no_two_packages_import_each_other() -> None:
 
 def test_the_planner_imports_nothing_above_the_ir() -> None:
     assert imports_between_packages().get("plan", set()) <= {"ir", "layers", "schedules", "diagnostics"}
+
+
+def test_only_the_layer_rules_read_a_layer_argument_by_name() -> None:
+    """Outside dslc/layers a layer's arguments are read typed (`args(attn, Attention).heads`):
+    a renamed or retyped argument is then a type error, not a silently missing key."""
+    by_name = re.compile(r"\.attr\(|\battrs\)\[")
+    found = [
+        f"{module.relative_to(PACKAGE)}:{number}"
+        for module in PACKAGE.rglob("*.py")
+        if module.relative_to(PACKAGE).parts[0] not in ("layers", "ir")
+        for number, line in enumerate(module.read_text(encoding="utf-8").splitlines(), 1)
+        if by_name.search(line)
+    ]
+    assert not found, found

@@ -21,12 +21,12 @@ from dslc.codegen.view import Builder, ModuleClass, Statement
 from dslc.ir import nodes as ir
 from dslc.ir.boundaries import boundary_of, chunk_input
 from dslc.ir.data_parallel import data_parallel_axes
-from dslc.ir.inputs import integer_bounds
 from dslc.ir.placement import Placement, Share, StateSharding, StoredArray, place
 from dslc.ir.schedule import schedule_table
 from dslc.ir.signature import chunk_signature
 from dslc.layers import RULES, args
 from dslc.layers.base import BoundKernel
+from dslc.layers.inputs import integer_bounds
 from dslc.layers.moe import MoE
 from dslc.schedules.notation import timelines
 from dslc.schedules.render import to_text

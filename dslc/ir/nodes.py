@@ -216,13 +216,9 @@ class Layer:
     span: Span = field(default=NO_SPAN, compare=False, repr=False)
 
     def attr(self, name: str) -> object:
+        """An argument by its name, untyped: for readers that must not share the rules' parsing
+        (the tests' independent reference); dslc reads them typed, `dslc.layers.args`."""
         return dict(self.attrs)[name]
-
-    def int_attr(self, name: str) -> int:
-        """An argument of type int (`vocab`, `heads`): elaboration bound it to an integer."""
-        value = self.attr(name)
-        assert isinstance(value, int)
-        return value
 
     def weight(self, name: str) -> Weight:
         return next(w for w in self.weights if w.name == name)

@@ -24,9 +24,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from dslc.codegen.names import safe_identifier
 from dslc.ir import nodes as ir
-from dslc.ir.inputs import check_inputs, read_inputs
 from dslc.ir.weights import mismatches
 from dslc.layers import args
+from dslc.layers.inputs import check_inputs, read_inputs
 from dslc.layers.loss import CrossEntropy
 from dslc.runtime import as_dslc_runtime
 from dslc.runtime.inputs import place, random_batch

@@ -6,10 +6,10 @@ no accelerator stack, so `dslc plan` answers before anything is compiled or allo
 
 from __future__ import annotations
 
-from dslc.ir.inputs import packing
 from dslc.ir.nodes import Program, all_layers, parameter_count
 from dslc.ir.schedule import pipeline_figures
 from dslc.layers import RULES
+from dslc.layers.inputs import packing
 from dslc.plan.communication import Transfer, communication
 from dslc.plan.experts import ExpertLayer, experts
 from dslc.plan.flops import Flops, busiest_stage_flops, flops

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from dslc.ir.inputs import UNPACKED, Packing
+from dslc.layers.inputs import UNPACKED, Packing
 from dslc.plan.communication import Transfer
 from dslc.plan.experts import ExpertLayer
 from dslc.plan.flops import Flops

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from dslc.ir import nodes as ir
-from dslc.ir.inputs import UNPACKED, Packing, packing
 from dslc.ir.placement import place
 from dslc.ir.schedule import microbatch_slices
+from dslc.layers.inputs import UNPACKED, Packing, packing
 from dslc.plan.report import format_bytes
 
 

@@ -13,9 +13,9 @@ import hashlib
 from pathlib import Path
 
 from dslc.ir import nodes as ir
-from dslc.ir.inputs import integer_bounds, packing
 from dslc.layers import args
 from dslc.layers.attention import Attention
+from dslc.layers.inputs import integer_bounds, loss_targets, packing
 from dslc.train.corpus import stdlib_corpus
 from dslc.train.dataset import DataError, Dataset
 from dslc.train.digits import CLASSES, NATIVE_SIDE, DigitImages, image_side, load_digits
@@ -32,7 +32,7 @@ def dataset_for(program: ir.Program, data: Path | None = None, document_end: int
         raise DataError(
             f"spec `{program.name}` has no loss layer (cross_entropy or mse) at the end of `forward`: nothing to train"
         )
-    target = program.input(str(loss.attr("targets")))
+    target = program.input(loss_targets(loss))
     packed = packing(program)
     segments, counted = packed.segments, packed.mask
     others = [i for i in program.inputs if i.name not in (stream.name, target.name, segments, counted)]
@@ -75,7 +75,7 @@ def data_warnings(program: ir.Program) -> list[str]:
     loss = program.loss
     if loss is None or loss.kind != "cross_entropy":
         return []
-    target = program.input(str(loss.attr("targets")))
+    target = program.input(loss_targets(loss))
     if not _is_language_model(program, stream, target, loss):
         return []
     layers = ir.all_layers(program)

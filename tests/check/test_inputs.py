@@ -16,7 +16,7 @@ import pytest
 from dslc import cli
 from dslc.frontend import analyze
 from dslc.ir import nodes as ir
-from dslc.ir.inputs import InputError, check_inputs, read_inputs
+from dslc.layers.inputs import InputError, check_inputs, read_inputs
 from tests.conftest import SPECS
 
 TINY = SPECS / "tiny.par"  # tokens, targets: i32[8, 32]; embed(256, 64); 256 logits

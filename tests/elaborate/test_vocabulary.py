@@ -39,8 +39,8 @@ import pytest
 import dslc
 from dslc import cli
 from dslc.ir import nodes as ir
-from dslc.ir.inputs import InputError
 from dslc.ir.placement import place
+from dslc.layers.inputs import InputError
 from dslc.plan import plan
 from dslc.plan.tensors import tensors
 from dslc.syntax.format import format_module

@@ -13,6 +13,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from dslc.ir import nodes as ir
+from dslc.layers import RULES, args
+from dslc.layers.attention import Attention
+from dslc.layers.dense import Embed
+from dslc.layers.loss import CrossEntropy, MeanSquaredError
 
 # The values each integer dtype can hold.
 _INT_LIMITS = {"i8": (-(2**7), 2**7 - 1), "i32": (-(2**31), 2**31 - 1), "i64": (-(2**63), 2**63 - 1)}
@@ -63,11 +67,11 @@ def packing(program: ir.Program) -> Packing:
     """The inputs that pack documents into `program`'s sequences (none: `UNPACKED`)."""
     readers: dict[str, list[str]] = {}
     for layer in ir.all_layers(program):
-        segments = layer.attr("segments") if layer.kind == "attention" else None
+        segments = args(layer, Attention).segments if layer.kind == Attention.kind else None
         if segments is not None:
             readers.setdefault(str(segments), []).append(layer.path)
     loss = program.loss
-    mask = loss.attr("mask") if loss is not None and loss.kind == "cross_entropy" else None
+    mask = args(loss, CrossEntropy).mask if loss is not None and loss.kind == CrossEntropy.kind else None
     segments = next(iter(readers)) if len(readers) == 1 else None
     return Packing(segments, tuple(readers.get(segments, ())) if segments else (), None if mask is None else str(mask))
 
@@ -77,15 +81,16 @@ def id_ranges(program: ir.Program) -> dict[str, IdRange]:
     class labels below the logits' width."""
     ranges: dict[str, IdRange] = {}
     for layer in ir.all_layers(program):
-        if layer.kind == "embed" and layer.input.dtype in ir.INT_DTYPES and program.stream not in ranges:
-            vocab = layer.int_attr("vocab")
+        if layer.kind == Embed.kind and layer.input.dtype in ir.INT_DTYPES and program.stream not in ranges:
+            vocab = args(layer, Embed).vocab
             ranges[program.stream] = IdRange(vocab, f"`{layer.path}` takes token ids 0 .. {vocab - 1} (vocab {vocab})")
-        if layer.kind == "cross_entropy":
+        if layer.kind == CrossEntropy.kind:
             # Logits past `classes` are a padded vocabulary's: no target names them.
-            classes = layer.int_attr("classes") or layer.input.shape[-1]
-            ignored = layer.int_attr("ignore_index")
+            loss = args(layer, CrossEntropy)
+            classes = loss.classes or layer.input.shape[-1]
+            ignored = loss.ignore_index
             what = f"`{layer.path}` takes class ids 0 .. {classes - 1} ({classes} logits), or {ignored} (not counted)"
-            ranges[str(layer.attr("targets"))] = IdRange(classes, what, ignored)
+            ranges[loss.targets] = IdRange(classes, what, ignored)
     return ranges
 
 
@@ -94,13 +99,20 @@ def integer_bounds(program: ir.Program) -> dict[str, int]:
     return {name: r.bound for name, r in id_ranges(program).items()}
 
 
+def loss_targets(loss: ir.Layer) -> str:
+    """The input a loss layer compares the activation with."""
+    if loss.kind == CrossEntropy.kind:
+        return args(loss, CrossEntropy).targets
+    return args(loss, MeanSquaredError).targets
+
+
 def read_inputs(program: ir.Program, loss: bool) -> tuple[str, ...]:
     """The inputs the forward pass reads (the stream), and with `loss` the loss's targets."""
     names = [program.stream]
     nodes = [n for chunk in program.chunks for n in chunk.nodes]
     last = nodes[-1] if nodes else None
-    if loss and isinstance(last, ir.Layer) and "targets" in dict(last.attrs):
-        names.append(str(last.attr("targets")))
+    if loss and isinstance(last, ir.Layer) and RULES[last.kind].is_loss:
+        names.append(loss_targets(last))
     return tuple(names)
 
 
