@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dslc.diagnostics import Diagnostics, Label
 from dslc.ir.nodes import Program, all_layers
+from dslc.ir.schedule import BuiltInSchedule, schedule_of
 from dslc.layers import RULES
 from dslc.schedules import KINDS, MAX_ACTIONS, ScheduleError, check_arguments, table_actions
 from dslc.schedules.figures import closed_form
@@ -14,7 +15,7 @@ def check_schedule(program: Program, diags: Diagnostics) -> None:
     """The kind's constraints on its arguments (E022), without building its table; and a
     table too large to build where the planner has no closed form for it (E031)."""
     p = program.pipeline
-    if p is None or p.table is not None or p.schedule not in KINDS:
+    if p is None or not isinstance(schedule_of(program), BuiltInSchedule) or p.schedule not in KINDS:
         return
     stages = program.stages
     try:
@@ -53,7 +54,7 @@ def check_executor(program: Program, diags: Diagnostics) -> None:
         return
     stages = program.stages
     try:
-        actions = _actions(program)
+        actions = schedule_of(program).actions()
     except ScheduleError:
         return  # check_schedule reported it
     if actions > MAX_ACTIONS:
@@ -66,16 +67,6 @@ def check_executor(program: Program, diags: Diagnostics) -> None:
             "(past 4 per stage the bubble hardly shrinks)",
         )
         return
-
-
-def _actions(program: Program) -> int:
-    p = program.pipeline
-    assert p is not None
-    if p.table is not None:
-        return sum(len(row) for row in p.table.actions_by_stage)
-    stages = program.stages
-    kind, virtual = check_arguments(p.schedule, stages, p.microbatches, p.virtual)
-    return table_actions(kind, stages, p.microbatches, virtual)
 
 
 def check_pipelined_kernels(program: Program, diags: Diagnostics) -> None:

@@ -22,7 +22,7 @@ from dslc.ir import nodes as ir
 from dslc.ir.boundaries import boundary_of, chunk_input
 from dslc.ir.data_parallel import data_parallel_axes
 from dslc.ir.placement import Placement, Share, StateSharding, StoredArray, place
-from dslc.ir.schedule import schedule_table
+from dslc.ir.schedule import schedule_of
 from dslc.ir.signature import chunk_signature
 from dslc.layers import RULES, args
 from dslc.layers.base import BoundKernel
@@ -498,7 +498,7 @@ def _schedule(program: ir.Program) -> dict[str, object]:
     assert p is not None
     stages = program.stages
     shape, dtype = boundary_of(program, p.microbatches)
-    schedule = schedule_table(program)
+    schedule = schedule_of(program).table()
     timeline = to_text(schedule).rstrip("\n").split("\n")
     command = f"dslc schedule --kind {p.schedule} --stages {stages} --microbatches {p.microbatches}"
     return {

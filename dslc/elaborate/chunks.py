@@ -8,8 +8,9 @@ from dataclasses import replace
 from dslc.diagnostics import NO_SPAN, Diagnostics, Label
 from dslc.elaborate.flow import Segment
 from dslc.ir import nodes as ir
+from dslc.ir.schedule import resolved
 from dslc.ir.shardings import divisor_sizes
-from dslc.schedules import ScheduleError, placement
+from dslc.schedules import ScheduleError
 
 
 def assign_chunks(
@@ -142,10 +143,8 @@ def _placement(pipeline: ir.Pipeline, stages: int, chunks: int) -> tuple[int, ..
     """The stage that holds each chunk, as the schedule places it (chunk c on stage c mod P
     but in a V); where the schedule cannot say (its own mistake, reported by the checker),
     the ring's."""
-    if pipeline.table is not None and len(pipeline.table.placement) == chunks:
-        return pipeline.table.placement
     try:
-        found = placement(pipeline.schedule, stages, pipeline.virtual)
+        found = resolved(pipeline, stages).placement()
     except ScheduleError:
         found = ()
     return found if len(found) == chunks else tuple(i % stages for i in range(chunks))

@@ -7,7 +7,7 @@ no accelerator stack, so `dslc plan` answers before anything is compiled or allo
 from __future__ import annotations
 
 from dslc.ir.nodes import Program, all_layers, parameter_count
-from dslc.ir.schedule import pipeline_figures
+from dslc.ir.schedule import pipeline_figures, schedule_of
 from dslc.layers import RULES
 from dslc.layers.inputs import packing
 from dslc.plan.communication import Transfer, communication
@@ -18,7 +18,6 @@ from dslc.plan.padding import logits_padding, paddings
 from dslc.plan.report import PipelineFigures, Plan, format_bytes
 from dslc.plan.roles import read_roles
 from dslc.plan.step_time import Hardware, StepTime, node_local_axes, step_time
-from dslc.schedules import theoretical_bubble
 
 __all__ = ["ExpertLayer", "Flops", "Hardware", "Memory", "PipelineFigures", "Plan", "StepTime", "Transfer", "plan"]
 
@@ -92,8 +91,6 @@ def _pipeline(program: Program) -> PipelineFigures | None:
         microbatches=p.microbatches,
         virtual=p.virtual,
         bubble_fraction=figures.bubble_fraction,
-        theoretical_bubble=None
-        if p.table is not None
-        else theoretical_bubble(p.schedule, stages, p.microbatches, p.virtual),
+        theoretical_bubble=schedule_of(program).theoretical_bubble(),
         peak_in_flight=figures.peak_in_flight,
     )
