@@ -387,6 +387,22 @@ def conv(layer: ir.Layer, w: Weights, x: Array, ctx: _Context) -> Array:
     return y + w["bias"] if "bias" in w else y
 
 
+def flatten(layer: ir.Layer, w: Weights, x: Array, ctx: _Context) -> Array:
+    """The grid's vectors in reading order: row 0 left to right, then row 1, ... (ViT's
+    `flatten(2).transpose(1, 2)` of the conv's [batch, dim, height, width])."""
+    _, height, width, _ = x.shape
+    return jnp.stack([x[:, i, j] for i in range(height) for j in range(width)], axis=1)
+
+
+def class_token(layer: ir.Layer, w: Weights, x: Array, ctx: _Context) -> Array:
+    token = jnp.tile(w["token"][None, None, :], (x.shape[0], 1, 1))
+    return jnp.concatenate([token.astype(x.dtype), x], axis=1)
+
+
+def pool(layer: ir.Layer, w: Weights, x: Array, ctx: _Context) -> Array:
+    return x[:, 0] if layer.attr("mode") == "first" else _f32(x).sum(axis=1) / x.shape[1]
+
+
 def _expert_hidden(h: Array, w_in: Array, w_gate: Array | None, activation: str, ctx: _Context) -> Array:
     """An expert's (or the shared experts') hidden layer on h, in f32, written out."""
     up = _f32(_matmul("...d,df->...f", h, w_in, ctx))
@@ -484,6 +500,9 @@ LAYERS: dict[str, LayerMath] = {
     "softcap": softcap,
     "dropout": dropout,
     "conv": conv,
+    "flatten": flatten,
+    "class_token": class_token,
+    "pool": pool,
 }
 # Layers that return auxiliary values besides their output.
 WITH_AUX: dict[str, Callable[[ir.Layer, Weights, Array, _Context], tuple[Array, Aux]]] = {"moe": moe}

@@ -13,6 +13,7 @@ from dslc.layers.elementwise import Dropout, Gelu, Relu, Silu, Softcap
 from dslc.layers.loss import CrossEntropy, MeanSquaredError
 from dslc.layers.moe import MoE
 from dslc.layers.norm import LayerNorm, RmsNorm
+from dslc.layers.vision import ClassToken, Flatten, Pool
 
 RULES: dict[str, LayerRule[Any]] = {
     rule.kind: rule
@@ -30,6 +31,9 @@ RULES: dict[str, LayerRule[Any]] = {
         SwiGLU(),
         Dropout(),
         Conv(),
+        Flatten(),
+        ClassToken(),
+        Pool(),
         MoE(),
         CrossEntropy(),
         MeanSquaredError(),

@@ -56,6 +56,25 @@ def conv(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *, stri
     return y if bias is None else y + bias
 
 
+def flatten(x: jax.Array) -> jax.Array:
+    """A grid [batch, height, width, dim] read row by row as a sequence [batch, height * width, dim]."""
+    b, h, w, d = x.shape
+    return x.reshape(b, h * w, d)
+
+
+def class_token(x: jax.Array, token: jax.Array, *, dtype: str) -> jax.Array:
+    """The learned `token` prepended to every sequence of [batch, seq, dim]."""
+    first = jnp.broadcast_to(token.astype(x.dtype), (x.shape[0], 1, x.shape[2]))
+    return jnp.concatenate([first, x], axis=1)
+
+
+def pool(x: jax.Array, *, mode: str) -> jax.Array:
+    """[batch, seq, dim] -> [batch, dim]: the mean over the sequence (summed in f32), or its first vector."""
+    if mode == "first":
+        return x[:, 0]
+    return x.astype(jnp.float32).mean(axis=1).astype(x.dtype)
+
+
 # ---- normalisation -------------------------------------------------------------------------------
 #
 # A norm keeps for its backward pass only its input, as given (16-bit under mixed precision),

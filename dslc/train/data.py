@@ -18,7 +18,7 @@ from dslc.layers.attention import Attention
 from dslc.layers.inputs import integer_bounds, loss_targets, packing
 from dslc.train.corpus import stdlib_corpus
 from dslc.train.dataset import DataError, Dataset
-from dslc.train.digits import CLASSES, NATIVE_SIDE, DigitImages, image_side, load_digits
+from dslc.train.digits import CLASSES, NATIVE_SIDE, DigitImages, input_side, load_digits
 from dslc.train.tokens import HELD_OUT, NextTokens, TokenData, in_memory, open_data
 
 
@@ -125,17 +125,18 @@ def _token_count(program: ir.Program, stream: ir.Input, target: ir.Input, embedd
 
 def _is_image_classifier(stream: ir.Input, target: ir.Input, loss: ir.Layer) -> bool:
     s, t = stream.type, target.type
-    if s.dtype in ir.INT_DTYPES or s.rank != 2:
+    if s.dtype in ir.INT_DTYPES or s.rank not in (2, 4):
         return False
     if loss.kind == "cross_entropy":
         labels_fit = t.shape == s.shape[:1] and loss.input.shape[-1] >= CLASSES
     else:  # mse against one-hot rows
         labels_fit = t.dtype not in ir.INT_DTYPES and t.shape == (s.shape[0], CLASSES)
-    if labels_fit and image_side(s.shape[1]) is None:
+    if labels_fit and input_side(s) is None:
         raise DataError(
-            f"input `{stream.name}` is {s.describe()}: the embedded digits are square images, so its width must "
-            f"be side*side pixels (e.g. {NATIVE_SIDE * NATIVE_SIDE} for the native {NATIVE_SIDE}x{NATIVE_SIDE} "
-            f"images, or 784 for 28x28, MNIST's size), not {s.shape[1]}"
+            f"input `{stream.name}` is {s.describe()}: the embedded digits are square images, so it must be "
+            f"[batch, side, side, channels] or side*side pixels wide (e.g. {NATIVE_SIDE * NATIVE_SIDE} for the "
+            f"native {NATIVE_SIDE}x{NATIVE_SIDE} images, or 784 for 28x28, MNIST's size)"
+            + (f", not {s.shape[1]}" if s.rank == 2 else f", not {s.shape[1]}x{s.shape[2]}")
         )
     return labels_fit
 
@@ -146,7 +147,8 @@ def _refusal(program: ir.Program) -> str:
         f"dslc train has no embedded data for spec `{program.name}` (inputs {declared}). It can feed "
         "(1) a byte-level language model: an integer input [batch, seq] read by an `embed` layer with at least "
         "128 ids, and integer targets of the same shape for `cross_entropy`; "
-        "(2) a digit classifier: a float input [batch, side*side] and integer labels [batch] for `cross_entropy` "
+        "(2) a digit classifier: a float input [batch, side*side] or [batch, side, side, channels] and integer "
+        "labels [batch] for `cross_entropy` "
         f"over at least {CLASSES} classes, or float targets [batch, {CLASSES}] (one-hot) for `mse`. "
         "No other inputs may be declared"
     )

@@ -7,8 +7,10 @@ label 0..9. Depending on scikit-learn (and scipy) for 57 KB of data would add fa
 every install than the file itself.
 
 A spec's float input of width side*side receives the images resampled to side x side
-(bilinear): the reference MLP's 784 inputs get 28x28 digits, MNIST's layout. Pixels are
-scaled to [0, 1].
+(bilinear): the reference MLP's 784 inputs get 28x28 digits, MNIST's layout; an image input
+[batch, side, side, channels] (a vision transformer's, a convolution's) gets them as images,
+the gray level in every channel. Pixels are scaled to [0, 1]. `HELD_OUT` of the digits, a
+fixed draw, are kept out of training for `--eval-every`.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import hashlib
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 
@@ -26,6 +29,7 @@ from dslc.ir import nodes as ir
 
 CLASSES = 10
 NATIVE_SIDE = 8
+HELD_OUT = 297  # of the 1797 digits, kept for evaluation: 1500 train
 _FILE = Path(__file__).with_name("digits.csv.gz")
 
 
@@ -48,6 +52,15 @@ def image_side(width: int) -> int | None:
     """The side of a square image of `width` pixels, or None when there is none."""
     side = math.isqrt(width)
     return side if side * side == width else None
+
+
+def input_side(images: ir.TensorType) -> int | None:
+    """The side of the square images an input takes: [batch, side * side] flattened, or
+    [batch, side, side, channels]; None when it takes none."""
+    shape = images.shape
+    if len(shape) == 2:
+        return image_side(shape[1])
+    return shape[1] if len(shape) == 4 and shape[1] == shape[2] else None
 
 
 def resample(images: np.ndarray, side: int) -> np.ndarray:
@@ -78,11 +91,13 @@ class DigitImages:
     digits: Digits = field(repr=False)
     images: ir.Input
     targets: ir.Input
+    part: Literal["train", "held_out"] = "train"
 
     @property
     def description(self) -> str:
-        side = image_side(self.images.type.shape[1])
-        return f"handwritten digits (UCI optdigits, {len(self.digits.labels)} images as {side}x{side})"
+        side = input_side(self.images.type)
+        held = " (held out)" if self.part == "held_out" else f", {HELD_OUT} held out"
+        return f"handwritten digits (UCI optdigits, {len(self._drawn)} images as {side}x{side}{held})"
 
     @property
     def unit(self) -> str:
@@ -97,26 +112,38 @@ class DigitImages:
         return self.digits.fingerprint
 
     @property
-    def held_out(self) -> None:
-        """Every digit trains: 1797 images leave too few to split off a useful held-out set."""
-        return None
+    def held_out(self) -> DigitImages | None:
+        """The digits kept out of training (none kept from those)."""
+        return DigitImages(self.digits, self.images, self.targets, "held_out") if self.part == "train" else None
+
+    @functools.cached_property
+    def _drawn(self) -> np.ndarray:
+        """The digits this part draws from: a fixed split of them all, the same for every run."""
+        split = np.random.default_rng(0).permutation(len(self.digits.labels))
+        return split[HELD_OUT:] if self.part == "train" else split[:HELD_OUT]
 
     @functools.cached_property
     def _pixels(self) -> np.ndarray:
-        side = image_side(self.images.type.shape[1])
-        assert side is not None, "data.dataset_for admits square widths only"
-        return resample(self.digits.images, side).reshape(len(self.digits.labels), -1)
+        """This part's images as the input takes them: flattened rows, or images whose every
+        channel holds the gray level."""
+        t = self.images.type
+        side = input_side(t)
+        assert side is not None, "data.dataset_for admits square images only"
+        images = resample(self.digits.images[self._drawn], side)
+        if t.rank == 2:
+            return images.reshape(len(images), -1)
+        return np.repeat(images[..., None], t.shape[3], axis=-1)
 
     def batch(self, seed: int, step: int, rows: np.ndarray | None = None) -> dict[str, np.ndarray]:
         """The digits live in memory: every row is made whatever `rows` asks."""
-        n, size = len(self.digits.labels), self.per_batch
+        n, size = len(self._drawn), self.per_batch
         positions = np.arange(step * size, (step + 1) * size)
         epochs = positions // n
         order = np.empty(size, dtype=np.int64)
         for epoch in np.unique(epochs):
             here = epochs == epoch
             order[here] = np.random.default_rng((seed, int(epoch))).permutation(n)[positions[here] % n]
-        labels = self.digits.labels[order]
+        labels = self.digits.labels[self._drawn[order]]
         one_hot = self.targets.type.dtype not in ir.INT_DTYPES  # mse regresses one-hot rows
         target = np.eye(CLASSES, dtype=np.float32)[labels] if one_hot else labels
         return {self.images.name: self._pixels[order], self.targets.name: target}

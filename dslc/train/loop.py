@@ -24,7 +24,8 @@ import jax
 import numpy as np
 
 from dslc.ir import nodes as ir
-from dslc.layers import RULES
+from dslc.layers import RULES, args
+from dslc.layers.loss import CrossEntropy, CrossEntropyArgs
 from dslc.lower.program import DslcModel, Program, WeightsError
 from dslc.plan.flops import flops as plan_flops
 from dslc.runtime.metrics import moe_metrics
@@ -101,6 +102,7 @@ class TrainResult:
     checkpoint: int | None  # the newest checkpoint's step
     leader: bool  # this process reports the run: the only one, or process 0 of several
     eval_losses: dict[int, float] = field(default_factory=dict)
+    eval_accuracies: dict[int, float] = field(default_factory=dict)  # a classifier's, on the held-out data
     utilization: Utilization | None = None  # what the steps are measured against
 
     def summary(self) -> str:
@@ -117,6 +119,12 @@ class TrainResult:
             lines.append(
                 f"held-out loss at step {evals[0]}: {self.eval_losses[evals[0]]:.4f}"
                 + (f", at step {evals[-1]}: {self.eval_losses[evals[-1]]:.4f}" if len(evals) > 1 else "")
+            )
+        if self.eval_accuracies:
+            evals = sorted(self.eval_accuracies)
+            lines.append(
+                f"held-out accuracy at step {evals[0]}: {self.eval_accuracies[evals[0]]:.1%}"
+                + (f", at step {evals[-1]}: {self.eval_accuracies[evals[-1]]:.1%}" if len(evals) > 1 else "")
             )
         if self.steady is not None:
             lines.append(
@@ -254,6 +262,7 @@ def _train(
     metrics = Metrics.resume(options.out, dataset.unit, run.start, writes=leader, dashboards=dashboards)
     losses: dict[int, float] = {}
     eval_losses: dict[int, float] = {}
+    eval_accuracies: dict[int, float] = {}
     first_step_s = None
     newest = checkpoints.latest_step()
     routed = any(RULES[layer.kind].has_aux for layer in ir.all_layers(program.ir))
@@ -301,8 +310,10 @@ def _train(
                     assert dataset.held_out is not None, "train() refuses --eval-every without held-out data"
                     found = evaluate(program, run.model, dataset.held_out, run.seed, rows)
                     eval_losses[step] = found["eval_loss"]
+                    if "eval_accuracy" in found:
+                        eval_accuracies[step] = found["eval_accuracy"]
                     metrics.annotate(found)
-                    progress.evaluated(step, found["eval_loss"])
+                    progress.evaluated(step, found["eval_loss"], found.get("eval_accuracy"))
                 every = options.checkpoint_every
                 if last or (every is not None and step % every == 0):
                     checkpoints.save(run.model, run.opt_state, _state(program, dataset, run, step))
@@ -335,6 +346,7 @@ def _train(
         checkpoint=newest,
         leader=leader,
         eval_losses=eval_losses,
+        eval_accuracies=eval_accuracies,
         utilization=utilization,
     )
 
@@ -362,16 +374,39 @@ def _utilization(program: Program, device_flops: float | None) -> Utilization:
 def evaluate(
     program: Program, model: DslcModel, held_out: Dataset, seed: int, rows: np.ndarray | None = None
 ) -> dict[str, float]:
-    """The mean loss over EVAL_BATCHES held-out batches (dropout off) as `eval_loss`, and for
-    a mixture of experts its load and dropped tokens on them (`dslc.runtime.metrics`'s
-    figures, named `eval_moe_...`)."""
+    """The mean loss over EVAL_BATCHES held-out batches (dropout off) as `eval_loss`; for a
+    classifier (`cross_entropy`: an image's label, a language model's next token) the share of
+    the positions counted whose largest logit is the target's, `eval_accuracy`; and for a
+    mixture of experts its load and dropped tokens on them (`dslc.runtime.metrics`'s figures,
+    named `eval_moe_...`)."""
     batches = [held_out.batch(seed, i, rows) for i in range(EVAL_BATCHES)]
     found = {"eval_loss": float(np.mean([float(program.loss(model, b)) for b in batches]))}
+    loss = program.ir.loss
+    if loss is not None and loss.kind == CrossEntropy.kind:
+        found["eval_accuracy"] = _accuracy(program, model, batches, args(loss, CrossEntropy))
     if any(RULES[layer.kind].has_aux for layer in ir.all_layers(program.ir)):
         aux = [program.aux(model, b) for b in batches]
         on_held_out = moe_metrics({k: float(np.mean([a[k] for a in aux])) for k in aux[0]})
         found |= {f"eval_{name}": value for name, value in on_held_out.items()}
     return found
+
+
+def _accuracy(
+    program: Program, model: DslcModel, batches: list[dict[str, np.ndarray]], loss: CrossEntropyArgs
+) -> float:
+    """The share of the positions the loss counts whose largest logit is the target's class,
+    over `batches`; computed on the mesh, so that every process gets the same figure."""
+    right = counted = 0.0
+    for batch in batches:
+        logits = program.forward(model, batch)
+        placed = program.place(batch, loss=True)
+        targets = placed[loss.targets]
+        counts = targets != loss.ignore_index
+        if loss.mask is not None:
+            counts = counts & (placed[loss.mask] != 0)
+        right += float(((jax.numpy.argmax(logits, axis=-1) == targets) & counts).sum())
+        counted += float(counts.sum())
+    return right / max(counted, 1.0)
 
 
 def _start_from(program: Program, model: DslcModel, weights: Mapping[str, np.ndarray]) -> None:

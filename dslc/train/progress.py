@@ -107,6 +107,9 @@ class TrainingProgress:
         parts += [f"z-loss {figures['moe_z_loss']:.4f}"] if figures["moe_z_loss"] else []
         self._console.print(f"step {step}: experts: {', '.join(parts)}", highlight=False, soft_wrap=True)
 
-    def evaluated(self, step: int, loss: float) -> None:
+    def evaluated(self, step: int, loss: float, accuracy: float | None = None) -> None:
         if self.shown:
-            self._console.print(f"step {step}: held-out loss {loss:.4f}", highlight=False)
+            said = f"step {step}: held-out loss {loss:.4f}" + (
+                f", accuracy {accuracy:.1%}" if accuracy is not None else ""
+            )
+            self._console.print(said, highlight=False)

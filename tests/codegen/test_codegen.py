@@ -45,6 +45,7 @@ RUNNABLE: dict[str, dict[str, int]] = {
     "llama_small": {},
     "seed_mlp_pipeline": {},
     "seed_tp_layer": {},
+    "vit": {},
     "seed_hybrid_3d": {"layers": 4, "seq": 64, "hidden": 128},
     # GPT-2 small at its declared size is 124M parameters; this keeps every layer kind, the
     # mesh and the pipeline, and an odd vocabulary (as GPT-2's 50257) that `model` pads.

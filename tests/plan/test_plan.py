@@ -48,6 +48,7 @@ ACCURACY_SPECS = [
     "long_context",
     "mixtral",
     "qwen3_moe",
+    "vit",
 ]
 # Specs the planner still misses by more than the tolerance, with the gradient step's planned
 # / XLA ratio measured by bench/bench_plan_accuracy.py and what XLA holds that the model
