@@ -30,7 +30,6 @@ from dslc_runtime.schedule import schedule_tables
 from dslc_runtime.storage import Parameter
 from dslc_runtime.training import data_parallel, init_optimizer, make_optimizer, make_train_step
 from flax import nnx
-from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -143,7 +142,7 @@ class GptBlock(nnx.Module):
         h = x
         # gpt3_175b.par:33 ln1: layernorm(d)
         h = layernorm(h, **weights_of(self.ln1, COMPUTE_DTYPE), eps=1e-05, dtype=COMPUTE_DTYPE)
-        h = checkpoint_name(constrain(h, P("data", None, None)), self.path + ".ln1")
+        h = constrain(h, P("data", None, None))
         # gpt3_175b.par:34 attn: attention(d, heads, causal=true) shard q[_, model], k[_, model], v[_, mode...
         h = attention(
             h,
@@ -155,22 +154,21 @@ class GptBlock(nnx.Module):
             kernel="flash",
             block=512,
         )
-        h = checkpoint_name(constrain(h, P("data", None, None)), self.path + ".attn")
+        h = constrain(h, P("data", None, None))
         x = x + h
         # gpt3_175b.par:36: residual
         h = x
         # gpt3_175b.par:37 ln2: layernorm(d)
         h = layernorm(h, **weights_of(self.ln2, COMPUTE_DTYPE), eps=1e-05, dtype=COMPUTE_DTYPE)
-        h = checkpoint_name(constrain(h, P("data", None, None)), self.path + ".ln2")
+        h = constrain(h, P("data", None, None))
         # gpt3_175b.par:38 up: linear(d, ffn) shard kernel[_, model], bias[model]
         h = linear(h, **weights_of(self.up, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE)
-        h = checkpoint_name(constrain(h, P("data", None, "model")), self.path + ".up")
+        h = constrain(h, P("data", None, "model"))
         # gpt3_175b.par:39 gelu()
         h = gelu(h, approximate=True)
-        h = checkpoint_name(constrain(h, P("data", None, "model")), self.path + ".gelu")
         # gpt3_175b.par:40 down: linear(ffn, d) shard kernel[model, _]
         h = linear(h, **weights_of(self.down, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE)
-        h = checkpoint_name(constrain(h, P("data", None, None)), self.path + ".down")
+        h = constrain(h, P("data", None, None))
         x = x + h
         return x
 
@@ -187,7 +185,7 @@ class Stage0(nnx.Module):
     def __call__(self, x: jax.Array, inputs: Arrays, key: jax.Array | None) -> jax.Array:
         # gpt3_175b.par:45 embed: embed(vocab, d) shard table[model, _]
         x = embed(x, **weights_of(self.embed, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE, scale=False)
-        x = checkpoint_name(constrain(x, P("data", None, None)), "embed")
+        x = constrain(x, P("data", None, None))
         # gpt3_175b.par:47 blocks: repeat n_layers gpt_block(d, heads, ffn)
         x = scan_layers(self.blocks, 6, x, inputs, key)
         return x
@@ -222,10 +220,10 @@ class Stage15(nnx.Module):
         x = scan_layers(self.blocks, 6, x, inputs, key)
         # gpt3_175b.par:49 ln_f: layernorm(d)
         x = layernorm(x, **weights_of(self.ln_f, COMPUTE_DTYPE), eps=1e-05, dtype=COMPUTE_DTYPE)
-        x = checkpoint_name(constrain(x, P("data", None, None)), "ln_f")
+        x = constrain(x, P("data", None, None))
         # gpt3_175b.par:50 head: linear(d, vocab, bias=false) shard kernel[_, model]
         x = linear(x, **weights_of(self.head, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE)
-        x = checkpoint_name(constrain(x, P("data", None, "model")), "head")
+        x = constrain(x, P("data", None, "model"))
         return x
 
 

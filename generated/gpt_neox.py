@@ -30,7 +30,6 @@ from dslc_runtime.schedule import schedule_tables
 from dslc_runtime.storage import Parameter
 from dslc_runtime.training import data_parallel, init_optimizer, make_optimizer, make_train_step
 from flax import nnx
-from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -149,7 +148,7 @@ class NeoxBlock(nnx.Module):
         h_1 = h
         # gpt_neox.par:39 ln_1: layernorm(d, eps=eps)
         h_1 = layernorm(h_1, **weights_of(self.ln_1, COMPUTE_DTYPE), eps=1e-05, dtype=COMPUTE_DTYPE)
-        h_1 = checkpoint_name(constrain(h_1, P("data", None, None)), self.path + ".ln_1")
+        h_1 = constrain(h_1, P("data", None, None))
         # gpt_neox.par:40 attn: attention(d, heads, rope=true, rope_dims=rope_dims, bias=true) shard q[_, m...
         h_1 = attention(
             h_1,
@@ -162,21 +161,20 @@ class NeoxBlock(nnx.Module):
             kernel="flash",
             block=512,
         )
-        h_1 = checkpoint_name(constrain(h_1, P("data", None, None)), self.path + ".attn")
+        h_1 = constrain(h_1, P("data", None, None))
         # gpt_neox.par:42: branch
         h_2 = h
         # gpt_neox.par:43 ln_2: layernorm(d, eps=eps)
         h_2 = layernorm(h_2, **weights_of(self.ln_2, COMPUTE_DTYPE), eps=1e-05, dtype=COMPUTE_DTYPE)
-        h_2 = checkpoint_name(constrain(h_2, P("data", None, None)), self.path + ".ln_2")
+        h_2 = constrain(h_2, P("data", None, None))
         # gpt_neox.par:44 fc: linear(d, ffn) shard kernel[_, model], bias[model]
         h_2 = linear(h_2, **weights_of(self.fc, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE)
-        h_2 = checkpoint_name(constrain(h_2, P("data", None, "model")), self.path + ".fc")
+        h_2 = constrain(h_2, P("data", None, "model"))
         # gpt_neox.par:45 gelu(approximate=false)
         h_2 = gelu(h_2, approximate=False)
-        h_2 = checkpoint_name(constrain(h_2, P("data", None, "model")), self.path + ".gelu")
         # gpt_neox.par:46 proj: linear(ffn, d) shard kernel[model, _]
         h_2 = linear(h_2, **weights_of(self.proj, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE)
-        h_2 = checkpoint_name(constrain(h_2, P("data", None, None)), self.path + ".proj")
+        h_2 = constrain(h_2, P("data", None, None))
         h = h_1 + h_2
         x = x + h
         return x
@@ -194,7 +192,7 @@ class Stage0(nnx.Module):
     def __call__(self, x: jax.Array, inputs: Arrays, key: jax.Array | None) -> jax.Array:
         # gpt_neox.par:52 embed: embed(vocab, d) shard table[model, _]
         x = embed(x, **weights_of(self.embed, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE, scale=False)
-        x = checkpoint_name(constrain(x, P("data", None, None)), "embed")
+        x = constrain(x, P("data", None, None))
         # gpt_neox.par:54 layers: repeat layers neox_block(d, heads, ffn, eps, rope_dims)
         x = scan_layers(self.layers, 6, x, inputs, key)
         return x
@@ -216,10 +214,10 @@ class Stage1(nnx.Module):
         x = scan_layers(self.layers, 6, x, inputs, key)
         # gpt_neox.par:56 ln_f: layernorm(d, eps=eps)
         x = layernorm(x, **weights_of(self.ln_f, COMPUTE_DTYPE), eps=1e-05, dtype=COMPUTE_DTYPE)
-        x = checkpoint_name(constrain(x, P("data", None, None)), "ln_f")
+        x = constrain(x, P("data", None, None))
         # gpt_neox.par:57 head: linear(d, vocab, bias=false) shard kernel[_, model]
         x = linear(x, **weights_of(self.head, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE)
-        x = checkpoint_name(constrain(x, P("data", None, "model")), "head")
+        x = constrain(x, P("data", None, "model"))
         return x
 
 

@@ -30,7 +30,6 @@ from dslc_runtime.schedule import schedule_tables
 from dslc_runtime.storage import Parameter
 from dslc_runtime.training import data_parallel, init_optimizer, make_optimizer, make_train_step
 from flax import nnx
-from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -137,7 +136,7 @@ class LlamaBlock(nnx.Module):
         h = x
         # llama.par:40 attn_norm: rmsnorm(d, eps=eps)
         h = rmsnorm(h, **weights_of(self.attn_norm, COMPUTE_DTYPE), eps=1e-05, dtype=COMPUTE_DTYPE, offset=False)
-        h = checkpoint_name(constrain(h, P("data", None, None)), self.path + ".attn_norm")
+        h = constrain(h, P("data", None, None))
         # llama.par:41 attn: attention(d, heads, kv_heads=kv_heads, rope=true, rope_base=rope_base, qkv_bia...
         h = attention(
             h,
@@ -150,19 +149,19 @@ class LlamaBlock(nnx.Module):
             kernel="flash",
             block=512,
         )
-        h = checkpoint_name(constrain(h, P("data", None, None)), self.path + ".attn")
+        h = constrain(h, P("data", None, None))
         x = x + h
         # llama.par:43: residual
         h = x
         # llama.par:44 mlp_norm: rmsnorm(d, eps=eps)
         h = rmsnorm(h, **weights_of(self.mlp_norm, COMPUTE_DTYPE), eps=1e-05, dtype=COMPUTE_DTYPE, offset=False)
-        h = checkpoint_name(constrain(h, P("data", None, None)), self.path + ".mlp_norm")
+        h = constrain(h, P("data", None, None))
         # llama.par:45 gate_up: swiglu(d, ffn) shard gate[_, model], up[_, model]
         h = swiglu(h, **weights_of(self.gate_up, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE, activation="silu")
-        h = checkpoint_name(constrain(h, P("data", None, "model")), self.path + ".gate_up")
+        h = constrain(h, P("data", None, "model"))
         # llama.par:46 down: linear(ffn, d, bias=false) shard kernel[model, _]
         h = linear(h, **weights_of(self.down, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE)
-        h = checkpoint_name(constrain(h, P("data", None, None)), self.path + ".down")
+        h = constrain(h, P("data", None, None))
         x = x + h
         return x
 
@@ -179,7 +178,7 @@ class Stage0(nnx.Module):
     def __call__(self, x: jax.Array, inputs: Arrays, key: jax.Array | None) -> jax.Array:
         # llama.par:51 embed: embed(vocab, d) shard table[model, _]
         x = embed(x, **weights_of(self.embed, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE, scale=False)
-        x = checkpoint_name(constrain(x, P("data", None, None)), "embed")
+        x = constrain(x, P("data", None, None))
         # llama.par:53 layers: repeat layers llama_block(d, heads, kv_heads, ffn, eps, rope_base, qkv_bias)
         x = scan_layers(self.layers, 11, x, inputs, key)
         return x
@@ -201,10 +200,10 @@ class Stage1(nnx.Module):
         x = scan_layers(self.layers, 11, x, inputs, key)
         # llama.par:55 norm: rmsnorm(d, eps=eps)
         x = rmsnorm(x, **weights_of(self.norm, COMPUTE_DTYPE), eps=1e-05, dtype=COMPUTE_DTYPE, offset=False)
-        x = checkpoint_name(constrain(x, P("data", None, None)), "norm")
+        x = constrain(x, P("data", None, None))
         # llama.par:56 head: linear(d, vocab, bias=false) shard kernel[_, model]
         x = linear(x, **weights_of(self.head, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE)
-        x = checkpoint_name(constrain(x, P("data", None, "model")), "head")
+        x = constrain(x, P("data", None, "model"))
         return x
 
 

@@ -28,7 +28,6 @@ from dslc_runtime.params import Arrays, init_params
 from dslc_runtime.storage import Parameter
 from dslc_runtime.training import data_parallel, init_optimizer, make_optimizer, make_train_step
 from flax import nnx
-from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -117,7 +116,7 @@ class LlamaBlock(nnx.Module):
         h = x
         # llama_small.par:24 attn_norm: rmsnorm(d)
         h = rmsnorm(h, **weights_of(self.attn_norm, COMPUTE_DTYPE), eps=1e-06, dtype=COMPUTE_DTYPE, offset=False)
-        h = checkpoint_name(constrain(h, P("data", None, None)), self.path + ".attn_norm")
+        h = constrain(h, P("data", None, None))
         # llama_small.par:25 attn: attention(d, heads, kv_heads=kv_heads, rope=true) shard q[_, model], k[_...
         h = attention(
             h,
@@ -129,19 +128,19 @@ class LlamaBlock(nnx.Module):
             dtype=COMPUTE_DTYPE,
             kernel="dense",
         )
-        h = checkpoint_name(constrain(h, P("data", None, None)), self.path + ".attn")
+        h = constrain(h, P("data", None, None))
         x = x + h
         # llama_small.par:27: residual
         h = x
         # llama_small.par:28 mlp_norm: rmsnorm(d)
         h = rmsnorm(h, **weights_of(self.mlp_norm, COMPUTE_DTYPE), eps=1e-06, dtype=COMPUTE_DTYPE, offset=False)
-        h = checkpoint_name(constrain(h, P("data", None, None)), self.path + ".mlp_norm")
+        h = constrain(h, P("data", None, None))
         # llama_small.par:29 gate_up: swiglu(d, ffn) shard gate[_, model], up[_, model]
         h = swiglu(h, **weights_of(self.gate_up, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE, activation="silu")
-        h = checkpoint_name(constrain(h, P("data", None, "model")), self.path + ".gate_up")
+        h = constrain(h, P("data", None, "model"))
         # llama_small.par:30 down: linear(ffn, d, bias=false) shard kernel[model, _]
         h = linear(h, **weights_of(self.down, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE)
-        h = checkpoint_name(constrain(h, P("data", None, None)), self.path + ".down")
+        h = constrain(h, P("data", None, None))
         x = x + h
         return x
 
@@ -162,15 +161,15 @@ class LlamaSmall(nnx.Module):
     def __call__(self, x: jax.Array, inputs: Arrays, key: jax.Array | None) -> jax.Array:
         # llama_small.par:35 embed: embed(vocab, d) shard table[model, _]
         x = embed(x, **weights_of(self.embed, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE, scale=False)
-        x = checkpoint_name(constrain(x, P("data", None, None)), "embed")
+        x = constrain(x, P("data", None, None))
         # llama_small.par:36 layers: repeat n_layers llama_block(d, heads, kv_heads, ffn)
         x = scan_layers(self.layers, 4, x, inputs, key)
         # llama_small.par:37 norm: rmsnorm(d)
         x = rmsnorm(x, **weights_of(self.norm, COMPUTE_DTYPE), eps=1e-06, dtype=COMPUTE_DTYPE, offset=False)
-        x = checkpoint_name(constrain(x, P("data", None, None)), "norm")
+        x = constrain(x, P("data", None, None))
         # llama_small.par:38 head: linear(d, vocab, bias=false) shard kernel[_, model]
         x = linear(x, **weights_of(self.head, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE)
-        x = checkpoint_name(constrain(x, P("data", None, "model")), "head")
+        x = constrain(x, P("data", None, "model"))
         return x
 
 

@@ -29,7 +29,6 @@ from dslc_runtime.params import Arrays, init_params
 from dslc_runtime.storage import Parameter
 from dslc_runtime.training import init_optimizer, make_optimizer, make_train_step
 from flax import nnx
-from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -117,7 +116,7 @@ class MixtralBlock(nnx.Module):
         h = x
         # mixtral.par:41 attn_norm: rmsnorm(d, eps=eps)
         h = rmsnorm(h, **weights_of(self.attn_norm, COMPUTE_DTYPE), eps=1e-05, dtype=COMPUTE_DTYPE, offset=False)
-        h = checkpoint_name(constrain(h, P(("data", "expert"), None, None)), self.path + ".attn_norm")
+        h = constrain(h, P(("data", "expert"), None, None))
         # mixtral.par:42 attn: attention(d, heads, kv_heads=kv_heads, rope=true, rope_base=rope_base) shard...
         h = attention(
             h,
@@ -129,13 +128,13 @@ class MixtralBlock(nnx.Module):
             dtype=COMPUTE_DTYPE,
             kernel="dense",
         )
-        h = checkpoint_name(constrain(h, P(("data", "expert"), None, None)), self.path + ".attn")
+        h = constrain(h, P(("data", "expert"), None, None))
         x = x + h
         # mixtral.par:44: residual
         h = x
         # mixtral.par:45 moe_norm: rmsnorm(d, eps=eps)
         h = rmsnorm(h, **weights_of(self.moe_norm, COMPUTE_DTYPE), eps=1e-05, dtype=COMPUTE_DTYPE, offset=False)
-        h = checkpoint_name(constrain(h, P(("data", "expert"), None, None)), self.path + ".moe_norm")
+        h = constrain(h, P(("data", "expert"), None, None))
         # mixtral.par:46 moe: moe(d, ffn, experts, top_k=top_k, capacity=none, activation=swiglu, aux_weigh...
         h, more = moe(
             h,
@@ -150,7 +149,7 @@ class MixtralBlock(nnx.Module):
             token_axes=("data", "expert"),
             dtype=COMPUTE_DTYPE,
         )
-        h = checkpoint_name(constrain(h, P(("data", "expert"), None, None)), self.path + ".moe")
+        h = constrain(h, P(("data", "expert"), None, None))
         aux = add_aux(aux, more)
         x = x + h
         return x, aux
@@ -173,16 +172,16 @@ class Mixtral(nnx.Module):
         aux: Aux = {}  # the layers' auxiliary values, summed
         # mixtral.par:51 embed: embed(vocab, d) shard table[model, _]
         x = embed(x, **weights_of(self.embed, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE, scale=False)
-        x = checkpoint_name(constrain(x, P(("data", "expert"), None, None)), "embed")
+        x = constrain(x, P(("data", "expert"), None, None))
         # mixtral.par:52 layers: repeat layers mixtral_block(d, heads, kv_heads, ffn, experts, top_k, eps, ...
         x, more = scan_layers(self.layers, 2, x, inputs, key)
         aux = add_aux(aux, more)
         # mixtral.par:53 norm: rmsnorm(d, eps=eps)
         x = rmsnorm(x, **weights_of(self.norm, COMPUTE_DTYPE), eps=1e-05, dtype=COMPUTE_DTYPE, offset=False)
-        x = checkpoint_name(constrain(x, P(("data", "expert"), None, None)), "norm")
+        x = constrain(x, P(("data", "expert"), None, None))
         # mixtral.par:54 head: linear(d, vocab, bias=false) shard kernel[_, model]
         x = linear(x, **weights_of(self.head, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE)
-        x = checkpoint_name(constrain(x, P(("data", "expert"), None, "model")), "head")
+        x = constrain(x, P(("data", "expert"), None, "model"))
         return x, aux
 
 

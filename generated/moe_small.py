@@ -28,7 +28,6 @@ from dslc_runtime.params import Arrays, init_params
 from dslc_runtime.storage import Parameter
 from dslc_runtime.training import init_optimizer, make_optimizer, make_train_step
 from flax import nnx
-from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -117,7 +116,7 @@ class Decoder(nnx.Module):
         h = x
         # moe_small.par:25 ln1: layernorm(d)
         h = layernorm(h, **weights_of(self.ln1, COMPUTE_DTYPE), eps=1e-05, dtype=COMPUTE_DTYPE)
-        h = checkpoint_name(constrain(h, P(("data", "expert"), None, None)), self.path + ".ln1")
+        h = constrain(h, P(("data", "expert"), None, None))
         # moe_small.par:26 attn: attention(d, heads, causal=true)
         h = attention(
             h,
@@ -128,13 +127,13 @@ class Decoder(nnx.Module):
             dtype=COMPUTE_DTYPE,
             kernel="dense",
         )
-        h = checkpoint_name(constrain(h, P(("data", "expert"), None, None)), self.path + ".attn")
+        h = constrain(h, P(("data", "expert"), None, None))
         x = x + h
         # moe_small.par:28: residual
         h = x
         # moe_small.par:29 ln2: layernorm(d)
         h = layernorm(h, **weights_of(self.ln2, COMPUTE_DTYPE), eps=1e-05, dtype=COMPUTE_DTYPE)
-        h = checkpoint_name(constrain(h, P(("data", "expert"), None, None)), self.path + ".ln2")
+        h = constrain(h, P(("data", "expert"), None, None))
         # moe_small.par:30 moe: moe(d, hidden, experts, top_k=2, capacity=1.25) shard w_in[expert, _, _], w...
         h, more = moe(
             h,
@@ -149,7 +148,7 @@ class Decoder(nnx.Module):
             token_axes=("data", "expert"),
             dtype=COMPUTE_DTYPE,
         )
-        h = checkpoint_name(constrain(h, P(("data", "expert"), None, None)), self.path + ".moe")
+        h = constrain(h, P(("data", "expert"), None, None))
         aux = add_aux(aux, more)
         x = x + h
         return x, aux
@@ -172,16 +171,16 @@ class MoeSmall(nnx.Module):
         aux: Aux = {}  # the layers' auxiliary values, summed
         # moe_small.par:35 embed: embed(vocab, d)
         x = embed(x, **weights_of(self.embed, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE, scale=False)
-        x = checkpoint_name(constrain(x, P(("data", "expert"), None, None)), "embed")
+        x = constrain(x, P(("data", "expert"), None, None))
         # moe_small.par:36 layers: repeat 2 decoder(d, heads)
         x, more = scan_layers(self.layers, 2, x, inputs, key)
         aux = add_aux(aux, more)
         # moe_small.par:37 ln_f: layernorm(d)
         x = layernorm(x, **weights_of(self.ln_f, COMPUTE_DTYPE), eps=1e-05, dtype=COMPUTE_DTYPE)
-        x = checkpoint_name(constrain(x, P(("data", "expert"), None, None)), "ln_f")
+        x = constrain(x, P(("data", "expert"), None, None))
         # moe_small.par:38 head: linear(d, vocab, bias=false)
         x = linear(x, **weights_of(self.head, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE)
-        x = checkpoint_name(constrain(x, P(("data", "expert"), None, None)), "head")
+        x = constrain(x, P(("data", "expert"), None, None))
         return x, aux
 
 

@@ -29,7 +29,6 @@ from dslc_runtime.params import Arrays, init_params
 from dslc_runtime.storage import Parameter
 from dslc_runtime.training import init_optimizer, make_optimizer, make_train_step
 from flax import nnx
-from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -121,7 +120,7 @@ class Qwen3MoeBlock(nnx.Module):
         h = x
         # qwen3_moe.par:44 attn_norm: rmsnorm(d, eps=eps)
         h = rmsnorm(h, **weights_of(self.attn_norm, COMPUTE_DTYPE), eps=1e-06, dtype=COMPUTE_DTYPE, offset=False)
-        h = checkpoint_name(constrain(h, P(("data", "expert"), None, None)), self.path + ".attn_norm")
+        h = constrain(h, P(("data", "expert"), None, None))
         # qwen3_moe.par:45 attn: attention(d, heads, kv_heads=kv_heads, head_dim=head_dim, rope=true, rope_...
         h = attention(
             h,
@@ -134,13 +133,13 @@ class Qwen3MoeBlock(nnx.Module):
             dtype=COMPUTE_DTYPE,
             kernel="dense",
         )
-        h = checkpoint_name(constrain(h, P(("data", "expert"), None, None)), self.path + ".attn")
+        h = constrain(h, P(("data", "expert"), None, None))
         x = x + h
         # qwen3_moe.par:47: residual
         h = x
         # qwen3_moe.par:48 moe_norm: rmsnorm(d, eps=eps)
         h = rmsnorm(h, **weights_of(self.moe_norm, COMPUTE_DTYPE), eps=1e-06, dtype=COMPUTE_DTYPE, offset=False)
-        h = checkpoint_name(constrain(h, P(("data", "expert"), None, None)), self.path + ".moe_norm")
+        h = constrain(h, P(("data", "expert"), None, None))
         # qwen3_moe.par:49 moe: moe(d, ffn, experts, top_k=top_k, capacity=none, activation=swiglu, normali...
         h, more = moe(
             h,
@@ -155,7 +154,7 @@ class Qwen3MoeBlock(nnx.Module):
             token_axes=("data", "expert"),
             dtype=COMPUTE_DTYPE,
         )
-        h = checkpoint_name(constrain(h, P(("data", "expert"), None, None)), self.path + ".moe")
+        h = constrain(h, P(("data", "expert"), None, None))
         aux = add_aux(aux, more)
         x = x + h
         return x, aux
@@ -178,16 +177,16 @@ class Qwen3Moe(nnx.Module):
         aux: Aux = {}  # the layers' auxiliary values, summed
         # qwen3_moe.par:54 embed: embed(vocab, d) shard table[model, _]
         x = embed(x, **weights_of(self.embed, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE, scale=False)
-        x = checkpoint_name(constrain(x, P(("data", "expert"), None, None)), "embed")
+        x = constrain(x, P(("data", "expert"), None, None))
         # qwen3_moe.par:55 layers: repeat layers qwen3_moe_block(d, heads, kv_heads, head_dim, ffn, experts...
         x, more = scan_layers(self.layers, 2, x, inputs, key)
         aux = add_aux(aux, more)
         # qwen3_moe.par:56 norm: rmsnorm(d, eps=eps)
         x = rmsnorm(x, **weights_of(self.norm, COMPUTE_DTYPE), eps=1e-06, dtype=COMPUTE_DTYPE, offset=False)
-        x = checkpoint_name(constrain(x, P(("data", "expert"), None, None)), "norm")
+        x = constrain(x, P(("data", "expert"), None, None))
         # qwen3_moe.par:57 head: linear(d, vocab, bias=false) shard kernel[_, model]
         x = linear(x, **weights_of(self.head, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE)
-        x = checkpoint_name(constrain(x, P(("data", "expert"), None, "model")), "head")
+        x = constrain(x, P(("data", "expert"), None, "model"))
         return x, aux
 
 

@@ -30,7 +30,6 @@ from dslc_runtime.schedule import schedule_tables
 from dslc_runtime.storage import Parameter
 from dslc_runtime.training import data_parallel, init_optimizer, make_optimizer, make_train_step
 from flax import nnx
-from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -111,7 +110,7 @@ class TransformerLayer(nnx.Module):
         h = x
         # seed_hybrid_3d.par:21 ln1: layernorm(hidden)
         h = layernorm(h, **weights_of(self.ln1, COMPUTE_DTYPE), eps=1e-05, dtype=COMPUTE_DTYPE)
-        h = checkpoint_name(constrain(h, P("data", None, None)), self.path + ".ln1")
+        h = constrain(h, P("data", None, None))
         # seed_hybrid_3d.par:22 attn: attention(hidden, heads) shard q[_, model], k[_, model], v[_, model],...
         h = attention(
             h,
@@ -122,22 +121,21 @@ class TransformerLayer(nnx.Module):
             dtype=COMPUTE_DTYPE,
             kernel="dense",
         )
-        h = checkpoint_name(constrain(h, P("data", None, None)), self.path + ".attn")
+        h = constrain(h, P("data", None, None))
         x = x + h
         # seed_hybrid_3d.par:24: residual
         h = x
         # seed_hybrid_3d.par:25 ln2: layernorm(hidden)
         h = layernorm(h, **weights_of(self.ln2, COMPUTE_DTYPE), eps=1e-05, dtype=COMPUTE_DTYPE)
-        h = checkpoint_name(constrain(h, P("data", None, None)), self.path + ".ln2")
+        h = constrain(h, P("data", None, None))
         # seed_hybrid_3d.par:26 up: linear(hidden, 4 * hidden) shard kernel[_, model], bias[model]
         h = linear(h, **weights_of(self.up, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE)
-        h = checkpoint_name(constrain(h, P("data", None, "model")), self.path + ".up")
+        h = constrain(h, P("data", None, "model"))
         # seed_hybrid_3d.par:27 gelu()
         h = gelu(h, approximate=True)
-        h = checkpoint_name(constrain(h, P("data", None, "model")), self.path + ".gelu")
         # seed_hybrid_3d.par:28 down: linear(4 * hidden, hidden) shard kernel[model, _]
         h = linear(h, **weights_of(self.down, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE)
-        h = checkpoint_name(constrain(h, P("data", None, None)), self.path + ".down")
+        h = constrain(h, P("data", None, None))
         x = x + h
         return x
 

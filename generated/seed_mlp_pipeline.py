@@ -29,7 +29,6 @@ from dslc_runtime.schedule import schedule_tables
 from dslc_runtime.storage import Parameter, Row
 from dslc_runtime.training import init_optimizer, make_optimizer, make_train_step
 from flax import nnx
-from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -123,16 +122,14 @@ class Stage0(nnx.Module):
     def __call__(self, x: jax.Array, inputs: Arrays, key: jax.Array | None) -> jax.Array:
         # seed_mlp_pipeline.par:21 fc1: linear(784, 512)
         x = linear(x, **weights_of(self.fc1, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE)
-        x = checkpoint_name(constrain(x, P("data", None)), "fc1")
+        x = constrain(x, P("data", None))
         # seed_mlp_pipeline.par:22 relu()
         x = relu(x)
-        x = checkpoint_name(constrain(x, P("data", None)), "relu_0")
         # seed_mlp_pipeline.par:23 fc2: linear(512, 512)
         x = linear(x, **weights_of(self.fc2, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE)
-        x = checkpoint_name(constrain(x, P("data", None)), "fc2")
+        x = constrain(x, P("data", None))
         # seed_mlp_pipeline.par:24 relu()
         x = relu(x)
-        x = checkpoint_name(constrain(x, P("data", None)), "relu_1")
         return x
 
 
@@ -148,16 +145,14 @@ class Stage1(nnx.Module):
     def __call__(self, x: jax.Array, inputs: Arrays, key: jax.Array | None) -> jax.Array:
         # seed_mlp_pipeline.par:27 fc3: linear(512, 256)
         x = linear(x, **weights_of(self.fc3, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE)
-        x = checkpoint_name(constrain(x, P("data", None)), "fc3")
+        x = constrain(x, P("data", None))
         # seed_mlp_pipeline.par:28 relu()
         x = relu(x)
-        x = checkpoint_name(constrain(x, P("data", None)), "relu_2")
         # seed_mlp_pipeline.par:29 fc4: linear(256, 256)
         x = linear(x, **weights_of(self.fc4, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE)
-        x = checkpoint_name(constrain(x, P("data", None)), "fc4")
+        x = constrain(x, P("data", None))
         # seed_mlp_pipeline.par:30 relu()
         x = relu(x)
-        x = checkpoint_name(constrain(x, P("data", None)), "relu_3")
         return x
 
 
@@ -173,13 +168,12 @@ class Stage2(nnx.Module):
     def __call__(self, x: jax.Array, inputs: Arrays, key: jax.Array | None) -> jax.Array:
         # seed_mlp_pipeline.par:33 fc5: linear(256, 128)
         x = linear(x, **weights_of(self.fc5, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE)
-        x = checkpoint_name(constrain(x, P("data", None)), "fc5")
+        x = constrain(x, P("data", None))
         # seed_mlp_pipeline.par:34 relu()
         x = relu(x)
-        x = checkpoint_name(constrain(x, P("data", None)), "relu_4")
         # seed_mlp_pipeline.par:35 fc6: linear(128, 10)
         x = linear(x, **weights_of(self.fc6, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE)
-        x = checkpoint_name(constrain(x, P("data", None)), "fc6")
+        x = constrain(x, P("data", None))
         return x
 
 

@@ -27,7 +27,6 @@ from dslc_runtime.params import Arrays, init_params
 from dslc_runtime.storage import Parameter
 from dslc_runtime.training import init_optimizer, make_optimizer, make_train_step
 from flax import nnx
-from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -98,7 +97,7 @@ class SeedTpLayer(nnx.Module):
         h = x
         # seed_tp_layer.par:22 ln1: layernorm(hidden)
         h = layernorm(h, **weights_of(self.ln1, COMPUTE_DTYPE), eps=1e-05, dtype=COMPUTE_DTYPE)
-        h = checkpoint_name(constrain(h, P("data", None, None)), "ln1")
+        h = constrain(h, P("data", None, None))
         # seed_tp_layer.par:23 attn: attention(hidden, heads, causal=false) shard q[_, model], k[_, model],...
         h = attention(
             h,
@@ -109,22 +108,21 @@ class SeedTpLayer(nnx.Module):
             dtype=COMPUTE_DTYPE,
             kernel="dense",
         )
-        h = checkpoint_name(constrain(h, P("data", None, None)), "attn")
+        h = constrain(h, P("data", None, None))
         x = x + h
         # seed_tp_layer.par:25: residual
         h = x
         # seed_tp_layer.par:26 ln2: layernorm(hidden)
         h = layernorm(h, **weights_of(self.ln2, COMPUTE_DTYPE), eps=1e-05, dtype=COMPUTE_DTYPE)
-        h = checkpoint_name(constrain(h, P("data", None, None)), "ln2")
+        h = constrain(h, P("data", None, None))
         # seed_tp_layer.par:27 up: linear(hidden, ffn) shard kernel[_, model], bias[model]
         h = linear(h, **weights_of(self.up, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE)
-        h = checkpoint_name(constrain(h, P("data", None, "model")), "up")
+        h = constrain(h, P("data", None, "model"))
         # seed_tp_layer.par:28 gelu()
         h = gelu(h, approximate=True)
-        h = checkpoint_name(constrain(h, P("data", None, "model")), "gelu")
         # seed_tp_layer.par:29 down: linear(ffn, hidden) shard kernel[model, _]
         h = linear(h, **weights_of(self.down, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE)
-        h = checkpoint_name(constrain(h, P("data", None, None)), "down")
+        h = constrain(h, P("data", None, None))
         x = x + h
         return x
 

@@ -27,7 +27,6 @@ from dslc_runtime.params import Arrays, init_params
 from dslc_runtime.storage import Parameter
 from dslc_runtime.training import init_optimizer, make_optimizer, make_train_step
 from flax import nnx
-from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -110,7 +109,7 @@ class Decoder(nnx.Module):
         h = x
         # tiny.par:21 ln1: layernorm(d)
         h = layernorm(h, **weights_of(self.ln1, COMPUTE_DTYPE), eps=1e-05, dtype=COMPUTE_DTYPE)
-        h = checkpoint_name(constrain(h, P("data", None, None)), self.path + ".ln1")
+        h = constrain(h, P("data", None, None))
         # tiny.par:22 attn: attention(d, heads) shard q[_, model], k[_, model], v[_, model], o[model, _]
         h = attention(
             h,
@@ -121,22 +120,21 @@ class Decoder(nnx.Module):
             dtype=COMPUTE_DTYPE,
             kernel="dense",
         )
-        h = checkpoint_name(constrain(h, P("data", None, None)), self.path + ".attn")
+        h = constrain(h, P("data", None, None))
         x = x + h
         # tiny.par:24: residual
         h = x
         # tiny.par:25 ln2: layernorm(d)
         h = layernorm(h, **weights_of(self.ln2, COMPUTE_DTYPE), eps=1e-05, dtype=COMPUTE_DTYPE)
-        h = checkpoint_name(constrain(h, P("data", None, None)), self.path + ".ln2")
+        h = constrain(h, P("data", None, None))
         # tiny.par:26 up: linear(d, ffn) shard kernel[_, model], bias[model] # column parallel
         h = linear(h, **weights_of(self.up, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE)
-        h = checkpoint_name(constrain(h, P("data", None, "model")), self.path + ".up")
+        h = constrain(h, P("data", None, "model"))
         # tiny.par:27 gelu()
         h = gelu(h, approximate=True)
-        h = checkpoint_name(constrain(h, P("data", None, "model")), self.path + ".gelu")
         # tiny.par:28 down: linear(ffn, d) shard kernel[model, _] # row parallel: one all-reduce
         h = linear(h, **weights_of(self.down, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE)
-        h = checkpoint_name(constrain(h, P("data", None, None)), self.path + ".down")
+        h = constrain(h, P("data", None, None))
         x = x + h
         return x
 
@@ -157,15 +155,15 @@ class Tiny(nnx.Module):
     def __call__(self, x: jax.Array, inputs: Arrays, key: jax.Array | None) -> jax.Array:
         # tiny.par:33 embed: embed(vocab, d) shard table[model, _] # vocab parallel
         x = embed(x, **weights_of(self.embed, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE, scale=False)
-        x = checkpoint_name(constrain(x, P("data", None, None)), "embed")
+        x = constrain(x, P("data", None, None))
         # tiny.par:34 layers: repeat 2 decoder(d, heads, ffn)
         x = scan_layers(self.layers, 2, x, inputs, key)
         # tiny.par:35 ln_f: layernorm(d)
         x = layernorm(x, **weights_of(self.ln_f, COMPUTE_DTYPE), eps=1e-05, dtype=COMPUTE_DTYPE)
-        x = checkpoint_name(constrain(x, P("data", None, None)), "ln_f")
+        x = constrain(x, P("data", None, None))
         # tiny.par:36 head: linear(d, vocab, bias=false) shard kernel[_, model]
         x = linear(x, **weights_of(self.head, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE)
-        x = checkpoint_name(constrain(x, P("data", None, "model")), "head")
+        x = constrain(x, P("data", None, "model"))
         return x
 
 

@@ -39,7 +39,6 @@ from dslc_runtime.params import Arrays, init_params
 from dslc_runtime.storage import Parameter
 from dslc_runtime.training import data_parallel, init_optimizer, make_optimizer, make_train_step
 from flax import nnx
-from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -142,7 +141,7 @@ class Encoder(nnx.Module):
         h = x
         # vit.par:36 ln_1: layernorm(d, eps=eps)
         h = layernorm(h, **weights_of(self.ln_1, COMPUTE_DTYPE), eps=1e-12, dtype=COMPUTE_DTYPE)
-        h = checkpoint_name(constrain(h, P("data", None, None)), self.path + ".ln_1")
+        h = constrain(h, P("data", None, None))
         # vit.par:37 attn: attention(d, heads, causal=false, bias=true) shard q[_, model], q_bias[model], k...
         h = attention(
             h,
@@ -153,22 +152,21 @@ class Encoder(nnx.Module):
             dtype=COMPUTE_DTYPE,
             kernel="dense",
         )
-        h = checkpoint_name(constrain(h, P("data", None, None)), self.path + ".attn")
+        h = constrain(h, P("data", None, None))
         x = x + h
         # vit.par:39: residual
         h = x
         # vit.par:40 ln_2: layernorm(d, eps=eps)
         h = layernorm(h, **weights_of(self.ln_2, COMPUTE_DTYPE), eps=1e-12, dtype=COMPUTE_DTYPE)
-        h = checkpoint_name(constrain(h, P("data", None, None)), self.path + ".ln_2")
+        h = constrain(h, P("data", None, None))
         # vit.par:41 fc: linear(d, ffn) shard kernel[_, model], bias[model]
         h = linear(h, **weights_of(self.fc, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE)
-        h = checkpoint_name(constrain(h, P("data", None, "model")), self.path + ".fc")
+        h = constrain(h, P("data", None, "model"))
         # vit.par:42 gelu(approximate=false)
         h = gelu(h, approximate=False)
-        h = checkpoint_name(constrain(h, P("data", None, "model")), self.path + ".gelu")
         # vit.par:43 proj: linear(ffn, d) shard kernel[model, _]
         h = linear(h, **weights_of(self.proj, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE)
-        h = checkpoint_name(constrain(h, P("data", None, None)), self.path + ".proj")
+        h = constrain(h, P("data", None, None))
         x = x + h
         return x
 
@@ -193,27 +191,27 @@ class Vit(nnx.Module):
     def __call__(self, x: jax.Array, inputs: Arrays, key: jax.Array | None) -> jax.Array:
         # vit.par:48 patches: conv(channels, d, kernel=patch, stride=patch)
         x = conv(x, **weights_of(self.patches, COMPUTE_DTYPE), stride=4, dtype=COMPUTE_DTYPE)
-        x = checkpoint_name(constrain(x, P("data", None, None, None)), "patches")
+        x = constrain(x, P("data", None, None, None))
         # vit.par:49 flatten()
         x = flatten(x)
-        x = checkpoint_name(constrain(x, P("data", None, None)), "flatten")
+        x = constrain(x, P("data", None, None))
         # vit.par:50 cls: class_token(d)
         x = class_token(x, **weights_of(self.cls, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE)
-        x = checkpoint_name(constrain(x, P("data", None, None)), "cls")
+        x = constrain(x, P("data", None, None))
         # vit.par:51 positions: position_embed((side // patch) * (side // patch) + 1, d)
         x = position_embed(x, **weights_of(self.positions, COMPUTE_DTYPE))
-        x = checkpoint_name(constrain(x, P("data", None, None)), "positions")
+        x = constrain(x, P("data", None, None))
         # vit.par:52 layers: repeat layers encoder(d, heads, ffn, eps)
         x = scan_layers(self.layers, 4, x, inputs, key)
         # vit.par:53 ln_f: layernorm(d, eps=eps)
         x = layernorm(x, **weights_of(self.ln_f, COMPUTE_DTYPE), eps=1e-12, dtype=COMPUTE_DTYPE)
-        x = checkpoint_name(constrain(x, P("data", None, None)), "ln_f")
+        x = constrain(x, P("data", None, None))
         # vit.par:54 pool(mode=first)
         x = pool(x, mode="first")
-        x = checkpoint_name(constrain(x, P("data", None)), "pool")
+        x = constrain(x, P("data", None))
         # vit.par:55 head: linear(d, classes)
         x = linear(x, **weights_of(self.head, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE)
-        x = checkpoint_name(constrain(x, P("data", None)), "head")
+        x = constrain(x, P("data", None))
         return x
 
 

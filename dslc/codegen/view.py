@@ -12,6 +12,7 @@ run by `scan_layers`.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -57,7 +58,7 @@ class Statement:
     key: Path | None = None  # the layer draws random numbers keyed by this path
     static: tuple[tuple[str, object], ...] = ()
     output: ir.Sharding | None = None
-    path: Path | None = None
+    path: Path | None = None  # layer: the name a selective checkpoint keeps its output by, if it does
     # copy / branch / add: the other variable; sum: the variables summed; layout: the sharding
     other: str = ""
     others: tuple[str, ...] = ()
@@ -102,6 +103,17 @@ class Builder:
     global_names: Namer
     blocks: list[ModuleClass] = field(default_factory=list)
     _block_classes: dict[object, str] = field(default_factory=dict)
+
+    @functools.cached_property
+    def saved(self) -> frozenset[str]:
+        """The layers whose outputs a `selective` checkpoint keeps, by path: only they are
+        named (`checkpoint_name`), which is what the checkpoint's policy reads."""
+        return frozenset(
+            path
+            for node in ir.walk(self.program.nodes)
+            if isinstance(node, ir.Block) and node.remat.policy == "selective"
+            for path in node.remat.saved
+        )
 
     def where(self, span: ir.Span, text: bool = True) -> str:
         if span.line <= 0:
@@ -227,8 +239,8 @@ class Builder:
             inputs=tuple(input_args(rule, dict(layer.attrs)).items()),
             key=self.path(layer.path, base) if rule.random else None,
             static=tuple(static.items()),
-            output=layer.output.sharding if layer.output.rank else None,
-            path=self.path(layer.path, base),
+            output=layer.output.sharding if layer.output.rank and _pins(layer) else None,
+            path=self.path(layer.path, base) if layer.path in self.saved else None,
             has_aux=rule.has_aux,
         )
 
@@ -258,6 +270,14 @@ def kernel_call(layer: ir.Layer, dtype: str) -> tuple[str, dict[str, object]]:
     weights = {w.name: w.type.sharding for w in layer.weights}
     static = rule.kernel_args(a, dtype, layer.operand, weights) | rule.sized_args(a, layer.input, layer.operand)
     return rule.kernel(a, layer.operand), static
+
+
+def _pins(layer: ir.Layer) -> bool:
+    """Whether the module pins the layer's output to its sharding: where the layer may change
+    it (its weights are split, it sends something, its output is sharded otherwise than its
+    input). A weightless elementwise layer (an activation, dropout) keeps its input's, which
+    XLA's propagation carries through without being told."""
+    return bool(layer.weights or layer.collectives) or layer.output.sharding != layer.input.sharding
 
 
 def _label(path: str, base: str | None) -> str:
