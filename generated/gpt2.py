@@ -144,6 +144,7 @@ class Gpt2Block(nnx.Module):
         h = constrain(h, P("data", None, None))
         # gpt2.par:41 dropout(0.1)
         h = dropout(h, key=layer_key(key, self.path + ".dropout_0"), rate=0.1)
+        h = constrain(h, P("data", None, None))
         x = x + h
         # gpt2.par:43: residual
         h = x
@@ -155,11 +156,13 @@ class Gpt2Block(nnx.Module):
         h = constrain(h, P("data", None, "model"))
         # gpt2.par:46 gelu()
         h = gelu(h, approximate=True)
+        h = constrain(h, P("data", None, "model"))
         # gpt2.par:47 proj: linear(ffn, d) shard kernel[model, _]
         h = linear(h, **weights_of(self.proj, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE)
         h = constrain(h, P("data", None, None))
         # gpt2.par:48 dropout(0.1)
         h = dropout(h, key=layer_key(key, self.path + ".dropout_1"), rate=0.1)
+        h = constrain(h, P("data", None, None))
         x = x + h
         return x
 
@@ -184,6 +187,7 @@ class Stage0(nnx.Module):
         x = constrain(x, P("data", None, None))
         # gpt2.par:55 dropout(0.1)
         x = dropout(x, key=layer_key(key, "dropout"), rate=0.1)
+        x = constrain(x, P("data", None, None))
         # gpt2.par:57 h: repeat layers gpt2_block(d, heads, ffn, eps)
         x = scan_layers(self.h, 6, x, inputs, key)
         return x

@@ -166,6 +166,7 @@ class GptBlock(nnx.Module):
         h = constrain(h, P("data", None, "model"))
         # gpt3_175b.par:39 gelu()
         h = gelu(h, approximate=True)
+        h = constrain(h, P("data", None, "model"))
         # gpt3_175b.par:40 down: linear(ffn, d) shard kernel[model, _]
         h = linear(h, **weights_of(self.down, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE)
         h = constrain(h, P("data", None, None))

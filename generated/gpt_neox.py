@@ -172,6 +172,7 @@ class NeoxBlock(nnx.Module):
         h_2 = constrain(h_2, P("data", None, "model"))
         # gpt_neox.par:45 gelu(approximate=false)
         h_2 = gelu(h_2, approximate=False)
+        h_2 = constrain(h_2, P("data", None, "model"))
         # gpt_neox.par:46 proj: linear(ffn, d) shard kernel[model, _]
         h_2 = linear(h_2, **weights_of(self.proj, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE)
         h_2 = constrain(h_2, P("data", None, None))

@@ -134,6 +134,7 @@ class GptBlock(nnx.Module):
         h = checkpoint_name(constrain(h, P("data", None, None)), self.path + ".attn")
         # gpt_small.par:25 dropout(0.1)
         h = dropout(h, key=layer_key(key, self.path + ".dropout_0"), rate=0.1)
+        h = constrain(h, P("data", None, None))
         x = x + h
         # gpt_small.par:27: residual
         h = x
@@ -145,11 +146,13 @@ class GptBlock(nnx.Module):
         h = constrain(h, P("data", None, "model"))
         # gpt_small.par:30 gelu()
         h = gelu(h, approximate=True)
+        h = constrain(h, P("data", None, "model"))
         # gpt_small.par:31 down: linear(ffn, d) shard kernel[model, _]
         h = linear(h, **weights_of(self.down, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE)
         h = constrain(h, P("data", None, None))
         # gpt_small.par:32 dropout(0.1)
         h = dropout(h, key=layer_key(key, self.path + ".dropout_1"), rate=0.1)
+        h = constrain(h, P("data", None, None))
         x = x + h
         return x
 

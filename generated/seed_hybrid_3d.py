@@ -133,6 +133,7 @@ class TransformerLayer(nnx.Module):
         h = constrain(h, P("data", None, "model"))
         # seed_hybrid_3d.par:27 gelu()
         h = gelu(h, approximate=True)
+        h = constrain(h, P("data", None, "model"))
         # seed_hybrid_3d.par:28 down: linear(4 * hidden, hidden) shard kernel[model, _]
         h = linear(h, **weights_of(self.down, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE)
         h = constrain(h, P("data", None, None))

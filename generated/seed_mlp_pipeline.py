@@ -125,11 +125,13 @@ class Stage0(nnx.Module):
         x = constrain(x, P("data", None))
         # seed_mlp_pipeline.par:22 relu()
         x = relu(x)
+        x = constrain(x, P("data", None))
         # seed_mlp_pipeline.par:23 fc2: linear(512, 512)
         x = linear(x, **weights_of(self.fc2, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE)
         x = constrain(x, P("data", None))
         # seed_mlp_pipeline.par:24 relu()
         x = relu(x)
+        x = constrain(x, P("data", None))
         return x
 
 
@@ -148,11 +150,13 @@ class Stage1(nnx.Module):
         x = constrain(x, P("data", None))
         # seed_mlp_pipeline.par:28 relu()
         x = relu(x)
+        x = constrain(x, P("data", None))
         # seed_mlp_pipeline.par:29 fc4: linear(256, 256)
         x = linear(x, **weights_of(self.fc4, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE)
         x = constrain(x, P("data", None))
         # seed_mlp_pipeline.par:30 relu()
         x = relu(x)
+        x = constrain(x, P("data", None))
         return x
 
 
@@ -171,6 +175,7 @@ class Stage2(nnx.Module):
         x = constrain(x, P("data", None))
         # seed_mlp_pipeline.par:34 relu()
         x = relu(x)
+        x = constrain(x, P("data", None))
         # seed_mlp_pipeline.par:35 fc6: linear(128, 10)
         x = linear(x, **weights_of(self.fc6, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE)
         x = constrain(x, P("data", None))

@@ -120,6 +120,7 @@ class SeedTpLayer(nnx.Module):
         h = constrain(h, P("data", None, "model"))
         # seed_tp_layer.par:28 gelu()
         h = gelu(h, approximate=True)
+        h = constrain(h, P("data", None, "model"))
         # seed_tp_layer.par:29 down: linear(ffn, hidden) shard kernel[model, _]
         h = linear(h, **weights_of(self.down, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE)
         h = constrain(h, P("data", None, None))

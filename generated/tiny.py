@@ -132,6 +132,7 @@ class Decoder(nnx.Module):
         h = constrain(h, P("data", None, "model"))
         # tiny.par:27 gelu()
         h = gelu(h, approximate=True)
+        h = constrain(h, P("data", None, "model"))
         # tiny.par:28 down: linear(ffn, d) shard kernel[model, _] # row parallel: one all-reduce
         h = linear(h, **weights_of(self.down, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE)
         h = constrain(h, P("data", None, None))

@@ -239,7 +239,7 @@ class Builder:
             inputs=tuple(input_args(rule, dict(layer.attrs)).items()),
             key=self.path(layer.path, base) if rule.random else None,
             static=tuple(static.items()),
-            output=layer.output.sharding if layer.output.rank and _pins(layer) else None,
+            output=layer.output.sharding if layer.output.rank else None,
             path=self.path(layer.path, base) if layer.path in self.saved else None,
             has_aux=rule.has_aux,
         )
@@ -270,14 +270,6 @@ def kernel_call(layer: ir.Layer, dtype: str) -> tuple[str, dict[str, object]]:
     weights = {w.name: w.type.sharding for w in layer.weights}
     static = rule.kernel_args(a, dtype, layer.operand, weights) | rule.sized_args(a, layer.input, layer.operand)
     return rule.kernel(a, layer.operand), static
-
-
-def _pins(layer: ir.Layer) -> bool:
-    """Whether the module pins the layer's output to its sharding: where the layer may change
-    it (its weights are split, it sends something, its output is sharded otherwise than its
-    input). A weightless elementwise layer (an activation, dropout) keeps its input's, which
-    XLA's propagation carries through without being told."""
-    return bool(layer.weights or layer.collectives) or layer.output.sharding != layer.input.sharding
 
 
 def _label(path: str, base: str | None) -> str:

@@ -269,7 +269,7 @@ def test_zero3_gathers_a_stage_row_before_slicing_it(monkeypatch: pytest.MonkeyP
 def test_the_pipelined_step_does_the_flops_of_the_unpipelined_one() -> None:
     """The spec's checkpointing alone decides recomputation: without it the pipeline keeps
     each chunk's residuals from its forward tick to its backward tick and reruns nothing."""
-    from dslc.ir.schedule import schedule_table
+    from dslc.ir.schedule import schedule_of
     from tests.jaxpr_flops import dot_flops
 
     def flops(checkpoint: str) -> tuple[float, float]:
@@ -278,7 +278,7 @@ def test_the_pipelined_step_does_the_flops_of_the_unpipelined_one() -> None:
         assert program.ir.pipeline is not None
         with jax.set_mesh(program.mesh):
             unpipelined = jax.jit(jax.value_and_grad(program.module.loss)).trace(*program.abstract_arguments())
-        ticks, microbatches = schedule_table(program.ir).ticks, program.ir.pipeline.microbatches
+        ticks, microbatches = schedule_of(program.ir).table().ticks, program.ir.pipeline.microbatches
         return dot_flops(program.trace("grads").jaxpr, ticks=ticks, microbatches=microbatches), dot_flops(
             unpipelined.jaxpr
         )
