@@ -11,11 +11,7 @@ from dataclasses import dataclass
 from dslc.diagnostics import Label
 from dslc.ir.nodes import DTYPE_BYTES, FLOAT_DTYPES, Layer, Mesh, Sharding, TensorType
 from dslc.layers.base import ArgSpec, Context, LayerRule, WeightSpec, expect_features, same_sharding
-
-
-@dataclass(frozen=True, slots=True)
-class NoArgs:
-    """A layer that takes no arguments."""
+from dslc.layers.elementwise import NoArgs
 
 
 def _refuse_split(ctx: Context, x: TensorType, dims: tuple[int, ...], what: str) -> bool:
