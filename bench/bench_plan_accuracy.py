@@ -39,6 +39,18 @@ REDUCED: dict[str, dict[str, ScalarValue]] = {
     "gpt2": {"vocab": 128, "positions": 32, "d": 64, "heads": 4, "layers": 4, "seq": 32, "batch": 16},
     "gpt_neox": {"vocab": 128, "d": 64, "heads": 4, "layers": 4, "seq": 32, "batch": 16},
     "llama": {"vocab": 128, "d": 64, "heads": 4, "kv_heads": 2, "ffn": 176, "layers": 4, "seq": 32, "batch": 16},
+    "gemma2": {
+        "vocab": 128,
+        "d": 64,
+        "heads": 4,
+        "kv_heads": 2,
+        "head_dim": 32,
+        "ffn": 176,
+        "layers": 4,
+        "window": 16,
+        "seq": 32,
+        "batch": 16,
+    },
 }
 SKIPPED = {"gpt3_175b"}
 # Each pipelined spec on a second mesh: another number of stages (seed_mlp_pipeline's three

@@ -4,13 +4,14 @@ models compute, both without `transformers` or torch.
 The checkpoints are config.json plus safetensors files with `save_pretrained`'s names and
 layouts: GPT-2's Conv1D weights [in, out] with q, k and v fused in `c_attn`, Llama's
 nn.Linear weights [out, in], GPT-NeoX's too with q, k and v fused head by head in
-`query_key_value`, a tied head left out. The forwards follow the modelling code of
-`GPT2LMHeadModel`, `LlamaForCausalLM`, `MixtralForCausalLM`, `Qwen3MoeForCausalLM`,
-`Qwen2MoeForCausalLM` and `GPTNeoXForCausalLM` in float64 numpy, in its own form where
-dslc's differs: the fused projection split after the product, rotary embeddings as
-`rotate_half` with the frequencies repeated over both halves (on each head's first
-`rotary_ndims` features alone for GPT-NeoX), key/value heads repeated with `repeat_kv`, a
--inf causal mask. Nothing here comes from dslc.
+`query_key_value`, Gemma 2's norm weights the offsets of their scales from 1, a tied head
+left out. The forwards follow the modelling code of `GPT2LMHeadModel`, `LlamaForCausalLM`,
+`MixtralForCausalLM`, `Qwen3MoeForCausalLM`, `Qwen2MoeForCausalLM`, `GPTNeoXForCausalLM` and
+`Gemma2ForCausalLM` in float64 numpy, in its own form where dslc's differs: the fused
+projection split after the product, rotary embeddings as `rotate_half` with the frequencies
+repeated over both halves (on each head's first `rotary_ndims` features alone for GPT-NeoX),
+key/value heads repeated with `repeat_kv`, a -inf causal mask (and sliding window). Nothing
+here comes from dslc.
 """
 
 from __future__ import annotations
@@ -191,6 +192,56 @@ GPT_NEOX_CONFIG = {
 GPT_NEOX_SET = {"vocab": 96, "d": 32, "heads": 4, "layers": 2, "seq": 16, "batch": 8}
 
 
+GEMMA2_CONFIG = {
+    "architectures": ["Gemma2ForCausalLM"],
+    "model_type": "gemma2",
+    "vocab_size": 96,
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    # Not hidden_size / num_attention_heads (8), as Gemma-2-2B's 256 is not 2304 / 8 (288).
+    "head_dim": 16,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "hidden_act": "gelu_pytorch_tanh",
+    "max_position_embeddings": 64,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "query_pre_attn_scalar": 16,
+    # Shorter than the tests' 16 tokens, so that the even layers see less than the odd ones.
+    "sliding_window": 4,
+    # Caps that bind at these sizes (Gemma 2's 50 and 30 barely touch small random weights'
+    # scores and logits): a cap left out shows in the logits.
+    "attn_logit_softcapping": 2.0,
+    "final_logit_softcapping": 3.0,
+    "tie_word_embeddings": True,
+    "initializer_range": 0.02,
+    "pad_token_id": 0,
+    "eos_token_id": 1,
+    "bos_token_id": 2,
+    "use_cache": True,
+    "cache_implementation": "hybrid",
+    "torch_dtype": "float32",
+}
+GEMMA2_SET = {
+    "vocab": 96,
+    "d": 32,
+    "heads": 4,
+    "kv_heads": 2,
+    "head_dim": 16,
+    "ffn": 48,
+    "layers": 4,
+    "window": 4,
+    "attn_cap": 2.0,
+    "logit_cap": 3.0,
+    "seq": 16,
+    "batch": 8,
+}
+
+
 def _normal(rng: np.random.Generator, *shape: int, scale: float = 0.1) -> np.ndarray:
     return (rng.standard_normal(shape) * scale).astype(np.float32)
 
@@ -355,6 +406,40 @@ def gpt_neox_tensors(config: dict[str, object], seed: int = 0) -> Tensors:
     return t
 
 
+def gemma2_tensors(config: dict[str, object], seed: int = 0) -> Tensors:
+    """Gemma 2's tensors: a Llama's attention and MLP names with four norms a layer
+    (`input_layernorm`, `post_attention_layernorm`, `pre_feedforward_layernorm`,
+    `post_feedforward_layernorm`), each weight the offset of its scale from 1 (transformers
+    initialises them at 0: here they are random, so that a scale read as the weight itself
+    shows); `lm_head` only when untied."""
+    rng = np.random.default_rng(seed)
+    d, vocab, ffn = (int(config[k]) for k in ("hidden_size", "vocab_size", "intermediate_size"))  # type: ignore[call-overload]
+    heads, kv, hd = (int(config[k]) for k in ("num_attention_heads", "num_key_value_heads", "head_dim"))  # type: ignore[call-overload]
+    t: Tensors = {"model.embed_tokens.weight": _normal(rng, vocab, d)}
+    for i in range(int(config["num_hidden_layers"])):  # type: ignore[call-overload]
+        at = f"model.layers.{i}."
+        t |= {
+            at + "input_layernorm.weight": _normal(rng, d, scale=0.3),
+            at + "self_attn.q_proj.weight": _normal(rng, heads * hd, d, scale=0.2),
+            at + "self_attn.k_proj.weight": _normal(rng, kv * hd, d, scale=0.2),
+            at + "self_attn.v_proj.weight": _normal(rng, kv * hd, d),
+            at + "self_attn.o_proj.weight": _normal(rng, d, heads * hd),
+            at + "post_attention_layernorm.weight": _normal(rng, d, scale=0.3),
+            at + "pre_feedforward_layernorm.weight": _normal(rng, d, scale=0.3),
+            at + "mlp.gate_proj.weight": _normal(rng, ffn, d),
+            at + "mlp.up_proj.weight": _normal(rng, ffn, d),
+            at + "mlp.down_proj.weight": _normal(rng, d, ffn),
+            at + "post_feedforward_layernorm.weight": _normal(rng, d, scale=0.3),
+        }
+        if config.get("attention_bias"):
+            widths = {"q": heads * hd, "k": kv * hd, "v": kv * hd, "o": d}
+            t |= {at + f"self_attn.{w}_proj.bias": _normal(rng, n) for w, n in widths.items()}
+    t["model.norm.weight"] = _normal(rng, d, scale=0.3)
+    if not config.get("tie_word_embeddings", True):
+        t["lm_head.weight"] = _normal(rng, vocab, d)
+    return t
+
+
 def write_checkpoint(folder: Path, config: dict[str, object], tensors: Tensors, shards: int = 1) -> Path:
     """config.json and one model.safetensors, or `shards` files with their index, as
     `save_pretrained` names them."""
@@ -390,11 +475,22 @@ def _softmax(x: np.ndarray) -> np.ndarray:
     return e / e.sum(-1, keepdims=True)
 
 
-def _causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, window: int | None = None) -> np.ndarray:
+def _causal_attention(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    window: int | None = None,
+    scaling: float | None = None,
+    softcap: float | None = None,
+) -> np.ndarray:
     """q, k, v [b, heads, s, hd] -> [b, s, heads * hd]; with `window`, query i sees keys
-    i - window + 1 ... i (Mistral's sliding window)."""
+    i - window + 1 ... i (Mistral's sliding window, Gemma 2's on its even layers). The scores
+    are multiplied by `scaling` (1 / sqrt(hd) unless given) and, with `softcap`, capped at
+    softcap * tanh(scores / softcap) before the mask (Gemma 2)."""
     s, hd = q.shape[2], q.shape[3]
-    scores = q @ k.transpose(0, 1, 3, 2) / math.sqrt(hd)
+    scores = q @ k.transpose(0, 1, 3, 2) * (scaling if scaling is not None else 1 / math.sqrt(hd))
+    if softcap is not None:
+        scores = softcap * np.tanh(scores / softcap)
     seen = np.tril(np.ones((s, s), bool))
     if window is not None:
         seen &= ~np.tril(np.ones((s, s), bool), -window)
@@ -552,3 +648,54 @@ def gpt_neox_logits(config: dict[str, object], tensors: Tensors, ids: np.ndarray
     x = _layernorm(x, t["final_layer_norm.weight"], t["final_layer_norm.bias"], eps)
     head = tensors.get("embed_out.weight", tensors["gpt_neox.embed_in.weight"]).astype(np.float64)
     return x @ head.T
+
+
+def gemma2_logits(config: dict[str, object], tensors: Tensors, ids: np.ndarray) -> np.ndarray:
+    """Gemma2ForCausalLM: the embedding times sqrt(hidden_size) rounded to the hidden states'
+    dtype (float32 here, the checkpoint's), RMSNorms that scale by 1 + their weight, each
+    branch's output normed too before it is added, scores scaled by query_pre_attn_scalar **
+    -0.5 and capped, a sliding window on the layers `layer_types` says (the even ones when
+    left out), GeGLU with the tanh GELU, the final logits capped."""
+    t = {name.removeprefix("model."): value.astype(np.float64) for name, value in tensors.items()}
+    d, layers = int(config["hidden_size"]), int(config["num_hidden_layers"])  # type: ignore[call-overload]
+    heads, kv, hd = (int(config[k]) for k in ("num_attention_heads", "num_key_value_heads", "head_dim"))  # type: ignore[call-overload]
+    eps, theta = float(config["rms_norm_eps"]), float(config["rope_theta"])  # type: ignore[arg-type]
+    scaling = float(config["query_pre_attn_scalar"]) ** -0.5  # type: ignore[arg-type]
+    attn_cap, logit_cap = config.get("attn_logit_softcapping"), config.get("final_logit_softcapping")
+    kinds = config.get("layer_types") or [
+        "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)
+    ]
+    b, s = ids.shape
+    inv_freq = 1.0 / theta ** (np.arange(0, hd, 2) / hd)
+    freqs = np.outer(np.arange(s), inv_freq)
+    emb = np.concatenate([freqs, freqs], axis=-1)
+    cos, sin = np.cos(emb)[None, None], np.sin(emb)[None, None]
+
+    def norm(x: np.ndarray, name: str) -> np.ndarray:
+        return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * (1.0 + t[name + ".weight"])
+
+    def linear(x: np.ndarray, name: str) -> np.ndarray:
+        y = x @ t[name + ".weight"].T
+        return y + t[name + ".bias"] if name + ".bias" in t else y
+
+    x = t["embed_tokens.weight"][ids] * np.float64(np.float32(math.sqrt(d)))
+    for i in range(layers):
+        p = f"layers.{i}."
+        h = norm(x, p + "input_layernorm")
+        q, k, v = (
+            linear(h, p + f"self_attn.{name}_proj").reshape(b, s, n, hd).transpose(0, 2, 1, 3)
+            for name, n in (("q", heads), ("k", kv), ("v", kv))
+        )
+        q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        k, v = np.repeat(k, heads // kv, axis=1), np.repeat(v, heads // kv, axis=1)  # repeat_kv
+        window = int(config["sliding_window"]) if kinds[i] == "sliding_attention" else None  # type: ignore[call-overload]
+        o = _causal_attention(q, k, v, window, scaling, attn_cap)  # type: ignore[arg-type]
+        x = x + norm(linear(o, p + "self_attn.o_proj"), p + "post_attention_layernorm")
+        h = norm(x, p + "pre_feedforward_layernorm")
+        h = _gelu(linear(h, p + "mlp.gate_proj"), str(config["hidden_activation"])) * linear(h, p + "mlp.up_proj")
+        x = x + norm(linear(h, p + "mlp.down_proj"), p + "post_feedforward_layernorm")
+    x = norm(x, "norm")
+    logits = x @ t.get("lm_head.weight", t["embed_tokens.weight"]).T
+    if logit_cap is not None:
+        logits = logit_cap * np.tanh(logits / logit_cap)  # type: ignore[operator]
+    return logits

@@ -72,6 +72,20 @@ TEST_SIZES: dict[str, dict[str, Any]] = {
     "llama": {
         "overrides": {"vocab": 256, "d": 64, "heads": 4, "kv_heads": 2, "ffn": 128, "layers": 4, "seq": 32, "batch": 32}
     },
+    "gemma2": {
+        "overrides": {
+            "vocab": 256,
+            "d": 64,
+            "heads": 4,
+            "kv_heads": 2,
+            "head_dim": 32,
+            "ffn": 128,
+            "layers": 4,
+            "window": 8,
+            "seq": 32,
+            "batch": 32,
+        }
+    },
     # The mixtures of experts in f32: in bf16 a choice of experts flips wherever two of a
     # token's probabilities round apart differently on two layouts, and moves a token's whole
     # gradient to another expert (qwen3_moe, top 2 of 8: 0.27 between 1x1x1 and 2x2x2, and as

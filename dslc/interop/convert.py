@@ -23,6 +23,7 @@ from dslc.files import write_atomic
 from dslc.frontend import Analysis
 from dslc.interop.advice import follows
 from dslc.interop.errors import CheckpointError, file_problem, file_span
+from dslc.interop.gemma2 import Gemma2
 from dslc.interop.gpt2 import GPT2
 from dslc.interop.gpt_neox import GPTNeoX
 from dslc.interop.hf_config import CONFIG, AnyConfig, parse_config, read_config_json
@@ -46,7 +47,7 @@ from dslc.ir.weights import mismatches
 
 
 class Family(Protocol):
-    """How one family of checkpoints maps onto a spec (see gpt2.py, llama.py, gpt_neox.py)."""
+    """How one family of checkpoints maps onto a spec (see gpt2.py, llama.py, gpt_neox.py, gemma2.py)."""
 
     name: str
     model_types: tuple[str, ...]
@@ -66,7 +67,7 @@ class Family(Protocol):
     def keep(self, written: Mapping[str, object], original: Mapping[str, object]) -> dict[str, object]: ...
 
 
-FAMILIES: tuple[Family, ...] = (GPT2(), Llama(), Mixtral(), Qwen3Moe(), Qwen2Moe(), GPTNeoX())
+FAMILIES: tuple[Family, ...] = (GPT2(), Llama(), Mixtral(), Qwen3Moe(), Qwen2Moe(), GPTNeoX(), Gemma2())
 
 # The dtypes export writes: the spec's names, numpy's, and the torch_dtype config.json states.
 EXPORT_DTYPES = {

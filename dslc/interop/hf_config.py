@@ -212,6 +212,49 @@ class GPTNeoXConfig(_Config):
         return _rope_type(self.rope_parameters, self.rope_scaling)
 
 
+class Gemma2Config(_Config):
+    """`Gemma2ForCausalLM`: a Llama-like decoder whose embedding is scaled by sqrt(hidden_size),
+    whose RMSNorms scale by 1 + their weight and also norm each branch's output, with a GeGLU
+    MLP (`hidden_activation`), attention scores scaled by `query_pre_attn_scalar` ** -0.5 and
+    capped at `attn_logit_softcapping`, its even layers attending within `sliding_window`
+    and its odd ones to every earlier token (`layer_types`, left out as a rule), and the final
+    logits capped at `final_logit_softcapping`. Its defaults are transformers' (Gemma-2-2B's
+    sizes); the rotary base is read as LlamaConfig reads it."""
+
+    model_type: Literal["gemma2"]
+    vocab_size: PositiveInt = 256000
+    hidden_size: PositiveInt = 2304
+    intermediate_size: PositiveInt = 9216
+    num_hidden_layers: PositiveInt = 26
+    num_attention_heads: PositiveInt = 8
+    num_key_value_heads: PositiveInt = 4
+    head_dim: PositiveInt = 256
+    hidden_activation: str = "gelu_pytorch_tanh"
+    max_position_embeddings: PositiveInt = 8192
+    rms_norm_eps: PositiveFloat = 1e-6
+    rope_theta: PositiveFloat = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    rope_parameters: dict[str, Any] | None = None
+    tie_word_embeddings: bool = True
+    attention_bias: bool = False
+    query_pre_attn_scalar: PositiveFloat = 256
+    sliding_window: PositiveInt = 4096
+    layer_types: list[str] | None = None
+    attn_logit_softcapping: PositiveFloat | None = 50.0
+    final_logit_softcapping: PositiveFloat | None = 30.0
+    use_bidirectional_attention: bool | None = None
+
+    @property
+    def rope_base(self) -> float:
+        if self.rope_parameters is not None and "rope_theta" in self.rope_parameters:
+            return float(self.rope_parameters["rope_theta"])
+        return self.rope_theta
+
+    @property
+    def rope_type(self) -> str:
+        return _rope_type(self.rope_parameters, self.rope_scaling)
+
+
 def _rope_type(*given: dict[str, Any] | None) -> str:
     """ "default" for plain rotary embeddings; otherwise the scaling the first config field
     `given` that says one asks for."""
@@ -221,11 +264,11 @@ def _rope_type(*given: dict[str, Any] | None) -> str:
     return "default"
 
 
-CONFIGS = GPT2Config | LlamaConfig | MixtralConfig | Qwen3MoeConfig | Qwen2MoeConfig | GPTNeoXConfig
+CONFIGS = GPT2Config | LlamaConfig | MixtralConfig | Qwen3MoeConfig | Qwen2MoeConfig | GPTNeoXConfig | Gemma2Config
 HFConfig = Annotated[CONFIGS, Field(discriminator="model_type")]
 # A config.json as `parse_config` reads it (Mixtral's and the Qwen MoEs' are LlamaConfigs).
-AnyConfig = GPT2Config | LlamaConfig | GPTNeoXConfig
-MODEL_TYPES = ("gpt2", "llama", "mistral", "qwen2", "mixtral", "qwen3_moe", "qwen2_moe", "gpt_neox")
+AnyConfig = GPT2Config | LlamaConfig | GPTNeoXConfig | Gemma2Config
+MODEL_TYPES = ("gpt2", "llama", "mistral", "qwen2", "mixtral", "qwen3_moe", "qwen2_moe", "gpt_neox", "gemma2")
 _ADAPTER: TypeAdapter[CONFIGS] = TypeAdapter(HFConfig)
 
 

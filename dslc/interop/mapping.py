@@ -350,15 +350,19 @@ class FamilyBase:
     """What the families share. Their tensors are named `save_pretrained`'s way, the body's
     under `prefix` (which older checkpoints leave out) and the head's weight beside it, as
     `head_tensor`; `buffer` matches the buffers older checkpoints carry, which dslc computes
-    itself. The spec has an embedding first and a head last, which a checkpoint ties
-    (`tie_word_embeddings`) or not: tied where the spec ties them itself (`tie kernel =
-    wte.table.T`, one weight), or else where the spec's `tied` constant says so, or the
-    family's default (a head of its own holding a copy of the table)."""
+    itself. The spec has an embedding first and a head last (or before the layers without
+    weights that end it: `head_at`), which a checkpoint ties (`tie_word_embeddings`) or not:
+    tied where the spec ties them itself (`tie kernel = wte.table.T`, one weight), or else
+    where the spec's `tied` constant says so, or the family's default (a head of its own
+    holding a copy of the table)."""
 
     prefix: str
     buffer: re.Pattern[str]
     tied_by_default: bool
     head_tensor: str = "lm_head.weight"  # GPT-NeoX's is `embed_out.weight`
+    # Where the head is among the layers after the blocks: the last one, or before those that
+    # follow it without weights (Gemma 2's cap on the logits).
+    head_at: int = -1
     # Keys of a config.json the spec determines that `config` may not write: other names for
     # the sizes it writes, settings it writes for some model types only.
     determined: frozenset[str] = frozenset()
@@ -409,9 +413,12 @@ class FamilyBase:
     def ignored(self, name: str) -> bool:
         return self.buffer.fullmatch(name) is not None
 
+    def head_layer(self, m: Matched) -> ir.Layer:
+        return m.suffix[self.head_at]
+
     def vocab_facts(self, vocab_size: int, m: Matched) -> list[Fact]:
         """The vocabulary: the embedding's and the head's outputs."""
-        embed, head = m.prefix[0], m.suffix[-1]
+        embed, head = m.prefix[0], self.head_layer(m)
         return [
             Fact(
                 "vocab_size", vocab_size, args(embed, Embed).vocab, "vocabulary size", embed, "vocab", "change `vocab`"
@@ -428,12 +435,12 @@ class FamilyBase:
         ]
 
     def head_has_no_bias(self, m: Matched) -> Requirement:
-        head = m.suffix[-1]
+        head = self.head_layer(m)
         return Requirement(head, not args(head, Linear).bias, "its head has no bias", "write `bias=false` on the head")
 
     def ties(self, m: Matched) -> bool:
         """Whether the spec's head reads the embedding's table itself: one weight, not a copy."""
-        tie = m.suffix[-1].weight("kernel").tie
+        tie = self.head_layer(m).weight("kernel").tie
         return tie is not None and tie.transposed and tie.name == layer_weight(m.prefix[0], "table")
 
     def tied(self, m: Matched, program: ir.Program) -> bool:
@@ -442,14 +449,14 @@ class FamilyBase:
 
     def head_and_table(self, m: Matched) -> tuple[str, str]:
         """The head's kernel and the embedding's table, by their dotted names."""
-        return layer_weight(m.suffix[-1], "kernel"), layer_weight(m.prefix[0], "table")
+        return layer_weight(self.head_layer(m), "kernel"), layer_weight(m.prefix[0], "table")
 
     def head(self, m: Matched) -> TensorMap:
         """The head's tensor of an untied checkpoint: the head's kernel turned, or for a spec
         whose head reads the embedding's table, that table (as [vocab, d] either way)."""
         if self.ties(m):
             return TensorMap(self.head_tensor, (layer_weight(m.prefix[0], "table"),))
-        return TensorMap(self.head_tensor, (layer_weight(m.suffix[-1], "kernel"),), transposed=True, kernel=True)
+        return TensorMap(self.head_tensor, (layer_weight(self.head_layer(m), "kernel"),), transposed=True, kernel=True)
 
     def tied_fact(self, tie_word_embeddings: bool, m: Matched, program: ir.Program) -> Fact:
         if self.ties(m):
@@ -458,7 +465,7 @@ class FamilyBase:
                 tie_word_embeddings,
                 True,
                 "head, which reads the embedding's table (`tie`),",
-                m.suffix[-1],
+                self.head_layer(m),
                 None,
                 "give the head a kernel of its own: drop its `tie`",
             )
@@ -467,7 +474,7 @@ class FamilyBase:
             tie_word_embeddings,
             self.tied(m, program),
             "tying of the head to the embedding (`const tied`, or the family's default)",
-            m.suffix[-1],
+            self.head_layer(m),
             "tied",
             f"declare `const tied = {'true' if tie_word_embeddings else 'false'}`",
         )

@@ -52,6 +52,20 @@ RUNNABLE: dict[str, dict[str, int]] = {
     # Pythia-160M's parallel branches, partial rotary and pipeline, small.
     "gpt_neox": {"vocab": 96, "d": 32, "heads": 4, "layers": 2, "seq": 16, "batch": 8},
     "gpt2": {"vocab": 95, "positions": 32, "d": 32, "heads": 4, "layers": 2, "seq": 16, "batch": 8},
+    # Gemma-2-2B's 2.6B parameters, small: two pairs of a local and a global layer, heads
+    # of a width of their own (not d / heads), as Gemma's, a window shorter than the sequence.
+    "gemma2": {
+        "vocab": 96,
+        "d": 32,
+        "heads": 4,
+        "kv_heads": 2,
+        "head_dim": 16,
+        "ffn": 48,
+        "layers": 4,
+        "window": 4,
+        "seq": 16,
+        "batch": 8,
+    },
 }
 # gpt3_175b is planned, never run: 175B parameters do not fit a test machine. Its module is
 # still generated and kept as a golden file, and checked by ruff and by Python's compiler.

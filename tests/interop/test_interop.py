@@ -10,10 +10,13 @@ nothing behind.
 Tolerance of the logits: 2e-5 relative (max |dslc - reference| / max |reference|). dslc
 computes in f32, the reference in float64; f32 roundings through two layers give a few 1e-7
 (measured: GPT-2 3.5e-7 on one device, 3.7e-7 on 2x2x2; Llama 3.6e-7 and 3.9e-7; GPT-NeoX
-2.8e-7 and 2.3e-7), while a mistake in a layout moves them by far more (GPT-2's first
+2.8e-7 and 2.3e-7; Gemma 2, four layers with logits capped at 3, 1.3e-6 on one device and
+1.2e-6 on 4x2), while a mistake in a layout moves them by far more (GPT-2's first
 `c_proj` transposed: 1.04; its q and k swapped: 0.32; GPT-NeoX's fused q, k, v read as q|k|v
 blocks rather than head by head: 0.74; its rotary on every feature of a head rather than the
-first quarter: 0.099).
+first quarter: 0.099; Gemma 2's post-attention and pre-MLP norms swapped: 0.89, its window
+dropped: 1.22, on the odd layers rather than the even ones: 1.16, its caps on the scores and
+on the logits dropped: 0.81 and 0.26).
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ import pytest
 from dslc import cli
 from tests.conftest import ROOT, SPECS
 from tests.hf_checkpoints import (
+    GEMMA2_CONFIG,
+    GEMMA2_SET,
     GPT2_CONFIG,
     GPT2_SET,
     GPT_NEOX_CONFIG,
@@ -41,6 +46,8 @@ from tests.hf_checkpoints import (
     QWEN2_MOE_SET,
     QWEN3_MOE_CONFIG,
     QWEN3_MOE_SET,
+    gemma2_logits,
+    gemma2_tensors,
     gpt2_logits,
     gpt2_tensors,
     gpt_neox_logits,
@@ -163,6 +170,18 @@ def gpt_neox(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return {"root": root, "folder": folder, "tensors": tensors, "weights": weights, "spec": spec}
 
 
+@pytest.fixture(scope="module")
+def gemma2(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """A Gemma 2 checkpoint (tied head) and its import into specs/gemma2.par in f32."""
+    root = tmp_path_factory.mktemp("gemma2")
+    tensors = gemma2_tensors(GEMMA2_CONFIG)
+    folder = write_checkpoint(root / "checkpoint", GEMMA2_CONFIG, tensors)
+    spec = f32_llama(root, "gemma2")
+    weights = root / "weights.npz"
+    assert cli.main(["import", str(spec), str(folder), "-o", str(weights), *flags(GEMMA2_SET)]) == 0
+    return {"root": root, "folder": folder, "tensors": tensors, "weights": weights, "spec": spec}
+
+
 # The mixture-of-experts families: config, the --set that shrinks the spec, the tensors.
 MOE_FAMILIES = {
     "mixtral": (MIXTRAL_CONFIG, MIXTRAL_SET, mixtral_tensors),
@@ -229,6 +248,29 @@ def test_imported_gpt_neox_computes_the_reference_logits(
     inputs = batch(96, seed=9)
     got = logits_of(capsys, gpt_neox["spec"], gpt_neox["weights"], inputs, GPT_NEOX_SET, mesh, tmp_path)
     assert relative_error(got, gpt_neox_logits(GPT_NEOX_CONFIG, gpt_neox["tensors"], inputs["tokens"])) <= TOLERANCE
+
+
+@pytest.mark.parametrize("mesh", ["1x1", None], ids=["one device", "4x2"])
+def test_imported_gemma2_computes_the_reference_logits(
+    gemma2: dict[str, Any], mesh: str | None, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """specs/gemma2.par against Gemma2ForCausalLM's forward: its four norms a layer scaling by
+    1 + their weight, the embedding times sqrt(d), a window of 4 over 16 tokens on the even
+    layers, scores and logits capped. On 4x2 the heads, the MLP and the vocabulary split over
+    `model`, the batch over `data`, and the tied head reads its split table."""
+    inputs = batch(96, seed=13)
+    got = logits_of(capsys, gemma2["spec"], gemma2["weights"], inputs, GEMMA2_SET, mesh, tmp_path)
+    want = gemma2_logits(GEMMA2_CONFIG, gemma2["tensors"], inputs["tokens"])
+    assert relative_error(got, want) <= TOLERANCE
+    # Each piece matters: the forward without it gives other logits.
+    for without in (
+        {"sliding_window": 16},  # every layer over the whole sequence
+        {"layer_types": ["full_attention", "sliding_attention"] * 2},  # the window on the odd layers
+        {"attn_logit_softcapping": None},
+        {"final_logit_softcapping": None},
+    ):
+        other = gemma2_logits({**GEMMA2_CONFIG, **without}, gemma2["tensors"], inputs["tokens"])
+        assert relative_error(other, got) > 0.1, without
 
 
 def test_a_gpt_neox_without_attention_biases_imports_and_exports_again(
@@ -382,7 +424,7 @@ def test_a_spec_whose_experts_are_not_mixtrals_is_refused(
     assert "write `capacity=none`" in err and "its experts are SwiGLU" in err
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama", "mixtral", "qwen3_moe", "qwen2_moe", "gpt_neox"])
+@pytest.mark.parametrize("family", ["gpt2", "llama", "mixtral", "qwen3_moe", "qwen2_moe", "gpt_neox", "gemma2"])
 def test_export_writes_the_checkpoint_back_byte_for_byte(
     family: str,
     gpt2: dict[str, Any],
@@ -391,6 +433,7 @@ def test_export_writes_the_checkpoint_back_byte_for_byte(
     qwen3_moe: dict[str, Any],
     qwen2_moe: dict[str, Any],
     gpt_neox: dict[str, Any],
+    gemma2: dict[str, Any],
     capsys: pytest.CaptureFixture[str],
     tmp_path: Path,
 ) -> None:
@@ -401,6 +444,7 @@ def test_export_writes_the_checkpoint_back_byte_for_byte(
         "qwen3_moe": (qwen3_moe, qwen3_moe["spec"], QWEN3_MOE_SET, QWEN3_MOE_CONFIG),
         "qwen2_moe": (qwen2_moe, qwen2_moe["spec"], QWEN2_MOE_SET, QWEN2_MOE_CONFIG),
         "gpt_neox": (gpt_neox, gpt_neox["spec"], GPT_NEOX_SET, GPT_NEOX_CONFIG),
+        "gemma2": (gemma2, gemma2["spec"], GEMMA2_SET, GEMMA2_CONFIG),
     }[family]
     out = tmp_path / "exported"
     code, printed, err = run(capsys, "export", spec, "--weights", case["weights"], "-o", out, *flags(sizes))
@@ -410,7 +454,9 @@ def test_export_writes_the_checkpoint_back_byte_for_byte(
     same = set(written) & set(config)
     assert {k: written[k] for k in same} == {k: config[k] for k in same}
     assert same >= {"vocab_size", "torch_dtype"}
-    assert family != "gpt2" or ("tied to the embedding" in printed and written["tie_word_embeddings"] is True)
+    assert family not in ("gpt2", "gemma2") or (
+        "tied to the embedding" in printed and written["tie_word_embeddings"] is True
+    )
 
 
 def test_sharded_and_unprefixed_checkpoints_import_alike(
@@ -955,6 +1001,18 @@ def test_a_mismatch_that_a_suggested_set_fixes_gets_no_advice_of_its_own(
             None,
             {"attention_bias": True, "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
         ),
+        # Gemma 2's 8192 positions and transformers 5's `rope_parameters`; the alternation the
+        # spec computes is stated as `layer_types`, which transformers 5 writes too.
+        (
+            "gemma2",
+            {
+                "max_position_embeddings": 8192,
+                "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+                "_name_or_path": "tiny-gemma-2",
+            },
+            "bf16",
+            {"torch_dtype": "bfloat16", "layer_types": ["sliding_attention", "full_attention"] * 2},
+        ),
     ],
 )
 def test_export_keeps_what_the_imported_config_said(
@@ -965,6 +1023,7 @@ def test_export_keeps_what_the_imported_config_said(
     gpt2: dict[str, Any],
     llama: dict[str, Any],
     gpt_neox: dict[str, Any],
+    gemma2: dict[str, Any],
     capsys: pytest.CaptureFixture[str],
     tmp_path: Path,
 ) -> None:
@@ -974,6 +1033,7 @@ def test_export_keeps_what_the_imported_config_said(
         "gpt2": (gpt2, GPT2, GPT2_SET, GPT2_CONFIG),
         "llama": (llama, llama["spec"], LLAMA_SET, LLAMA_CONFIG),
         "gpt_neox": (gpt_neox, gpt_neox["spec"], GPT_NEOX_SET, GPT_NEOX_CONFIG),
+        "gemma2": (gemma2, gemma2["spec"], GEMMA2_SET, GEMMA2_CONFIG),
     }[family]
     config = {**config, **change}
     folder = write_checkpoint(tmp_path / "checkpoint", config, case["tensors"])
@@ -1041,3 +1101,118 @@ def test_a_qwen3_moe_config_that_does_not_renormalise_says_so(
     want = llama_logits(config, tensors, inputs["tokens"])
     assert relative_error(got, want) <= TOLERANCE
     assert relative_error(llama_logits(QWEN3_MOE_CONFIG, tensors, inputs["tokens"]), want) > 1e-3
+
+
+WINDOW_LINE = declared_at("window", "gemma2")
+ALTERNATING = ["sliding_attention", "full_attention"] * 2
+
+
+@pytest.mark.parametrize(
+    ("change", "said"),
+    [
+        # transformers 5 states the alternation and keeps the rotary base in `rope_parameters`.
+        ({"layer_types": ALTERNATING, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}, []),
+        (
+            {"sliding_window": 8},
+            [
+                f"gemma2_f32.par:{WINDOW_LINE}:1: error[C001]: config.json's `sliding_window` is 8, but the spec's "
+                "sliding window is 4",
+                "used by `layers.0.local.attn`",
+                "= note: 2 layers of the spec disagree with it",
+                "= help: --set window=8",
+            ],
+        ),
+        (
+            {"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0},
+            ["`attn_logit_softcapping` is 50.0", "--set attn_cap=50.0", "--set logit_cap=30.0"],
+        ),
+        # No value of `attn_cap` is none: the diagnostic says what to edit instead.
+        (
+            {"attn_logit_softcapping": None},
+            [
+                "`attn_logit_softcapping` is null, but the spec's cap on attention scores is 2.0",
+                "leave out the attention's `softcap`",
+            ],
+        ),
+        (
+            {"head_dim": 8, "query_pre_attn_scalar": 8},
+            ["`head_dim` is 8, but the spec's head width is 16", "--set head_dim=8"],
+        ),
+        (
+            {"tie_word_embeddings": False},
+            ["`tie_word_embeddings` is false", "give the head a kernel of its own: drop its `tie`"],
+        ),
+        # dslc scales scores by 1/sqrt(head_dim) (Gemma-2-27B scales its heads of 128 by 1/sqrt(144)).
+        ({"query_pre_attn_scalar": 12}, ["error[C003]: query_pre_attn_scalar 12: dslc scales attention scores"]),
+        ({"hidden_activation": "gelu"}, ["error[C003]: hidden_activation 'gelu'"]),
+        (
+            {"layer_types": ["full_attention", "sliding_attention"] * 2},
+            ["error[C003]: layer_types is not Gemma 2's alternation", "layer 0 is 'full_attention'"],
+        ),
+        ({"final_logit_softcapping": None}, ["error[C003]: final_logit_softcapping is null"]),
+        ({"use_bidirectional_attention": True}, ["error[C003]: use_bidirectional_attention is true"]),
+        ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, ["error[C003]: rope type 'linear'"]),
+    ],
+)
+def test_a_gemma2_config_is_checked_before_a_tensor_is_read(
+    change: dict[str, object],
+    said: list[str],
+    gemma2: dict[str, Any],
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+) -> None:
+    folder = write_checkpoint(tmp_path / "checkpoint", {**GEMMA2_CONFIG, **change}, gemma2["tensors"])
+    if said:
+        (folder / "model.safetensors").unlink()
+    code, _, err = run(capsys, "import", gemma2["spec"], folder, "-o", tmp_path / "w.npz", *flags(GEMMA2_SET))
+    assert code == (1 if said else 0), err
+    for words in said:
+        assert words in err, err
+    assert (tmp_path / "w.npz").exists() == (not said)
+
+
+@pytest.mark.parametrize(
+    ("edit", "said"),
+    [
+        (
+            ("offset=true", "offset=false"),
+            ["error[C002]: the spec is not built like a Gemma 2: its norms store their scale as an offset from 1"],
+        ),
+        (("scale=true", "scale=false"), ["its embedding is scaled by sqrt(d)", "write `scale=true`"]),
+        (("activation=gelu", "activation=silu"), ["its MLP gates with the tanh GELU (GeGLU)"]),
+        # The global layer with the local one's window, and the local one without.
+        (
+            ("rope_base=rope_base, softcap=attn_cap)", "rope_base=rope_base, window=window, softcap=attn_cap)"),
+            ["its odd layers (1, 3, ...) attend to every earlier token", "leave out `window` on the attention"],
+        ),
+        (
+            ("rope_base=rope_base, window=window, softcap", "rope_base=rope_base, softcap"),
+            ["its even layers (0, 2, ...) attend within a sliding window"],
+        ),
+        # Without the cap on the logits the spec is another family's shape.
+        (
+            ("  softcap(logit_cap)\n", ""),
+            ["error[C002]: the spec is not built like a Gemma 2: `softcap` should come here, not the end of `forward`"],
+        ),
+    ],
+)
+def test_a_spec_that_does_not_compute_gemma2_is_refused(
+    edit: tuple[str, str],
+    said: list[str],
+    gemma2: dict[str, Any],
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+) -> None:
+    text = Path(gemma2["spec"]).read_text()
+    assert edit[0] in text
+    spec = tmp_path / "edited.par"
+    spec.write_text(text.replace(edit[0], edit[1]))
+    code, _, err = run(capsys, "import", spec, gemma2["folder"], "-o", tmp_path / "w.npz", *flags(GEMMA2_SET))
+    assert code == 1 and not (tmp_path / "w.npz").exists(), err
+    for words in said:
+        assert words in err, err
+    # Export asks the same of the spec.
+    code, _, err = run(
+        capsys, "export", spec, "--weights", gemma2["weights"], "-o", tmp_path / "out", *flags(GEMMA2_SET)
+    )
+    assert code == 1 and said[0] in err and not (tmp_path / "out").exists(), err

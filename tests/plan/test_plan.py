@@ -34,6 +34,18 @@ SMALL = {
     "gpt2": {"vocab": 128, "positions": 32, "d": 64, "heads": 4, "layers": 4, "seq": 32, "batch": 16},
     "gpt_neox": {"vocab": 128, "d": 64, "heads": 4, "layers": 4, "seq": 32, "batch": 16},
     "llama": {"vocab": 128, "d": 64, "heads": 4, "kv_heads": 2, "ffn": 176, "layers": 4, "seq": 32, "batch": 16},
+    "gemma2": {
+        "vocab": 128,
+        "d": 64,
+        "heads": 4,
+        "kv_heads": 2,
+        "head_dim": 32,
+        "ffn": 176,
+        "layers": 4,
+        "window": 16,
+        "seq": 32,
+        "batch": 16,
+    },
 }
 ACCURACY_SPECS = [
     "tiny",
@@ -49,6 +61,7 @@ ACCURACY_SPECS = [
     "mixtral",
     "qwen3_moe",
     "vit",
+    "gemma2",
 ]
 # Specs the planner still misses by more than the tolerance, with the gradient step's planned
 # / XLA ratio measured by bench/bench_plan_accuracy.py and what XLA holds that the model
