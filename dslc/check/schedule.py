@@ -39,7 +39,7 @@ def check_schedule(program: Program, diags: Diagnostics) -> None:
     if program.pipelined and not closed_form(kind, stages) and actions > MAX_ACTIONS:
         diags.error(
             "E031",
-            f"the {kind} table for {stages} stages, {p.microbatches} microbatches has {actions:,} actions, "
+            f"the {kind} table for {stages} stages, {p.microbatches:,} microbatches has {actions:,} actions, "
             f"more than the {MAX_ACTIONS:,} dslc builds, and {kind} on {stages} stages has no closed form to plan by",
             p.span,
             help="use fewer microbatches (past 4 per stage the bubble hardly shrinks), or zb-v, planned in closed form",
@@ -60,7 +60,7 @@ def check_executor(program: Program, diags: Diagnostics) -> None:
     if actions > MAX_ACTIONS:
         diags.error(
             "E031",
-            f"the executor runs the whole table, and {p.schedule} for {stages} stages, {p.microbatches} "
+            f"the executor runs the whole table, and {p.schedule} for {stages} stages, {p.microbatches:,} "
             f"microbatches has {actions:,} actions, more than the {MAX_ACTIONS:,} dslc builds",
             p.span,
             help="`dslc plan` plans it in closed form; to run it, use fewer microbatches "
