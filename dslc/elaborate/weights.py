@@ -200,15 +200,21 @@ def _no_such_weight(
     code: str,
     message: str,
 ) -> None:
+    have = {w.name for w in rule.weights(a)}
     known = ", ".join(f"`{w.name}`" for w in rule.weights(a)) or "none"
     guess = closest(name.text, sorted(rule.possible_weights(attrs)))
-    diags.error(
-        code,
-        message,
-        name.span,
-        notes=[f"its weights: {known}"],
-        help=f"did you mean `{guess}`?" if guess else None,
-    )
+    help = f"did you mean `{guess}`?" if guess else None
+    if help is not None and guess not in have:
+        # A weight of the kind that this use's arguments leave out (a bias under bias=false).
+        toggles = [
+            arg.name
+            for arg in rule.args
+            if arg.type == "bool"
+            and guess in {w.name for w in rule.weights(rule.parse({**attrs, arg.name: not attrs[arg.name]}))}
+        ]
+        if toggles:
+            help += f" This use has none: `{toggles[0]}={str(attrs[toggles[0]]).lower()}` leaves it out."
+    diags.error(code, message, name.span, notes=[f"its weights: {known}"], help=help)
 
 
 def check_shard_axes(shards: tuple[ast.WeightShard, ...], path: str, header: Header, diags: Diagnostics) -> None:
