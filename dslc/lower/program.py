@@ -32,14 +32,7 @@ from dslc.runtime import as_dslc_runtime
 from dslc.runtime.inputs import place, random_batch
 from dslc.runtime.params import export_weights, import_weights, init_params
 from dslc.runtime.storage import shapes_of
-from dslc.runtime.training import (
-    init_optimizer,
-    learning_rate,
-    make_optimizer,
-    make_train_step,
-    optimizer_shardings,
-    optimizer_state,
-)
+from dslc.runtime.training import abstract_state, init_optimizer, learning_rate, make_optimizer, make_train_step
 
 Params = dict[str, jax.Array]
 
@@ -263,13 +256,7 @@ class Program:
                 return self._run.trace(params, batch)
             if step == "grads":
                 return self._grads.trace(params, batch)
-            init = functools.partial(optimizer_state, self.optimizer, master_dtype=self.master_dtype)
-            abstract = jax.eval_shape(init, params)
-            state = jax.tree.map(
-                lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
-                abstract,
-                optimizer_shardings(self.parameters, abstract, self.mesh),
-            )
+            state = abstract_state(self.parameters, self.optimizer, self.mesh, self.master_dtype)
             return self._step.trace(params, state, batch, jax.random.key(0))
 
     def abstract_arguments(self) -> tuple[dict[str, jax.ShapeDtypeStruct], dict[str, jax.ShapeDtypeStruct]]:

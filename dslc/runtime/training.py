@@ -122,6 +122,27 @@ def optimizer_shardings(parameters: dict[str, Parameter], state: Any, mesh: Mesh
     return jax.tree_util.tree_map_with_path(pick, state)
 
 
+def abstract_state(
+    parameters: dict[str, Parameter],
+    optimizer: optax.GradientTransformation,
+    mesh: Mesh,
+    master_dtype: str | None = None,
+) -> Any:
+    """The optimizer state of `parameters` as shapes, dtypes and the shardings it lives in
+    (`optimizer_shardings`), without allocating anything."""
+    params = {name: jax.ShapeDtypeStruct(p.shape, p.dtype) for name, p in parameters.items()}
+    state = jax.eval_shape(functools.partial(optimizer_state, optimizer, master_dtype=master_dtype), params)
+    return jax.tree.map(
+        lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
+        state,
+        optimizer_shardings(parameters, state, mesh),
+    )
+
+
+def _shardings(abstract: Any) -> Any:
+    return jax.tree.map(lambda leaf: leaf.sharding, abstract)
+
+
 def init_optimizer(
     parameters: dict[str, Parameter],
     params: Arrays,
@@ -131,7 +152,7 @@ def init_optimizer(
 ) -> Any:
     """The optimizer state of `params`, made where it lives (split as the ZeRO stage says)."""
     init = functools.partial(optimizer_state, optimizer, master_dtype=master_dtype)
-    return jax.jit(init, out_shardings=optimizer_shardings(parameters, jax.eval_shape(init, params), mesh))(params)
+    return jax.jit(init, out_shardings=_shardings(abstract_state(parameters, optimizer, mesh, master_dtype)))(params)
 
 
 def make_train_step(
@@ -148,9 +169,7 @@ def make_train_step(
     # Each gradient where its optimizer state lives: its piece of it under ZeRO.
     grad_shardings = {name: NamedSharding(mesh, p.update_sharding) for name, p in parameters.items()}
     param_shardings = {name: NamedSharding(mesh, p.sharding) for name, p in parameters.items()}
-    abstract = {name: jax.ShapeDtypeStruct(p.shape, p.dtype) for name, p in parameters.items()}
-    init = functools.partial(optimizer_state, optimizer, master_dtype=master_dtype)
-    state_shardings = optimizer_shardings(parameters, jax.eval_shape(init, abstract), mesh)
+    state_shardings = _shardings(abstract_state(parameters, optimizer, mesh, master_dtype))
 
     def step(params: Arrays, opt_state: Any, batch: Arrays, key: jax.Array) -> tuple[Arrays, Any, jax.Array, Arrays]:
         value, grads = gradients(params, batch, key, mesh)
