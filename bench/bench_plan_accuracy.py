@@ -51,6 +51,19 @@ REDUCED: dict[str, dict[str, ScalarValue]] = {
         "seq": 32,
         "batch": 16,
     },
+    "t5": {
+        "vocab": 128,
+        "d": 64,
+        "heads": 4,
+        "head_dim": 16,
+        "ffn": 128,
+        "layers": 4,
+        "seq": 32,
+        "target_seq": 16,
+        "batch": 16,
+        "buckets": 8,
+        "max_distance": 16,
+    },
 }
 SKIPPED = {"gpt3_175b"}
 # Each pipelined spec on a second mesh: another number of stages (seed_mlp_pipeline's three

@@ -86,6 +86,23 @@ TEST_SIZES: dict[str, dict[str, Any]] = {
             "batch": 32,
         }
     },
+    # Flan-T5-small's encoder-decoder, small: sources twice as long as the targets, a few
+    # distance buckets so that far keys share the last one.
+    "t5": {
+        "overrides": {
+            "vocab": 256,
+            "d": 64,
+            "heads": 4,
+            "head_dim": 16,
+            "ffn": 128,
+            "layers": 2,
+            "seq": 32,
+            "target_seq": 16,
+            "batch": 32,
+            "buckets": 8,
+            "max_distance": 16,
+        }
+    },
     # The mixtures of experts in f32: in bf16 a choice of experts flips wherever two of a
     # token's probabilities round apart differently on two layouts, and moves a token's whole
     # gradient to another expert (qwen3_moe, top 2 of 8: 0.27 between 1x1x1 and 2x2x2, and as

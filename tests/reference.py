@@ -66,6 +66,12 @@ class _Context:
     batch: Mapping[str, Array]
     # Set when the caller overrides the compute dtype: every float activation takes it.
     every_float: bool = False
+    # The streams computed so far, by name (cross-attention's memory, a position bias).
+    streams: dict[str, Array] = field(default_factory=dict)
+
+    def read(self, name: object) -> Array:
+        """A declared input or a stream, by the name a layer's argument gives."""
+        return self.streams[str(name)] if str(name) in self.streams else self.batch[str(name)]
 
     def dtype(self, t: ir.TensorType) -> Any:
         """The dtype of an activation the IR types as `t`."""
@@ -98,6 +104,7 @@ def evaluate(
     ctx = _Context(DTYPES[compute_dtype or program.train.compute_dtype], inputs, every_float=compute_dtype is not None)
 
     def forward(p: Weights) -> tuple[Array, Aux]:
+        ctx.streams.clear()  # traced anew for each transformation
         return _run(body, inputs[program.stream], p, ctx)
 
     if loss_layer is None:
@@ -163,6 +170,8 @@ def _run(
                     y = out if y is None else y + out
                     more = {k: more.get(k, 0.0) + one.get(k, 0.0) for k in {*more, *one}}
                 x = y.astype(ctx.dtype(node.output))
+            case ir.Stream():
+                ctx.streams[node.path], more = _run(node.body, ctx.batch[node.source], params, ctx, name)
             case ir.Block():
                 # Checkpointing changes what is stored, never a number.
                 x, more = _run(node.body, x, params, ctx, name)
@@ -292,12 +301,14 @@ def attention(layer: ir.Layer, w: Weights, x: Array, ctx: _Context) -> Array:
     heads, kv_heads, head_dim = layer.attr("heads"), layer.attr("kv_heads"), layer.attr("head_dim")
     assert isinstance(heads, int) and isinstance(kv_heads, int) and isinstance(head_dim, int)
     b, s, _ = x.shape
+    # Cross-attention: keys and values from the memory, a sequence of its own.
+    memory = ctx.read(layer.attr("memory")).astype(ctx.compute) if layer.attr("memory") is not None else x
 
-    def project(name: str, n: int) -> Array:
-        y = _matmul("bsd,de->bse", x, w[name], ctx)
-        return (y + w[f"{name}_bias"] if f"{name}_bias" in w else y).reshape(b, s, n, head_dim)
+    def project(name: str, n: int, source: Array) -> Array:
+        y = _matmul("bsd,de->bse", source, w[name], ctx)
+        return (y + w[f"{name}_bias"] if f"{name}_bias" in w else y).reshape(b, source.shape[1], n, head_dim)
 
-    q, k, v = project("q", heads), project("k", kv_heads), project("v", kv_heads)
+    q, k, v = project("q", heads, x), project("k", kv_heads, memory), project("v", kv_heads, memory)
     if layer.attr("qk_norm"):
         # Each head's query and key RMS-normalised over its features, then scaled.
         eps = float(layer.attr("norm_eps"))  # type: ignore[arg-type]
@@ -325,14 +336,20 @@ def attention(layer: ir.Layer, w: Weights, x: Array, ctx: _Context) -> Array:
     k = jnp.repeat(k, group, axis=2)
     v = jnp.repeat(v, group, axis=2)
     # Every query head attends on its own, to its own (repeated) key/value head.
-    scores = _f32(_matmul("bqhd,bkhd->bhqk", q, k, ctx)) / math.sqrt(head_dim)
+    scale = layer.attr("scale")
+    scores = _f32(_matmul("bqhd,bkhd->bhqk", q, k, ctx)) * (1 / math.sqrt(head_dim) if scale is None else scale)
     cap = layer.attr("softcap")
     if cap is not None:
         scores = float(cap) * jnp.tanh(scores / float(cap))  # type: ignore[arg-type]
+    if layer.attr("position_bias") is not None:
+        scores = scores + _f32(ctx.read(layer.attr("position_bias")))
     # Which keys each query may not see [b, q, k]: later ones (causal), those more than a
     # window back, those of another document.
-    query, key = np.arange(s)[:, None], np.arange(s)[None, :]
-    hidden = np.broadcast_to(docs[:, :, None] != docs[:, None, :], (b, s, s))
+    keys = memory.shape[1]
+    query, key = np.arange(s)[:, None], np.arange(keys)[None, :]
+    hidden = (
+        np.zeros((b, s, keys), bool) if keys != s else np.broadcast_to(docs[:, :, None] != docs[:, None, :], (b, s, s))
+    )
     if layer.attr("causal"):
         hidden = hidden | (key > query)[None]
     window = layer.attr("window")
@@ -342,6 +359,28 @@ def attention(layer: ir.Layer, w: Weights, x: Array, ctx: _Context) -> Array:
     out = _matmul("bhqk,bkhd->bqhd", _softmax(scores), v, ctx).reshape(b, s, heads * head_dim)
     y = _matmul("bse,ed->bsd", out, w["o"], ctx)
     return y + w["o_bias"] if "o_bias" in w else y
+
+
+def relative_position_bias(layer: ir.Layer, w: Weights, x: Array, ctx: _Context) -> Array:
+    """T5's bucketed relative positions, as its `_relative_position_bucket` writes them:
+    key - query distances, half the buckets exact, the rest logarithmic up to max_distance."""
+    s = x.shape[1]
+    relative = np.arange(s)[None, :] - np.arange(s)[:, None]
+    n = int(layer.attr("buckets"))  # type: ignore[call-overload]
+    far_end = int(layer.attr("max_distance"))  # type: ignore[call-overload]
+    bucket = np.zeros((s, s), np.int64)
+    if layer.attr("bidirectional"):
+        n //= 2
+        bucket += (relative > 0).astype(np.int64) * n
+        relative = np.abs(relative)
+    else:
+        relative = -np.minimum(relative, 0)
+    exact = n // 2
+    with np.errstate(divide="ignore"):
+        large = exact + (np.log(relative.astype(np.float32) / exact) / math.log(far_end / exact) * (n - exact))
+    large = np.minimum(np.where(relative < exact, 0, large).astype(np.int64), n - 1)
+    bucket += np.where(relative < exact, relative, large)
+    return jnp.transpose(w["table"][bucket], (2, 0, 1))[None]
 
 
 def gelu(layer: ir.Layer, w: Weights, x: Array, ctx: _Context) -> Array:
@@ -494,6 +533,7 @@ LAYERS: dict[str, LayerMath] = {
     "layernorm": layernorm,
     "rmsnorm": rmsnorm,
     "attention": attention,
+    "relative_position_bias": relative_position_bias,
     "gelu": gelu,
     "relu": relu,
     "silu": silu,

@@ -82,6 +82,17 @@ def check_pipelined_kernels(program: Program, diags: Diagnostics) -> None:
     p = program.pipeline
     if p is None or program.stages * p.virtual == 1:
         return
+    for stream in program.streams:
+        # The executor hands each chunk the one activation of `forward`; a stream would have
+        # to travel to every stage whose layers read it, besides.
+        diags.error(
+            "E029",
+            f"stream `{stream.path}` is a second activation, and the pipeline hands each stage only the "
+            "activation of `forward`, not the streams its layers read",
+            stream.span,
+            labels=(Label(p.span, f"pipelined over `{p.axis}` here"),),
+            help="drop the pipeline from a model with streams (split the batch, the heads or the weights instead)",
+        )
     for layer in all_layers(program):
         refusal = RULES[layer.kind].pipeline_refusal(layer)
         if refusal is not None:

@@ -47,7 +47,7 @@ class WeightArg:
 
 @dataclass(frozen=True, slots=True)
 class Statement:
-    kind: Literal["layer", "copy", "branch", "add", "sum", "layout", "block", "scan"]
+    kind: Literal["layer", "copy", "branch", "add", "sum", "stream", "keep", "layout", "block", "scan"]
     var: str
     source: str = ""  # where it was written: "gpt_small.par:24  attn: attention(...)"
     # layer
@@ -59,7 +59,8 @@ class Statement:
     static: tuple[tuple[str, object], ...] = ()
     output: ir.Sharding | None = None
     path: Path | None = None  # layer: the name a selective checkpoint keeps its output by, if it does
-    # copy / branch / add: the other variable; sum: the variables summed; layout: the sharding
+    # copy / branch / add: the other variable; sum: the variables summed; layout: the sharding;
+    # stream: the input it starts from; keep: the name the layers that read it use
     other: str = ""
     others: tuple[str, ...] = ()
     sharding: ir.Sharding = ()
@@ -163,6 +164,13 @@ class Builder:
                         cls.statements.append(Statement("branch", arm_var, self.where(at, text=False), other=var))
                         self.statements(cls, arm, arm_var, base, attrs, depth)
                     cls.statements.append(Statement("sum", var, others=arms))
+                case ir.Stream():
+                    # Its own variable (a suffix no other local has); kept among the inputs,
+                    # where the layers reading it find it by name.
+                    stream = f"{node.path}_stream"
+                    cls.statements.append(Statement("stream", stream, self.where(node.span), other=node.source))
+                    self.statements(cls, node.body, stream, base, attrs, depth)
+                    cls.statements.append(Statement("keep", stream, other=node.path))
                 case ir.Block():
                     attr = attrs.claim(_label(node.path, base))
                     cls.attributes.append(

@@ -26,11 +26,13 @@ def bind_arguments(
     diags: Diagnostics,
     globals_: Mapping[str, ScalarValue] | None = None,
     spans: dict[str, Span] | None = None,
+    streams: Collection[str] = (),
 ) -> dict[str, object] | None:
     """The call's arguments bound to `specs` and evaluated, defaults filled in; None after
     reporting what is wrong. `inputs` are the declared inputs an argument of type "input" may
-    name. `spans`, when given, receives where each argument written in the call is (those
-    left to their defaults have none)."""
+    name; one of type "stream" may name those or the `streams` computed before the call.
+    `spans`, when given, receives where each argument written in the call is (those left to
+    their defaults have none)."""
     raw = _match(specs, call, what, diags)
     if raw is None:
         return None
@@ -40,7 +42,8 @@ def bind_arguments(
     values: dict[str, object] = {}
     for spec in specs:
         if spec.name in raw:
-            value = _value(spec, raw[spec.name], scope, what, inputs, diags)
+            readable = [*inputs, *streams] if spec.type == "stream" else inputs
+            value = _value(spec, raw[spec.name], scope, what, readable, diags)
             if value is INVALID:
                 ok = False
                 continue
@@ -143,12 +146,13 @@ def _value(
     """The value of one argument written in the call (None for `none` where the spec allows
     it); INVALID after reporting it is not of its spec's type."""
     v = arg.value
-    if spec.type == "input":
+    if spec.type in ("input", "stream"):
+        kind = "declared input" if spec.type == "input" else "declared input or an earlier `stream`"
         if not isinstance(v, ast.NameRef):
-            diags.error("E024", f"`{spec.name}` of {what} names a declared input", v.span)
+            diags.error("E024", f"`{spec.name}` of {what} names a {kind}", v.span)
             return INVALID
         if v.name not in inputs:
-            diags.add(unknown_name("input", v.name, v.span, inputs))
+            diags.add(unknown_name("input" if spec.type == "input" else "input or stream", v.name, v.span, inputs))
             return INVALID
         return v.name
     if spec.type == "choice":

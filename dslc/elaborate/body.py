@@ -59,12 +59,14 @@ class _Builder(Walk):
         self.count = 0
         self.too_big = False
         self.misplaced_stages = False
+        # The input `forward` reads; `stream` is the one the statement being elaborated reads.
+        self.main = ""
 
     # entry ---------------------------------------------------------------------------------------
 
     def forward(self, fwd: ast.ForwardDef) -> tuple[str, list[Segment]] | None:
         stream = fwd.input.text
-        self.stream = stream
+        self.stream = self.main = stream
         if stream not in self.header.inputs:
             self.diags.add(unknown_name("input", stream, fwd.input.span, self.header.inputs))
             return None
@@ -115,6 +117,10 @@ class _Builder(Walk):
                         out.append(node)
                 case ast.ResidualStmt():
                     out.append(self._residual(stmt, flow, scope, prefix, names))
+                case ast.StreamStmt():
+                    stream = self._stream(stmt, flow, scope, prefix)
+                    if stream is not None:
+                        out.append(stream)
                 case ast.RepeatStmt():
                     out.extend(self._repeat(stmt, names[id(stmt)], flow, scope, prefix))
                 case ast.LayoutStmt():
@@ -163,6 +169,58 @@ class _Builder(Walk):
         out_type = x if x is not UNKNOWN else UNKNOWN
         flow.type, flow.span = out_type, stmt.span
         return ir.Residual(path, tuple(body), x, out_type, stmt.span)
+
+    def _stream(self, stmt: ast.StreamStmt, flow: Flow, scope: Scope, prefix: str) -> ir.Stream | None:
+        """`stream NAME(SOURCE) { ... }`: the body run on input SOURCE, its output readable as
+        NAME by the layers after it; the activation `flow` carries is left as it is."""
+        name, source = stmt.label.text, stmt.source.text
+        if prefix or self.depth or self.stream != self.main:
+            self.diags.error(
+                "E028",
+                "`stream` computes an activation of its own from a declared input, so it may only appear "
+                "at the top of `forward`",
+                stmt.span,
+                help="move the `stream` before the block or statement it sits in",
+            )
+            return None
+        if name in self.header.inputs:
+            self.diags.error(
+                "E011",
+                f"`{name}` names a declared input already, so a stream cannot take the name",
+                stmt.label.span,
+                labels=[Label(self.header.inputs[name].span, "declared here")],
+            )
+            return None
+        if source not in self.header.inputs:
+            self.diags.add(unknown_name("input", source, stmt.source.span, self.header.inputs))
+            return None
+        src = self.header.inputs[source]
+        inner = Flow(UNKNOWN if source in self.header.untyped_inputs else src.type, src.span)
+        self.stream = source
+        try:
+            body = self._seq(stmt.body, inner, scope, name + ".", name_statements(stmt.body, self.diags))
+        finally:
+            self.stream = self.main
+        if inner.after_loss is not None:
+            self.diags.error(
+                "E028",
+                "a loss ends the forward pass, so it cannot sit inside a `stream`",
+                inner.after_loss,
+                help="compute the loss at the end of `forward`, after the stream is read",
+            )
+            inner.type = UNKNOWN
+        if not stmt.body:
+            self.diags.error(
+                "E028",
+                f"stream `{name}` has no layers, so it is input `{source}` itself",
+                stmt.span,
+                help=f"read `{source}` by its own name, or give the stream the layers that compute it",
+            )
+            return None
+        self.streams[name] = ir.Input(name, inner.type, stmt.span)
+        if inner.type is UNKNOWN:
+            self.untyped_streams.add(name)
+        return ir.Stream(name, source, tuple(body), flow.type, flow.type, inner.type, stmt.span)
 
     def _branches(
         self,

@@ -68,3 +68,17 @@ class Walk:
     heads: set[int] = field(default_factory=set)
     # Weight dimensions reported as not splitting evenly (E014), in the order reported.
     uneven: list[UnevenSplit] = field(default_factory=list)
+    # The `stream`s computed so far, as the inputs their readers take them for, and those
+    # whose type is unknown (a mistake in their body, reported).
+    streams: dict[str, ir.Input] = field(default_factory=dict)
+    untyped_streams: set[str] = field(default_factory=set)
+
+    @property
+    def readable(self) -> dict[str, ir.Input]:
+        """What a layer may read by name: the declared inputs and the streams computed so far."""
+        return {**self.header.inputs, **self.streams}
+
+    @property
+    def untyped(self) -> set[str]:
+        """The readable names without a type (reported where they were declared)."""
+        return self.header.untyped_inputs | self.untyped_streams

@@ -30,7 +30,16 @@ def infer_layer(
     its output typed by the rule from the activation `flow` carries, which it updates. None
     after reporting arguments the rule refuses."""
     arg_spans: dict[str, Span] = {}
-    attrs = bind_arguments(rule.args, call, scope, f"`{rule.kind}`", walk.header.inputs, walk.diags, spans=arg_spans)
+    attrs = bind_arguments(
+        rule.args,
+        call,
+        scope,
+        f"`{rule.kind}`",
+        walk.header.inputs,
+        walk.diags,
+        spans=arg_spans,
+        streams=walk.streams,
+    )
     takes_classes = "classes" in {arg.name for arg in rule.args}
     if attrs is not None and flow.classes is not None and takes_classes and "classes" not in arg_spans:
         # The loss after a padded head counts only the real classes.
@@ -42,7 +51,7 @@ def infer_layer(
         path=path,
         span=call.span,
         input_span=flow.span,
-        inputs=walk.header.inputs,
+        inputs=walk.readable,
         compute_dtype=walk.header.train.compute_dtype,
         diags=walk.diags,
         arg_spans=arg_spans,
@@ -57,13 +66,15 @@ def infer_layer(
         walk.declared[f"{path}.{w.name}"] = Declared(w, walk.repeats > 0)
     x = flow.type
     y = UNKNOWN
-    # A layer that reads a declared input (a loss's targets) compares it with the
-    # activation, which comes from the stream input. An unreadable target leaves nothing
+    # A layer that reads a declared input (a loss's targets) or a stream compares it with
+    # the activation, which comes from the input the body reads. An unreadable target leaves nothing
     # to compare; a refused sharding on either side leaves shapes, but not shardings.
-    reads = set(input_args(rule, attrs).values())
+    read = input_args(rule, attrs)
+    reads = set(read.values())
     if reads and (reads | {walk.stream}) & walk.header.broken_inputs:
         ctx.shardings_as_written = False
-    if x is not UNKNOWN and weights is not None and not reads & walk.header.untyped_inputs:
+    read_types = {arg: walk.readable[name].type for arg, name in read.items()}
+    if x is not UNKNOWN and weights is not None and not reads & walk.untyped:
         typed = rule.infer(a, x, {w.name: w.type for w in weights}, ctx)
         y = typed if typed is not None else UNKNOWN
     node = ir.Layer(
@@ -74,9 +85,10 @@ def infer_layer(
         input=x,
         output=y,
         collectives=tuple(ctx.collectives),
-        flops=rule.flops(a, x, y) if y is not UNKNOWN else 0,
+        flops=rule.flops_reading(a, x, y, read_types) if y is not UNKNOWN else 0,
         operand=ctx.operand if ctx.operand is not None else x.sharding,
         span=span,
+        reads=tuple(read_types.items()),
     )
     flow.type, flow.span = y, span
     widened = vocab is not None and vocab.logits and y is not UNKNOWN and y.shape[-1] != vocab.size

@@ -214,6 +214,9 @@ class Layer:
     # the layer gathers split tokens first (sequence parallelism).
     operand: Sharding = ()
     span: Span = field(default=NO_SPAN, compare=False, repr=False)
+    # The declared inputs and streams the layer reads besides its input, by argument, with
+    # their types (a loss's targets, cross-attention's memory).
+    reads: tuple[tuple[str, TensorType], ...] = ()
 
     def attr(self, name: str) -> object:
         """An argument by its name, untyped: for readers that must not share the rules' parsing
@@ -275,6 +278,22 @@ class Branches:
 
 
 @dataclass(frozen=True, slots=True)
+class Stream:
+    """`stream NAME(SOURCE) { ... }`: a second activation, `body` run on the declared input
+    `source`, kept under `path` (its name) for the layers that read it (cross-attention's
+    memory, T5's position bias) as they read a declared input. The activation of `forward`
+    passes by unchanged: `input` is `output`; `result` is what the body computes."""
+
+    path: str
+    source: str
+    body: tuple[Node, ...]
+    input: TensorType
+    output: TensorType
+    result: TensorType
+    span: Span = field(default=NO_SPAN, compare=False, repr=False)
+
+
+@dataclass(frozen=True, slots=True)
 class Block:
     """One use of a user-defined block."""
 
@@ -330,7 +349,7 @@ class Repeat:
         return self.total or self.count
 
 
-Node: TypeAlias = Layer | Residual | Branches | Block | Layout | Repeat
+Node: TypeAlias = Layer | Residual | Branches | Stream | Block | Layout | Repeat
 
 
 @dataclass(frozen=True, slots=True)
@@ -419,6 +438,11 @@ class Program:
         nodes = self.nodes
         return nodes[:-1] if self.loss is not None else nodes
 
+    @property
+    def streams(self) -> tuple[Stream, ...]:
+        """The `stream` statements of the forward body, in order."""
+        return tuple(n for n in self.nodes if isinstance(n, Stream))
+
     def chunk_body(self, chunk: Chunk) -> tuple[Node, ...]:
         """A chunk's nodes, less the loss where the chunk ends in it."""
         last = self.loss is not None and chunk is self.chunks[-1]
@@ -445,7 +469,7 @@ class Program:
 
 def children(node: Node) -> tuple[Node, ...]:
     match node:
-        case Residual(body=body) | Branches(body=body) | Block(body=body):
+        case Residual(body=body) | Branches(body=body) | Stream(body=body) | Block(body=body):
             return body
         case Repeat(body=block):
             return (block,)
@@ -482,7 +506,7 @@ def own_layers(body: tuple[Node, ...]) -> list[Layer]:
         node = stack.pop()
         if isinstance(node, Layer):
             out.append(node)
-        elif isinstance(node, Residual | Branches):
+        elif isinstance(node, Residual | Branches | Stream):
             stack.extend(reversed(node.body))
     return out
 
@@ -515,7 +539,7 @@ def unrolled(nodes: tuple[Node, ...]) -> tuple[Node, ...]:
                     copy = _renamed(node.body, node.path, i)
                     assert isinstance(copy, Block)
                     out.append(replace(copy, body=unrolled(copy.body)))
-            case Residual() | Block():
+            case Residual() | Stream() | Block():
                 out.append(replace(node, body=unrolled(node.body)))
             case Branches():
                 out.append(replace(node, arms=tuple(unrolled(arm) for arm in node.arms)))
@@ -532,7 +556,7 @@ def _renamed(node: Node, prefix: str, index: int) -> Node:
     match node:
         case Layer() | Layout():
             return replace(node, path=path)
-        case Residual() | Block():
+        case Residual() | Stream() | Block():
             return replace(node, path=path, body=tuple(_renamed(c, prefix, index) for c in node.body))
         case Branches():
             arms = tuple(tuple(_renamed(c, prefix, index) for c in arm) for arm in node.arms)
@@ -585,7 +609,7 @@ def stacked_weights(nodes: tuple[Node, ...]) -> list[StackedWeight]:
                     out.append(StackedWeight(name, w, node, repeats))
             case Repeat():
                 visit(node.body, (*repeats, node))
-            case Residual() | Branches() | Block():
+            case Residual() | Branches() | Stream() | Block():
                 for child in node.body:
                     visit(child, repeats)
             case Layout():

@@ -35,6 +35,9 @@ def signature(node: ir.Node, prefix: str | None = None) -> object:
         case ir.Branches():
             arms = tuple(tuple(signature(c, prefix) for c in arm) for arm in node.arms)
             return ("branches", relative, node.input, node.output, arms)
+        case ir.Stream():
+            body = tuple(signature(c, prefix) for c in node.body)
+            return ("stream", relative, node.source, node.result, body)
         case ir.Residual() | ir.Block():
             remat = node.remat if isinstance(node, ir.Block) else None
             saved = tuple(p[len(prefix) :] for p in remat.saved) if remat else ()

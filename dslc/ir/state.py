@@ -21,6 +21,7 @@ from dslc.ir.nodes import (
     Repeat,
     Residual,
     Sharding,
+    Stream,
     TensorType,
     Weight,
 )
@@ -96,7 +97,7 @@ def gathered_weights_kept(program: Program) -> int:
             match node:
                 case Layer():
                     total += times * sum(w.type.local_nbytes(mesh) for w in node.weights if kept(node, w))
-                case Residual() | Branches():
+                case Residual() | Branches() | Stream():
                     total += walk(node.body, times)
                 case Repeat():
                     total += walk((node.body,), times * node.count)

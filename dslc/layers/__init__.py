@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, TypeVar, cast
 
 from dslc.ir.nodes import Layer
-from dslc.layers.attention import Attention
+from dslc.layers.attention import Attention, RelativePositionBias
 from dslc.layers.base import LayerRule
 from dslc.layers.conv import Conv
 from dslc.layers.dense import Embed, Linear, PositionEmbed, SwiGLU
@@ -24,6 +24,7 @@ RULES: dict[str, LayerRule[Any]] = {
         LayerNorm(),
         RmsNorm(),
         Attention(),
+        RelativePositionBias(),
         Gelu(),
         Relu(),
         Silu(),

@@ -60,6 +60,14 @@ class AttentionArgs:
     qk_norm: bool
     norm_eps: float
     softcap: float | None
+    memory: str | None
+    position_bias: str | None
+    scale: float | None
+
+    @property
+    def score_scale(self) -> float:
+        """What q·k is multiplied by: `scale`, or 1/sqrt(head_dim)."""
+        return self.scale if self.scale is not None else self.head_dim**-0.5
 
 
 # Under `kernel=auto`, sequences of at least this many tokens take the flash algorithm,
@@ -69,9 +77,13 @@ FLASH_FROM = 1024
 
 
 def algorithm(a: AttentionArgs, seq: int) -> str:
-    """The core's algorithm for a sequence of `seq` tokens: "dense" or "flash"."""
+    """The core's algorithm for a sequence of `seq` tokens: "dense" or "flash". Attention
+    over a memory, or with a position bias added to its scores, is dense: the flash core's
+    blocks are of one sequence against itself, and take no bias."""
     if a.kernel != "auto":
         return a.kernel
+    if a.memory is not None or a.position_bias is not None:
+        return "dense"
     return "flash" if seq >= FLASH_FROM or a.segments is not None else "dense"
 
 
@@ -123,13 +135,30 @@ class Attention(LayerRule[AttentionArgs]):
             None,
             "cap the scaled scores at softcap * tanh(s / softcap) before the mask and softmax (Gemma 2: 50.0)",
         ),
+        ArgSpec(
+            "memory",
+            "stream",
+            None,
+            "cross-attention: keys and values from this stream or declared input [batch, keys, dim] (an encoder's "
+            "output) rather than from the layer's input; with causal=false",
+        ),
+        ArgSpec(
+            "position_bias",
+            "stream",
+            None,
+            "a stream [1, heads, seq, keys] added to the scaled scores (T5's `relative_position_bias`)",
+        ),
+        ArgSpec("scale", "float", None, "what q·k is multiplied by; 1/sqrt(head_dim) when left out (T5: 1.0)"),
     )
     Args = AttentionArgs
 
     def weights(self, a: AttentionArgs) -> tuple[WeightSpec, ...]:
         d, h, kv, hd = a.dim, a.heads, a.kv_heads, a.head_dim
+        # Under a scale of its own the queries start smaller or larger by what the scale adds
+        # over 1/sqrt(head_dim), so that the scores start out alike (T5's initialisation).
+        gain = 1.0 if a.scale is None else hd**-0.5 / a.scale
         projections = (
-            WeightSpec("q", (d, h * hd), "fan_in"),
+            WeightSpec("q", (d, h * hd), "fan_in", gain=gain),
             WeightSpec("k", (d, kv * hd), "fan_in"),
             WeightSpec("v", (d, kv * hd), "fan_in"),
             WeightSpec("o", (h * hd, d), "fan_in"),
@@ -158,6 +187,27 @@ class Attention(LayerRule[AttentionArgs]):
                 "a sliding window keeps the latest keys before each query, so it needs causal=true",
                 at=ctx.arg_span("window"),
                 help="write causal=true, or leave out `window`",
+            )
+            return False
+        if a.memory is not None:
+            taken = {"causal": a.causal, "rope": a.rope, "segments": a.segments is not None}
+            wrong = next((name for name, given in taken.items() if given), None)
+            if wrong is not None:
+                ctx.error(
+                    "E024",
+                    f"cross-attention sees every token of its memory, which is another sequence than its queries', "
+                    f"so it takes no `{wrong}`" + (" (true unless written false)" if wrong == "causal" else ""),
+                    at=ctx.arg_span(wrong) if wrong in ctx.arg_spans else ctx.arg_span("memory"),
+                    help=f"write {wrong}=false" if wrong != "segments" else "leave out `segments`",
+                )
+                return False
+        if a.kernel == "flash" and (a.memory is not None or a.position_bias is not None):
+            given = "memory" if a.memory is not None else "position_bias"
+            ctx.error(
+                "E024",
+                f"the flash kernel computes one sequence against itself with no bias, so it takes no `{given}`",
+                at=ctx.arg_span("kernel"),
+                help="write kernel=dense, or leave `kernel` out",
             )
             return False
         if a.rope and a.head_dim % 2:
@@ -211,6 +261,23 @@ class Attention(LayerRule[AttentionArgs]):
             return None
         if a.segments is not None and not self._segments_fit(a.segments, x, ctx):
             return None
+        keys = x
+        if a.memory is not None:
+            if context:
+                ctx.error(
+                    "E029",
+                    f"`{ctx.path}` is ring attention (its sequence is split over {fmt_axes(context)}), which does "
+                    "not read a memory",
+                    at=ctx.arg_span("memory"),
+                    help="leave the sequence whole in cross-attention layers",
+                )
+                return None
+            found = self._memory(a, a.memory, x, ctx)
+            if found is None:
+                return None
+            keys = found
+        if a.position_bias is not None and not self._bias_fits(a, a.position_bias, x, keys, tp, ctx):
+            return None
         if context and a.causal:
             half = TensorType(ctx.compute_dtype, (x.shape[0], x.shape[1] // 2, x.shape[2]), x.sharding)
             for part in ("first", "second"):
@@ -218,7 +285,9 @@ class Attention(LayerRule[AttentionArgs]):
                     "collective-permute", context, half, f"`{ctx.path}`: zig-zag the {part} half of the tokens"
                 )
         heads_out = contract(ctx, x, w["q"], "q", ctx.compute_dtype)
-        if heads_out is None or None in (contract(ctx, x, w[n], n, ctx.compute_dtype) for n in "kv"):
+        if heads_out is None or None in (
+            contract(ctx, keys, w[n], n, ctx.compute_dtype, is_input=keys is x) for n in "kv"
+        ):
             return None
         if context:
             self._ring_passes(a, x, w, context, ctx)
@@ -300,6 +369,61 @@ class Attention(LayerRule[AttentionArgs]):
             return False
         return True
 
+    def _memory(self, a: AttentionArgs, name: str, x: TensorType, ctx: Context) -> TensorType | None:
+        """The type of the memory `name` the keys and values are computed from; None after
+        reporting why it cannot be read: [batch, keys, dim] like the input's batch, its tokens
+        and features whole on every device that reads it."""
+        m = ctx.inputs[name].type
+        if m.rank != 3 or m.shape[0] != x.shape[0] or m.shape[2] != a.dim or m.dtype not in ("f32", "bf16", "f16"):
+            ctx.error(
+                "E016",
+                f"`memory` of `{ctx.path}` reads `{name}`, which is {m.describe()}: it needs the keys' tokens "
+                f"[{x.shape[0]}, keys, {a.dim}] in floating point, as many sequences as the queries' batch",
+                at=ctx.arg_span("memory"),
+                labels=[Label(ctx.inputs[name].span, f"`{name}` is made here")],
+            )
+            return None
+        if m.sharding[0] != x.sharding[0] or m.sharding[1] or m.sharding[2]:
+            axes = x.sharding[0]
+            batch = "_" if not axes else axes[0] if len(axes) == 1 else f"({', '.join(axes)})"
+            ctx.error(
+                "E017",
+                f"`memory` of `{ctx.path}` reads `{name}` split as {m.describe()}, but each device needs its "
+                f"sequences' whole memory, split like the queries' batch ({x.describe()})",
+                at=ctx.arg_span("memory"),
+                labels=[Label(ctx.inputs[name].span, f"`{name}` is made here")],
+                help=f"end the stream with `layout [{batch}, _, _]`",
+            )
+            return None
+        return m
+
+    def _bias_fits(self, a: AttentionArgs, name: str, x: TensorType, keys: TensorType, tp: Axes, ctx: Context) -> bool:
+        """Whether the stream `name` is a bias [1, heads, seq, keys] for these scores, its
+        heads split like the query heads; reports why not."""
+        bias = ctx.inputs[name].type
+        want = (1, a.heads, x.shape[1], keys.shape[1])
+        if bias.shape != want or bias.dtype not in ("f32", "bf16", "f16"):
+            ctx.error(
+                "E016",
+                f"`position_bias` of `{ctx.path}` reads `{name}`, which is {bias.describe()}: it needs "
+                f"[{', '.join(map(str, want))}] in floating point, a score for each head, query and key",
+                at=ctx.arg_span("position_bias"),
+                labels=[Label(ctx.inputs[name].span, f"`{name}` is made here")],
+            )
+            return False
+        if bias.sharding != ((), tp, (), ()):
+            heads = "_" if not tp else tp[0] if len(tp) == 1 else f"({', '.join(tp)})"
+            ctx.error(
+                "E017",
+                f"`position_bias` of `{ctx.path}` reads `{name}` split as {bias.describe()}, but its heads must be "
+                f"split as the query heads are ({fmt_axes(tp) if tp else 'whole'}) and nothing else",
+                at=ctx.arg_span("position_bias"),
+                labels=[Label(ctx.inputs[name].span, f"`{name}` is made here")],
+                help=f"shard the bias table's heads like `q`'s: table[_, {heads}]",
+            )
+            return False
+        return True
+
     def _ring_passes(
         self, a: AttentionArgs, x: TensorType, w: dict[str, TensorType], context: Axes, ctx: Context
     ) -> None:
@@ -364,19 +488,31 @@ class Attention(LayerRule[AttentionArgs]):
         return True
 
     def flops(self, a: AttentionArgs, x: TensorType, y: TensorType) -> int:
+        return self.layer_flops(a, x, x.shape[1])
+
+    def flops_reading(self, a: AttentionArgs, x: TensorType, y: TensorType, reads: Mapping[str, TensorType]) -> int:
+        return self.layer_flops(a, x, reads["memory"].shape[1] if "memory" in reads else x.shape[1])
+
+    def layer_flops(self, a: AttentionArgs, x: TensorType, keys: int) -> int:
+        """FLOPs of the layer on `x` whose keys and values come from `keys` tokens (its own, or
+        its memory's)."""
         b, s, d = x.shape
         h, kv, hd = a.heads, a.kv_heads, a.head_dim
-        projections = 2 * b * s * d * (2 * h + 2 * kv) * hd
+        projections = 2 * b * s * d * 2 * h * hd + 2 * b * keys * d * 2 * kv * hd
         qkv_biased, o_biased = a.bias or a.qkv_bias, a.bias
-        biases = bias_add_flops(b * s, (h + 2 * kv) * hd * qkv_biased + d * o_biased)
-        return projections + _scores_and_mix(a, x) + biases
+        biases = bias_add_flops(b * s, h * hd * qkv_biased + d * o_biased) + bias_add_flops(
+            b * keys, 2 * kv * hd * qkv_biased
+        )
+        return projections + _scores_and_mix(a, x, keys) + biases
 
     def core_flops(self, layer: Layer) -> int:
         # The scores q·kᵀ, half of the core's: the weighted sum's gradient needs only the
         # probabilities and the values, so autodiff never reruns the sum itself. Ring and
         # flash attention have no core to spare: their backward recomputes the scores block by
         # block anyway.
-        return 0 if _keeps_no_scores(layer) else _scores_and_mix(self.args_of(layer), layer.input) // 2
+        return (
+            0 if _keeps_no_scores(layer) else _scores_and_mix(self.args_of(layer), layer.input, keys_length(layer)) // 2
+        )
 
     def no_core_note(self, layer: Layer) -> str | None:
         if self.core_flops(layer):
@@ -467,6 +603,8 @@ class Attention(LayerRule[AttentionArgs]):
             static["norm_eps"] = a.norm_eps
         if a.softcap is not None and not operand[1]:
             static["softcap"] = a.softcap
+        if a.scale is not None:
+            static["scale"] = a.scale
         return static | {"dtype": dtype}
 
     def sized_args(self, a: AttentionArgs, x: TensorType, operand: Sharding) -> dict[str, object]:
@@ -505,11 +643,18 @@ def flash_block(seq: int) -> int:
     return block
 
 
-def _scores_and_mix(a: AttentionArgs, x: TensorType) -> int:
-    """FLOPs of the scores q·kᵀ [b, heads, s, s] and of their weighted sum of the values."""
+def _scores_and_mix(a: AttentionArgs, x: TensorType, keys: int | None = None) -> int:
+    """FLOPs of the scores q·kᵀ [b, heads, s, keys] and of their weighted sum of the values
+    (`keys`: the memory's tokens; the input's own when None)."""
     b, s, _ = x.shape
     h, hd = a.heads, a.head_dim
-    return 2 * 2 * b * h * s * s * hd
+    return 2 * 2 * b * h * s * (s if keys is None else keys) * hd
+
+
+def keys_length(layer: Layer) -> int:
+    """The tokens a checked attention layer's keys come from: its memory's, or its own."""
+    reads = dict(layer.reads)
+    return reads["memory"].shape[1] if "memory" in reads else layer.input.shape[1]
 
 
 def _score_copies(compute: str, a: AttentionArgs) -> int:
@@ -532,7 +677,10 @@ def _attention_sizes(layer: Layer, mesh: Mesh, slices: int) -> tuple[int, int, i
     h_local = h // mesh.size(layer.weight("q").type.sharding[1])
     kv_local = kv // mesh.size(layer.weight("k").type.sharding[1])
     rows = b * h_local * s
-    return operand_numel(layer, mesh, slices), rows * hd, 2 * b * s * kv_local * hd, rows * s, rows
+    # Under context parallelism the keys are this device's share of the sequence, as the
+    # queries are; a memory is whole on every device.
+    keys = s if "memory" not in dict(layer.reads) else keys_length(layer)
+    return operand_numel(layer, mesh, slices), rows * hd, 2 * b * keys * kv_local * hd, rows * keys, rows
 
 
 def ring_backward_collectives(layer: Layer, mesh: Mesh) -> tuple[Collective, ...]:
@@ -562,3 +710,83 @@ def context_axes(layer: Layer, mesh: Mesh) -> Axes:
     if layer.kind != Attention.kind or not layer.operand or mesh.size(layer.operand[1]) == 1:
         return ()
     return layer.operand[1]
+
+
+@dataclass(frozen=True, slots=True)
+class RelativePositionBiasArgs:
+    """The arguments of one use of `RelativePositionBias`."""
+
+    heads: int
+    buckets: int
+    max_distance: int
+    bidirectional: bool
+
+
+class RelativePositionBias(LayerRule[RelativePositionBiasArgs]):
+    """T5's relative position bias: a learned score per head for each bucket of key-minus-query
+    distances (exact for near ones, logarithmic out to `max_distance`), as a stream that the
+    attention layers of a stack add to their scores (`attention(..., position_bias=NAME)`):
+    one table for all of them, as T5 computes it in its first layer and passes it on."""
+
+    kind = "relative_position_bias"
+    doc = (
+        "T5's relative position bias from [batch, seq, ...] (tokens or vectors; only their number is read) to "
+        "[1, heads, seq, seq]: table [buckets, heads], its heads split like the attention heads that read it."
+    )
+    args = (
+        ArgSpec("heads", "int", doc="attention heads"),
+        ArgSpec("buckets", "int", 32, "distance buckets (T5's relative_attention_num_buckets)"),
+        ArgSpec("max_distance", "int", 128, "distances past this share the last bucket"),
+        ArgSpec(
+            "bidirectional",
+            "bool",
+            True,
+            "keys before and after a query take buckets of their own (an encoder's); false: a decoder's, whose "
+            "queries see only earlier keys",
+        ),
+    )
+    Args = RelativePositionBiasArgs
+
+    def weights(self, a: RelativePositionBiasArgs) -> tuple[WeightSpec, ...]:
+        return (WeightSpec("table", (a.buckets, a.heads), "normal"),)
+
+    def validate(self, a: RelativePositionBiasArgs, ctx: Context) -> bool:
+        exact = a.buckets // 2 if a.bidirectional else a.buckets
+        if exact < 2 or a.max_distance <= exact // 2:
+            ctx.error(
+                "E024",
+                f"`{ctx.path}` keeps half of its {exact} buckets{' each way' if a.bidirectional else ''} for exact "
+                f"distances and spreads the rest out to max_distance = {a.max_distance}, which must exceed "
+                f"{exact // 2}",
+                at=ctx.arg_span("max_distance") if "max_distance" in ctx.arg_spans else ctx.arg_span("buckets"),
+                help="T5 uses buckets=32, max_distance=128",
+            )
+            return False
+        return True
+
+    def infer(
+        self, a: RelativePositionBiasArgs, x: TensorType, w: dict[str, TensorType], ctx: Context
+    ) -> TensorType | None:
+        if x.rank < 2:
+            ctx.error(
+                "E016",
+                f"`{ctx.path}` reads the length of a sequence [batch, seq, ...], but its input is {x.describe()}",
+                labels=[Label(ctx.input_span, "input produced here")],
+            )
+            return None
+        table = w["table"]
+        if not same_sharding(ctx, "table", table, 0, (), "a score is looked up by its bucket, anywhere in the table"):
+            return None
+        seq = x.shape[1]
+        return TensorType(ctx.compute_dtype, (1, a.heads, seq, seq), ((), table.sharding[1], (), ()))
+
+    def residual_bytes(self, layer: Layer, mesh: Mesh, compute: str, slices: int) -> int:
+        return 0  # a lookup keeps only its (constant) buckets
+
+    def workspace_bytes(self, layer: Layer, mesh: Mesh, compute: str, slices: int) -> int:
+        return layer.output.local_nbytes(mesh)  # the bias's gradient, summed over its readers
+
+    def kernel_args(
+        self, a: RelativePositionBiasArgs, dtype: str, operand: Sharding, weights: Mapping[str, Sharding]
+    ) -> dict[str, object]:
+        return {"bidirectional": a.bidirectional, "max_distance": a.max_distance, "dtype": dtype}

@@ -30,8 +30,9 @@ class _Required:
 
 REQUIRED = _Required()
 
-# "any" is for block parameters, which take whatever value they are given.
-ArgType = Literal["int", "float", "bool", "input", "choice", "any"]
+# "any" is for block parameters, which take whatever value they are given. "stream" names a
+# declared input or a `stream` computed before the layer (cross-attention's memory).
+ArgType = Literal["int", "float", "bool", "input", "stream", "choice", "any"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,13 +70,17 @@ class WeightSpec:
     shape: tuple[int, ...]
     init: str
     fan_in: int = 0
+    # "fan_in": the standard deviation times this (attention's queries under a `scale` of its
+    # own, so that the scores start out as large as under the default one).
+    gain: float = 1.0
 
     def initializer(self) -> str:
         """The IR's initializer: "zeros", "ones" or "normal:STD"."""
         match self.init:
             case "fan_in":
                 fan_in = self.fan_in or math.prod(self.shape[:-1])
-                return f"normal:{fan_in**-0.5!r}"
+                std = fan_in**-0.5 if self.gain == 1.0 else fan_in**-0.5 * self.gain
+                return f"normal:{std!r}"
             case "normal":
                 return "normal:0.02"
             case _:
@@ -206,6 +211,11 @@ class LayerRule(Generic[A]):
     def infer(self, a: A, x: TensorType, w: dict[str, TensorType], ctx: Context) -> TensorType | None:
         raise NotImplementedError
 
+    def flops_reading(self, a: A, x: TensorType, y: TensorType, reads: Mapping[str, TensorType]) -> int:
+        """`flops` of a use that reads `reads` (the declared inputs and streams it names, by
+        argument): what a layer computes from them besides its input (cross-attention's keys)."""
+        return self.flops(a, x, y)
+
     def flops(self, a: A, x: TensorType, y: TensorType) -> int:
         """Forward FLOPs for the whole (global) batch, by one convention for every kind.
 
@@ -329,9 +339,13 @@ class LayerRule(Generic[A]):
 
 
 def input_args(rule: LayerRule[Any], attrs: Mapping[str, object]) -> dict[str, str]:
-    """The declared inputs one use of a layer reads, by argument name (an optional input
-    argument left out, such as a loss's `mask`, is not listed)."""
-    return {arg.name: str(attrs[arg.name]) for arg in rule.args if arg.type == "input" and attrs[arg.name] is not None}
+    """The declared inputs and streams one use of a layer reads, by argument name (an optional
+    input argument left out, such as a loss's `mask`, is not listed)."""
+    return {
+        arg.name: str(attrs[arg.name])
+        for arg in rule.args
+        if arg.type in ("input", "stream") and attrs[arg.name] is not None
+    }
 
 
 F32 = 4  # bytes of the f32 copies that normalisation and the losses compute in

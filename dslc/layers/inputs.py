@@ -80,10 +80,10 @@ def id_ranges(program: ir.Program) -> dict[str, IdRange]:
     """For integer inputs that index something: token ids below the embedding's vocabulary,
     class labels below the logits' width."""
     ranges: dict[str, IdRange] = {}
-    for layer in ir.all_layers(program):
-        if layer.kind == Embed.kind and layer.input.dtype in ir.INT_DTYPES and program.stream not in ranges:
+    for source, layer in _layers_by_source(program):
+        if layer.kind == Embed.kind and layer.input.dtype in ir.INT_DTYPES and source not in ranges:
             vocab = args(layer, Embed).vocab
-            ranges[program.stream] = IdRange(vocab, f"`{layer.path}` takes token ids 0 .. {vocab - 1} (vocab {vocab})")
+            ranges[source] = IdRange(vocab, f"`{layer.path}` takes token ids 0 .. {vocab - 1} (vocab {vocab})")
         if layer.kind == CrossEntropy.kind:
             # Logits past `classes` are a padded vocabulary's: no target names them.
             loss = args(layer, CrossEntropy)
@@ -92,6 +92,14 @@ def id_ranges(program: ir.Program) -> dict[str, IdRange]:
             what = f"`{layer.path}` takes class ids 0 .. {classes - 1} ({classes} logits), or {ignored} (not counted)"
             ranges[loss.targets] = IdRange(classes, what, ignored)
     return ranges
+
+
+def _layers_by_source(program: ir.Program) -> list[tuple[str, ir.Layer]]:
+    """Every layer with the input its activation comes from: a stream's layers from the
+    stream's source, the others from the input `forward` reads."""
+    streams = [(stream.source, layer) for stream in program.streams for layer in ir.layers(stream.body)]
+    inside = {id(layer) for _, layer in streams}
+    return [*streams, *((program.stream, layer) for layer in ir.all_layers(program) if id(layer) not in inside)]
 
 
 def integer_bounds(program: ir.Program) -> dict[str, int]:
@@ -107,8 +115,9 @@ def loss_targets(loss: ir.Layer) -> str:
 
 
 def read_inputs(program: ir.Program, loss: bool) -> tuple[str, ...]:
-    """The inputs the forward pass reads (the stream), and with `loss` the loss's targets."""
-    names = [program.stream]
+    """The inputs the forward pass reads (its own and its streams'), and with `loss` the
+    loss's targets."""
+    names = [program.stream, *(s.source for s in program.streams if s.source != program.stream)]
     nodes = [n for chunk in program.chunks for n in chunk.nodes]
     last = nodes[-1] if nodes else None
     if loss and isinstance(last, ir.Layer) and RULES[last.kind].is_loss:

@@ -38,6 +38,7 @@ from dslc.ir.nodes import (
     Node,
     Repeat,
     Residual,
+    Stream,
     TensorType,
     layers,
     own_layers,
@@ -127,7 +128,7 @@ def _transient(node: Node, mesh: Mesh, compute: str, slices: int, recomputed: bo
             return max((_transient(c, mesh, compute, slices, recomputed, widen) for c in node.body), default=0) + max(
                 _cores(node, mesh, compute, slices, widen), default=0
             )
-        case Block() | Residual() | Branches():
+        case Block() | Residual() | Branches() | Stream():
             return max((_transient(c, mesh, compute, slices, recomputed, widen) for c in node.body), default=0)
         case Repeat():
             return _transient(node.body, mesh, compute, slices, recomputed, widen)
@@ -155,6 +156,12 @@ def _kept_by_node(
             return Kept(kept, kept + rule.workspace_bytes(node, mesh, compute, slices))
         case Residual() | Branches():
             return kept_by(node.body, mesh, compute, slices, recomputed, widen)
+        case Stream():
+            # What the stream computes is held for the layers that read it, and for their
+            # backward passes, once however many read it.
+            inner = kept_by(node.body, mesh, compute, slices, recomputed, widen)
+            held = _held_bytes(node.result, mesh, slices, widen)
+            return Kept(inner.kept + held, inner.peak + held)
         case Repeat():
             return _kept_by_scan(node, mesh, compute, slices, recomputed, widen)
         case Layout():
@@ -195,7 +202,7 @@ def _reruns(block: Block) -> list[tuple[Node, ...]]:
     stack = list(reversed(block.body))
     while stack:
         node = stack.pop()
-        if isinstance(node, Residual | Branches):
+        if isinstance(node, Residual | Branches | Stream):
             stack.extend(reversed(node.body))
             continue
         runs[-1].append(node)

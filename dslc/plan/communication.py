@@ -57,6 +57,7 @@ from dslc.ir.nodes import (
     Repeat,
     Residual,
     Sharding,
+    Stream,
     TensorType,
     all_layers,
     counted_layers,
@@ -126,7 +127,7 @@ def _node_collectives(node: Node, checkpointed: bool) -> list[tuple[Collective, 
             return [(c, node.input, not RULES[node.kind].is_loss, checkpointed, 1) for c in node.collectives]
         case Layout():
             return [(c, node.input, True, checkpointed, 1) for c in node.collectives]
-        case Residual() | Branches():
+        case Residual() | Branches() | Stream():
             return [x for n in node.body for x in _node_collectives(n, checkpointed)]
         case Repeat():
             return [(c, t, b, r, n * node.count) for c, t, b, r, n in _node_collectives(node.body, checkpointed)]

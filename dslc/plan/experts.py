@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import assert_never
 
-from dslc.ir.nodes import Axes, Block, Branches, Layer, Layout, Node, Program, Repeat, Residual, TensorType
+from dslc.ir.nodes import Axes, Block, Branches, Layer, Layout, Node, Program, Repeat, Residual, Stream, TensorType
 from dslc.ir.state import state_sharding
 from dslc.layers.moe import MoE, capacity_slots, exchange_collectives, expert_axes, group_tokens, routed_tokens
 from dslc.plan.communication import TRANSPOSE, _group_bytes, ring_bytes
@@ -103,7 +103,7 @@ def _moe_layers(nodes: tuple[Node, ...], checkpointed: bool, copies: int = 1) ->
                     found.append((node, checkpointed, copies))
             case Layout():
                 pass
-            case Residual() | Branches():
+            case Residual() | Branches() | Stream():
                 found += _moe_layers(node.body, checkpointed, copies)
             case Block():
                 found += _moe_layers(node.body, checkpointed or node.remat.reruns_block, copies)

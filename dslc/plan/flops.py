@@ -17,7 +17,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import assert_never
 
-from dslc.ir.nodes import Block, Branches, Layer, Layout, Node, Program, Repeat, Residual, counted_layers, own_layers
+from dslc.ir.nodes import (
+    Block,
+    Branches,
+    Layer,
+    Layout,
+    Node,
+    Program,
+    Repeat,
+    Residual,
+    Stream,
+    counted_layers,
+    own_layers,
+)
 from dslc.ir.schedule import splits_backward, stage_of
 from dslc.layers import RULES
 
@@ -47,7 +59,7 @@ def _recomputed(node: Node) -> int:
     match node:
         case Layer() | Layout():
             return 0
-        case Residual() | Branches():
+        case Residual() | Branches() | Stream():
             return sum(_recomputed(n) for n in node.body)
         case Repeat():
             return node.count * _recomputed(node.body)

@@ -32,6 +32,7 @@ softmax statistics per query row in f32: the running maximum and the denominator
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from typing import Literal
 
@@ -57,6 +58,8 @@ def attention(
     q_norm: jax.Array | None = None,
     k_norm: jax.Array | None = None,
     segments: jax.Array | None = None,
+    memory: jax.Array | None = None,
+    position_bias: jax.Array | None = None,
     *,
     heads: int,
     kv_heads: int,
@@ -67,6 +70,7 @@ def attention(
     rope: Callable[[jax.Array, jax.Array], jax.Array] | None = None,
     norm_eps: float = 1e-6,
     softcap: float | None = None,
+    scale: float | None = None,
     dtype: str,
     recompute_core: bool = False,
 ) -> jax.Array:
@@ -80,15 +84,24 @@ def attention(
     intermediates (Korthikanti et al.'s selective recomputation; the flash core keeps none).
     With `q_norm` and `k_norm` every head's query and key is RMS-normalised (`norm_eps`) and
     scaled by them before the rotary (Qwen3's, OLMo 2's query-key norm). `softcap` caps the
-    scaled scores at softcap * tanh(s / softcap) before the mask and softmax (Gemma 2's)."""
+    scaled scores at softcap * tanh(s / softcap) before the mask and softmax (Gemma 2's).
+
+    Cross-attention: with `memory` [batch, keys, dim] the keys and values are projected from
+    it rather than from x (an encoder's output; no mask, no rotary). `position_bias`
+    [1, heads, seq, keys] is added to the scaled scores (T5's relative position bias; the
+    dense core). `scale` multiplies q·k in place of 1/sqrt(head_dim): the queries are scaled
+    by scale * sqrt(head_dim), so every core computes it unchanged."""
     b, s, _ = x.shape
     h = x.astype(dtype)
-    queries, keys, values = _heads(h, q, q_bias, heads), _heads(h, k, k_bias, kv_heads), _heads(h, v, v_bias, kv_heads)
+    m = h if memory is None else memory.astype(dtype)
+    queries, keys, values = _heads(h, q, q_bias, heads), _heads(m, k, k_bias, kv_heads), _heads(m, v, v_bias, kv_heads)
     queries, keys = _head_norm(queries, q_norm, norm_eps), _head_norm(keys, k_norm, norm_eps)
     head_dim = queries.shape[-1]
     if rope is not None:
         positions = jnp.arange(s) if segments is None else document_positions(segments)
         queries, keys = rope(queries, positions), rope(keys, positions)
+    if scale is not None:
+        queries = queries * jnp.asarray(scale * head_dim**0.5, queries.dtype)
     # Grouped-query: the query heads form kv_heads groups, each sharing one key/value head.
     queries = queries.reshape(b, s, kv_heads, heads // kv_heads, head_dim)
     mask = Mask(causal, window)
@@ -96,8 +109,39 @@ def attention(
         out = flash_core(queries, keys, values, segments, mask=mask, block=block, softcap=softcap)
     else:
         core = functools.partial(dense_core, mask=mask, softcap=softcap)
-        out = (jax.checkpoint(core) if recompute_core else core)(queries, keys, values, segments)
+        out = (jax.checkpoint(core) if recompute_core else core)(queries, keys, values, segments, position_bias)
     return _project_out(out.reshape(b, s, heads * head_dim), o, o_bias)
+
+
+def relative_position_bias(
+    x: jax.Array, table: jax.Array, *, bidirectional: bool, max_distance: int, dtype: str
+) -> jax.Array:
+    """T5's relative position bias [1, heads, seq, seq] for the sequence of x [batch, seq, ...]:
+    row `bucket` of table [buckets, heads] for each query and key, the bucket of the distance
+    key - query. Half of the buckets (of each direction's, when `bidirectional`) hold exact
+    distances 0 .. n - 1; the rest spread logarithmically out to `max_distance`, and farther
+    keys share the last one. Without `bidirectional` a key after its query is at distance 0."""
+    s = x.shape[1]
+    at = jnp.arange(s)
+    distance = at[None, :] - at[:, None]  # [query, key]
+    buckets = table.shape[0]
+    bucket = jnp.zeros_like(distance)
+    if bidirectional:
+        buckets //= 2
+        bucket = jnp.where(distance > 0, buckets, 0)
+        distance = jnp.abs(distance)
+    else:
+        distance = jnp.maximum(-distance, 0)
+    exact = buckets // 2
+    # log(d / exact) / log(max_distance / exact) of the way from `exact` to the last bucket;
+    # d of at least 1 inside the log, whose value is used only from `exact` on.
+    far = exact + (
+        jnp.log(jnp.maximum(distance, 1).astype(jnp.float32) / exact)
+        / math.log(max_distance / exact)
+        * (buckets - exact)
+    ).astype(distance.dtype)
+    bucket = bucket + jnp.where(distance < exact, distance, jnp.minimum(far, buckets - 1))
+    return jnp.moveaxis(table[bucket], -1, 0)[None].astype(dtype)
 
 
 def document_positions(segments: jax.Array) -> jax.Array:
@@ -196,17 +240,23 @@ def dense_core(
     keys: jax.Array,
     values: jax.Array,
     segments: jax.Array | None = None,
+    bias: jax.Array | None = None,
     *,
     mask: Mask,
     softcap: float | None = None,
 ) -> jax.Array:
-    """softmax(q·kᵀ/sqrt(d) + mask)·v with every score at once; scores and softmax in f32.
-    With `softcap` the scores are capped first, which keeps them (f32) for the cap's gradient."""
+    """softmax(q·kᵀ/sqrt(d) + bias + mask)·v with every score at once; scores and softmax in
+    f32. With `softcap` the scores are capped first, which keeps them (f32) for the cap's
+    gradient. `bias` [1, heads, queries, keys] (a position bias) is added after the cap."""
     s, head_dim = queries.shape[1], queries.shape[-1]
     at = jnp.arange(s)
     scores = jnp.einsum("bqkgd,bskd->bkgqs", queries, keys).astype(jnp.float32) * head_dim**-0.5
     if softcap is not None:
         scores = capped(scores, softcap)
+    if bias is not None:
+        # [1, heads, q, k] as the scores' [1, kv_heads, group, q, k]: head i is group member
+        # i % group of key/value head i // group, as the queries were grouped.
+        scores = scores + bias.astype(jnp.float32).reshape(bias.shape[0], *scores.shape[1:3], *bias.shape[2:])
     seen = _mask_of(mask, at, at, segments)
     if seen is not None:
         seen = seen[:, None, None] if seen.ndim == 3 else seen

@@ -195,6 +195,17 @@ class BranchStmt:
 
 
 @dataclass(frozen=True, slots=True)
+class StreamStmt:
+    """`stream NAME(SOURCE) { ... }`: the body run on input SOURCE, its output kept as NAME
+    (the statement's label, as a layer's: the body's layers are named under it)."""
+
+    label: Ident
+    source: Ident
+    body: tuple[Stmt, ...]
+    span: Span = field(compare=False, repr=False)
+
+
+@dataclass(frozen=True, slots=True)
 class RepeatStmt:
     label: Ident | None
     count: Expr
@@ -221,7 +232,7 @@ class LayoutStmt:
     span: Span = field(compare=False, repr=False)
 
 
-Stmt: TypeAlias = LayerStmt | ResidualStmt | BranchStmt | RepeatStmt | StageStmt | StagesStmt | LayoutStmt
+Stmt: TypeAlias = LayerStmt | ResidualStmt | BranchStmt | StreamStmt | RepeatStmt | StageStmt | StagesStmt | LayoutStmt
 
 
 @dataclass(frozen=True, slots=True)

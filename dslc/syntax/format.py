@@ -124,6 +124,8 @@ class _Printer:
                 self.body(_label(label) + "residual", line, body, s.span.end_line)
             case ast.BranchStmt(label=label, body=body):
                 self.body(_label(label) + "branch", line, body, s.span.end_line)
+            case ast.StreamStmt(label=label, source=source, body=body):
+                self.body(f"stream {label.text}({source.text})", line, body, s.span.end_line)
             case ast.RepeatStmt(label=label, count=count, call=call, body=body):
                 head = f"{_label(label)}repeat {expr(count)}"
                 if call is not None:

@@ -302,6 +302,9 @@ class _ToAst(Transformer[Token, Any]):
         body = tuple(c[1:] if label else c)
         return ast.BranchStmt(label, body, self._span(meta))
 
+    def stream_stmt(self, meta: Any, c: list[Any]) -> ast.StreamStmt:
+        return ast.StreamStmt(self._ident(c[0]), self._ident(c[1]), tuple(c[2:]), self._span(meta))
+
     def repeat_stmt(self, meta: Any, c: list[Any]) -> ast.RepeatStmt:
         label = c[0] if isinstance(c[0], ast.Ident) else None
         rest = c[1:] if label else c

@@ -66,6 +66,21 @@ RUNNABLE: dict[str, dict[str, int]] = {
         "seq": 16,
         "batch": 8,
     },
+    # Flan-T5's encoder-decoder, small: its streams (the encoder's output, two position
+    # biases), cross-attention over sources longer than the targets.
+    "t5": {
+        "vocab": 96,
+        "d": 32,
+        "heads": 4,
+        "head_dim": 8,
+        "ffn": 48,
+        "layers": 2,
+        "seq": 16,
+        "target_seq": 8,
+        "batch": 8,
+        "buckets": 8,
+        "max_distance": 16,
+    },
 }
 # gpt3_175b is planned, never run: 175B parameters do not fit a test machine. Its module is
 # still generated and kept as a golden file, and checked by ruff and by Python's compiler.

@@ -46,6 +46,19 @@ SMALL = {
         "seq": 32,
         "batch": 16,
     },
+    "t5": {
+        "vocab": 128,
+        "d": 64,
+        "heads": 4,
+        "head_dim": 16,
+        "ffn": 128,
+        "layers": 4,
+        "seq": 32,
+        "target_seq": 16,
+        "batch": 16,
+        "buckets": 8,
+        "max_distance": 16,
+    },
 }
 ACCURACY_SPECS = [
     "tiny",
@@ -62,6 +75,7 @@ ACCURACY_SPECS = [
     "qwen3_moe",
     "vit",
     "gemma2",
+    "t5",
 ]
 # Specs the planner still misses by more than the tolerance, with the gradient step's planned
 # / XLA ratio measured by bench/bench_plan_accuracy.py and what XLA holds that the model
