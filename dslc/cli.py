@@ -253,7 +253,9 @@ def _parser() -> argparse.ArgumentParser:
         "--data",
         metavar="PATH",
         help="a language model's own data: a token file (.bin uint16, or .npy), a folder with train.bin and "
-        "val.bin, or text files or a folder of them (byte-level); default: the embedded data",
+        "val.bin, or text files or a folder of them (byte-level); an image classifier's: an .npz holding `images` "
+        "and `labels`, a folder with images.npy and labels.npy, or a folder with a sub-folder of images per class; "
+        "default: the embedded data",
     )
     train.add_argument(
         "--document-end",

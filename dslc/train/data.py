@@ -3,8 +3,9 @@
 `dslc train` needs no downloads: byte-level language models read Python's own standard
 library (`corpus.py`), image classifiers read the handwritten digits shipped with dslc
 (`digits.py`); `--data PATH` gives a language model the user's own tokens or text
-(`tokens.py`). A spec whose inputs fit neither is refused with a message that says what
-each data set needs. Nothing here imports jax: the decision is made on the checked IR.
+(`tokens.py`), and an image classifier the user's own images and labels (`images.py`). A
+spec whose inputs fit neither is refused with a message that says what each data set needs.
+Nothing here imports jax: the decision is made on the checked IR.
 """
 
 from __future__ import annotations
@@ -19,13 +20,14 @@ from dslc.layers.inputs import integer_bounds, loss_targets, packing
 from dslc.train.corpus import stdlib_corpus
 from dslc.train.dataset import DataError, Dataset
 from dslc.train.digits import CLASSES, NATIVE_SIDE, DigitImages, input_side, load_digits
+from dslc.train.images import ImageBatches, ImageShape, looks_like_images, open_images
 from dslc.train.tokens import HELD_OUT, NextTokens, TokenData, in_memory, open_data
 
 
 def dataset_for(program: ir.Program, data: Path | None = None, document_end: int | None = None) -> Dataset:
-    """The data set that fits the spec's inputs: `data` (a path, for language models; in a
-    token file the id `document_end` ends a document) or the embedded one; DataError says why
-    none does."""
+    """The data set that fits the spec's inputs: `data` (a path: tokens or text for language
+    models, in a token file the id `document_end` ending a document; images and labels for
+    image classifiers) or the embedded one; DataError says why none does."""
     stream = program.input(program.stream)
     loss = program.loss
     if loss is None:
@@ -37,6 +39,12 @@ def dataset_for(program: ir.Program, data: Path | None = None, document_end: int
     segments, counted = packed.segments, packed.mask
     others = [i for i in program.inputs if i.name not in (stream.name, target.name, segments, counted)]
     if not others and _is_language_model(program, stream, target, loss):
+        image_set = looks_like_images(data) if data is not None else None
+        if image_set is not None:
+            raise DataError(
+                f"--data {data}: {image_set}, but spec `{program.name}` is a language model, which reads token "
+                "files or text"
+            )
         vocab = _token_count(program, stream, target, embedded=data is None)
         found = _stdlib_tokens() if data is None else open_data(data, vocab, document_end)
         ids = program.input(segments) if segments else None
@@ -45,14 +53,26 @@ def dataset_for(program: ir.Program, data: Path | None = None, document_end: int
             found.held_out, vocab, stream, target, found.description + " (held out)", "", segments=ids, counted=mask
         )
         return NextTokens(found.train, vocab, stream, target, found.description, found.fingerprint, held_out, ids, mask)
+    if not others and data is not None and _takes_images(stream, target, loss):
+        shape = _image_shape(program, stream)
+        classes = integer_bounds(program)[target.name] if loss.kind == "cross_entropy" else target.type.shape[1]
+        return ImageBatches(open_images(data, shape, classes, program.name), shape, stream, target, classes)
     if data is not None:
         raise DataError(
             f"--data feeds language models (integer tokens read by an `embed`, targets of the same shape for "
-            f"`cross_entropy`), which spec `{program.name}` is not"
+            f"`cross_entropy`) and image classifiers (float images [batch, height, width, channels] or "
+            f"[batch, side*side], integer labels [batch] or one-hot rows for `mse`), which spec `{program.name}` "
+            "is neither"
         )
     if not others and _is_image_classifier(stream, target, loss):
         return DigitImages(load_digits(), stream, target)
     raise DataError(_refusal(program))
+
+
+def data_notes(dataset: Dataset) -> tuple[str, ...]:
+    """What the log says of the data after naming them: an image folder's labels by
+    sub-folder, and the files it skipped."""
+    return dataset.notes if isinstance(dataset, ImageBatches) else ()
 
 
 def _stdlib_tokens() -> TokenData:
@@ -121,6 +141,32 @@ def _token_count(program: ir.Program, stream: ir.Input, target: ir.Input, embedd
             "names that constant `vocab`)"
         )
     return vocab
+
+
+def _takes_images(stream: ir.Input, target: ir.Input, loss: ir.Layer) -> bool:
+    """Whether the spec classifies images, of any size and class count: float images
+    [batch, height, width, channels] or flattened [batch, width], with integer labels [batch]
+    for `cross_entropy` or one-hot rows [batch, classes] for `mse`."""
+    s, t = stream.type, target.type
+    if s.dtype in ir.INT_DTYPES or s.rank not in (2, 4):
+        return False
+    if loss.kind == "cross_entropy":
+        return t.dtype in ir.INT_DTYPES and t.shape == s.shape[:1]
+    return t.dtype not in ir.INT_DTYPES and t.rank == 2 and t.shape[0] == s.shape[0]
+
+
+def _image_shape(program: ir.Program, stream: ir.Input) -> ImageShape:
+    s = stream.type
+    if s.rank == 4:
+        return ImageShape(s.shape[1], s.shape[2], s.shape[3])
+    side = input_side(s)
+    if side is None:
+        raise DataError(
+            f"input `{stream.name}` of spec `{program.name}` is {s.describe()}: a flat input takes one-channel "
+            f"square images side*side pixels wide (e.g. 784 for 28x28), not {s.shape[1]}; declare it "
+            "[batch, height, width, channels] for images of another shape"
+        )
+    return ImageShape(side, side, 1, flat=True)
 
 
 def _is_image_classifier(stream: ir.Input, target: ir.Input, loss: ir.Layer) -> bool:

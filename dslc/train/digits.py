@@ -82,11 +82,22 @@ def _interpolation(n_in: int, n_out: int) -> np.ndarray:
     return m
 
 
+def epoch_order(n: int, size: int, seed: int, step: int) -> np.ndarray:
+    """Which of `n` examples batch `step` of `size` draws: each epoch is a fresh permutation
+    of them seeded by (seed, epoch), and batch k takes positions k*size .. (k+1)*size - 1 of
+    the concatenated epochs (so no example repeats within an epoch)."""
+    positions = np.arange(step * size, (step + 1) * size)
+    epochs = positions // n
+    order = np.empty(size, dtype=np.int64)
+    for epoch in np.unique(epochs):
+        here = epochs == epoch
+        order[here] = np.random.default_rng((seed, int(epoch))).permutation(n)[positions[here] % n]
+    return order
+
+
 @dataclass(frozen=True)
 class DigitImages:
-    """Batches of digits drawn without replacement: each epoch is a fresh permutation of
-    the data seeded by (seed, epoch), and batch k takes positions k*batch .. (k+1)*batch - 1
-    of the concatenated epochs."""
+    """Batches of digits drawn without replacement, an epoch at a time (`epoch_order`)."""
 
     digits: Digits = field(repr=False)
     images: ir.Input
@@ -136,13 +147,7 @@ class DigitImages:
 
     def batch(self, seed: int, step: int, rows: np.ndarray | None = None) -> dict[str, np.ndarray]:
         """The digits live in memory: every row is made whatever `rows` asks."""
-        n, size = len(self._drawn), self.per_batch
-        positions = np.arange(step * size, (step + 1) * size)
-        epochs = positions // n
-        order = np.empty(size, dtype=np.int64)
-        for epoch in np.unique(epochs):
-            here = epochs == epoch
-            order[here] = np.random.default_rng((seed, int(epoch))).permutation(n)[positions[here] % n]
+        order = epoch_order(len(self._drawn), self.per_batch, seed, step)
         labels = self.digits.labels[self._drawn[order]]
         one_hot = self.targets.type.dtype not in ir.INT_DTYPES  # mse regresses one-hot rows
         target = np.eye(CLASSES, dtype=np.float32)[labels] if one_hot else labels

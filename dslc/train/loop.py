@@ -31,7 +31,7 @@ from dslc.plan.flops import flops as plan_flops
 from dslc.runtime.metrics import moe_metrics
 from dslc.train.checkpoint import Checkpoints, RunState, run_state
 from dslc.train.dashboards import Dashboards
-from dslc.train.data import data_warnings, dataset_for
+from dslc.train.data import data_notes, data_warnings, dataset_for
 from dslc.train.dataset import Dataset
 from dslc.train.distributed import local_rows
 from dslc.train.interrupt import StopRequest
@@ -78,7 +78,7 @@ class TrainOptions:
     seed: int | None = None  # None: 0 for a new run, the checkpoint's when resuming
     checkpoint_every: int | None = None  # besides the checkpoint at the end
     resume: bool = False
-    data: Path | None = None  # a language model's own tokens or text, instead of the embedded data
+    data: Path | None = None  # the user's own tokens or text, or images and labels, instead of the embedded data
     eval_every: int | None = None  # evaluate on the held-out data every K steps (and at the end)
     init_from: Mapping[str, np.ndarray] | None = None  # weights a new run starts from, by dotted name
     document_end: int | None = None  # in a token file, the id that ends a document
@@ -252,8 +252,8 @@ def _train(
 ) -> TrainResult:
     run = _start(program, dataset, checkpoints, options, log)
     log(f"training {program.ir.name} on mesh {run.mesh}: {dataset.description}, seed {run.seed}")
-    for warning in data_warnings(program.ir):
-        log(warning)
+    for line in (*data_notes(dataset), *data_warnings(program.ir)):
+        log(line)
     rows = local_rows(program)
     utilization = _utilization(program, options.device_flops)
     window = _profile_window(options, run.start, log)

@@ -121,7 +121,7 @@ def open_data(path: Path, vocab: int, document_end: int | None = None) -> TokenD
         if pair is not None:
             train, val = (_token_file(p, vocab, document_end) for p in pair)
             description = f"token files {pair[0]} ({len(train):,} tokens) and {pair[1].name} ({len(val):,}, held out)"
-            return TokenData(train, val, description, _fingerprint(pair))
+            return TokenData(train, val, description, fingerprint_files(pair))
         files = _text_files(path)
         if not files:
             raise DataError(f"--data {path}: the folder holds no text files (nor train.bin and val.bin)")
@@ -136,7 +136,7 @@ def open_data(path: Path, vocab: int, document_end: int | None = None) -> TokenD
         files = [path]
         what = f"text file {path}, byte-level ({len(stream) / 1e6:.1f} MB)"
     train, held_out = stream.split(HELD_OUT)
-    return TokenData(train, held_out, f"{what}, the last {HELD_OUT:.0%} held out", _fingerprint(files))
+    return TokenData(train, held_out, f"{what}, the last {HELD_OUT:.0%} held out", fingerprint_files(files))
 
 
 def _split_files(folder: Path) -> tuple[Path, Path] | None:
@@ -243,7 +243,7 @@ def _text(files: Sequence[Path]) -> TokenStream:
     return TokenStream(tuple(parts), byte_level=True, boundaries=np.asarray(boundaries, np.int64))
 
 
-def _fingerprint(files: Sequence[Path]) -> str:
+def fingerprint_files(files: Sequence[Path]) -> str:
     """A short hash of the files' names, sizes, and first and last MiB: reading a large file
     whole to notice a change would cost what training saves by mapping it."""
     digest = hashlib.sha256()

@@ -261,7 +261,8 @@ def test_a_text_folder_trains_byte_level_with_a_falling_held_out_loss(
     [
         (("--data", "nowhere.bin"), "--data nowhere.bin: no such file or folder"),
         (("--eval-every", "0"), "--eval-every must be at least 1"),
-        ((str(SPECS / "seed_mlp_pipeline.par"), "--data", TINY), "--data feeds language models"),
+        ((str(SPECS / "seed_mlp_pipeline.par"), "--data", TINY), "classifies images and this is a text or token file"),
+        ((str(SPECS / "seed_tp_layer.par"), "--data", TINY), "--data feeds language models (integer tokens"),
     ],
 )
 def test_bad_data_flags_end_with_one_line_and_exit_2(
