@@ -5,13 +5,15 @@ The checkpoints are config.json plus safetensors files with `save_pretrained`'s 
 layouts: GPT-2's Conv1D weights [in, out] with q, k and v fused in `c_attn`, Llama's
 nn.Linear weights [out, in], GPT-NeoX's too with q, k and v fused head by head in
 `query_key_value`, Gemma 2's norm weights the offsets of their scales from 1, a tied head
-left out. The forwards follow the modelling code of `GPT2LMHeadModel`, `LlamaForCausalLM`,
-`MixtralForCausalLM`, `Qwen3MoeForCausalLM`, `Qwen2MoeForCausalLM`, `GPTNeoXForCausalLM` and
-`Gemma2ForCausalLM` in float64 numpy, in its own form where dslc's differs: the fused
-projection split after the product, rotary embeddings as `rotate_half` with the frequencies
-repeated over both halves (on each head's first `rotary_ndims` features alone for GPT-NeoX),
-key/value heads repeated with `repeat_kv`, a -inf causal mask (and sliding window). Nothing
-here comes from dslc.
+left out, ViT's patch embedding a Conv2d kernel [out, in, height, width]. The forwards
+follow the modelling code of `GPT2LMHeadModel`, `LlamaForCausalLM`, `MixtralForCausalLM`,
+`Qwen3MoeForCausalLM`, `Qwen2MoeForCausalLM`, `GPTNeoXForCausalLM`, `Gemma2ForCausalLM` and
+`ViTForImageClassification` in float64 numpy, in its own form where dslc's differs: the
+fused projection split after the product, rotary embeddings as `rotate_half` with the
+frequencies repeated over both halves (on each head's first `rotary_ndims` features alone
+for GPT-NeoX), key/value heads repeated with `repeat_kv`, a -inf causal mask (and sliding
+window), ViT's images [batch, channels, height, width] and its strided convolution a product
+of each patch with the kernel. Nothing here comes from dslc.
 """
 
 from __future__ import annotations
@@ -242,6 +244,35 @@ GEMMA2_SET = {
 }
 
 
+# The labels of the digits specs/vit.par learns, named as a dataset's id2label names them.
+DIGITS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
+VIT_CONFIG = {
+    "architectures": ["ViTForImageClassification"],
+    "model_type": "vit",
+    "hidden_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "intermediate_size": 128,
+    "hidden_act": "gelu",
+    "hidden_dropout_prob": 0.0,
+    "attention_probs_dropout_prob": 0.0,
+    "initializer_range": 0.02,
+    "layer_norm_eps": 1e-12,
+    "image_size": 16,
+    "patch_size": 4,
+    # Three channels, so that an image read with its channels in another order shows.
+    "num_channels": 3,
+    "qkv_bias": True,
+    "encoder_stride": 4,
+    "id2label": {str(i): name for i, name in enumerate(DIGITS)},
+    "label2id": {name: i for i, name in enumerate(DIGITS)},
+    "problem_type": "single_label_classification",
+    "torch_dtype": "float32",
+}
+# specs/vit.par is 16x16 images, 4x4 patches, 4 heads, `ffn = 4 * d` and 10 classes already.
+VIT_SET = {"channels": 3, "d": 32, "layers": 2, "batch": 8}
+
+
 def _normal(rng: np.random.Generator, *shape: int, scale: float = 0.1) -> np.ndarray:
     return (rng.standard_normal(shape) * scale).astype(np.float32)
 
@@ -437,6 +468,46 @@ def gemma2_tensors(config: dict[str, object], seed: int = 0) -> Tensors:
     t["model.norm.weight"] = _normal(rng, d, scale=0.3)
     if not config.get("tie_word_embeddings", True):
         t["lm_head.weight"] = _normal(rng, vocab, d)
+    return t
+
+
+def vit_tensors(config: dict[str, object], seed: int = 0) -> Tensors:
+    """ViTForImageClassification's tensors: the class token [1, 1, d] and the positions [1,
+    patches + 1, d], the patch embedding a Conv2d [d, channels, patch, patch] with its bias,
+    per layer q, k, v (biases where `qkv_bias`), the attention's output, the MLP and two
+    layernorms, then the last layernorm and the classifier [labels, d]."""
+    rng = np.random.default_rng(seed)
+    d, ffn, channels = (int(config[k]) for k in ("hidden_size", "intermediate_size", "num_channels"))  # type: ignore[call-overload]
+    side, patch = int(config["image_size"]), int(config["patch_size"])  # type: ignore[call-overload]
+    labels = len(config["id2label"]) if "id2label" in config else int(config.get("num_labels", 2))  # type: ignore[arg-type, call-overload]
+    emb = "vit.embeddings."
+    t: Tensors = {
+        emb + "cls_token": _normal(rng, 1, 1, d, scale=0.5),
+        emb + "position_embeddings": _normal(rng, 1, (side // patch) ** 2 + 1, d, scale=0.5),
+        emb + "patch_embeddings.projection.weight": _normal(rng, d, channels, patch, patch, scale=0.2),
+        emb + "patch_embeddings.projection.bias": _normal(rng, d),
+    }
+    for i in range(int(config["num_hidden_layers"])):  # type: ignore[call-overload]
+        at = f"vit.encoder.layer.{i}."
+        t |= {
+            at + "layernorm_before.weight": 1 + _normal(rng, d),
+            at + "layernorm_before.bias": _normal(rng, d),
+            at + "attention.attention.query.weight": _normal(rng, d, d, scale=0.2),
+            at + "attention.attention.key.weight": _normal(rng, d, d, scale=0.2),
+            at + "attention.attention.value.weight": _normal(rng, d, d),
+            at + "attention.output.dense.weight": _normal(rng, d, d),
+            at + "attention.output.dense.bias": _normal(rng, d),
+            at + "layernorm_after.weight": 1 + _normal(rng, d),
+            at + "layernorm_after.bias": _normal(rng, d),
+            at + "intermediate.dense.weight": _normal(rng, ffn, d),
+            at + "intermediate.dense.bias": _normal(rng, ffn),
+            at + "output.dense.weight": _normal(rng, d, ffn),
+            at + "output.dense.bias": _normal(rng, d),
+        }
+        if config.get("qkv_bias", True):
+            t |= {at + f"attention.attention.{w}.bias": _normal(rng, d) for w in ("query", "key", "value")}
+    t |= {"vit.layernorm.weight": 1 + _normal(rng, d), "vit.layernorm.bias": _normal(rng, d)}
+    t |= {"classifier.weight": _normal(rng, labels, d, scale=0.3), "classifier.bias": _normal(rng, labels)}
     return t
 
 
@@ -699,3 +770,46 @@ def gemma2_logits(config: dict[str, object], tensors: Tensors, ids: np.ndarray) 
     if logit_cap is not None:
         logits = logit_cap * np.tanh(logits / logit_cap)  # type: ignore[operator]
     return logits
+
+
+def vit_logits(config: dict[str, object], tensors: Tensors, pixel_values: np.ndarray) -> np.ndarray:
+    """ViTForImageClassification on `pixel_values` [batch, channels, height, width], as
+    transformers takes them: the Conv2d of the patch embedding written as what it is with a
+    stride of its size and no padding, each patch's channels x rows x columns dotted with the
+    kernel's, the patches taken row by row (`flatten(2).transpose(1, 2)`); the class token
+    before them, the positions added (no interpolation: the image must be `image_size`);
+    pre-norm layers whose attention masks nothing; the classifier on the class token's vector
+    after the last layernorm."""
+    t = {name: value.astype(np.float64) for name, value in tensors.items()}
+    d, heads = int(config["hidden_size"]), int(config["num_attention_heads"])  # type: ignore[call-overload]
+    eps, patch, act = float(config["layer_norm_eps"]), int(config["patch_size"]), str(config["hidden_act"])  # type: ignore[arg-type, call-overload]
+    b, c, h, w = pixel_values.shape
+    assert h == w == int(config["image_size"]), "transformers refuses another size unless it interpolates"  # type: ignore[call-overload]
+    rows, cols = h // patch, w // patch
+    x = pixel_values.astype(np.float64).reshape(b, c, rows, patch, cols, patch)
+    patches = x.transpose(0, 2, 4, 1, 3, 5).reshape(b, rows * cols, c * patch * patch)
+    emb = "vit.embeddings."
+    kernel = t[emb + "patch_embeddings.projection.weight"].reshape(d, c * patch * patch)
+    x = patches @ kernel.T + t[emb + "patch_embeddings.projection.bias"]
+    x = np.concatenate([np.broadcast_to(t[emb + "cls_token"], (b, 1, d)), x], axis=1)
+    x = x + t[emb + "position_embeddings"]
+    s, hd = x.shape[1], d // heads
+
+    def linear(name: str, h: np.ndarray) -> np.ndarray:
+        y = h @ t[name + ".weight"].T
+        return y + t[name + ".bias"] if name + ".bias" in t else y
+
+    for i in range(int(config["num_hidden_layers"])):  # type: ignore[call-overload]
+        p = f"vit.encoder.layer.{i}."
+        hid = _layernorm(x, t[p + "layernorm_before.weight"], t[p + "layernorm_before.bias"], eps)
+        q, k, v = (
+            linear(f"{p}attention.attention.{name}", hid).reshape(b, s, heads, hd).transpose(0, 2, 1, 3)
+            for name in ("query", "key", "value")
+        )
+        probs = _softmax(q @ k.transpose(0, 1, 3, 2) / math.sqrt(hd))
+        context = (probs @ v).transpose(0, 2, 1, 3).reshape(b, s, d)
+        x = x + linear(p + "attention.output.dense", context)
+        hid = _layernorm(x, t[p + "layernorm_after.weight"], t[p + "layernorm_after.bias"], eps)
+        x = x + linear(p + "output.dense", _gelu(linear(p + "intermediate.dense", hid), act))
+    x = _layernorm(x, t["vit.layernorm.weight"], t["vit.layernorm.bias"], eps)
+    return linear("classifier", x[:, 0])

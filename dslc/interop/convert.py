@@ -42,12 +42,13 @@ from dslc.interop.mapping import (
 )
 from dslc.interop.remembered import comment_for, recall
 from dslc.interop.safetensors_io import FLOAT_DTYPES, INDEX, SINGLE, TensorFiles, npz_writer, write_safetensors
+from dslc.interop.vit import ViT
 from dslc.ir import nodes as ir
 from dslc.ir.weights import mismatches
 
 
 class Family(Protocol):
-    """How one family of checkpoints maps onto a spec (see gpt2.py, llama.py, gpt_neox.py, gemma2.py)."""
+    """How one family of checkpoints maps onto a spec (see gpt2.py, llama.py, gpt_neox.py, gemma2.py, vit.py)."""
 
     name: str
     model_types: tuple[str, ...]
@@ -67,7 +68,7 @@ class Family(Protocol):
     def keep(self, written: Mapping[str, object], original: Mapping[str, object]) -> dict[str, object]: ...
 
 
-FAMILIES: tuple[Family, ...] = (GPT2(), Llama(), Mixtral(), Qwen3Moe(), Qwen2Moe(), GPTNeoX(), Gemma2())
+FAMILIES: tuple[Family, ...] = (GPT2(), Llama(), Mixtral(), Qwen3Moe(), Qwen2Moe(), GPTNeoX(), Gemma2(), ViT())
 
 # The dtypes export writes: the spec's names, numpy's, and the torch_dtype config.json states.
 EXPORT_DTYPES = {
@@ -120,8 +121,7 @@ class ImportPlan:
                 self._same_head(tensor, m.name)
             if tensor.dtype != self.dtype:
                 tensor = tensor.astype(self.dtype)
-            if m.transposed:
-                tensor = tensor.T
+            tensor = m.to_spec(tensor)
             if m.index is not None:
                 # One slice of a stacked weight: the weight is whole once its last slice is read.
                 (part,) = m.parts
@@ -295,7 +295,7 @@ def _checkpoint_shape(m: TensorMap, shapes: dict[str, tuple[int, ...]]) -> tuple
     shape = (*first[:-1], sum(shapes[p][-1] for p in m.parts))
     if m.index is not None:
         shape = shape[1:]
-    return shape[::-1] if m.transposed else shape
+    return m.stored_shape(shape)
 
 
 def _transposed(
@@ -421,7 +421,7 @@ def _assemble(m: TensorMap, weights: Mapping[str, np.ndarray], dtype: np.dtype) 
     if m.index is not None:
         parts = [parts[0][m.index]]
     tensor = m.join(parts)
-    return np.ascontiguousarray((tensor.T if m.transposed else tensor).astype(dtype, copy=False))
+    return np.ascontiguousarray(m.to_checkpoint(tensor).astype(dtype, copy=False))
 
 
 def _prepare(folder: Path) -> None:

@@ -190,7 +190,7 @@ class GPTNeoX(FamilyBase):
                     "ffn",
                     "change `in`",
                 ),
-                _activation_fact(config.hidden_act, gelu),
+                activation_fact(config.hidden_act, gelu),
             ]
             out += [
                 Fact(
@@ -321,7 +321,7 @@ class GPTNeoX(FamilyBase):
         return self.keep_rotary(super().keep(written, original), written, original, rotary)
 
 
-def _activation_fact(hidden_act: str, gelu: ir.Layer) -> Fact:
+def activation_fact(hidden_act: str, gelu: ir.Layer) -> Fact:
     """The MLP's GELU: the config's tanh forms are the spec's `gelu()`, its `gelu` the exact
     `gelu(approximate=false)`."""
     tanh = hidden_act if hidden_act in APPROXIMATE else APPROXIMATE[0]

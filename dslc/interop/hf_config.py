@@ -13,7 +13,17 @@ import json
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, TypeAdapter, ValidationError
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    NonNegativeInt,
+    PlainValidator,
+    PositiveFloat,
+    PositiveInt,
+    TypeAdapter,
+    ValidationError,
+)
 
 from dslc.interop.errors import file_problem
 
@@ -255,6 +265,73 @@ class Gemma2Config(_Config):
         return _rope_type(self.rope_parameters, self.rope_scaling)
 
 
+def _side(value: object) -> int | list[int]:
+    """An image's or a patch's size as transformers takes it: one side for a square, or
+    [height, width]; a ValueError (said in the C004 of the key) otherwise."""
+
+    def positive(v: object) -> bool:
+        return type(v) is int and v > 0  # not a bool, which is an int to Python
+
+    if positive(value):
+        return value  # type: ignore[return-value]
+    if isinstance(value, list) and len(value) == 2 and all(positive(v) for v in value):
+        return value
+    raise ValueError("should be a positive integer, or [height, width]")
+
+
+Side = Annotated[int | list[int], PlainValidator(_side)]
+
+
+class ViTConfig(_Config):
+    """`ViTForImageClassification`: an image of `num_channels` channels cut into
+    `patch_size` patches by a strided Conv2d, a class token before them and learned
+    positions added, pre-norm encoder layers (attention that looks both ways, biases on q, k
+    and v where `qkv_bias`, an MLP with `hidden_act`), a final layernorm, and a classifier on
+    the class token's vector with as many outputs as `id2label` names labels (or
+    `num_labels`; transformers' default is 2, which `save_pretrained` leaves out). Its
+    defaults are transformers' (ViT-B/16's sizes). `architectures`, where given, says which of
+    the ViT heads the weights are for."""
+
+    model_type: Literal["vit"]
+    architectures: list[str] | None = None
+    hidden_size: PositiveInt = 768
+    num_hidden_layers: PositiveInt = 12
+    num_attention_heads: PositiveInt = 12
+    intermediate_size: PositiveInt = 3072
+    hidden_act: str = "gelu"
+    layer_norm_eps: PositiveFloat = 1e-12
+    image_size: Side = 224
+    patch_size: Side = 16
+    num_channels: PositiveInt = 3
+    qkv_bias: bool = True
+    id2label: dict[str, str] | None = None
+    # 0 is transformers' way of asking for no classifier, which `ViT.unsupported` refuses.
+    num_labels: NonNegativeInt | None = None
+
+    @property
+    def image(self) -> tuple[int, int]:
+        """The image's height and width (transformers reads a single number as a square)."""
+        return _pair(self.image_size)
+
+    @property
+    def patch(self) -> tuple[int, int]:
+        return _pair(self.patch_size)
+
+    @property
+    def labels(self) -> int:
+        """How many outputs the classifier has."""
+        if self.id2label is not None:
+            return len(self.id2label)
+        return self.num_labels if self.num_labels is not None else 2
+
+
+def _pair(side: int | list[int]) -> tuple[int, int]:
+    if isinstance(side, int):
+        return side, side
+    height, width = side
+    return height, width
+
+
 def _rope_type(*given: dict[str, Any] | None) -> str:
     """ "default" for plain rotary embeddings; otherwise the scaling the first config field
     `given` that says one asks for."""
@@ -264,11 +341,22 @@ def _rope_type(*given: dict[str, Any] | None) -> str:
     return "default"
 
 
-CONFIGS = GPT2Config | LlamaConfig | MixtralConfig | Qwen3MoeConfig | Qwen2MoeConfig | GPTNeoXConfig | Gemma2Config
+CONFIGS = (
+    GPT2Config
+    | LlamaConfig
+    | MixtralConfig
+    | Qwen3MoeConfig
+    | Qwen2MoeConfig
+    | GPTNeoXConfig
+    | Gemma2Config
+    | ViTConfig
+)
 HFConfig = Annotated[CONFIGS, Field(discriminator="model_type")]
 # A config.json as `parse_config` reads it (Mixtral's and the Qwen MoEs' are LlamaConfigs).
-AnyConfig = GPT2Config | LlamaConfig | GPTNeoXConfig | Gemma2Config
-MODEL_TYPES = ("gpt2", "llama", "mistral", "qwen2", "mixtral", "qwen3_moe", "qwen2_moe", "gpt_neox", "gemma2")
+AnyConfig = GPT2Config | LlamaConfig | GPTNeoXConfig | Gemma2Config | ViTConfig
+MODEL_TYPES = (
+    "gpt2", "llama", "mistral", "qwen2", "mixtral", "qwen3_moe", "qwen2_moe", "gpt_neox", "gemma2", "vit",
+)  # fmt: skip
 _ADAPTER: TypeAdapter[CONFIGS] = TypeAdapter(HFConfig)
 
 

@@ -180,7 +180,8 @@ class Requirement:
 
 @dataclass(frozen=True, slots=True)
 class Disagreement:
-    """A config key the spec disagrees with: the first fact that says so, how many do, and the
+    """A config key the spec disagrees with: the first fact that says so, how many layers do
+    (one layer may state a key twice: a ViT's conv its patch as kernel and stride), and the
     `--set` that fixes it (the constant and the config's value) where the spec declares a
     constant that holds it; None where only an edit of the spec does (`fact.fix`)."""
 
@@ -203,7 +204,8 @@ def disagreeing(facts: Sequence[Fact], analysis: Analysis) -> list[Disagreement]
         f = wrong[0]
         # A `--set` fixes it where the constant is declared and is what gives the spec its value.
         settable = f.constant is not None and f.constant in declared and same(constants.get(f.constant), f.spec)
-        out.append(Disagreement(f, len(wrong), (f.constant, f.config) if settable and f.constant is not None else None))
+        layers = len({w.layer.path for w in wrong})
+        out.append(Disagreement(f, layers, (f.constant, f.config) if settable and f.constant is not None else None))
     return out
 
 
@@ -304,9 +306,11 @@ class TensorMap:
     weights it holds: side by side along its last dimension when there are several (GPT-2's
     fused q, k, v), or with `heads`, interleaved along it head by head — head 0's slice of
     every part, then head 1's, ... (GPT-NeoX's fused q, k, v, [heads, 3, head_dim]); stored
-    [out, in] where the spec's are [in, out] when `transposed`; with `index`, the one
-    weight's slice at that index of its first dimension (one expert of a mixture's stacked
-    [experts, ...] matrices)."""
+    [out, in] where the spec's are [in, out] when `transposed`, with its axes in the order
+    `axes` gives where the checkpoint orders more than two otherwise (a Conv2d's kernel), and
+    `ones` leading axes of size 1 the spec's weight has not (ViT's class token, [1, 1, d]);
+    with `index`, the one weight's slice at that index of its first dimension (one expert of
+    a mixture's stacked [experts, ...] matrices)."""
 
     name: str
     parts: tuple[str, ...]
@@ -316,6 +320,35 @@ class TensorMap:
     kernel: bool = False
     index: int | None = None
     heads: int | None = None
+    # The checkpoint's axes as the spec's axes they are: a Conv2d's kernel [out, in, kh, kw]
+    # is the spec's [kh, kw, in, out] taken in the order (3, 2, 0, 1). Not a reversal, which
+    # `transposed` is: that would swap the window's height and width.
+    axes: tuple[int, ...] | None = None
+    ones: int = 0
+
+    def stored_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The shape the checkpoint stores a tensor the spec lays out as `shape` in."""
+        if self.transposed:
+            shape = shape[::-1]
+        if self.axes is not None:
+            shape = tuple(shape[a] for a in self.axes)
+        return (1,) * self.ones + tuple(shape)
+
+    def to_checkpoint(self, tensor: np.ndarray) -> np.ndarray:
+        """A tensor as the spec lays it out, in the checkpoint's layout."""
+        if self.transposed:
+            tensor = tensor.T
+        if self.axes is not None:
+            tensor = tensor.transpose(self.axes)
+        return tensor.reshape((1,) * self.ones + tensor.shape) if self.ones else tensor
+
+    def to_spec(self, tensor: np.ndarray) -> np.ndarray:
+        """A tensor as the checkpoint stores it, in the spec's layout: `to_checkpoint` undone."""
+        if self.ones:
+            tensor = tensor.reshape(tensor.shape[self.ones :])
+        if self.axes is not None:
+            tensor = tensor.transpose(np.argsort(self.axes))
+        return tensor.T if self.transposed else tensor
 
     def split(self, tensor: np.ndarray, widths: Sequence[int]) -> list[np.ndarray]:
         """The parts of `tensor` (as the spec lays it out, [..., sum of widths]), each of its

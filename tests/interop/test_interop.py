@@ -11,12 +11,15 @@ Tolerance of the logits: 2e-5 relative (max |dslc - reference| / max |reference|
 computes in f32, the reference in float64; f32 roundings through two layers give a few 1e-7
 (measured: GPT-2 3.5e-7 on one device, 3.7e-7 on 2x2x2; Llama 3.6e-7 and 3.9e-7; GPT-NeoX
 2.8e-7 and 2.3e-7; Gemma 2, four layers with logits capped at 3, 1.3e-6 on one device and
-1.2e-6 on 4x2), while a mistake in a layout moves them by far more (GPT-2's first
+1.2e-6 on 4x2; ViT 3.4e-7 on one device and 3.7e-7 on 2x2, 8.0e-7 and 8.7e-7 absolute on
+logits up to 2.3), while a mistake in a layout moves them by far more (GPT-2's first
 `c_proj` transposed: 1.04; its q and k swapped: 0.32; GPT-NeoX's fused q, k, v read as q|k|v
 blocks rather than head by head: 0.74; its rotary on every feature of a head rather than the
 first quarter: 0.099; Gemma 2's post-attention and pre-MLP norms swapped: 0.89, its window
 dropped: 1.22, on the odd layers rather than the even ones: 1.16, its caps on the scores and
-on the logits dropped: 0.81 and 0.26).
+on the logits dropped: 0.81 and 0.26; ViT's image with its channels reversed: 0.47, its rows
+and columns swapped: 0.59, its patch kernel's height and width swapped, as reversing the
+Conv2d's axes would: 0.50).
 """
 
 from __future__ import annotations
@@ -46,6 +49,8 @@ from tests.hf_checkpoints import (
     QWEN2_MOE_SET,
     QWEN3_MOE_CONFIG,
     QWEN3_MOE_SET,
+    VIT_CONFIG,
+    VIT_SET,
     gemma2_logits,
     gemma2_tensors,
     gpt2_logits,
@@ -57,11 +62,14 @@ from tests.hf_checkpoints import (
     mixtral_tensors,
     qwen2_moe_tensors,
     qwen3_moe_tensors,
+    vit_logits,
+    vit_tensors,
     write_checkpoint,
 )
 
 TOLERANCE = 2e-5
 GPT2 = SPECS / "gpt2.par"
+VIT = SPECS / "vit.par"
 
 
 def relative_error(got: Any, want: Any) -> float:
@@ -103,6 +111,13 @@ def batch(vocab: int, seed: int = 1) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
     tokens = rng.integers(0, vocab, size=(8, 16)).astype(np.int32)
     return {"tokens": tokens, "targets": np.roll(tokens, -1, axis=1)}
+
+
+def images(seed: int = 1) -> dict[str, np.ndarray]:
+    """A batch of specs/vit.par's images at VIT_SET's sizes, [batch, height, width, channels]
+    as the spec reads them (the reference takes them [batch, channels, height, width])."""
+    rng = np.random.default_rng(seed)
+    return {"images": rng.standard_normal((8, 16, 16, 3)).astype(np.float32)}
 
 
 def logits_of(
@@ -180,6 +195,18 @@ def gemma2(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     weights = root / "weights.npz"
     assert cli.main(["import", str(spec), str(folder), "-o", str(weights), *flags(GEMMA2_SET)]) == 0
     return {"root": root, "folder": folder, "tensors": tensors, "weights": weights, "spec": spec}
+
+
+@pytest.fixture(scope="module")
+def vit(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """A ViT checkpoint (three channels, ten labels) and its import into specs/vit.par, which
+    computes in f32."""
+    root = tmp_path_factory.mktemp("vit")
+    tensors = vit_tensors(VIT_CONFIG)
+    folder = write_checkpoint(root / "checkpoint", VIT_CONFIG, tensors)
+    weights = root / "weights.npz"
+    assert cli.main(["import", str(VIT), str(folder), "-o", str(weights), *flags(VIT_SET)]) == 0
+    return {"root": root, "folder": folder, "tensors": tensors, "weights": weights, "spec": VIT}
 
 
 # The mixture-of-experts families: config, the --set that shrinks the spec, the tensors.
@@ -271,6 +298,34 @@ def test_imported_gemma2_computes_the_reference_logits(
     ):
         other = gemma2_logits({**GEMMA2_CONFIG, **without}, gemma2["tensors"], inputs["tokens"])
         assert relative_error(other, got) > 0.1, without
+
+
+@pytest.mark.parametrize("mesh", ["1x1", None], ids=["one device", "2x2"])
+def test_imported_vit_computes_the_reference_logits(
+    vit: dict[str, Any], mesh: str | None, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """specs/vit.par against ViTForImageClassification's forward, which takes the same images
+    [batch, channels, height, width]: the Conv2d's kernel turned into the conv's, the patches
+    read row by row, the class token first. On 2x2 the heads and the MLP split over `model`,
+    the batch over `data`."""
+    inputs = images(seed=3)
+    got = logits_of(capsys, vit["spec"], vit["weights"], inputs, VIT_SET, mesh, tmp_path)
+    pixels = inputs["images"].transpose(0, 3, 1, 2)
+    want = vit_logits(VIT_CONFIG, vit["tensors"], pixels)
+    # Logits up to 2.3 here: 1e-5 absolute is 4e-6 of them, within TOLERANCE and 10x the f32 error seen.
+    assert got.shape == (8, 10) and relative_error(got, want) <= TOLERANCE and np.max(np.abs(got - want)) <= 1e-5
+    # Each layout matters: the image or the kernel read another way gives other logits.
+    kernel = "vit.embeddings.patch_embeddings.projection.weight"
+    for name, tensors, pixel_values in (
+        ("channels reversed", vit["tensors"], pixels[:, ::-1]),
+        ("rows and columns swapped", vit["tensors"], pixels.transpose(0, 1, 3, 2)),
+        (
+            "kernel's height and width swapped",
+            {**vit["tensors"], kernel: vit["tensors"][kernel].transpose(0, 1, 3, 2)},
+            pixels,
+        ),
+    ):
+        assert relative_error(vit_logits(VIT_CONFIG, tensors, pixel_values), got) > 0.1, name
 
 
 def test_a_gpt_neox_without_attention_biases_imports_and_exports_again(
@@ -424,7 +479,7 @@ def test_a_spec_whose_experts_are_not_mixtrals_is_refused(
     assert "write `capacity=none`" in err and "its experts are SwiGLU" in err
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama", "mixtral", "qwen3_moe", "qwen2_moe", "gpt_neox", "gemma2"])
+@pytest.mark.parametrize("family", ["gpt2", "llama", "mixtral", "qwen3_moe", "qwen2_moe", "gpt_neox", "gemma2", "vit"])
 def test_export_writes_the_checkpoint_back_byte_for_byte(
     family: str,
     gpt2: dict[str, Any],
@@ -434,6 +489,7 @@ def test_export_writes_the_checkpoint_back_byte_for_byte(
     qwen2_moe: dict[str, Any],
     gpt_neox: dict[str, Any],
     gemma2: dict[str, Any],
+    vit: dict[str, Any],
     capsys: pytest.CaptureFixture[str],
     tmp_path: Path,
 ) -> None:
@@ -445,6 +501,7 @@ def test_export_writes_the_checkpoint_back_byte_for_byte(
         "qwen2_moe": (qwen2_moe, qwen2_moe["spec"], QWEN2_MOE_SET, QWEN2_MOE_CONFIG),
         "gpt_neox": (gpt_neox, gpt_neox["spec"], GPT_NEOX_SET, GPT_NEOX_CONFIG),
         "gemma2": (gemma2, gemma2["spec"], GEMMA2_SET, GEMMA2_CONFIG),
+        "vit": (vit, vit["spec"], VIT_SET, VIT_CONFIG),
     }[family]
     out = tmp_path / "exported"
     code, printed, err = run(capsys, "export", spec, "--weights", case["weights"], "-o", out, *flags(sizes))
@@ -453,7 +510,7 @@ def test_export_writes_the_checkpoint_back_byte_for_byte(
     written = json.loads((out / "config.json").read_text())
     same = set(written) & set(config)
     assert {k: written[k] for k in same} == {k: config[k] for k in same}
-    assert same >= {"vocab_size", "torch_dtype"}
+    assert same >= {"torch_dtype"} | ({"id2label", "image_size"} if family == "vit" else {"vocab_size"})
     assert family not in ("gpt2", "gemma2") or (
         "tied to the embedding" in printed and written["tie_word_embeddings"] is True
     )
@@ -892,6 +949,23 @@ def test_a_tensor_map_with_heads_interleaves_its_parts_head_by_head() -> None:
     assert blocks.split(rows, [4, 4, 4])[0][0].tolist() == [0, 1, 2, 3]
 
 
+def test_a_tensor_map_with_axes_turns_a_conv2d_kernel_into_the_spec_s() -> None:
+    """A Conv2d's kernel [out, in, height, width] holds at [o, i, y, x] what the spec's conv
+    kernel [height, width, in, out] holds at [y, x, i, o]: its axes taken in another order,
+    not reversed (a reversal would swap the window's height and width)."""
+    from dslc.interop.mapping import TensorMap
+    from dslc.interop.vit import CONV_AXES
+
+    conv = TensorMap("projection.weight", ("patches.kernel",), axes=CONV_AXES)
+    spec = np.arange(2 * 3 * 4 * 5).reshape(2, 3, 4, 5)  # [height 2, width 3, in 4, out 5]
+    stored = conv.to_checkpoint(spec)
+    assert stored.shape == conv.stored_shape(spec.shape) == (5, 4, 2, 3)
+    assert stored[4, 1, 0, 2] == spec[0, 2, 1, 4]
+    assert np.array_equal(conv.to_spec(stored), spec)
+    token = TensorMap("cls_token", ("cls.token",), ones=2)
+    assert token.stored_shape((8,)) == (1, 1, 8) and token.to_spec(np.zeros((1, 1, 8))).shape == (8,)
+
+
 def test_every_checkpoint_diagnostic_is_documented_and_tested() -> None:
     emitted = {
         code
@@ -1013,6 +1087,14 @@ def test_a_mismatch_that_a_suggested_set_fixes_gets_no_advice_of_its_own(
             "bf16",
             {"torch_dtype": "bfloat16", "layer_types": ["sliding_attention", "full_attention"] * 2},
         ),
+        # The labels' names (the dataset's: the spec knows only how many), the sizes as the
+        # original wrote them, a `num_labels` beside `id2label`.
+        (
+            "vit",
+            {"image_size": [16, 16], "patch_size": [4, 4], "num_labels": 10, "_name_or_path": "tiny-vit"},
+            None,
+            {},
+        ),
     ],
 )
 def test_export_keeps_what_the_imported_config_said(
@@ -1024,6 +1106,7 @@ def test_export_keeps_what_the_imported_config_said(
     llama: dict[str, Any],
     gpt_neox: dict[str, Any],
     gemma2: dict[str, Any],
+    vit: dict[str, Any],
     capsys: pytest.CaptureFixture[str],
     tmp_path: Path,
 ) -> None:
@@ -1034,6 +1117,7 @@ def test_export_keeps_what_the_imported_config_said(
         "llama": (llama, llama["spec"], LLAMA_SET, LLAMA_CONFIG),
         "gpt_neox": (gpt_neox, gpt_neox["spec"], GPT_NEOX_SET, GPT_NEOX_CONFIG),
         "gemma2": (gemma2, gemma2["spec"], GEMMA2_SET, GEMMA2_CONFIG),
+        "vit": (vit, vit["spec"], VIT_SET, VIT_CONFIG),
     }[family]
     config = {**config, **change}
     folder = write_checkpoint(tmp_path / "checkpoint", config, case["tensors"])
@@ -1055,7 +1139,9 @@ def test_export_keeps_what_the_imported_config_said(
         capsys, "export", spec, "--weights", tmp_path / "anew.npz", "-o", tmp_path / "again", *flags(sizes)
     )
     assert code == 0, err
-    assert not set(change) - {"max_position_embeddings", "dtype"} & set(_exported(tmp_path / "again")[0])
+    # (the spec states these itself: its sequence's length, its dtype, its image and patch sizes)
+    stated = {"max_position_embeddings", "dtype", "image_size", "patch_size"}
+    assert not set(change) - stated & set(_exported(tmp_path / "again")[0])
 
 
 def test_a_damaged_kept_config_is_refused_for_export(
@@ -1216,3 +1302,163 @@ def test_a_spec_that_does_not_compute_gemma2_is_refused(
         capsys, "export", spec, "--weights", gemma2["weights"], "-o", tmp_path / "out", *flags(GEMMA2_SET)
     )
     assert code == 1 and said[0] in err and not (tmp_path / "out").exists(), err
+
+
+SIDE_LINE = declared_at("side", "vit")
+
+
+@pytest.mark.parametrize(
+    ("change", "said"),
+    [
+        # transformers reads [height, width] as it reads one side of a square.
+        ({"image_size": [16, 16], "patch_size": [4, 4]}, []),
+        (
+            {"image_size": 32},
+            [
+                f"vit.par:{SIDE_LINE}:1: error[C001]: config.json's `image_size` is 32, but the spec's image height "
+                "is 16",
+                "used by `patches`",
+                "= help: --set side=32",
+            ],
+        ),
+        # No constant makes the spec's square images another shape: the diagnostic says what to edit.
+        (
+            {"image_size": [16, 12]},
+            [
+                "`image_size` is [16, 12] (width 12), but the spec's image width is 16",
+                "make the images input [batch, 16, 12, channels]",
+            ],
+        ),
+        ({"patch_size": 8}, ["`patch_size` is 8, but the spec's patch size (the conv's kernel) is 4", "--set patch=8"]),
+        (
+            {"num_channels": 1},
+            ["`num_channels` is 1, but the spec's number of image channels is 3", "--set channels=1"],
+        ),
+        ({"layer_norm_eps": 1e-6}, ["`layer_norm_eps` is 1e-06", "--set eps=1e-06"]),
+        (
+            {"id2label": {"0": "cat", "1": "dog"}, "label2id": {"cat": 0, "dog": 1}},
+            ["`id2label` is 2 labels, but the spec's number of classes", "--set classes=2"],
+        ),
+        # transformers' default is two labels, which save_pretrained leaves out.
+        ({"id2label": None, "label2id": None, "num_labels": 3}, ["`num_labels` is 3", "--set classes=3"]),
+        ({"id2label": {}, "label2id": {}}, ["error[C003]: no labels", "id2label is empty"]),
+        (
+            {"hidden_act": "gelu_new"},
+            ['`hidden_act` is "gelu_new", but the spec\'s GELU is "gelu"', "`gelu()` for gelu_new"],
+        ),
+        ({"hidden_act": "relu"}, ["error[C003]: hidden_act 'relu' is not one dslc computes"]),
+        ({"qkv_bias": False}, ["error[C003]: qkv_bias is false: dslc's attention adds a bias to o only where"]),
+        (
+            {"architectures": ["ViTModel"]},
+            ["error[C003]: architectures ['ViTModel']: dslc maps ViTForImageClassification"],
+        ),
+        ({"patch_size": [4, 2]}, ["error[C003]: patch_size [4, 2]: dslc's conv windows are square"]),
+        (
+            {"image_size": 18},
+            ["error[C003]: image_size 18 is not a multiple of patch_size 4", "--set side=18"],
+        ),
+        ({"image_size": [16]}, ["error[C004]: 1 unusable value", "`image_size`: value error, should be a positive"]),
+    ],
+)
+def test_a_vit_config_is_checked_before_a_tensor_is_read(
+    change: dict[str, object],
+    said: list[str],
+    vit: dict[str, Any],
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+) -> None:
+    config = {k: v for k, v in {**VIT_CONFIG, **change}.items() if v is not None}
+    folder = write_checkpoint(tmp_path / "checkpoint", config, vit["tensors"])
+    if said:
+        (folder / "model.safetensors").unlink()
+    code, _, err = run(capsys, "import", vit["spec"], folder, "-o", tmp_path / "w.npz", *flags(VIT_SET))
+    assert code == (1 if said else 0), err
+    for words in said:
+        assert words in err, err
+    assert "Traceback" not in err and (tmp_path / "w.npz").exists() == (not said)
+
+
+ATTENTION = (
+    "attn: attention(d, heads, causal=false, bias=true) shard q[_, model], q_bias[model], k[_, model], "
+    "k_bias[model], v[_, model], v_bias[model], o[model, _]"
+)
+
+
+@pytest.mark.parametrize(
+    ("edit", "said"),
+    [
+        (
+            ("causal=false", "causal=true"),
+            ["error[C002]: the spec is not built like a ViT: its attention looks both ways", "write `causal=false`"],
+        ),
+        # Biases on q, k and v alone: ViT's output projection has one too.
+        (
+            (ATTENTION, ATTENTION.replace("bias=true", "qkv_bias=true")),
+            ["its attention adds biases to q, k, v and o", "write `bias=true` on the attention"],
+        ),
+        (
+            ("pool(mode=first)", "pool(mode=mean)"),
+            ["its classifier reads the class token's vector", "write `pool(mode=first)`"],
+        ),
+        (
+            ("position_embed(side // patch * (side // patch) + 1, d)", "position_embed(64, d)"),
+            ["its position table holds one row for each patch and one for the class token (17 here)"],
+        ),
+        (
+            ("  cls: class_token(d)\n", ""),
+            [
+                "error[C002]: the spec is not built like a ViT: `class_token` should come here, not `position_embed`",
+                "a ViT is conv, flatten, class_token, position_embed, then blocks of residual { layernorm, attention }",
+            ],
+        ),
+    ],
+)
+def test_a_spec_that_does_not_compute_vit_is_refused(
+    edit: tuple[str, str],
+    said: list[str],
+    vit: dict[str, Any],
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+) -> None:
+    text = VIT.read_text()
+    assert edit[0] in text
+    spec = tmp_path / "edited.par"
+    spec.write_text(text.replace(edit[0], edit[1]))
+    code, _, err = run(capsys, "import", spec, vit["folder"], "-o", tmp_path / "w.npz", *flags(VIT_SET))
+    assert code == 1 and not (tmp_path / "w.npz").exists(), err
+    for words in said:
+        assert words in err, err
+    # Export asks the same of the spec.
+    code, _, err = run(capsys, "export", spec, "--weights", vit["weights"], "-o", tmp_path / "out", *flags(VIT_SET))
+    assert code == 1 and said[0] in err and not (tmp_path / "out").exists(), err
+
+
+def test_a_vit_kernel_in_another_layout_is_named(
+    vit: dict[str, Any], capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """A patch kernel stored [height, width, in, out] (as a checkpoint converted from another
+    framework might hold it) is not read as transformers' [out, in, height, width]."""
+    name = "vit.embeddings.patch_embeddings.projection.weight"
+    tensors = {**vit["tensors"], name: vit["tensors"][name].transpose(2, 3, 1, 0)}
+    folder = write_checkpoint(tmp_path / "turned", VIT_CONFIG, tensors)
+    code, _, err = run(capsys, "import", vit["spec"], folder, "-o", tmp_path / "w.npz", *flags(VIT_SET))
+    assert code == 1 and not (tmp_path / "w.npz").exists(), err
+    assert f"error[C006]: `{name}` is [4, 4, 3, 32], the spec needs [32, 3, 4, 4]" in err
+
+
+def test_sharded_and_unprefixed_vit_checkpoints_import_alike(
+    vit: dict[str, Any], capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """The classifier sits beside `vit.`: a checkpoint in shards, or whose other tensors are
+    named without `vit.`, gives the same weights."""
+    sharded = write_checkpoint(tmp_path / "sharded", VIT_CONFIG, vit["tensors"], shards=3)
+    bare = {name.removeprefix("vit."): t for name, t in vit["tensors"].items()}
+    assert "classifier.bias" in bare and "embeddings.cls_token" in bare
+    unprefixed = write_checkpoint(tmp_path / "bare", VIT_CONFIG, bare)
+    with np.load(vit["weights"]) as want:
+        for folder in (sharded, unprefixed):
+            code, _, err = run(capsys, "import", VIT, folder, "-o", tmp_path / "w.npz", *flags(VIT_SET))
+            assert code == 0, err
+            with np.load(tmp_path / "w.npz") as got:
+                assert sorted(got.files) == sorted(want.files)
+                assert all(np.array_equal(got[n], want[n]) for n in want.files)
