@@ -40,6 +40,17 @@ MESH_NODES = (1, 1)  # how many nodes each axis spans (the slow network between 
 COMPUTE_DTYPE = "bfloat16"
 
 
+# ---- the spec's constants ----------------------------------------------------------------------
+
+HEADS = 8
+KV_HEADS = 4
+LAYERS = 26
+EPS = 1e-06
+WINDOW = 4096
+ATTN_CAP = 50.0
+LOGIT_CAP = 30.0
+
+
 # ---- parameters and inputs ---------------------------------------------------------------------
 
 
@@ -170,31 +181,31 @@ class Gemma2Pair(nnx.Module):
         # gemma2.par:46: residual
         h = x
         # gemma2.par:47 norm: rmsnorm(d, eps=eps, offset=true)
-        h = rmsnorm(h, **weights_of(self.local_norm, COMPUTE_DTYPE), eps=1e-06, dtype=COMPUTE_DTYPE, offset=True)
+        h = rmsnorm(h, **weights_of(self.local_norm, COMPUTE_DTYPE), eps=EPS, dtype=COMPUTE_DTYPE, offset=True)
         h = constrain(h, P("data", None, None))
         # gemma2.par:48 attn: attention(d, heads, kv_heads=kv_heads, head_dim=head_dim, rope=true, rope_bas...
         h = attention(
             h,
             **weights_of(self.local_attn, COMPUTE_DTYPE),
-            heads=8,
-            kv_heads=4,
+            heads=HEADS,
+            kv_heads=KV_HEADS,
             causal=True,
-            window=4096,
+            window=WINDOW,
             rope=functools.partial(rotary, base=10000.0),
-            softcap=50.0,
+            softcap=ATTN_CAP,
             dtype=COMPUTE_DTYPE,
             kernel="flash",
             block=512,
         )
         h = constrain(h, P("data", None, None))
         # gemma2.par:49 post_norm: rmsnorm(d, eps=eps, offset=true)
-        h = rmsnorm(h, **weights_of(self.local_post_norm, COMPUTE_DTYPE), eps=1e-06, dtype=COMPUTE_DTYPE, offset=True)
+        h = rmsnorm(h, **weights_of(self.local_post_norm, COMPUTE_DTYPE), eps=EPS, dtype=COMPUTE_DTYPE, offset=True)
         h = constrain(h, P("data", None, None))
         x = x + h
         # gemma2.par:51: residual
         h = x
         # gemma2.par:52 norm: rmsnorm(d, eps=eps, offset=true)
-        h = rmsnorm(h, **weights_of(self.local_mlp_norm, COMPUTE_DTYPE), eps=1e-06, dtype=COMPUTE_DTYPE, offset=True)
+        h = rmsnorm(h, **weights_of(self.local_mlp_norm, COMPUTE_DTYPE), eps=EPS, dtype=COMPUTE_DTYPE, offset=True)
         h = constrain(h, P("data", None, None))
         # gemma2.par:53 gate_up: swiglu(d, ffn, activation=gelu) shard gate[_, model], up[_, model]
         h = swiglu(h, **weights_of(self.local_mlp_gate_up, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE, activation="gelu")
@@ -203,38 +214,36 @@ class Gemma2Pair(nnx.Module):
         h = linear(h, **weights_of(self.local_mlp_down, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE)
         h = constrain(h, P("data", None, None))
         # gemma2.par:55 post_norm: rmsnorm(d, eps=eps, offset=true)
-        h = rmsnorm(
-            h, **weights_of(self.local_mlp_post_norm, COMPUTE_DTYPE), eps=1e-06, dtype=COMPUTE_DTYPE, offset=True
-        )
+        h = rmsnorm(h, **weights_of(self.local_mlp_post_norm, COMPUTE_DTYPE), eps=EPS, dtype=COMPUTE_DTYPE, offset=True)
         h = constrain(h, P("data", None, None))
         x = x + h
         # gemma2.par:57: residual
         h = x
         # gemma2.par:58 norm: rmsnorm(d, eps=eps, offset=true)
-        h = rmsnorm(h, **weights_of(self.global_norm, COMPUTE_DTYPE), eps=1e-06, dtype=COMPUTE_DTYPE, offset=True)
+        h = rmsnorm(h, **weights_of(self.global_norm, COMPUTE_DTYPE), eps=EPS, dtype=COMPUTE_DTYPE, offset=True)
         h = constrain(h, P("data", None, None))
         # gemma2.par:59 attn: attention(d, heads, kv_heads=kv_heads, head_dim=head_dim, rope=true, rope_bas...
         h = attention(
             h,
             **weights_of(self.global_attn, COMPUTE_DTYPE),
-            heads=8,
-            kv_heads=4,
+            heads=HEADS,
+            kv_heads=KV_HEADS,
             causal=True,
             rope=functools.partial(rotary, base=10000.0),
-            softcap=50.0,
+            softcap=ATTN_CAP,
             dtype=COMPUTE_DTYPE,
             kernel="flash",
             block=512,
         )
         h = constrain(h, P("data", None, None))
         # gemma2.par:60 post_norm: rmsnorm(d, eps=eps, offset=true)
-        h = rmsnorm(h, **weights_of(self.global_post_norm, COMPUTE_DTYPE), eps=1e-06, dtype=COMPUTE_DTYPE, offset=True)
+        h = rmsnorm(h, **weights_of(self.global_post_norm, COMPUTE_DTYPE), eps=EPS, dtype=COMPUTE_DTYPE, offset=True)
         h = constrain(h, P("data", None, None))
         x = x + h
         # gemma2.par:62: residual
         h = x
         # gemma2.par:63 norm: rmsnorm(d, eps=eps, offset=true)
-        h = rmsnorm(h, **weights_of(self.global_mlp_norm, COMPUTE_DTYPE), eps=1e-06, dtype=COMPUTE_DTYPE, offset=True)
+        h = rmsnorm(h, **weights_of(self.global_mlp_norm, COMPUTE_DTYPE), eps=EPS, dtype=COMPUTE_DTYPE, offset=True)
         h = constrain(h, P("data", None, None))
         # gemma2.par:64 gate_up: swiglu(d, ffn, activation=gelu) shard gate[_, model], up[_, model]
         h = swiglu(h, **weights_of(self.global_mlp_gate_up, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE, activation="gelu")
@@ -244,7 +253,7 @@ class Gemma2Pair(nnx.Module):
         h = constrain(h, P("data", None, None))
         # gemma2.par:66 post_norm: rmsnorm(d, eps=eps, offset=true)
         h = rmsnorm(
-            h, **weights_of(self.global_mlp_post_norm, COMPUTE_DTYPE), eps=1e-06, dtype=COMPUTE_DTYPE, offset=True
+            h, **weights_of(self.global_mlp_post_norm, COMPUTE_DTYPE), eps=EPS, dtype=COMPUTE_DTYPE, offset=True
         )
         h = constrain(h, P("data", None, None))
         x = x + h
@@ -269,15 +278,15 @@ class Gemma2(nnx.Module):
         x = embed(x, **weights_of(self.embed, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE, scale=True)
         x = constrain(x, P("data", None, None))
         # gemma2.par:72 layers: repeat layers // 2 gemma2_pair(d, heads, kv_heads, head_dim, ffn, eps, rope...
-        x = scan_layers(self.layers, 13, x, inputs, key)
+        x = scan_layers(self.layers, LAYERS // 2, x, inputs, key)
         # gemma2.par:73 norm: rmsnorm(d, eps=eps, offset=true)
-        x = rmsnorm(x, **weights_of(self.norm, COMPUTE_DTYPE), eps=1e-06, dtype=COMPUTE_DTYPE, offset=True)
+        x = rmsnorm(x, **weights_of(self.norm, COMPUTE_DTYPE), eps=EPS, dtype=COMPUTE_DTYPE, offset=True)
         x = constrain(x, P("data", None, None))
         # gemma2.par:74 head: linear(d, vocab, bias=false) tie kernel = embed.table.T
         x = linear(x, **weights_of(self.head, COMPUTE_DTYPE, transposed="kernel"), dtype=COMPUTE_DTYPE)
         x = constrain(x, P("data", None, "model"))
         # gemma2.par:75 softcap(logit_cap)
-        x = softcap(x, cap=30.0)
+        x = softcap(x, cap=LOGIT_CAP)
         x = constrain(x, P("data", None, "model"))
         return x
 

@@ -51,6 +51,12 @@ MESH_NODES = (1, 1, 1)  # how many nodes each axis spans (the slow network betwe
 COMPUTE_DTYPE = "float32"
 
 
+# ---- the spec's constants ----------------------------------------------------------------------
+
+HEADS = 12
+EPS = 1e-05
+
+
 # ---- parameters and inputs ---------------------------------------------------------------------
 
 
@@ -128,13 +134,13 @@ class Gpt2Block(nnx.Module):
         # gpt2.par:38: residual
         h = x
         # gpt2.par:39 ln_1: layernorm(d, eps=eps)
-        h = layernorm(h, **weights_of(self.ln_1, COMPUTE_DTYPE), eps=1e-05, dtype=COMPUTE_DTYPE)
+        h = layernorm(h, **weights_of(self.ln_1, COMPUTE_DTYPE), eps=EPS, dtype=COMPUTE_DTYPE)
         h = constrain(h, P("data", None, None))
         # gpt2.par:40 attn: attention(d, heads, bias=true) shard q[_, model], q_bias[model], k[_, model], k...
         h = attention(
             h,
             **weights_of(self.attn, COMPUTE_DTYPE),
-            heads=12,
+            heads=HEADS,
             kv_heads=12,
             causal=True,
             dtype=COMPUTE_DTYPE,
@@ -149,7 +155,7 @@ class Gpt2Block(nnx.Module):
         # gpt2.par:43: residual
         h = x
         # gpt2.par:44 ln_2: layernorm(d, eps=eps)
-        h = layernorm(h, **weights_of(self.ln_2, COMPUTE_DTYPE), eps=1e-05, dtype=COMPUTE_DTYPE)
+        h = layernorm(h, **weights_of(self.ln_2, COMPUTE_DTYPE), eps=EPS, dtype=COMPUTE_DTYPE)
         h = constrain(h, P("data", None, None))
         # gpt2.par:45 fc: linear(d, ffn) shard kernel[_, model], bias[model]
         h = linear(h, **weights_of(self.fc, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE)
@@ -208,7 +214,7 @@ class Stage1(nnx.Module):
         # gpt2.par:57 h: repeat layers gpt2_block(d, heads, ffn, eps)
         x = scan_layers(self.h, 6, x, inputs, key)
         # gpt2.par:59 ln_f: layernorm(d, eps=eps)
-        x = layernorm(x, **weights_of(self.ln_f, COMPUTE_DTYPE), eps=1e-05, dtype=COMPUTE_DTYPE)
+        x = layernorm(x, **weights_of(self.ln_f, COMPUTE_DTYPE), eps=EPS, dtype=COMPUTE_DTYPE)
         x = constrain(x, P("data", None, None))
         # gpt2.par:60 lm_head: linear(d, vocab, bias=false) tie kernel = wte.table.T
         x = linear(x, **weights_of(self.lm_head, COMPUTE_DTYPE, transposed="kernel"), dtype=COMPUTE_DTYPE)

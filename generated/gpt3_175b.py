@@ -42,6 +42,11 @@ MESH_NODES = (1, 1, 1)  # how many nodes each axis spans (the slow network betwe
 COMPUTE_DTYPE = "bfloat16"
 
 
+# ---- the spec's constants ----------------------------------------------------------------------
+
+HEADS = 96
+
+
 # ---- parameters and inputs ---------------------------------------------------------------------
 
 
@@ -147,7 +152,7 @@ class GptBlock(nnx.Module):
         h = attention(
             h,
             **weights_of(self.attn, COMPUTE_DTYPE),
-            heads=96,
+            heads=HEADS,
             kv_heads=96,
             causal=True,
             dtype=COMPUTE_DTYPE,

@@ -42,6 +42,12 @@ MESH_NODES = (1, 1, 1)  # how many nodes each axis spans (the slow network betwe
 COMPUTE_DTYPE = "bfloat16"
 
 
+# ---- the spec's constants ----------------------------------------------------------------------
+
+HEADS = 12
+EPS = 1e-05
+
+
 # ---- parameters and inputs ---------------------------------------------------------------------
 
 
@@ -147,13 +153,13 @@ class NeoxBlock(nnx.Module):
         # gpt_neox.par:38: branch
         h_1 = h
         # gpt_neox.par:39 ln_1: layernorm(d, eps=eps)
-        h_1 = layernorm(h_1, **weights_of(self.ln_1, COMPUTE_DTYPE), eps=1e-05, dtype=COMPUTE_DTYPE)
+        h_1 = layernorm(h_1, **weights_of(self.ln_1, COMPUTE_DTYPE), eps=EPS, dtype=COMPUTE_DTYPE)
         h_1 = constrain(h_1, P("data", None, None))
         # gpt_neox.par:40 attn: attention(d, heads, rope=true, rope_dims=rope_dims, bias=true) shard q[_, m...
         h_1 = attention(
             h_1,
             **weights_of(self.attn, COMPUTE_DTYPE),
-            heads=12,
+            heads=HEADS,
             kv_heads=12,
             causal=True,
             rope=functools.partial(rotary, base=10000.0, dims=16),
@@ -165,7 +171,7 @@ class NeoxBlock(nnx.Module):
         # gpt_neox.par:42: branch
         h_2 = h
         # gpt_neox.par:43 ln_2: layernorm(d, eps=eps)
-        h_2 = layernorm(h_2, **weights_of(self.ln_2, COMPUTE_DTYPE), eps=1e-05, dtype=COMPUTE_DTYPE)
+        h_2 = layernorm(h_2, **weights_of(self.ln_2, COMPUTE_DTYPE), eps=EPS, dtype=COMPUTE_DTYPE)
         h_2 = constrain(h_2, P("data", None, None))
         # gpt_neox.par:44 fc: linear(d, ffn) shard kernel[_, model], bias[model]
         h_2 = linear(h_2, **weights_of(self.fc, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE)
@@ -214,7 +220,7 @@ class Stage1(nnx.Module):
         # gpt_neox.par:54 layers: repeat layers neox_block(d, heads, ffn, eps, rope_dims)
         x = scan_layers(self.layers, 6, x, inputs, key)
         # gpt_neox.par:56 ln_f: layernorm(d, eps=eps)
-        x = layernorm(x, **weights_of(self.ln_f, COMPUTE_DTYPE), eps=1e-05, dtype=COMPUTE_DTYPE)
+        x = layernorm(x, **weights_of(self.ln_f, COMPUTE_DTYPE), eps=EPS, dtype=COMPUTE_DTYPE)
         x = constrain(x, P("data", None, None))
         # gpt_neox.par:57 head: linear(d, vocab, bias=false) shard kernel[_, model]
         x = linear(x, **weights_of(self.head, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE)

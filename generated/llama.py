@@ -42,6 +42,13 @@ MESH_NODES = (1, 1, 1)  # how many nodes each axis spans (the slow network betwe
 COMPUTE_DTYPE = "bfloat16"
 
 
+# ---- the spec's constants ----------------------------------------------------------------------
+
+HEADS = 32
+KV_HEADS = 4
+EPS = 1e-05
+
+
 # ---- parameters and inputs ---------------------------------------------------------------------
 
 
@@ -135,14 +142,14 @@ class LlamaBlock(nnx.Module):
         # llama.par:39: residual
         h = x
         # llama.par:40 attn_norm: rmsnorm(d, eps=eps)
-        h = rmsnorm(h, **weights_of(self.attn_norm, COMPUTE_DTYPE), eps=1e-05, dtype=COMPUTE_DTYPE, offset=False)
+        h = rmsnorm(h, **weights_of(self.attn_norm, COMPUTE_DTYPE), eps=EPS, dtype=COMPUTE_DTYPE, offset=False)
         h = constrain(h, P("data", None, None))
         # llama.par:41 attn: attention(d, heads, kv_heads=kv_heads, rope=true, rope_base=rope_base, qkv_bia...
         h = attention(
             h,
             **weights_of(self.attn, COMPUTE_DTYPE),
-            heads=32,
-            kv_heads=4,
+            heads=HEADS,
+            kv_heads=KV_HEADS,
             causal=True,
             rope=functools.partial(rotary, base=10000.0),
             dtype=COMPUTE_DTYPE,
@@ -154,7 +161,7 @@ class LlamaBlock(nnx.Module):
         # llama.par:43: residual
         h = x
         # llama.par:44 mlp_norm: rmsnorm(d, eps=eps)
-        h = rmsnorm(h, **weights_of(self.mlp_norm, COMPUTE_DTYPE), eps=1e-05, dtype=COMPUTE_DTYPE, offset=False)
+        h = rmsnorm(h, **weights_of(self.mlp_norm, COMPUTE_DTYPE), eps=EPS, dtype=COMPUTE_DTYPE, offset=False)
         h = constrain(h, P("data", None, None))
         # llama.par:45 gate_up: swiglu(d, ffn) shard gate[_, model], up[_, model]
         h = swiglu(h, **weights_of(self.gate_up, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE, activation="silu")
@@ -199,7 +206,7 @@ class Stage1(nnx.Module):
         # llama.par:53 layers: repeat layers llama_block(d, heads, kv_heads, ffn, eps, rope_base, qkv_bias)
         x = scan_layers(self.layers, 11, x, inputs, key)
         # llama.par:55 norm: rmsnorm(d, eps=eps)
-        x = rmsnorm(x, **weights_of(self.norm, COMPUTE_DTYPE), eps=1e-05, dtype=COMPUTE_DTYPE, offset=False)
+        x = rmsnorm(x, **weights_of(self.norm, COMPUTE_DTYPE), eps=EPS, dtype=COMPUTE_DTYPE, offset=False)
         x = constrain(x, P("data", None, None))
         # llama.par:56 head: linear(d, vocab, bias=false) shard kernel[_, model]
         x = linear(x, **weights_of(self.head, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE)

@@ -40,6 +40,13 @@ MESH_NODES = (1, 1)  # how many nodes each axis spans (the slow network between 
 COMPUTE_DTYPE = "bfloat16"
 
 
+# ---- the spec's constants ----------------------------------------------------------------------
+
+HEADS = 8
+KV_HEADS = 4
+N_LAYERS = 4
+
+
 # ---- parameters and inputs ---------------------------------------------------------------------
 
 
@@ -121,8 +128,8 @@ class LlamaBlock(nnx.Module):
         h = attention(
             h,
             **weights_of(self.attn, COMPUTE_DTYPE),
-            heads=8,
-            kv_heads=4,
+            heads=HEADS,
+            kv_heads=KV_HEADS,
             causal=True,
             rope=functools.partial(rotary, base=10000.0),
             dtype=COMPUTE_DTYPE,
@@ -163,7 +170,7 @@ class LlamaSmall(nnx.Module):
         x = embed(x, **weights_of(self.embed, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE, scale=False)
         x = constrain(x, P("data", None, None))
         # llama_small.par:36 layers: repeat n_layers llama_block(d, heads, kv_heads, ffn)
-        x = scan_layers(self.layers, 4, x, inputs, key)
+        x = scan_layers(self.layers, N_LAYERS, x, inputs, key)
         # llama_small.par:37 norm: rmsnorm(d)
         x = rmsnorm(x, **weights_of(self.norm, COMPUTE_DTYPE), eps=1e-06, dtype=COMPUTE_DTYPE, offset=False)
         x = constrain(x, P("data", None, None))

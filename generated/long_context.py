@@ -40,6 +40,13 @@ MESH_NODES = (1, 1, 1)  # how many nodes each axis spans (the slow network betwe
 COMPUTE_DTYPE = "float32"
 
 
+# ---- the spec's constants ----------------------------------------------------------------------
+
+HEADS = 4
+KV_HEADS = 2
+N_LAYERS = 2
+
+
 # ---- parameters and inputs ---------------------------------------------------------------------
 
 
@@ -111,8 +118,8 @@ class Decoder(nnx.Module):
         h = ring_attention(
             h,
             **weights_of(self.attn, COMPUTE_DTYPE),
-            heads=4,
-            kv_heads=2,
+            heads=HEADS,
+            kv_heads=KV_HEADS,
             causal=True,
             axis="context",
             rope=functools.partial(rotary, base=10000.0),
@@ -153,7 +160,7 @@ class LongContext(nnx.Module):
         x = embed(x, **weights_of(self.embed, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE, scale=False)
         x = constrain(x, P("data", "context", None))
         # long_context.par:38 layers: repeat n_layers decoder(d, heads, kv_heads, ffn)
-        x = scan_layers(self.layers, 2, x, inputs, key)
+        x = scan_layers(self.layers, N_LAYERS, x, inputs, key)
         # long_context.par:39 norm: rmsnorm(d)
         x = rmsnorm(x, **weights_of(self.norm, COMPUTE_DTYPE), eps=1e-06, dtype=COMPUTE_DTYPE, offset=False)
         x = constrain(x, P("data", "context", None))

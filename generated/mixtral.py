@@ -41,6 +41,16 @@ MESH_NODES = (1, 1, 1)  # how many nodes each axis spans (the slow network betwe
 COMPUTE_DTYPE = "bfloat16"
 
 
+# ---- the spec's constants ----------------------------------------------------------------------
+
+HEADS = 4
+KV_HEADS = 2
+TOP_K = 2
+LAYERS = 2
+EPS = 1e-05
+AUX = 0.01
+
+
 # ---- parameters and inputs ---------------------------------------------------------------------
 
 
@@ -115,14 +125,14 @@ class MixtralBlock(nnx.Module):
         # mixtral.par:40: residual
         h = x
         # mixtral.par:41 attn_norm: rmsnorm(d, eps=eps)
-        h = rmsnorm(h, **weights_of(self.attn_norm, COMPUTE_DTYPE), eps=1e-05, dtype=COMPUTE_DTYPE, offset=False)
+        h = rmsnorm(h, **weights_of(self.attn_norm, COMPUTE_DTYPE), eps=EPS, dtype=COMPUTE_DTYPE, offset=False)
         h = constrain(h, P(("data", "expert"), None, None))
         # mixtral.par:42 attn: attention(d, heads, kv_heads=kv_heads, rope=true, rope_base=rope_base) shard...
         h = attention(
             h,
             **weights_of(self.attn, COMPUTE_DTYPE),
-            heads=4,
-            kv_heads=2,
+            heads=HEADS,
+            kv_heads=KV_HEADS,
             causal=True,
             rope=functools.partial(rotary, base=1000000.0),
             dtype=COMPUTE_DTYPE,
@@ -133,15 +143,15 @@ class MixtralBlock(nnx.Module):
         # mixtral.par:44: residual
         h = x
         # mixtral.par:45 moe_norm: rmsnorm(d, eps=eps)
-        h = rmsnorm(h, **weights_of(self.moe_norm, COMPUTE_DTYPE), eps=1e-05, dtype=COMPUTE_DTYPE, offset=False)
+        h = rmsnorm(h, **weights_of(self.moe_norm, COMPUTE_DTYPE), eps=EPS, dtype=COMPUTE_DTYPE, offset=False)
         h = constrain(h, P(("data", "expert"), None, None))
         # mixtral.par:46 moe: moe(d, ffn, experts, top_k=top_k, capacity=none, activation=swiglu, aux_weigh...
         h, more = moe(
             h,
             **weights_of(self.moe, COMPUTE_DTYPE),
-            top_k=2,
+            top_k=TOP_K,
             capacity=None,
-            aux_weight=0.01,
+            aux_weight=AUX,
             z_weight=0.0,
             normalize=True,
             activation="swiglu",
@@ -174,10 +184,10 @@ class Mixtral(nnx.Module):
         x = embed(x, **weights_of(self.embed, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE, scale=False)
         x = constrain(x, P(("data", "expert"), None, None))
         # mixtral.par:52 layers: repeat layers mixtral_block(d, heads, kv_heads, ffn, experts, top_k, eps, ...
-        x, more = scan_layers(self.layers, 2, x, inputs, key)
+        x, more = scan_layers(self.layers, LAYERS, x, inputs, key)
         aux = add_aux(aux, more)
         # mixtral.par:53 norm: rmsnorm(d, eps=eps)
-        x = rmsnorm(x, **weights_of(self.norm, COMPUTE_DTYPE), eps=1e-05, dtype=COMPUTE_DTYPE, offset=False)
+        x = rmsnorm(x, **weights_of(self.norm, COMPUTE_DTYPE), eps=EPS, dtype=COMPUTE_DTYPE, offset=False)
         x = constrain(x, P(("data", "expert"), None, None))
         # mixtral.par:54 head: linear(d, vocab, bias=false) shard kernel[_, model]
         x = linear(x, **weights_of(self.head, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE)

@@ -40,6 +40,11 @@ MESH_NODES = (1, 1)  # how many nodes each axis spans (the slow network between 
 COMPUTE_DTYPE = "float32"
 
 
+# ---- the spec's constants ----------------------------------------------------------------------
+
+HEADS = 4
+
+
 # ---- parameters and inputs ---------------------------------------------------------------------
 
 
@@ -121,7 +126,7 @@ class Decoder(nnx.Module):
         h = attention(
             h,
             **weights_of(self.attn, COMPUTE_DTYPE),
-            heads=4,
+            heads=HEADS,
             kv_heads=4,
             causal=True,
             dtype=COMPUTE_DTYPE,

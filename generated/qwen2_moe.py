@@ -41,6 +41,17 @@ MESH_NODES = (1, 1, 1)  # how many nodes each axis spans (the slow network betwe
 COMPUTE_DTYPE = "bfloat16"
 
 
+# ---- the spec's constants ----------------------------------------------------------------------
+
+HEADS = 4
+KV_HEADS = 4
+TOP_K = 2
+NORMALIZE = False
+LAYERS = 2
+EPS = 1e-06
+AUX = 0.001
+
+
 # ---- parameters and inputs ---------------------------------------------------------------------
 
 
@@ -129,14 +140,14 @@ class Qwen2MoeBlock(nnx.Module):
         # qwen2_moe.par:42: residual
         h = x
         # qwen2_moe.par:43 attn_norm: rmsnorm(d, eps=eps)
-        h = rmsnorm(h, **weights_of(self.attn_norm, COMPUTE_DTYPE), eps=1e-06, dtype=COMPUTE_DTYPE, offset=False)
+        h = rmsnorm(h, **weights_of(self.attn_norm, COMPUTE_DTYPE), eps=EPS, dtype=COMPUTE_DTYPE, offset=False)
         h = constrain(h, P(("data", "expert"), None, None))
         # qwen2_moe.par:44 attn: attention(d, heads, kv_heads=kv_heads, rope=true, rope_base=rope_base, qkv...
         h = attention(
             h,
             **weights_of(self.attn, COMPUTE_DTYPE),
-            heads=4,
-            kv_heads=4,
+            heads=HEADS,
+            kv_heads=KV_HEADS,
             causal=True,
             rope=functools.partial(rotary, base=1000000.0),
             dtype=COMPUTE_DTYPE,
@@ -147,17 +158,17 @@ class Qwen2MoeBlock(nnx.Module):
         # qwen2_moe.par:46: residual
         h = x
         # qwen2_moe.par:47 moe_norm: rmsnorm(d, eps=eps)
-        h = rmsnorm(h, **weights_of(self.moe_norm, COMPUTE_DTYPE), eps=1e-06, dtype=COMPUTE_DTYPE, offset=False)
+        h = rmsnorm(h, **weights_of(self.moe_norm, COMPUTE_DTYPE), eps=EPS, dtype=COMPUTE_DTYPE, offset=False)
         h = constrain(h, P(("data", "expert"), None, None))
         # qwen2_moe.par:48 moe: moe(d, ffn, experts, top_k=top_k, capacity=none, activation=swiglu, normali...
         h, more = moe(
             h,
             **weights_of(self.moe, COMPUTE_DTYPE),
-            top_k=2,
+            top_k=TOP_K,
             capacity=None,
-            aux_weight=0.001,
+            aux_weight=AUX,
             z_weight=0.0,
-            normalize=False,
+            normalize=NORMALIZE,
             activation="swiglu",
             expert_axes=("expert",),
             token_axes=("data", "expert"),
@@ -188,10 +199,10 @@ class Qwen2Moe(nnx.Module):
         x = embed(x, **weights_of(self.embed, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE, scale=False)
         x = constrain(x, P(("data", "expert"), None, None))
         # qwen2_moe.par:54 layers: repeat layers qwen2_moe_block(d, heads, kv_heads, ffn, shared_ffn, exper...
-        x, more = scan_layers(self.layers, 2, x, inputs, key)
+        x, more = scan_layers(self.layers, LAYERS, x, inputs, key)
         aux = add_aux(aux, more)
         # qwen2_moe.par:55 norm: rmsnorm(d, eps=eps)
-        x = rmsnorm(x, **weights_of(self.norm, COMPUTE_DTYPE), eps=1e-06, dtype=COMPUTE_DTYPE, offset=False)
+        x = rmsnorm(x, **weights_of(self.norm, COMPUTE_DTYPE), eps=EPS, dtype=COMPUTE_DTYPE, offset=False)
         x = constrain(x, P(("data", "expert"), None, None))
         # qwen2_moe.par:56 head: linear(d, vocab, bias=false) shard kernel[_, model]
         x = linear(x, **weights_of(self.head, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE)

@@ -42,6 +42,11 @@ MESH_NODES = (1, 1, 1)  # how many nodes each axis spans (the slow network betwe
 COMPUTE_DTYPE = "float32"
 
 
+# ---- the spec's constants ----------------------------------------------------------------------
+
+HEADS = 16
+
+
 # ---- parameters and inputs ---------------------------------------------------------------------
 
 
@@ -115,7 +120,7 @@ class TransformerLayer(nnx.Module):
         h = attention(
             h,
             **weights_of(self.attn, COMPUTE_DTYPE),
-            heads=16,
+            heads=HEADS,
             kv_heads=16,
             causal=True,
             dtype=COMPUTE_DTYPE,

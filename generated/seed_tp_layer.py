@@ -39,6 +39,11 @@ MESH_NODES = (1, 1)  # how many nodes each axis spans (the slow network between 
 COMPUTE_DTYPE = "float32"
 
 
+# ---- the spec's constants ----------------------------------------------------------------------
+
+HEADS = 12
+
+
 # ---- parameters and inputs ---------------------------------------------------------------------
 
 
@@ -102,7 +107,7 @@ class SeedTpLayer(nnx.Module):
         h = attention(
             h,
             **weights_of(self.attn, COMPUTE_DTYPE),
-            heads=12,
+            heads=HEADS,
             kv_heads=12,
             causal=False,
             dtype=COMPUTE_DTYPE,

@@ -40,6 +40,14 @@ MESH_NODES = (1, 1)  # how many nodes each axis spans (the slow network between 
 COMPUTE_DTYPE = "bfloat16"
 
 
+# ---- the spec's constants ----------------------------------------------------------------------
+
+HEADS = 6
+LAYERS = 8
+EPS = 1e-06
+MAX_DISTANCE = 128
+
+
 # ---- parameters and inputs ---------------------------------------------------------------------
 
 
@@ -143,14 +151,14 @@ class T5Encoder(nnx.Module):
         # t5.par:36: residual
         h = x
         # t5.par:37 norm: rmsnorm(d, eps=eps)
-        h = rmsnorm(h, **weights_of(self.self_attn_norm, COMPUTE_DTYPE), eps=1e-06, dtype=COMPUTE_DTYPE, offset=False)
+        h = rmsnorm(h, **weights_of(self.self_attn_norm, COMPUTE_DTYPE), eps=EPS, dtype=COMPUTE_DTYPE, offset=False)
         h = constrain(h, P("data", None, None))
         # t5.par:38 attn: attention(d, heads, head_dim=head_dim, causal=false, scale=1.0, position_bias=enc...
         h = attention(
             h,
             **weights_of(self.self_attn_attn, COMPUTE_DTYPE),
             position_bias=inputs["encoder_bias"],
-            heads=6,
+            heads=HEADS,
             kv_heads=6,
             causal=False,
             scale=1.0,
@@ -162,7 +170,7 @@ class T5Encoder(nnx.Module):
         # t5.par:40: residual
         h = x
         # t5.par:41 norm: rmsnorm(d, eps=eps)
-        h = rmsnorm(h, **weights_of(self.mlp_norm, COMPUTE_DTYPE), eps=1e-06, dtype=COMPUTE_DTYPE, offset=False)
+        h = rmsnorm(h, **weights_of(self.mlp_norm, COMPUTE_DTYPE), eps=EPS, dtype=COMPUTE_DTYPE, offset=False)
         h = constrain(h, P("data", None, None))
         # t5.par:42 gate_up: swiglu(d, ffn, activation=gelu) shard gate[_, model], up[_, model]
         h = swiglu(h, **weights_of(self.mlp_gate_up, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE, activation="gelu")
@@ -208,14 +216,14 @@ class T5Decoder(nnx.Module):
         # t5.par:48: residual
         h = x
         # t5.par:49 norm: rmsnorm(d, eps=eps)
-        h = rmsnorm(h, **weights_of(self.self_attn_norm, COMPUTE_DTYPE), eps=1e-06, dtype=COMPUTE_DTYPE, offset=False)
+        h = rmsnorm(h, **weights_of(self.self_attn_norm, COMPUTE_DTYPE), eps=EPS, dtype=COMPUTE_DTYPE, offset=False)
         h = constrain(h, P("data", None, None))
         # t5.par:50 attn: attention(d, heads, head_dim=head_dim, scale=1.0, position_bias=decoder_bias) sha...
         h = attention(
             h,
             **weights_of(self.self_attn_attn, COMPUTE_DTYPE),
             position_bias=inputs["decoder_bias"],
-            heads=6,
+            heads=HEADS,
             kv_heads=6,
             causal=True,
             scale=1.0,
@@ -227,14 +235,14 @@ class T5Decoder(nnx.Module):
         # t5.par:52: residual
         h = x
         # t5.par:53 norm: rmsnorm(d, eps=eps)
-        h = rmsnorm(h, **weights_of(self.cross_attn_norm, COMPUTE_DTYPE), eps=1e-06, dtype=COMPUTE_DTYPE, offset=False)
+        h = rmsnorm(h, **weights_of(self.cross_attn_norm, COMPUTE_DTYPE), eps=EPS, dtype=COMPUTE_DTYPE, offset=False)
         h = constrain(h, P("data", None, None))
         # t5.par:54 attn: attention(d, heads, head_dim=head_dim, causal=false, scale=1.0, memory=encoded) s...
         h = attention(
             h,
             **weights_of(self.cross_attn_attn, COMPUTE_DTYPE),
             memory=inputs["encoded"],
-            heads=6,
+            heads=HEADS,
             kv_heads=6,
             causal=False,
             scale=1.0,
@@ -246,7 +254,7 @@ class T5Decoder(nnx.Module):
         # t5.par:56: residual
         h = x
         # t5.par:57 norm: rmsnorm(d, eps=eps)
-        h = rmsnorm(h, **weights_of(self.mlp_norm, COMPUTE_DTYPE), eps=1e-06, dtype=COMPUTE_DTYPE, offset=False)
+        h = rmsnorm(h, **weights_of(self.mlp_norm, COMPUTE_DTYPE), eps=EPS, dtype=COMPUTE_DTYPE, offset=False)
         h = constrain(h, P("data", None, None))
         # t5.par:58 gate_up: swiglu(d, ffn, activation=gelu) shard gate[_, model], up[_, model]
         h = swiglu(h, **weights_of(self.mlp_gate_up, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE, activation="gelu")
@@ -289,7 +297,7 @@ class T5(nnx.Module):
             encoder_bias_stream,
             **weights_of(self.encoder_bias_bias, COMPUTE_DTYPE),
             bidirectional=True,
-            max_distance=128,
+            max_distance=MAX_DISTANCE,
             dtype=COMPUTE_DTYPE,
         )
         encoder_bias_stream = constrain(encoder_bias_stream, P(None, "model", None, None))
@@ -302,10 +310,10 @@ class T5(nnx.Module):
         )
         encoded_stream = constrain(encoded_stream, P("data", None, None))
         # t5.par:69 layers: repeat layers t5_encoder(d, heads, head_dim, ffn, eps)
-        encoded_stream = scan_layers(self.encoded_layers, 8, encoded_stream, inputs, key)
+        encoded_stream = scan_layers(self.encoded_layers, LAYERS, encoded_stream, inputs, key)
         # t5.par:70 norm: rmsnorm(d, eps=eps)
         encoded_stream = rmsnorm(
-            encoded_stream, **weights_of(self.encoded_norm, COMPUTE_DTYPE), eps=1e-06, dtype=COMPUTE_DTYPE, offset=False
+            encoded_stream, **weights_of(self.encoded_norm, COMPUTE_DTYPE), eps=EPS, dtype=COMPUTE_DTYPE, offset=False
         )
         encoded_stream = constrain(encoded_stream, P("data", None, None))
         inputs = {**inputs, "encoded": encoded_stream}
@@ -316,7 +324,7 @@ class T5(nnx.Module):
             decoder_bias_stream,
             **weights_of(self.decoder_bias_bias, COMPUTE_DTYPE),
             bidirectional=False,
-            max_distance=128,
+            max_distance=MAX_DISTANCE,
             dtype=COMPUTE_DTYPE,
         )
         decoder_bias_stream = constrain(decoder_bias_stream, P(None, "model", None, None))
@@ -325,9 +333,9 @@ class T5(nnx.Module):
         x = embed(x, **weights_of(self.embed, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE, scale=False)
         x = constrain(x, P("data", None, None))
         # t5.par:76 layers: repeat layers t5_decoder(d, heads, head_dim, ffn, eps)
-        x = scan_layers(self.layers, 8, x, inputs, key)
+        x = scan_layers(self.layers, LAYERS, x, inputs, key)
         # t5.par:77 norm: rmsnorm(d, eps=eps)
-        x = rmsnorm(x, **weights_of(self.norm, COMPUTE_DTYPE), eps=1e-06, dtype=COMPUTE_DTYPE, offset=False)
+        x = rmsnorm(x, **weights_of(self.norm, COMPUTE_DTYPE), eps=EPS, dtype=COMPUTE_DTYPE, offset=False)
         x = constrain(x, P("data", None, None))
         # t5.par:78 head: linear(d, vocab, bias=false) shard kernel[_, model]
         x = linear(x, **weights_of(self.head, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE)

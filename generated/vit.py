@@ -51,6 +51,14 @@ MESH_NODES = (1, 1)  # how many nodes each axis spans (the slow network between 
 COMPUTE_DTYPE = "float32"
 
 
+# ---- the spec's constants ----------------------------------------------------------------------
+
+PATCH = 4
+HEADS = 4
+LAYERS = 4
+EPS = 1e-12
+
+
 # ---- parameters and inputs ---------------------------------------------------------------------
 
 
@@ -140,13 +148,13 @@ class Encoder(nnx.Module):
         # vit.par:35: residual
         h = x
         # vit.par:36 ln_1: layernorm(d, eps=eps)
-        h = layernorm(h, **weights_of(self.ln_1, COMPUTE_DTYPE), eps=1e-12, dtype=COMPUTE_DTYPE)
+        h = layernorm(h, **weights_of(self.ln_1, COMPUTE_DTYPE), eps=EPS, dtype=COMPUTE_DTYPE)
         h = constrain(h, P("data", None, None))
         # vit.par:37 attn: attention(d, heads, causal=false, bias=true) shard q[_, model], q_bias[model], k...
         h = attention(
             h,
             **weights_of(self.attn, COMPUTE_DTYPE),
-            heads=4,
+            heads=HEADS,
             kv_heads=4,
             causal=False,
             dtype=COMPUTE_DTYPE,
@@ -157,7 +165,7 @@ class Encoder(nnx.Module):
         # vit.par:39: residual
         h = x
         # vit.par:40 ln_2: layernorm(d, eps=eps)
-        h = layernorm(h, **weights_of(self.ln_2, COMPUTE_DTYPE), eps=1e-12, dtype=COMPUTE_DTYPE)
+        h = layernorm(h, **weights_of(self.ln_2, COMPUTE_DTYPE), eps=EPS, dtype=COMPUTE_DTYPE)
         h = constrain(h, P("data", None, None))
         # vit.par:41 fc: linear(d, ffn) shard kernel[_, model], bias[model]
         h = linear(h, **weights_of(self.fc, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE)
@@ -191,7 +199,7 @@ class Vit(nnx.Module):
 
     def __call__(self, x: jax.Array, inputs: Arrays, key: jax.Array | None) -> jax.Array:
         # vit.par:48 patches: conv(channels, d, kernel=patch, stride=patch)
-        x = conv(x, **weights_of(self.patches, COMPUTE_DTYPE), stride=4, dtype=COMPUTE_DTYPE)
+        x = conv(x, **weights_of(self.patches, COMPUTE_DTYPE), stride=PATCH, dtype=COMPUTE_DTYPE)
         x = constrain(x, P("data", None, None, None))
         # vit.par:49 flatten()
         x = flatten(x)
@@ -203,9 +211,9 @@ class Vit(nnx.Module):
         x = position_embed(x, **weights_of(self.positions, COMPUTE_DTYPE))
         x = constrain(x, P("data", None, None))
         # vit.par:52 layers: repeat layers encoder(d, heads, ffn, eps)
-        x = scan_layers(self.layers, 4, x, inputs, key)
+        x = scan_layers(self.layers, LAYERS, x, inputs, key)
         # vit.par:53 ln_f: layernorm(d, eps=eps)
-        x = layernorm(x, **weights_of(self.ln_f, COMPUTE_DTYPE), eps=1e-12, dtype=COMPUTE_DTYPE)
+        x = layernorm(x, **weights_of(self.ln_f, COMPUTE_DTYPE), eps=EPS, dtype=COMPUTE_DTYPE)
         x = constrain(x, P("data", None, None))
         # vit.par:54 pool(mode=first)
         x = pool(x, mode="first")

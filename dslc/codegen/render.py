@@ -17,7 +17,7 @@ import jinja2
 from dslc.codegen import source
 from dslc.codegen.layout import laid_out
 from dslc.codegen.names import class_name, global_namer, safe_identifier
-from dslc.codegen.view import Builder, ModuleClass, Statement
+from dslc.codegen.view import Builder, Code, ModuleClass, Statement
 from dslc.ir import nodes as ir
 from dslc.ir.boundaries import boundary_of, chunk_input
 from dslc.ir.data_parallel import data_parallel_axes
@@ -79,6 +79,8 @@ _ENV = jinja2.Environment(
 def py(value: object) -> str:
     """A Python literal for a plain value, written as `ruff format` writes it."""
     match value:
+        case Code():
+            return str(value)
         case bool() | None:
             return repr(value)
         case int():
@@ -207,6 +209,8 @@ def generate(
         },
         "master": ir.DTYPES[program.train.master_dtype].jax if program.train.master_dtype else None,
         "grad_dtype": ir.DTYPES[program.train.grad_dtype].jax if program.train.grad_dtype else None,
+        # Last: the constants the classes and the loss above named, in the spec's order.
+        "constants": [(builder.constants[name], v) for name, v in program.constants if name in builder.constants],
     }
     # The imports are what the rendered code calls: the runtime's functions and classes it
     # names, and the libraries it and the templates use.

@@ -13,6 +13,7 @@ run by `scan_layers`.
 from __future__ import annotations
 
 import functools
+import re
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -24,6 +25,14 @@ from dslc.layers.base import input_args
 
 # Comments carry the spec line they came from, cut to stay within the line length.
 COMMENT_WIDTH = 100
+
+
+class Code(str):
+    """Python written out as it stands (a spec constant's name, `4 * D`), not as a literal."""
+
+
+# A name in an argument as the spec wrote it: a constant, `true` or `false`.
+_WORD = re.compile(r"\b[A-Za-z_][A-Za-z0-9_]*\b")
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,7 +75,7 @@ class Statement:
     sharding: ir.Sharding = ()
     # block / scan
     attribute: str = ""
-    count: int = 0  # scan: the layers it runs
+    count: int | Code = 0  # scan: the layers it runs
     # layer: its kernel returns (y, auxiliary values)
     has_aux: bool = False
 
@@ -104,6 +113,25 @@ class Builder:
     global_names: Namer
     blocks: list[ModuleClass] = field(default_factory=list)
     _block_classes: dict[object, str] = field(default_factory=dict)
+    # The spec's constants the module names, by their names in the spec, in the order met.
+    constants: dict[str, str] = field(default_factory=dict)
+
+    def code(self, written: str) -> Code | None:
+        """An argument as the spec wrote it, in the module's names for its constants; None
+        when it names no constant (a literal is written as its value)."""
+        known = dict(self.program.constants)
+        if not any(word in known for word in _WORD.findall(written)):
+            return None
+
+        def word(match: re.Match[str]) -> str:
+            name = match.group(0)
+            if name in ("true", "false"):
+                return "True" if name == "true" else "False"
+            if name not in self.constants:
+                self.constants[name] = self.global_names.claim(name.upper())
+            return self.constants[name]
+
+        return Code(_WORD.sub(word, written))
 
     @functools.cached_property
     def saved(self) -> frozenset[str]:
@@ -196,9 +224,10 @@ class Builder:
                             path=self.path(node.path, base),
                         )
                     )
-                    cls.statements.append(
-                        Statement("scan", var, self.where(node.span), attribute=attr, count=node.count)
-                    )
+                    # A pipeline chunk's share of the run is a number of its own.
+                    whole = node.written and node.count == node.length
+                    count = (self.code(node.written) if whole else None) or node.count
+                    cls.statements.append(Statement("scan", var, self.where(node.span), attribute=attr, count=count))
                 case ir.Layout():
                     cls.statements.append(
                         Statement("layout", var, self.where(node.span), sharding=node.output.sharding)
@@ -237,6 +266,13 @@ class Builder:
         kernel, static = kernel_call(layer, ir.DTYPES[self.program.train.compute_dtype].jax)
         if cls.remat == "core_attention" and rule.core_flops(layer):
             static["recompute_core"] = True
+        # A static argument that is the argument the spec wrote, unchanged, by the constants
+        # the spec wrote it in.
+        bound, written = dict(layer.attrs), dict(layer.written)
+        for keyword, value in static.items():
+            given = bound.get(keyword)
+            if keyword in written and type(given) is type(value) and given == value:
+                static[keyword] = self.code(written[keyword]) or value
         return Statement(
             "layer",
             var,

@@ -12,6 +12,7 @@ from dslc.ir.evaluate import ScalarValue, eval_value
 from dslc.ir.names import closest, unknown_name
 from dslc.layers.base import REQUIRED, ArgSpec
 from dslc.syntax import ast
+from dslc.syntax.format import value as value_text
 
 # What `_value` returns for an argument it reported as wrong.
 INVALID = object()
@@ -27,12 +28,16 @@ def bind_arguments(
     globals_: Mapping[str, ScalarValue] | None = None,
     spans: dict[str, Span] | None = None,
     streams: Collection[str] = (),
+    spellings: Mapping[str, str] | None = None,
+    written: dict[str, str] | None = None,
 ) -> dict[str, object] | None:
     """The call's arguments bound to `specs` and evaluated, defaults filled in; None after
     reporting what is wrong. `inputs` are the declared inputs an argument of type "input" may
     name; one of type "stream" may name those or the `streams` computed before the call.
     `spans`, when given, receives where each argument written in the call is (those left to
-    their defaults have none)."""
+    their defaults have none). `written`, when given with the `spellings` of the names in
+    scope, receives each number or boolean written in the call, or a default written in the
+    spec, as it reads in the spec's own constants (`4 * d`)."""
     raw = _match(specs, call, what, diags)
     if raw is None:
         return None
@@ -48,6 +53,8 @@ def bind_arguments(
                 ok = False
                 continue
             values[spec.name] = value
+            if written is not None and spellings is not None and spec.type not in ("input", "stream", "choice"):
+                _spell_into(written, spec.name, raw[spec.name].value, spellings)
         elif spec.default is REQUIRED:
             continue
         elif callable(spec.default):
@@ -60,9 +67,46 @@ def bind_arguments(
                 ok = False
             else:
                 values[spec.name] = value
+                if written is not None and spellings is not None:
+                    _spell_into(written, spec.name, spec.default, {**spellings, **written})
         else:
             values[spec.name] = spec.default
     return values if ok else None
+
+
+def spelled(v: ast.Value, spellings: Mapping[str, str]) -> str | None:
+    """`v` written in the names `spellings` gives each of its names (a block's parameter as
+    the constants its use passed); None where a name has no spelling."""
+
+    def substituted(e: ast.Expr) -> ast.Expr | None:
+        match e:
+            case ast.NameRef(name=name):
+                text = spellings.get(name)
+                if text is None:
+                    return None
+                # A name standing for more than one token is bracketed where it is put.
+                return ast.NameRef(text if text.replace("_", "").isalnum() else f"({text})", e.span)
+            case ast.Neg(operand=operand):
+                inner = substituted(operand)
+                return None if inner is None else ast.Neg(inner, e.span)
+            case ast.Chain(first=first, rest=rest):
+                head = substituted(first)
+                tail = [(op, substituted(operand)) for op, operand in rest]
+                kept = tuple((op, t) for op, t in tail if t is not None)
+                return None if head is None or len(kept) < len(tail) else ast.Chain(head, kept, e.span)
+            case _:
+                return e
+
+    if isinstance(v, ast.FloatLit | ast.BoolLit):
+        return value_text(v)
+    out = substituted(v)
+    return None if out is None else value_text(out)
+
+
+def _spell_into(written: dict[str, str], name: str, v: ast.Value, spellings: Mapping[str, str]) -> None:
+    text = spelled(v, spellings)
+    if text is not None:
+        written[name] = text
 
 
 def _match(specs: Sequence[ArgSpec], call: ast.Call, what: str, diags: Diagnostics) -> dict[str, ast.Arg] | None:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 from typing import cast
 
 from dslc.diagnostics import Diagnostics, Label, Span
-from dslc.elaborate.arguments import bind_arguments
+from dslc.elaborate.arguments import bind_arguments, spelled
 from dslc.elaborate.checkpoints import resolve_checkpoint
 from dslc.elaborate.flow import UNKNOWN, Flow, Scope, Segment, Walk
 from dslc.elaborate.header import Header
@@ -76,6 +76,7 @@ class _Builder(Walk):
         names = name_statements(fwd.body, self.diags)
         segments: list[Segment] = []
         scope: Scope = dict(self.header.constants)
+        self.spellings = [{name: name for name in self.header.constants}]
         for stmt in fwd.body:
             match stmt:
                 case ast.StageStmt(body=body) | ast.StagesStmt(body=body):
@@ -302,7 +303,8 @@ class _Builder(Walk):
         if body is None:
             return []
         if count == 1 or x is UNKNOWN or body.output == x:
-            return [ir.Repeat(f"{prefix}{name}", body, count, span=stmt.span)]
+            written = spelled(stmt.count, self.spellings[-1]) or ""
+            return [ir.Repeat(f"{prefix}{name}", body, count, span=stmt.span, written=written)]
         flow.type, flow.span, flow.after_loss = start.type, start.span, start.after_loss
         out: list[ir.Node] = []
         for i in range(count):
@@ -390,8 +392,17 @@ class _Builder(Walk):
         specs = tuple(
             ArgSpec(p.name.text, "any", p.default if p.default is not None else REQUIRED) for p in block.params
         )
+        written: dict[str, str] = {}
         bound = bind_arguments(
-            specs, call, scope, f"block `{name}`", self.header.inputs, self.diags, globals_=self.header.constants
+            specs,
+            call,
+            scope,
+            f"block `{name}`",
+            self.header.inputs,
+            self.diags,
+            globals_=self.header.constants,
+            spellings=self.spellings[-1],
+            written=written,
         )
         if bound is None:
             flow.type = UNKNOWN
@@ -400,11 +411,13 @@ class _Builder(Walk):
         inner: Scope = {**self.header.constants, **cast(Scope, bound)}
         x = flow.type
         self.block_stack.append(name)
+        self.spellings.append({**self.spellings[0], **written})
         self.depth += 1
         first = len(self.diags.items)
         body = self._seq(block.body, flow, inner, path + ".", name_statements(block.body, self.diags))
         self._point_at_use(first, call, name)
         self.depth -= 1
+        self.spellings.pop()
         self.block_stack.pop()
         remat = resolve_checkpoint(block, body, path, self.diags)
         return ir.Block(path, name, remat, tuple(body), x, flow.type, call.span)

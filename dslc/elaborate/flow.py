@@ -72,6 +72,9 @@ class Walk:
     # whose type is unknown (a mistake in their body, reported).
     streams: dict[str, ir.Input] = field(default_factory=dict)
     untyped_streams: set[str] = field(default_factory=set)
+    # How each name in scope is written in the spec's own constants (`d`, `4 * d`), innermost
+    # block last: what lets the generated module name a value by the constant it came from.
+    spellings: list[dict[str, str]] = field(default_factory=list)
 
     @property
     def readable(self) -> dict[str, ir.Input]:

@@ -30,6 +30,7 @@ def infer_layer(
     its output typed by the rule from the activation `flow` carries, which it updates. None
     after reporting arguments the rule refuses."""
     arg_spans: dict[str, Span] = {}
+    written: dict[str, str] = {}
     attrs = bind_arguments(
         rule.args,
         call,
@@ -39,6 +40,8 @@ def infer_layer(
         walk.diags,
         spans=arg_spans,
         streams=walk.streams,
+        spellings=walk.spellings[-1] if walk.spellings else None,
+        written=written,
     )
     takes_classes = "classes" in {arg.name for arg in rule.args}
     if attrs is not None and flow.classes is not None and takes_classes and "classes" not in arg_spans:
@@ -89,6 +92,7 @@ def infer_layer(
         operand=ctx.operand if ctx.operand is not None else x.sharding,
         span=span,
         reads=tuple(read_types.items()),
+        written=tuple(written.items()),
     )
     flow.type, flow.span = y, span
     widened = vocab is not None and vocab.logits and y is not UNKNOWN and y.shape[-1] != vocab.size

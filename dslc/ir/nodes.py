@@ -217,6 +217,9 @@ class Layer:
     # The declared inputs and streams the layer reads besides its input, by argument, with
     # their types (a loss's targets, cross-attention's memory).
     reads: tuple[tuple[str, TensorType], ...] = ()
+    # Arguments as the spec wrote them in its constants (`ffn` -> "4 * d"), by name: how the
+    # generated module names their values. Not part of what the layer means.
+    written: tuple[tuple[str, str], ...] = field(default=(), compare=False)
 
     def attr(self, name: str) -> object:
         """An argument by its name, untyped: for readers that must not share the rules' parsing
@@ -334,6 +337,8 @@ class Repeat:
     first: int = 0
     total: int = 0  # the whole run's length; 0 means `count` (the node is the whole run)
     span: Span = field(default=NO_SPAN, compare=False, repr=False)
+    # The count as the spec wrote it in its constants (`layers // 2`); "" for a literal.
+    written: str = field(default="", compare=False)
 
     @property
     def input(self) -> TensorType:

@@ -418,3 +418,19 @@ def test_hostile_names_and_text_reach_the_module_inert(tmp_path: Path) -> None:
     run = compiled(HOSTILE)
     want = reference.evaluate(run.program.ir, run.weights, run.batch)
     assert want.loss is not None and run.loss == pytest.approx(want.loss, rel=1e-5)
+
+
+def test_the_module_names_the_specs_constants() -> None:
+    """An argument the spec wrote in its constants reads so in the module, through the blocks
+    that pass it on (`gemma2_pair(..., window, attn_cap)`) and in the expression it was written
+    as (`repeat layers // 2`); a literal stays a literal; a pipeline stage's share of a
+    repeat is its own number, not the constant the whole run was written with."""
+    gemma2 = (GENERATED / "gemma2.py").read_text()
+    assert "WINDOW = 4096\n" in gemma2 and "window=WINDOW," in gemma2 and "softcap=ATTN_CAP," in gemma2
+    assert "scan_layers(self.layers, LAYERS // 2, x, inputs, key)" in gemma2
+    t5 = (GENERATED / "t5.py").read_text()
+    assert "scale=1.0," in t5 and "heads=HEADS," in t5 and "eps=EPS," in t5
+    gpt3 = (GENERATED / "gpt3_175b.py").read_text()
+    assert "N_LAYERS" not in gpt3 and "scan_layers(self.blocks, 6, x, inputs, key)" in gpt3
+    # A constant the module does not read is not written.
+    assert "SEQ = " not in gemma2
