@@ -60,3 +60,27 @@ def test_only_the_layer_rules_read_a_layer_argument_by_name() -> None:
         if by_name.search(line)
     ]
     assert not found, found
+
+
+def test_each_layer_argument_is_declared_once() -> None:
+    """A layer kind's arguments are the fields of its `Args`, each declared with `arg`: no
+    rule lists them a second time, and no two kinds share one `Args` (whose fields would then
+    be the arguments of neither)."""
+    from dataclasses import fields
+
+    from dslc.layers import RULES
+
+    listed = [
+        f"{module.name}:{number}"
+        for module in (PACKAGE / "layers").glob("*.py")
+        for number, line in enumerate(module.read_text(encoding="utf-8").splitlines(), 1)
+        if re.match(r"\s+args\s*=", line)
+    ]
+    assert not listed, listed
+    seen: dict[type, str] = {}
+    for kind, rule in RULES.items():
+        declared = [f.name for f in fields(rule.Args)]
+        assert [a.name for a in rule.args] == [name.removesuffix("_") for name in declared], kind
+        if declared:
+            assert rule.Args not in seen, f"`{kind}` shares its arguments with `{seen.get(rule.Args)}`"
+            seen[rule.Args] = kind

@@ -48,8 +48,8 @@ A = TypeVar("A")
 
 
 def args(layer: Layer, rule: type[LayerRule[A]]) -> A:
-    """The arguments of `layer` as `rule`'s typed `Args` (`args(attn, Attention).heads`): a use
-    of `rule`'s kind, or of a kind whose arguments are the same (rmsnorm's and layernorm's).
-    What reads a layer's arguments outside its rule reads them so, never by name."""
+    """The arguments of `layer`, a use of `rule`'s kind, as its typed `Args`
+    (`args(attn, Attention).heads`). What reads a layer's arguments outside its rule reads
+    them so, never by name."""
     assert RULES[layer.kind].Args is rule.Args, (layer.kind, rule.kind)
     return cast(A, RULES[rule.kind].args_of(layer))

@@ -10,12 +10,12 @@ from dslc.diagnostics import Label
 from dslc.ir.nodes import DTYPE_BYTES, Axes, Collective, Layer, Mesh, Sharding, TensorType
 from dslc.layers.base import (
     F32,
-    ArgSpec,
     Attrs,
     BoundKernel,
     Context,
     LayerRule,
     WeightSpec,
+    arg,
     bias_add_flops,
     contract,
     expect_features,
@@ -40,40 +40,69 @@ def _head_width(a: Attrs) -> object:
     return cast(int, a["dim"]) // cast(int, a["heads"])
 
 
+# Under `kernel=auto`, sequences of at least this many tokens take the flash algorithm,
+# shorter ones the dense one: at 256 tokens dense is as fast or faster and its scores are
+# small (bench/bench_attention.py measures both).
+FLASH_FROM = 1024
+
+
 @dataclass(frozen=True, slots=True)
 class AttentionArgs:
     """The arguments of one use of `Attention`."""
 
-    dim: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    causal: bool
-    rope: bool
-    rope_base: float
-    rope_dims: int | None
-    bias: bool
-    qkv_bias: bool
-    window: int | None
-    kernel: str
-    segments: str | None
-    qk_norm: bool
-    norm_eps: float
-    softcap: float | None
-    memory: str | None
-    position_bias: str | None
-    scale: float | None
+    dim: int = arg("int", doc="model width")
+    heads: int = arg("int", doc="query heads")
+    kv_heads: int = arg("int", lambda a: a["heads"], "key/value heads (grouped-query when fewer)")
+    head_dim: int = arg("int", _head_width, "width of one head")
+    causal: bool = arg("bool", True, "mask future tokens")
+    rope: bool = arg("bool", False, "rotary position embedding on q and k")
+    rope_base: float = arg("float", 10000.0, "rotary base frequency")
+    rope_dims: int | None = arg(
+        "int",
+        None,
+        "rotate only the first `rope_dims` features of each head, the rest as they are (GPT-NeoX's rotary_pct, "
+        "GPT-J's rotary_dim); all of them when left out",
+    )
+    bias: bool = arg("bool", False, "add a bias to q, k, v and o (GPT-2)")
+    qkv_bias: bool = arg("bool", False, "add a bias to q, k and v only (Qwen2)")
+    window: int | None = arg("int", None, "sliding window: a query sees only the `window` latest keys, itself included")
+    kernel: str = arg(
+        "choice",
+        "auto",
+        "the core's algorithm: `dense` (every score at once), `flash` (block by block, keeping none; a fused "
+        f"kernel where the backend has one), `auto` (flash from {FLASH_FROM} tokens, or with `segments`)",
+        choices=("auto", "dense", "flash"),
+    )
+    segments: str | None = arg(
+        "input",
+        None,
+        "a declared input [batch, seq] of document ids: a query sees only its own document's keys, and rotary "
+        "positions restart at each document",
+    )
+    qk_norm: bool = arg("bool", False, "RMSNorm each head's query and key before the rotary (Qwen3, OLMo 2)")
+    norm_eps: float = arg("float", 1e-6, "added to the variance in the query and key norms")
+    softcap: float | None = arg(
+        "float",
+        None,
+        "cap the scaled scores at softcap * tanh(s / softcap) before the mask and softmax (Gemma 2: 50.0)",
+    )
+    memory: str | None = arg(
+        "stream",
+        None,
+        "cross-attention: keys and values from this stream or declared input [batch, keys, dim] (an encoder's "
+        "output) rather than from the layer's input; with causal=false",
+    )
+    position_bias: str | None = arg(
+        "stream",
+        None,
+        "a stream [1, heads, seq, keys] added to the scaled scores (T5's `relative_position_bias`)",
+    )
+    scale: float | None = arg("float", None, "what q·k is multiplied by; 1/sqrt(head_dim) when left out (T5: 1.0)")
 
     @property
     def score_scale(self) -> float:
         """What q·k is multiplied by: `scale`, or 1/sqrt(head_dim)."""
         return self.scale if self.scale is not None else self.head_dim**-0.5
-
-
-# Under `kernel=auto`, sequences of at least this many tokens take the flash algorithm,
-# shorter ones the dense one: at 256 tokens dense is as fast or faster and its scores are
-# small (bench/bench_attention.py measures both).
-FLASH_FROM = 1024
 
 
 def algorithm(a: AttentionArgs, seq: int) -> str:
@@ -93,62 +122,6 @@ class Attention(LayerRule[AttentionArgs]):
         "Self-attention on [batch, seq, dim]. q, k, v: [dim, heads*head_dim] column parallel "
         "(split whole heads), o: [heads*head_dim, dim] row parallel. Biases split like their "
         "projection's output: q_bias[tp], k_bias[tp], v_bias[tp], o_bias[_]."
-    )
-    args = (
-        ArgSpec("dim", "int", doc="model width"),
-        ArgSpec("heads", "int", doc="query heads"),
-        ArgSpec("kv_heads", "int", lambda a: a["heads"], "key/value heads (grouped-query when fewer)"),
-        ArgSpec("head_dim", "int", _head_width, "width of one head"),
-        ArgSpec("causal", "bool", True, "mask future tokens"),
-        ArgSpec("rope", "bool", False, "rotary position embedding on q and k"),
-        ArgSpec("rope_base", "float", 10000.0, "rotary base frequency"),
-        ArgSpec(
-            "rope_dims",
-            "int",
-            None,
-            "rotate only the first `rope_dims` features of each head, the rest as they are (GPT-NeoX's rotary_pct, "
-            "GPT-J's rotary_dim); all of them when left out",
-        ),
-        ArgSpec("bias", "bool", False, "add a bias to q, k, v and o (GPT-2)"),
-        ArgSpec("qkv_bias", "bool", False, "add a bias to q, k and v only (Qwen2)"),
-        ArgSpec("window", "int", None, "sliding window: a query sees only the `window` latest keys, itself included"),
-        ArgSpec(
-            "kernel",
-            "choice",
-            "auto",
-            "the core's algorithm: `dense` (every score at once), `flash` (block by block, keeping none; a fused "
-            f"kernel where the backend has one), `auto` (flash from {FLASH_FROM} tokens, or with `segments`)",
-            choices=("auto", "dense", "flash"),
-        ),
-        ArgSpec(
-            "segments",
-            "input",
-            None,
-            "a declared input [batch, seq] of document ids: a query sees only its own document's keys, and rotary "
-            "positions restart at each document",
-        ),
-        ArgSpec("qk_norm", "bool", False, "RMSNorm each head's query and key before the rotary (Qwen3, OLMo 2)"),
-        ArgSpec("norm_eps", "float", 1e-6, "added to the variance in the query and key norms"),
-        ArgSpec(
-            "softcap",
-            "float",
-            None,
-            "cap the scaled scores at softcap * tanh(s / softcap) before the mask and softmax (Gemma 2: 50.0)",
-        ),
-        ArgSpec(
-            "memory",
-            "stream",
-            None,
-            "cross-attention: keys and values from this stream or declared input [batch, keys, dim] (an encoder's "
-            "output) rather than from the layer's input; with causal=false",
-        ),
-        ArgSpec(
-            "position_bias",
-            "stream",
-            None,
-            "a stream [1, heads, seq, keys] added to the scaled scores (T5's `relative_position_bias`)",
-        ),
-        ArgSpec("scale", "float", None, "what q·k is multiplied by; 1/sqrt(head_dim) when left out (T5: 1.0)"),
     )
     Args = AttentionArgs
 
@@ -716,10 +689,15 @@ def context_axes(layer: Layer, mesh: Mesh) -> Axes:
 class RelativePositionBiasArgs:
     """The arguments of one use of `RelativePositionBias`."""
 
-    heads: int
-    buckets: int
-    max_distance: int
-    bidirectional: bool
+    heads: int = arg("int", doc="attention heads")
+    buckets: int = arg("int", 32, "distance buckets (T5's relative_attention_num_buckets)")
+    max_distance: int = arg("int", 128, "distances past this share the last bucket")
+    bidirectional: bool = arg(
+        "bool",
+        True,
+        "keys before and after a query take buckets of their own (an encoder's); false: a decoder's, whose "
+        "queries see only earlier keys",
+    )
 
 
 class RelativePositionBias(LayerRule[RelativePositionBiasArgs]):
@@ -732,18 +710,6 @@ class RelativePositionBias(LayerRule[RelativePositionBiasArgs]):
     doc = (
         "T5's relative position bias from [batch, seq, ...] (tokens or vectors; only their number is read) to "
         "[1, heads, seq, seq]: table [buckets, heads], its heads split like the attention heads that read it."
-    )
-    args = (
-        ArgSpec("heads", "int", doc="attention heads"),
-        ArgSpec("buckets", "int", 32, "distance buckets (T5's relative_attention_num_buckets)"),
-        ArgSpec("max_distance", "int", 128, "distances past this share the last bucket"),
-        ArgSpec(
-            "bidirectional",
-            "bool",
-            True,
-            "keys before and after a query take buckets of their own (an encoder's); false: a decoder's, whose "
-            "queries see only earlier keys",
-        ),
     )
     Args = RelativePositionBiasArgs
 

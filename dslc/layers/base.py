@@ -14,7 +14,7 @@ from __future__ import annotations
 import keyword
 import math
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, ClassVar, Generic, Literal, TypeVar
 
 from dslc.diagnostics import Diagnostics, Label, Span
@@ -164,16 +164,50 @@ def arg_field(name: str) -> str:
     return name + "_" if keyword.iskeyword(name) else name
 
 
+def arg(
+    type: ArgType,
+    default: object = REQUIRED,
+    doc: str = "",
+    *,
+    positive: bool = True,
+    choices: tuple[str, ...] = (),
+    nullable: bool = False,
+) -> Any:
+    """One argument of a layer kind, declared as a field of its rule's `Args` (the field's
+    name is the argument's, see `arg_field`): the one place an argument is declared. The
+    rule's `args`, which binding and the docs read, follow from the fields in order."""
+    return field(metadata={_ARG: ArgSpec("", type, default, doc, positive, choices, nullable)})
+
+
+_ARG = "dslc.arg"
+
+
+def declared_args(args_type: type) -> tuple[ArgSpec, ...]:
+    """The arguments an `Args` dataclass declares with `arg`, in field order."""
+    out = []
+    for f in fields(args_type):
+        name = f.name[:-1] if f.name.endswith("_") and keyword.iskeyword(f.name[:-1]) else f.name
+        out.append(replace(f.metadata[_ARG], name=name))
+    return tuple(out)
+
+
 class LayerRule(Generic[A]):
     """Base of the layer kinds, generic in `A`, the type of one use's arguments. Subclasses
     fill in the class variables, `Args` and `infer`."""
 
     kind: ClassVar[str]
     doc: ClassVar[str]
-    args: ClassVar[tuple[ArgSpec, ...]] = ()
-    # A frozen dataclass with one field per argument (named by `arg_field`): what every method
-    # taking `a` reads, built by `parse` once a use's arguments are bound and checked.
+    # A frozen dataclass with one field per argument, each declared by `arg` (named by
+    # `arg_field`): what every method taking `a` reads, built by `parse` once a use's
+    # arguments are bound and checked.
     Args: type[A]
+    # The arguments as binding reads them, in order: `Args`'s fields, derived.
+    args: ClassVar[tuple[ArgSpec, ...]] = ()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "Args" in cls.__dict__:
+            cls.args = declared_args(cls.Args)
 
     def parse(self, attrs: Mapping[str, object]) -> A:
         """One use's arguments, as elaboration bound them (`Layer.attrs`), as an `Args`."""

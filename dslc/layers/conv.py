@@ -8,10 +8,10 @@ from dataclasses import dataclass
 from dslc.diagnostics import Label
 from dslc.ir.nodes import DTYPE_BYTES, Layer, Mesh, Sharding, TensorType
 from dslc.layers.base import (
-    ArgSpec,
     Context,
     LayerRule,
     WeightSpec,
+    arg,
     bias_add_flops,
     contract,
     expect_features,
@@ -23,23 +23,16 @@ from dslc.layers.base import (
 class ConvArgs:
     """The arguments of one use of `Conv`."""
 
-    in_: int
-    out: int
-    kernel: int
-    stride: int
-    bias: bool
+    in_: int = arg("int", doc="input channels")
+    out: int = arg("int", doc="output channels")
+    kernel: int = arg("int", 3, "window height and width")
+    stride: int = arg("int", 1, "step between windows")
+    bias: bool = arg("bool", True, "add a bias")
 
 
 class Conv(LayerRule[ConvArgs]):
     kind = "conv"
     doc = "2-D convolution, NHWC, 'same' padding. Split output channels: kernel[_, _, _, tp]."
-    args = (
-        ArgSpec("in", "int", doc="input channels"),
-        ArgSpec("out", "int", doc="output channels"),
-        ArgSpec("kernel", "int", 3, "window height and width"),
-        ArgSpec("stride", "int", 1, "step between windows"),
-        ArgSpec("bias", "bool", True, "add a bias"),
-    )
     Args = ConvArgs
 
     def weights(self, a: ConvArgs) -> tuple[WeightSpec, ...]:

@@ -9,11 +9,11 @@ from dslc.diagnostics import Label
 from dslc.ir.nodes import DTYPE_BYTES, FLOAT_DTYPES, INT_DTYPES, Layer, Mesh, Sharding, TensorType
 from dslc.layers.base import (
     F32,
-    ArgSpec,
     Context,
     LayerRule,
     Vocabulary,
     WeightSpec,
+    arg,
     bias_add_flops,
     contract,
     expect_features,
@@ -26,19 +26,14 @@ from dslc.layers.base import (
 class LinearArgs:
     """The arguments of one use of `Linear`."""
 
-    in_: int
-    out: int
-    bias: bool
+    in_: int = arg("int", doc="input features")
+    out: int = arg("int", doc="output features")
+    bias: bool = arg("bool", True, "add a bias")
 
 
 class Linear(LayerRule[LinearArgs]):
     kind = "linear"
     doc = "y = x @ kernel + bias over the last dimension. Column parallel: kernel[_, tp]; row parallel: kernel[tp, _]."
-    args = (
-        ArgSpec("in", "int", doc="input features"),
-        ArgSpec("out", "int", doc="output features"),
-        ArgSpec("bias", "bool", True, "add a bias"),
-    )
     Args = LinearArgs
 
     def weights(self, a: LinearArgs) -> tuple[WeightSpec, ...]:
@@ -78,9 +73,9 @@ class Linear(LayerRule[LinearArgs]):
 class SwiGLUArgs:
     """The arguments of one use of `SwiGLU`."""
 
-    in_: int
-    hidden: int
-    activation: str
+    in_: int = arg("int", doc="input features")
+    hidden: int = arg("int", doc="hidden features")
+    activation: str = arg("choice", "silu", "the gate's activation", choices=("silu", "gelu"))
 
 
 class SwiGLU(LayerRule[SwiGLUArgs]):
@@ -88,11 +83,6 @@ class SwiGLU(LayerRule[SwiGLUArgs]):
     doc = (
         "silu(x @ gate) * (x @ up): the gated half of a Llama MLP (activation=gelu: GeGLU, with the tanh "
         "GeLU, as Gemma's). Shard gate and up alike."
-    )
-    args = (
-        ArgSpec("in", "int", doc="input features"),
-        ArgSpec("hidden", "int", doc="hidden features"),
-        ArgSpec("activation", "choice", "silu", "the gate's activation", choices=("silu", "gelu")),
     )
     Args = SwiGLUArgs
 
@@ -135,19 +125,14 @@ class SwiGLU(LayerRule[SwiGLUArgs]):
 class EmbedArgs:
     """The arguments of one use of `Embed`."""
 
-    vocab: int
-    dim: int
-    scale: bool
+    vocab: int = arg("int", doc="vocabulary size")
+    dim: int = arg("int", doc="vector size")
+    scale: bool = arg("bool", False, "multiply the vectors by sqrt(dim), in the compute dtype (Gemma)")
 
 
 class Embed(LayerRule[EmbedArgs]):
     kind = "embed"
     doc = "Token ids to vectors. Vocab parallel: table[tp, _] (masked lookup, then all-reduce)."
-    args = (
-        ArgSpec("vocab", "int", doc="vocabulary size"),
-        ArgSpec("dim", "int", doc="vector size"),
-        ArgSpec("scale", "bool", False, "multiply the vectors by sqrt(dim), in the compute dtype (Gemma)"),
-    )
     Args = EmbedArgs
 
     def weights(self, a: EmbedArgs) -> tuple[WeightSpec, ...]:
@@ -188,8 +173,8 @@ class Embed(LayerRule[EmbedArgs]):
 class PositionEmbedArgs:
     """The arguments of one use of `PositionEmbed`."""
 
-    positions: int
-    dim: int
+    positions: int = arg("int", doc="positions the table holds (the longest sequence)")
+    dim: int = arg("int", doc="vector size")
 
 
 class PositionEmbed(LayerRule[PositionEmbedArgs]):
@@ -198,10 +183,6 @@ class PositionEmbed(LayerRule[PositionEmbedArgs]):
         "Learned position embeddings: adds row i of table to the vector at position i of [..., seq, dim] "
         "(GPT-2's wpe). The table holds `positions` rows, seq of which are used; it is whole along "
         "positions and its features split like the input's."
-    )
-    args = (
-        ArgSpec("positions", "int", doc="positions the table holds (the longest sequence)"),
-        ArgSpec("dim", "int", doc="vector size"),
     )
     Args = PositionEmbedArgs
 

@@ -7,7 +7,12 @@ from dataclasses import dataclass
 
 from dslc.diagnostics import Label
 from dslc.ir.nodes import DTYPE_BYTES, FLOAT_DTYPES, Layer, Mesh, Sharding, TensorType
-from dslc.layers.base import A, ArgSpec, Context, LayerRule
+from dslc.layers.base import (
+    A,
+    Context,
+    LayerRule,
+    arg,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -19,14 +24,14 @@ class NoArgs:
 class GeluArgs:
     """The arguments of one use of `Gelu`."""
 
-    approximate: bool
+    approximate: bool = arg("bool", True, "tanh approximation; false: exact, with erf")
 
 
 @dataclass(frozen=True, slots=True)
 class DropoutArgs:
     """The arguments of one use of `Dropout`."""
 
-    rate: float
+    rate: float = arg("float", doc="fraction dropped, in [0, 1)", positive=False)
 
 
 class Elementwise(LayerRule[A]):
@@ -69,7 +74,6 @@ class Gelu(Elementwise[GeluArgs]):
         "Gaussian error linear unit: x * Phi(x), Phi the standard normal CDF, by default in the tanh "
         "approximation (GPT-2's gelu_new); approximate=false computes the exact erf form (BERT, Pythia)."
     )
-    args = (ArgSpec("approximate", "bool", True, "tanh approximation; false: exact, with erf"),)
     Args = GeluArgs
     cost = 8
 
@@ -83,13 +87,12 @@ class Gelu(Elementwise[GeluArgs]):
 class SoftcapArgs:
     """The arguments of one use of `Softcap`."""
 
-    cap: float
+    cap: float = arg("float", doc="the bound, for example 30.0")
 
 
 class Softcap(Elementwise[SoftcapArgs]):
     kind = "softcap"
     doc = "cap * tanh(x / cap): values squashed smoothly into (-cap, cap), as Gemma 2 caps its logits."
-    args = (ArgSpec("cap", "float", doc="the bound, for example 30.0"),)
     Args = SoftcapArgs
     cost = 4
 
@@ -109,7 +112,6 @@ class Silu(Elementwise[NoArgs]):
 class Dropout(Elementwise[DropoutArgs]):
     kind = "dropout"
     doc = "Zeroes a fraction `rate` of activations while training; the identity otherwise."
-    args = (ArgSpec("rate", "float", doc="fraction dropped, in [0, 1)", positive=False),)
     Args = DropoutArgs
     random = True
 

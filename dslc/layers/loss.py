@@ -7,17 +7,22 @@ from dataclasses import dataclass
 
 from dslc.diagnostics import Label
 from dslc.ir.nodes import INT_DTYPES, Input, Layer, Mesh, Sharding, TensorType, replicated
-from dslc.layers.base import F32, ArgSpec, Context, LayerRule
+from dslc.layers.base import (
+    F32,
+    Context,
+    LayerRule,
+    arg,
+)
 
 
 @dataclass(frozen=True, slots=True)
 class CrossEntropyArgs:
     """The arguments of one use of `CrossEntropy`."""
 
-    targets: str
-    ignore_index: int
-    mask: str | None
-    classes: int
+    targets: str = arg("input", doc="the declared input holding the class ids")
+    ignore_index: int = arg("int", -100, "a target that is not counted", positive=False)
+    mask: str | None = arg("input", None, "a declared input shaped like the targets: 0 (false) where not counted")
+    classes: int = arg("int", 0, "the real classes, the rest of the logits padding; 0: all", positive=False)
 
 
 class CrossEntropy(LayerRule[CrossEntropyArgs]):
@@ -27,12 +32,6 @@ class CrossEntropy(LayerRule[CrossEntropyArgs]):
         "positions counted: those whose target is not `ignore_index` (Hugging Face's -100) and, given a "
         "`mask` input, whose mask is not zero. Vocab-parallel logits allowed. Logits past the first `classes` "
         "are padding, masked out of the softmax: the compiler sets it where it pads a vocabulary."
-    )
-    args = (
-        ArgSpec("targets", "input", doc="the declared input holding the class ids"),
-        ArgSpec("ignore_index", "int", -100, "a target that is not counted", positive=False),
-        ArgSpec("mask", "input", None, "a declared input shaped like the targets: 0 (false) where not counted"),
-        ArgSpec("classes", "int", 0, "the real classes, the rest of the logits padding; 0: all", positive=False),
     )
     Args = CrossEntropyArgs
     is_loss = True
@@ -131,13 +130,12 @@ def _mask_fits(mask: Input, target: Input, ctx: Context) -> bool:
 class MeanSquaredErrorArgs:
     """The arguments of one use of `MeanSquaredError`."""
 
-    targets: str
+    targets: str = arg("input", doc="the declared input holding the targets")
 
 
 class MeanSquaredError(LayerRule[MeanSquaredErrorArgs]):
     kind = "mse"
     doc = "Mean squared error of the activation against a float target input of the same shape."
-    args = (ArgSpec("targets", "input", doc="the declared input holding the targets"),)
     Args = MeanSquaredErrorArgs
     is_loss = True
 

@@ -16,10 +16,10 @@ from dslc.diagnostics import Label
 from dslc.ir.nodes import DTYPE_BYTES, Axes, Collective, Layer, Mesh, Sharding, TensorType
 from dslc.layers.base import (
     F32,
-    ArgSpec,
     Context,
     LayerRule,
     WeightSpec,
+    arg,
     expect_features,
     fmt_axes,
     gather_dims,
@@ -35,18 +35,29 @@ GATED = ("swiglu", "geglu")
 class MoEArgs:
     """The arguments of one use of `MoE`."""
 
-    dim: int
-    hidden: int
-    experts: int
-    top_k: int
-    capacity: float | None  # None: dropless
-    aux_weight: float
-    z_weight: float
-    normalize: bool
-    activation: str
-    shared: int  # hidden width of the shared experts (0: none)
-    shared_router: bool
-    balance: float  # the balancing bias's step (0: no bias)
+    dim: int = arg("int", doc="model width")
+    hidden: int = arg("int", doc="hidden width of each expert")
+    experts: int = arg("int", doc="number of experts")
+    top_k: int = arg("int", 2, "experts per token")
+    capacity: float | None = arg(
+        "float",
+        1.25,
+        "capacity factor: slots per expert, as a multiple of the even share; none: dropless",
+        nullable=True,
+    )
+    aux_weight: float = arg("float", 0.01, "weight of the load-balancing loss", positive=False)
+    z_weight: float = arg("float", 0.0, "weight of the router z-loss (ST-MoE; 1e-3 is usual)", positive=False)
+    normalize: bool = arg("bool", True, "renormalise the gates over the chosen k")
+    activation: str = arg("choice", "gelu", "the experts' activation", choices=ACTIVATIONS)
+    shared: int = arg("int", 0, "hidden width of the shared experts every token passes; 0: none", positive=False)
+    shared_router: bool = arg("bool", False, "scale the shared experts by sigmoid(x @ s_router) (Qwen2-MoE)")
+    balance: float = arg(
+        "float",
+        0.0,
+        "auxiliary-loss-free balancing (DeepSeek-V3): a per-expert bias on the choosing scores, moved by this "
+        "much each step against its expert's excess load (1e-3 is usual); 0: none",
+        positive=False,
+    )
 
     @property
     def gated(self) -> bool:
@@ -67,33 +78,6 @@ class MoE(LayerRule[MoEArgs]):
         "experts by all-to-all, or dropless by an all-gather and a reduce-scatter; tokens whole "
         "along ep are routed on every device and one all-reduce sums the experts' shares). "
         "Tensor parallel inside the experts: w_in[ep, _, tp], w_out[ep, tp, _]."
-    )
-    args = (
-        ArgSpec("dim", "int", doc="model width"),
-        ArgSpec("hidden", "int", doc="hidden width of each expert"),
-        ArgSpec("experts", "int", doc="number of experts"),
-        ArgSpec("top_k", "int", 2, "experts per token"),
-        ArgSpec(
-            "capacity",
-            "float",
-            1.25,
-            "capacity factor: slots per expert, as a multiple of the even share; none: dropless",
-            nullable=True,
-        ),
-        ArgSpec("aux_weight", "float", 0.01, "weight of the load-balancing loss", positive=False),
-        ArgSpec("z_weight", "float", 0.0, "weight of the router z-loss (ST-MoE; 1e-3 is usual)", positive=False),
-        ArgSpec("normalize", "bool", True, "renormalise the gates over the chosen k"),
-        ArgSpec("activation", "choice", "gelu", "the experts' activation", choices=ACTIVATIONS),
-        ArgSpec("shared", "int", 0, "hidden width of the shared experts every token passes; 0: none", positive=False),
-        ArgSpec("shared_router", "bool", False, "scale the shared experts by sigmoid(x @ s_router) (Qwen2-MoE)"),
-        ArgSpec(
-            "balance",
-            "float",
-            0.0,
-            "auxiliary-loss-free balancing (DeepSeek-V3): a per-expert bias on the choosing scores, moved by this "
-            "much each step against its expert's excess load (1e-3 is usual); 0: none",
-            positive=False,
-        ),
     )
     Args = MoEArgs
     has_aux = True

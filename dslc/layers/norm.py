@@ -4,15 +4,16 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TypeVar
 
 from dslc.diagnostics import Label
 from dslc.ir.nodes import DTYPE_BYTES, FLOAT_DTYPES, Layer, Mesh, Sharding, TensorType
 from dslc.layers.base import (
     F32,
-    ArgSpec,
     Context,
     LayerRule,
     WeightSpec,
+    arg,
     bias_add_flops,
     expect_features,
     fmt_axes,
@@ -21,19 +22,29 @@ from dslc.layers.base import (
 
 
 @dataclass(frozen=True, slots=True)
-class NormArgs:
-    """The arguments of one use of a norm (an rmsnorm has no bias)."""
+class LayerNormArgs:
+    """The arguments of one use of `LayerNorm`."""
 
-    dim: int
-    eps: float
-    bias: bool = False
-    offset: bool = False
+    dim: int = arg("int", doc="features")
+    eps: float = arg("float", 1e-5, "added to the variance")
+    bias: bool = arg("bool", True, "learn a bias")
 
 
-class _Norm(LayerRule[NormArgs]):
-    Args = NormArgs
+@dataclass(frozen=True, slots=True)
+class RmsNormArgs:
+    """The arguments of one use of `RmsNorm`."""
 
-    def infer(self, a: NormArgs, x: TensorType, w: dict[str, TensorType], ctx: Context) -> TensorType | None:
+    dim: int = arg("int", doc="features")
+    eps: float = arg("float", 1e-6, "added to the mean square")
+    offset: bool = arg("bool", False, "the scale is 1 + the stored weight, which starts at 0 (Gemma's norms)")
+
+
+# The arguments of either norm, which share what they compute from them.
+N = TypeVar("N", LayerNormArgs, RmsNormArgs)
+
+
+class _Norm(LayerRule[N]):
+    def infer(self, a: N, x: TensorType, w: dict[str, TensorType], ctx: Context) -> TensorType | None:
         if x.dtype not in FLOAT_DTYPES:
             ctx.error(
                 "E016",
@@ -55,10 +66,11 @@ class _Norm(LayerRule[NormArgs]):
             same_sharding(ctx, name, t, 0, (), "a norm's parameters are replicated")
         return x
 
-    def flops(self, a: NormArgs, x: TensorType, y: TensorType) -> int:
+    def flops(self, a: N, x: TensorType, y: TensorType) -> int:
         # Normalising and scaling: an estimate of 8 per element for either norm. A layernorm's
         # bias is then added as every rule adds a bias (`LayerRule.flops`).
-        return 8 * x.numel + bias_add_flops(x.numel // a.dim, a.dim if a.bias else 0)
+        biased = isinstance(a, LayerNormArgs) and a.bias
+        return 8 * x.numel + bias_add_flops(x.numel // a.dim, a.dim if biased else 0)
 
     statistics = 1  # f32 values kept per row: 1 / rms (a layernorm's mean besides)
 
@@ -75,39 +87,31 @@ class _Norm(LayerRule[NormArgs]):
         return layer.input.slice_numel(mesh, slices) * (F32 + DTYPE_BYTES[compute])
 
 
-class LayerNorm(_Norm):
+class LayerNorm(_Norm[LayerNormArgs]):
     kind = "layernorm"
     doc = "(x - mean) / std * scale + bias over the last dimension."
     statistics = 2  # the mean and 1 / standard deviation
-    args = (
-        ArgSpec("dim", "int", doc="features"),
-        ArgSpec("eps", "float", 1e-5, "added to the variance"),
-        ArgSpec("bias", "bool", True, "learn a bias"),
-    )
+    Args = LayerNormArgs
 
-    def weights(self, a: NormArgs) -> tuple[WeightSpec, ...]:
+    def weights(self, a: LayerNormArgs) -> tuple[WeightSpec, ...]:
         scale = WeightSpec("scale", (a.dim,), "ones")
         return (scale, WeightSpec("bias", (a.dim,), "zeros")) if a.bias else (scale,)
 
     def kernel_args(
-        self, a: NormArgs, dtype: str, operand: Sharding, weights: Mapping[str, Sharding]
+        self, a: LayerNormArgs, dtype: str, operand: Sharding, weights: Mapping[str, Sharding]
     ) -> dict[str, object]:
         return {"eps": a.eps, "dtype": dtype}
 
 
-class RmsNorm(_Norm):
+class RmsNorm(_Norm[RmsNormArgs]):
     kind = "rmsnorm"
     doc = "x / rms(x) * scale over the last dimension."
-    args = (
-        ArgSpec("dim", "int", doc="features"),
-        ArgSpec("eps", "float", 1e-6, "added to the mean square"),
-        ArgSpec("offset", "bool", False, "the scale is 1 + the stored weight, which starts at 0 (Gemma's norms)"),
-    )
+    Args = RmsNormArgs
 
-    def weights(self, a: NormArgs) -> tuple[WeightSpec, ...]:
+    def weights(self, a: RmsNormArgs) -> tuple[WeightSpec, ...]:
         return (WeightSpec("scale", (a.dim,), "zeros" if a.offset else "ones"),)
 
     def kernel_args(
-        self, a: NormArgs, dtype: str, operand: Sharding, weights: Mapping[str, Sharding]
+        self, a: RmsNormArgs, dtype: str, operand: Sharding, weights: Mapping[str, Sharding]
     ) -> dict[str, object]:
         return {"eps": a.eps, "dtype": dtype, "offset": a.offset}

@@ -10,7 +10,14 @@ from dataclasses import dataclass
 
 from dslc.diagnostics import Label
 from dslc.ir.nodes import DTYPE_BYTES, FLOAT_DTYPES, Layer, Mesh, Sharding, TensorType
-from dslc.layers.base import ArgSpec, Context, LayerRule, WeightSpec, expect_features, same_sharding
+from dslc.layers.base import (
+    Context,
+    LayerRule,
+    WeightSpec,
+    arg,
+    expect_features,
+    same_sharding,
+)
 from dslc.layers.elementwise import NoArgs
 
 
@@ -60,7 +67,7 @@ class Flatten(LayerRule[NoArgs]):
 class ClassTokenArgs:
     """The arguments of one use of `ClassToken`."""
 
-    dim: int
+    dim: int = arg("int", doc="vector size")
 
 
 class ClassToken(LayerRule[ClassTokenArgs]):
@@ -69,7 +76,6 @@ class ClassToken(LayerRule[ClassTokenArgs]):
         "Prepends a learned vector to each sequence: [batch, seq, dim] -> [batch, seq + 1, dim] (ViT's [CLS] "
         "token, which `pool(mode=first)` reads after the blocks). Its features split like the input's."
     )
-    args = (ArgSpec("dim", "int", doc="vector size"),)
     Args = ClassTokenArgs
 
     def weights(self, a: ClassTokenArgs) -> tuple[WeightSpec, ...]:
@@ -111,7 +117,7 @@ class ClassToken(LayerRule[ClassTokenArgs]):
 class PoolArgs:
     """The arguments of one use of `Pool`."""
 
-    mode: str
+    mode: str = arg("choice", "mean", "mean: average the sequence; first: its first vector", choices=("mean", "first"))
 
 
 class Pool(LayerRule[PoolArgs]):
@@ -119,11 +125,6 @@ class Pool(LayerRule[PoolArgs]):
     doc = (
         "One vector per sequence: [batch, seq, dim] -> [batch, dim], the mean over the sequence (mode=mean) or "
         "its first vector (mode=first: the class token's)."
-    )
-    args = (
-        ArgSpec(
-            "mode", "choice", "mean", "mean: average the sequence; first: its first vector", choices=("mean", "first")
-        ),
     )
     Args = PoolArgs
 
