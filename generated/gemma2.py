@@ -182,7 +182,7 @@ class Gemma2Pair(nnx.Module):
         h = x
         # gemma2.par:47 norm: rmsnorm(d, eps=eps, offset=true)
         h = rmsnorm(h, **weights_of(self.local_norm, COMPUTE_DTYPE), eps=EPS, dtype=COMPUTE_DTYPE, offset=True)
-        h = constrain(h, P("data", None, None))
+        h = constrain(h, P("data", None, None))  # bf16[8@data, 8192, 2304]
         # gemma2.par:48 attn: attention(d, heads, kv_heads=kv_heads, head_dim=head_dim, rope=true, rope_bas...
         h = attention(
             h,
@@ -197,31 +197,31 @@ class Gemma2Pair(nnx.Module):
             kernel="flash",
             block=512,
         )
-        h = constrain(h, P("data", None, None))
+        h = constrain(h, P("data", None, None))  # bf16[8@data, 8192, 2304]
         # gemma2.par:49 post_norm: rmsnorm(d, eps=eps, offset=true)
         h = rmsnorm(h, **weights_of(self.local_post_norm, COMPUTE_DTYPE), eps=EPS, dtype=COMPUTE_DTYPE, offset=True)
-        h = constrain(h, P("data", None, None))
+        h = constrain(h, P("data", None, None))  # bf16[8@data, 8192, 2304]
         x = x + h
         # gemma2.par:51: residual
         h = x
         # gemma2.par:52 norm: rmsnorm(d, eps=eps, offset=true)
         h = rmsnorm(h, **weights_of(self.local_mlp_norm, COMPUTE_DTYPE), eps=EPS, dtype=COMPUTE_DTYPE, offset=True)
-        h = constrain(h, P("data", None, None))
+        h = constrain(h, P("data", None, None))  # bf16[8@data, 8192, 2304]
         # gemma2.par:53 gate_up: swiglu(d, ffn, activation=gelu) shard gate[_, model], up[_, model]
         h = swiglu(h, **weights_of(self.local_mlp_gate_up, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE, activation="gelu")
-        h = constrain(h, P("data", None, "model"))
+        h = constrain(h, P("data", None, "model"))  # bf16[8@data, 8192, 9216@model]
         # gemma2.par:54 down: linear(ffn, d, bias=false) shard kernel[model, _]
         h = linear(h, **weights_of(self.local_mlp_down, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE)
-        h = constrain(h, P("data", None, None))
+        h = constrain(h, P("data", None, None))  # bf16[8@data, 8192, 2304]
         # gemma2.par:55 post_norm: rmsnorm(d, eps=eps, offset=true)
         h = rmsnorm(h, **weights_of(self.local_mlp_post_norm, COMPUTE_DTYPE), eps=EPS, dtype=COMPUTE_DTYPE, offset=True)
-        h = constrain(h, P("data", None, None))
+        h = constrain(h, P("data", None, None))  # bf16[8@data, 8192, 2304]
         x = x + h
         # gemma2.par:57: residual
         h = x
         # gemma2.par:58 norm: rmsnorm(d, eps=eps, offset=true)
         h = rmsnorm(h, **weights_of(self.global_norm, COMPUTE_DTYPE), eps=EPS, dtype=COMPUTE_DTYPE, offset=True)
-        h = constrain(h, P("data", None, None))
+        h = constrain(h, P("data", None, None))  # bf16[8@data, 8192, 2304]
         # gemma2.par:59 attn: attention(d, heads, kv_heads=kv_heads, head_dim=head_dim, rope=true, rope_bas...
         h = attention(
             h,
@@ -235,27 +235,27 @@ class Gemma2Pair(nnx.Module):
             kernel="flash",
             block=512,
         )
-        h = constrain(h, P("data", None, None))
+        h = constrain(h, P("data", None, None))  # bf16[8@data, 8192, 2304]
         # gemma2.par:60 post_norm: rmsnorm(d, eps=eps, offset=true)
         h = rmsnorm(h, **weights_of(self.global_post_norm, COMPUTE_DTYPE), eps=EPS, dtype=COMPUTE_DTYPE, offset=True)
-        h = constrain(h, P("data", None, None))
+        h = constrain(h, P("data", None, None))  # bf16[8@data, 8192, 2304]
         x = x + h
         # gemma2.par:62: residual
         h = x
         # gemma2.par:63 norm: rmsnorm(d, eps=eps, offset=true)
         h = rmsnorm(h, **weights_of(self.global_mlp_norm, COMPUTE_DTYPE), eps=EPS, dtype=COMPUTE_DTYPE, offset=True)
-        h = constrain(h, P("data", None, None))
+        h = constrain(h, P("data", None, None))  # bf16[8@data, 8192, 2304]
         # gemma2.par:64 gate_up: swiglu(d, ffn, activation=gelu) shard gate[_, model], up[_, model]
         h = swiglu(h, **weights_of(self.global_mlp_gate_up, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE, activation="gelu")
-        h = constrain(h, P("data", None, "model"))
+        h = constrain(h, P("data", None, "model"))  # bf16[8@data, 8192, 9216@model]
         # gemma2.par:65 down: linear(ffn, d, bias=false) shard kernel[model, _]
         h = linear(h, **weights_of(self.global_mlp_down, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE)
-        h = constrain(h, P("data", None, None))
+        h = constrain(h, P("data", None, None))  # bf16[8@data, 8192, 2304]
         # gemma2.par:66 post_norm: rmsnorm(d, eps=eps, offset=true)
         h = rmsnorm(
             h, **weights_of(self.global_mlp_post_norm, COMPUTE_DTYPE), eps=EPS, dtype=COMPUTE_DTYPE, offset=True
         )
-        h = constrain(h, P("data", None, None))
+        h = constrain(h, P("data", None, None))  # bf16[8@data, 8192, 2304]
         x = x + h
         return x
 
@@ -276,18 +276,18 @@ class Gemma2(nnx.Module):
     def __call__(self, x: jax.Array, inputs: Arrays, key: jax.Array | None) -> jax.Array:
         # gemma2.par:71 embed: embed(vocab, d, scale=true) shard table[model, _]
         x = embed(x, **weights_of(self.embed, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE, scale=True)
-        x = constrain(x, P("data", None, None))
+        x = constrain(x, P("data", None, None))  # bf16[8@data, 8192, 2304]
         # gemma2.par:72 layers: repeat layers // 2 gemma2_pair(d, heads, kv_heads, head_dim, ffn, eps, rope...
         x = scan_layers(self.layers, LAYERS // 2, x, inputs, key)
         # gemma2.par:73 norm: rmsnorm(d, eps=eps, offset=true)
         x = rmsnorm(x, **weights_of(self.norm, COMPUTE_DTYPE), eps=EPS, dtype=COMPUTE_DTYPE, offset=True)
-        x = constrain(x, P("data", None, None))
+        x = constrain(x, P("data", None, None))  # bf16[8@data, 8192, 2304]
         # gemma2.par:74 head: linear(d, vocab, bias=false) tie kernel = embed.table.T
         x = linear(x, **weights_of(self.head, COMPUTE_DTYPE, transposed="kernel"), dtype=COMPUTE_DTYPE)
-        x = constrain(x, P("data", None, "model"))
+        x = constrain(x, P("data", None, "model"))  # bf16[8@data, 8192, 256000@model]
         # gemma2.par:75 softcap(logit_cap)
         x = softcap(x, cap=LOGIT_CAP)
-        x = constrain(x, P("data", None, "model"))
+        x = constrain(x, P("data", None, "model"))  # bf16[8@data, 8192, 256000@model]
         return x
 
 

@@ -135,7 +135,7 @@ class Gpt2Block(nnx.Module):
         h = x
         # gpt2.par:39 ln_1: layernorm(d, eps=eps)
         h = layernorm(h, **weights_of(self.ln_1, COMPUTE_DTYPE), eps=EPS, dtype=COMPUTE_DTYPE)
-        h = constrain(h, P("data", None, None))
+        h = constrain(h, P("data", None, None))  # f32[4@data, 1024, 768]
         # gpt2.par:40 attn: attention(d, heads, bias=true) shard q[_, model], q_bias[model], k[_, model], k...
         h = attention(
             h,
@@ -147,28 +147,28 @@ class Gpt2Block(nnx.Module):
             kernel="flash",
             block=512,
         )
-        h = constrain(h, P("data", None, None))
+        h = constrain(h, P("data", None, None))  # f32[4@data, 1024, 768]
         # gpt2.par:41 dropout(0.1)
         h = dropout(h, key=layer_key(key, self.path + ".dropout_0"), rate=0.1)
-        h = constrain(h, P("data", None, None))
+        h = constrain(h, P("data", None, None))  # f32[4@data, 1024, 768]
         x = x + h
         # gpt2.par:43: residual
         h = x
         # gpt2.par:44 ln_2: layernorm(d, eps=eps)
         h = layernorm(h, **weights_of(self.ln_2, COMPUTE_DTYPE), eps=EPS, dtype=COMPUTE_DTYPE)
-        h = constrain(h, P("data", None, None))
+        h = constrain(h, P("data", None, None))  # f32[4@data, 1024, 768]
         # gpt2.par:45 fc: linear(d, ffn) shard kernel[_, model], bias[model]
         h = linear(h, **weights_of(self.fc, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE)
-        h = constrain(h, P("data", None, "model"))
+        h = constrain(h, P("data", None, "model"))  # f32[4@data, 1024, 3072@model]
         # gpt2.par:46 gelu()
         h = gelu(h, approximate=True)
-        h = constrain(h, P("data", None, "model"))
+        h = constrain(h, P("data", None, "model"))  # f32[4@data, 1024, 3072@model]
         # gpt2.par:47 proj: linear(ffn, d) shard kernel[model, _]
         h = linear(h, **weights_of(self.proj, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE)
-        h = constrain(h, P("data", None, None))
+        h = constrain(h, P("data", None, None))  # f32[4@data, 1024, 768]
         # gpt2.par:48 dropout(0.1)
         h = dropout(h, key=layer_key(key, self.path + ".dropout_1"), rate=0.1)
-        h = constrain(h, P("data", None, None))
+        h = constrain(h, P("data", None, None))  # f32[4@data, 1024, 768]
         x = x + h
         return x
 
@@ -187,13 +187,13 @@ class Stage0(nnx.Module):
     def __call__(self, x: jax.Array, inputs: Arrays, key: jax.Array | None) -> jax.Array:
         # gpt2.par:53 wte: embed(vocab, d) shard table[model, _]
         x = embed(x, **weights_of(self.wte, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE, scale=False)
-        x = constrain(x, P("data", None, None))
+        x = constrain(x, P("data", None, None))  # f32[4@data, 1024, 768]
         # gpt2.par:54 wpe: position_embed(positions, d)
         x = position_embed(x, **weights_of(self.wpe, COMPUTE_DTYPE))
-        x = constrain(x, P("data", None, None))
+        x = constrain(x, P("data", None, None))  # f32[4@data, 1024, 768]
         # gpt2.par:55 dropout(0.1)
         x = dropout(x, key=layer_key(key, "dropout"), rate=0.1)
-        x = constrain(x, P("data", None, None))
+        x = constrain(x, P("data", None, None))  # f32[4@data, 1024, 768]
         # gpt2.par:57 h: repeat layers gpt2_block(d, heads, ffn, eps)
         x = scan_layers(self.h, 6, x, inputs, key)
         return x
@@ -215,10 +215,10 @@ class Stage1(nnx.Module):
         x = scan_layers(self.h, 6, x, inputs, key)
         # gpt2.par:59 ln_f: layernorm(d, eps=eps)
         x = layernorm(x, **weights_of(self.ln_f, COMPUTE_DTYPE), eps=EPS, dtype=COMPUTE_DTYPE)
-        x = constrain(x, P("data", None, None))
+        x = constrain(x, P("data", None, None))  # f32[4@data, 1024, 768]
         # gpt2.par:60 lm_head: linear(d, vocab, bias=false) tie kernel = wte.table.T
         x = linear(x, **weights_of(self.lm_head, COMPUTE_DTYPE, transposed="kernel"), dtype=COMPUTE_DTYPE)
-        x = constrain(x, P("data", None, "model"))
+        x = constrain(x, P("data", None, "model"))  # f32[4@data, 1024, 50258@model]
         return x
 
 

@@ -147,7 +147,7 @@ class GptBlock(nnx.Module):
         h = x
         # gpt3_175b.par:33 ln1: layernorm(d)
         h = layernorm(h, **weights_of(self.ln1, COMPUTE_DTYPE), eps=1e-05, dtype=COMPUTE_DTYPE)
-        h = constrain(h, P("data", None, None))
+        h = constrain(h, P("data", None, None))  # bf16[8@data, 2048, 12288]
         # gpt3_175b.par:34 attn: attention(d, heads, causal=true) shard q[_, model], k[_, model], v[_, mode...
         h = attention(
             h,
@@ -159,22 +159,22 @@ class GptBlock(nnx.Module):
             kernel="flash",
             block=512,
         )
-        h = constrain(h, P("data", None, None))
+        h = constrain(h, P("data", None, None))  # bf16[8@data, 2048, 12288]
         x = x + h
         # gpt3_175b.par:36: residual
         h = x
         # gpt3_175b.par:37 ln2: layernorm(d)
         h = layernorm(h, **weights_of(self.ln2, COMPUTE_DTYPE), eps=1e-05, dtype=COMPUTE_DTYPE)
-        h = constrain(h, P("data", None, None))
+        h = constrain(h, P("data", None, None))  # bf16[8@data, 2048, 12288]
         # gpt3_175b.par:38 up: linear(d, ffn) shard kernel[_, model], bias[model]
         h = linear(h, **weights_of(self.up, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE)
-        h = constrain(h, P("data", None, "model"))
+        h = constrain(h, P("data", None, "model"))  # bf16[8@data, 2048, 49152@model]
         # gpt3_175b.par:39 gelu()
         h = gelu(h, approximate=True)
-        h = constrain(h, P("data", None, "model"))
+        h = constrain(h, P("data", None, "model"))  # bf16[8@data, 2048, 49152@model]
         # gpt3_175b.par:40 down: linear(ffn, d) shard kernel[model, _]
         h = linear(h, **weights_of(self.down, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE)
-        h = constrain(h, P("data", None, None))
+        h = constrain(h, P("data", None, None))  # bf16[8@data, 2048, 12288]
         x = x + h
         return x
 
@@ -191,7 +191,7 @@ class Stage0(nnx.Module):
     def __call__(self, x: jax.Array, inputs: Arrays, key: jax.Array | None) -> jax.Array:
         # gpt3_175b.par:45 embed: embed(vocab, d) shard table[model, _]
         x = embed(x, **weights_of(self.embed, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE, scale=False)
-        x = constrain(x, P("data", None, None))
+        x = constrain(x, P("data", None, None))  # bf16[8@data, 2048, 12288]
         # gpt3_175b.par:47 blocks: repeat n_layers gpt_block(d, heads, ffn)
         x = scan_layers(self.blocks, 6, x, inputs, key)
         return x
@@ -226,10 +226,10 @@ class Stage15(nnx.Module):
         x = scan_layers(self.blocks, 6, x, inputs, key)
         # gpt3_175b.par:49 ln_f: layernorm(d)
         x = layernorm(x, **weights_of(self.ln_f, COMPUTE_DTYPE), eps=1e-05, dtype=COMPUTE_DTYPE)
-        x = constrain(x, P("data", None, None))
+        x = constrain(x, P("data", None, None))  # bf16[8@data, 2048, 12288]
         # gpt3_175b.par:50 head: linear(d, vocab, bias=false) shard kernel[_, model]
         x = linear(x, **weights_of(self.head, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE)
-        x = constrain(x, P("data", None, "model"))
+        x = constrain(x, P("data", None, "model"))  # bf16[8@data, 2048, 51200@model]
         return x
 
 

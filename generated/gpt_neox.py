@@ -154,7 +154,7 @@ class NeoxBlock(nnx.Module):
         h_1 = h
         # gpt_neox.par:39 ln_1: layernorm(d, eps=eps)
         h_1 = layernorm(h_1, **weights_of(self.ln_1, COMPUTE_DTYPE), eps=EPS, dtype=COMPUTE_DTYPE)
-        h_1 = constrain(h_1, P("data", None, None))
+        h_1 = constrain(h_1, P("data", None, None))  # bf16[4@data, 2048, 768]
         # gpt_neox.par:40 attn: attention(d, heads, rope=true, rope_dims=rope_dims, bias=true) shard q[_, m...
         h_1 = attention(
             h_1,
@@ -167,21 +167,21 @@ class NeoxBlock(nnx.Module):
             kernel="flash",
             block=512,
         )
-        h_1 = constrain(h_1, P("data", None, None))
+        h_1 = constrain(h_1, P("data", None, None))  # bf16[4@data, 2048, 768]
         # gpt_neox.par:42: branch
         h_2 = h
         # gpt_neox.par:43 ln_2: layernorm(d, eps=eps)
         h_2 = layernorm(h_2, **weights_of(self.ln_2, COMPUTE_DTYPE), eps=EPS, dtype=COMPUTE_DTYPE)
-        h_2 = constrain(h_2, P("data", None, None))
+        h_2 = constrain(h_2, P("data", None, None))  # bf16[4@data, 2048, 768]
         # gpt_neox.par:44 fc: linear(d, ffn) shard kernel[_, model], bias[model]
         h_2 = linear(h_2, **weights_of(self.fc, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE)
-        h_2 = constrain(h_2, P("data", None, "model"))
+        h_2 = constrain(h_2, P("data", None, "model"))  # bf16[4@data, 2048, 3072@model]
         # gpt_neox.par:45 gelu(approximate=false)
         h_2 = gelu(h_2, approximate=False)
-        h_2 = constrain(h_2, P("data", None, "model"))
+        h_2 = constrain(h_2, P("data", None, "model"))  # bf16[4@data, 2048, 3072@model]
         # gpt_neox.par:46 proj: linear(ffn, d) shard kernel[model, _]
         h_2 = linear(h_2, **weights_of(self.proj, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE)
-        h_2 = constrain(h_2, P("data", None, None))
+        h_2 = constrain(h_2, P("data", None, None))  # bf16[4@data, 2048, 768]
         h = h_1 + h_2
         x = x + h
         return x
@@ -199,7 +199,7 @@ class Stage0(nnx.Module):
     def __call__(self, x: jax.Array, inputs: Arrays, key: jax.Array | None) -> jax.Array:
         # gpt_neox.par:52 embed: embed(vocab, d) shard table[model, _]
         x = embed(x, **weights_of(self.embed, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE, scale=False)
-        x = constrain(x, P("data", None, None))
+        x = constrain(x, P("data", None, None))  # bf16[4@data, 2048, 768]
         # gpt_neox.par:54 layers: repeat layers neox_block(d, heads, ffn, eps, rope_dims)
         x = scan_layers(self.layers, 6, x, inputs, key)
         return x
@@ -221,10 +221,10 @@ class Stage1(nnx.Module):
         x = scan_layers(self.layers, 6, x, inputs, key)
         # gpt_neox.par:56 ln_f: layernorm(d, eps=eps)
         x = layernorm(x, **weights_of(self.ln_f, COMPUTE_DTYPE), eps=EPS, dtype=COMPUTE_DTYPE)
-        x = constrain(x, P("data", None, None))
+        x = constrain(x, P("data", None, None))  # bf16[4@data, 2048, 768]
         # gpt_neox.par:57 head: linear(d, vocab, bias=false) shard kernel[_, model]
         x = linear(x, **weights_of(self.head, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE)
-        x = constrain(x, P("data", None, "model"))
+        x = constrain(x, P("data", None, "model"))  # bf16[4@data, 2048, 50304@model]
         return x
 
 

@@ -125,7 +125,7 @@ class GptBlock(nnx.Module):
         h = x
         # gpt_small.par:23 ln1: layernorm(d)
         h = layernorm(h, **weights_of(self.ln1, COMPUTE_DTYPE), eps=1e-05, dtype=COMPUTE_DTYPE)
-        h = constrain(h, P("data", None, None))
+        h = constrain(h, P("data", None, None))  # f32[4@data, 32, 64]
         # gpt_small.par:24 attn: attention(d, heads, causal=true) shard q[_, model], k[_, model], v[_, mode...
         h = attention(
             h,
@@ -136,28 +136,28 @@ class GptBlock(nnx.Module):
             dtype=COMPUTE_DTYPE,
             kernel="dense",
         )
-        h = checkpoint_name(constrain(h, P("data", None, None)), self.path + ".attn")
+        h = checkpoint_name(constrain(h, P("data", None, None)), self.path + ".attn")  # f32[4@data, 32, 64]
         # gpt_small.par:25 dropout(0.1)
         h = dropout(h, key=layer_key(key, self.path + ".dropout_0"), rate=0.1)
-        h = constrain(h, P("data", None, None))
+        h = constrain(h, P("data", None, None))  # f32[4@data, 32, 64]
         x = x + h
         # gpt_small.par:27: residual
         h = x
         # gpt_small.par:28 ln2: layernorm(d)
         h = layernorm(h, **weights_of(self.ln2, COMPUTE_DTYPE), eps=1e-05, dtype=COMPUTE_DTYPE)
-        h = constrain(h, P("data", None, None))
+        h = constrain(h, P("data", None, None))  # f32[4@data, 32, 64]
         # gpt_small.par:29 up: linear(d, ffn) shard kernel[_, model], bias[model]
         h = linear(h, **weights_of(self.up, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE)
-        h = constrain(h, P("data", None, "model"))
+        h = constrain(h, P("data", None, "model"))  # f32[4@data, 32, 256@model]
         # gpt_small.par:30 gelu()
         h = gelu(h, approximate=True)
-        h = constrain(h, P("data", None, "model"))
+        h = constrain(h, P("data", None, "model"))  # f32[4@data, 32, 256@model]
         # gpt_small.par:31 down: linear(ffn, d) shard kernel[model, _]
         h = linear(h, **weights_of(self.down, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE)
-        h = constrain(h, P("data", None, None))
+        h = constrain(h, P("data", None, None))  # f32[4@data, 32, 64]
         # gpt_small.par:32 dropout(0.1)
         h = dropout(h, key=layer_key(key, self.path + ".dropout_1"), rate=0.1)
-        h = constrain(h, P("data", None, None))
+        h = constrain(h, P("data", None, None))  # f32[4@data, 32, 64]
         x = x + h
         return x
 
@@ -174,7 +174,7 @@ class Stage0(nnx.Module):
     def __call__(self, x: jax.Array, inputs: Arrays, key: jax.Array | None) -> jax.Array:
         # gpt_small.par:37 embed: embed(vocab, d) shard table[model, _]
         x = embed(x, **weights_of(self.embed, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE, scale=False)
-        x = constrain(x, P("data", None, None))
+        x = constrain(x, P("data", None, None))  # f32[4@data, 32, 64]
         # gpt_small.par:39 blocks: repeat n_layers gpt_block(d, heads, ffn)
         x = scan_layers(self.blocks, 2, x, inputs, key)
         return x
@@ -196,10 +196,10 @@ class Stage1(nnx.Module):
         x = scan_layers(self.blocks, 2, x, inputs, key)
         # gpt_small.par:41 ln_f: layernorm(d)
         x = layernorm(x, **weights_of(self.ln_f, COMPUTE_DTYPE), eps=1e-05, dtype=COMPUTE_DTYPE)
-        x = constrain(x, P("data", None, None))
+        x = constrain(x, P("data", None, None))  # f32[4@data, 32, 64]
         # gpt_small.par:42 head: linear(d, vocab, bias=false) shard kernel[_, model]
         x = linear(x, **weights_of(self.head, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE)
-        x = constrain(x, P("data", None, "model"))
+        x = constrain(x, P("data", None, "model"))  # f32[4@data, 32, 128@model]
         return x
 
 

@@ -143,7 +143,7 @@ class LlamaBlock(nnx.Module):
         h = x
         # llama.par:40 attn_norm: rmsnorm(d, eps=eps)
         h = rmsnorm(h, **weights_of(self.attn_norm, COMPUTE_DTYPE), eps=EPS, dtype=COMPUTE_DTYPE, offset=False)
-        h = constrain(h, P("data", None, None))
+        h = constrain(h, P("data", None, None))  # bf16[4@data, 2048, 2048]
         # llama.par:41 attn: attention(d, heads, kv_heads=kv_heads, rope=true, rope_base=rope_base, qkv_bia...
         h = attention(
             h,
@@ -156,19 +156,19 @@ class LlamaBlock(nnx.Module):
             kernel="flash",
             block=512,
         )
-        h = constrain(h, P("data", None, None))
+        h = constrain(h, P("data", None, None))  # bf16[4@data, 2048, 2048]
         x = x + h
         # llama.par:43: residual
         h = x
         # llama.par:44 mlp_norm: rmsnorm(d, eps=eps)
         h = rmsnorm(h, **weights_of(self.mlp_norm, COMPUTE_DTYPE), eps=EPS, dtype=COMPUTE_DTYPE, offset=False)
-        h = constrain(h, P("data", None, None))
+        h = constrain(h, P("data", None, None))  # bf16[4@data, 2048, 2048]
         # llama.par:45 gate_up: swiglu(d, ffn) shard gate[_, model], up[_, model]
         h = swiglu(h, **weights_of(self.gate_up, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE, activation="silu")
-        h = constrain(h, P("data", None, "model"))
+        h = constrain(h, P("data", None, "model"))  # bf16[4@data, 2048, 5632@model]
         # llama.par:46 down: linear(ffn, d, bias=false) shard kernel[model, _]
         h = linear(h, **weights_of(self.down, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE)
-        h = constrain(h, P("data", None, None))
+        h = constrain(h, P("data", None, None))  # bf16[4@data, 2048, 2048]
         x = x + h
         return x
 
@@ -185,7 +185,7 @@ class Stage0(nnx.Module):
     def __call__(self, x: jax.Array, inputs: Arrays, key: jax.Array | None) -> jax.Array:
         # llama.par:51 embed: embed(vocab, d) shard table[model, _]
         x = embed(x, **weights_of(self.embed, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE, scale=False)
-        x = constrain(x, P("data", None, None))
+        x = constrain(x, P("data", None, None))  # bf16[4@data, 2048, 2048]
         # llama.par:53 layers: repeat layers llama_block(d, heads, kv_heads, ffn, eps, rope_base, qkv_bias)
         x = scan_layers(self.layers, 11, x, inputs, key)
         return x
@@ -207,10 +207,10 @@ class Stage1(nnx.Module):
         x = scan_layers(self.layers, 11, x, inputs, key)
         # llama.par:55 norm: rmsnorm(d, eps=eps)
         x = rmsnorm(x, **weights_of(self.norm, COMPUTE_DTYPE), eps=EPS, dtype=COMPUTE_DTYPE, offset=False)
-        x = constrain(x, P("data", None, None))
+        x = constrain(x, P("data", None, None))  # bf16[4@data, 2048, 2048]
         # llama.par:56 head: linear(d, vocab, bias=false) shard kernel[_, model]
         x = linear(x, **weights_of(self.head, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE)
-        x = constrain(x, P("data", None, "model"))
+        x = constrain(x, P("data", None, "model"))  # bf16[4@data, 2048, 32000@model]
         return x
 
 

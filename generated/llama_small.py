@@ -123,7 +123,7 @@ class LlamaBlock(nnx.Module):
         h = x
         # llama_small.par:24 attn_norm: rmsnorm(d)
         h = rmsnorm(h, **weights_of(self.attn_norm, COMPUTE_DTYPE), eps=1e-06, dtype=COMPUTE_DTYPE, offset=False)
-        h = constrain(h, P("data", None, None))
+        h = constrain(h, P("data", None, None))  # bf16[8@data, 64, 128]
         # llama_small.par:25 attn: attention(d, heads, kv_heads=kv_heads, rope=true) shard q[_, model], k[_...
         h = attention(
             h,
@@ -135,19 +135,19 @@ class LlamaBlock(nnx.Module):
             dtype=COMPUTE_DTYPE,
             kernel="dense",
         )
-        h = constrain(h, P("data", None, None))
+        h = constrain(h, P("data", None, None))  # bf16[8@data, 64, 128]
         x = x + h
         # llama_small.par:27: residual
         h = x
         # llama_small.par:28 mlp_norm: rmsnorm(d)
         h = rmsnorm(h, **weights_of(self.mlp_norm, COMPUTE_DTYPE), eps=1e-06, dtype=COMPUTE_DTYPE, offset=False)
-        h = constrain(h, P("data", None, None))
+        h = constrain(h, P("data", None, None))  # bf16[8@data, 64, 128]
         # llama_small.par:29 gate_up: swiglu(d, ffn) shard gate[_, model], up[_, model]
         h = swiglu(h, **weights_of(self.gate_up, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE, activation="silu")
-        h = constrain(h, P("data", None, "model"))
+        h = constrain(h, P("data", None, "model"))  # bf16[8@data, 64, 344@model]
         # llama_small.par:30 down: linear(ffn, d, bias=false) shard kernel[model, _]
         h = linear(h, **weights_of(self.down, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE)
-        h = constrain(h, P("data", None, None))
+        h = constrain(h, P("data", None, None))  # bf16[8@data, 64, 128]
         x = x + h
         return x
 
@@ -168,15 +168,15 @@ class LlamaSmall(nnx.Module):
     def __call__(self, x: jax.Array, inputs: Arrays, key: jax.Array | None) -> jax.Array:
         # llama_small.par:35 embed: embed(vocab, d) shard table[model, _]
         x = embed(x, **weights_of(self.embed, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE, scale=False)
-        x = constrain(x, P("data", None, None))
+        x = constrain(x, P("data", None, None))  # bf16[8@data, 64, 128]
         # llama_small.par:36 layers: repeat n_layers llama_block(d, heads, kv_heads, ffn)
         x = scan_layers(self.layers, N_LAYERS, x, inputs, key)
         # llama_small.par:37 norm: rmsnorm(d)
         x = rmsnorm(x, **weights_of(self.norm, COMPUTE_DTYPE), eps=1e-06, dtype=COMPUTE_DTYPE, offset=False)
-        x = constrain(x, P("data", None, None))
+        x = constrain(x, P("data", None, None))  # bf16[8@data, 64, 128]
         # llama_small.par:38 head: linear(d, vocab, bias=false) shard kernel[_, model]
         x = linear(x, **weights_of(self.head, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE)
-        x = constrain(x, P("data", None, "model"))
+        x = constrain(x, P("data", None, "model"))  # bf16[8@data, 64, 512@model]
         return x
 
 

@@ -113,7 +113,7 @@ class Decoder(nnx.Module):
         h = x
         # long_context.par:26 attn_norm: rmsnorm(d)
         h = rmsnorm(h, **weights_of(self.attn_norm, COMPUTE_DTYPE), eps=1e-06, dtype=COMPUTE_DTYPE, offset=False)
-        h = constrain(h, P("data", "context", None))
+        h = constrain(h, P("data", "context", None))  # f32[4@data, 64@context, 32]
         # long_context.par:27 attn: attention(d, heads, kv_heads=kv_heads, rope=true) shard q[_, model], k[...
         h = ring_attention(
             h,
@@ -125,19 +125,19 @@ class Decoder(nnx.Module):
             rope=functools.partial(rotary, base=10000.0),
             dtype=COMPUTE_DTYPE,
         )
-        h = constrain(h, P("data", "context", None))
+        h = constrain(h, P("data", "context", None))  # f32[4@data, 64@context, 32]
         x = x + h
         # long_context.par:29: residual
         h = x
         # long_context.par:30 mlp_norm: rmsnorm(d)
         h = rmsnorm(h, **weights_of(self.mlp_norm, COMPUTE_DTYPE), eps=1e-06, dtype=COMPUTE_DTYPE, offset=False)
-        h = constrain(h, P("data", "context", None))
+        h = constrain(h, P("data", "context", None))  # f32[4@data, 64@context, 32]
         # long_context.par:31 gate_up: swiglu(d, ffn) shard gate[_, model], up[_, model]
         h = swiglu(h, **weights_of(self.gate_up, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE, activation="silu")
-        h = constrain(h, P("data", "context", "model"))
+        h = constrain(h, P("data", "context", "model"))  # f32[4@data, 64@context, 64@model]
         # long_context.par:32 down: linear(ffn, d, bias=false) shard kernel[model, _]
         h = linear(h, **weights_of(self.down, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE)
-        h = constrain(h, P("data", "context", None))
+        h = constrain(h, P("data", "context", None))  # f32[4@data, 64@context, 32]
         x = x + h
         return x
 
@@ -158,15 +158,15 @@ class LongContext(nnx.Module):
     def __call__(self, x: jax.Array, inputs: Arrays, key: jax.Array | None) -> jax.Array:
         # long_context.par:37 embed: embed(vocab, d) shard table[model, _]
         x = embed(x, **weights_of(self.embed, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE, scale=False)
-        x = constrain(x, P("data", "context", None))
+        x = constrain(x, P("data", "context", None))  # f32[4@data, 64@context, 32]
         # long_context.par:38 layers: repeat n_layers decoder(d, heads, kv_heads, ffn)
         x = scan_layers(self.layers, N_LAYERS, x, inputs, key)
         # long_context.par:39 norm: rmsnorm(d)
         x = rmsnorm(x, **weights_of(self.norm, COMPUTE_DTYPE), eps=1e-06, dtype=COMPUTE_DTYPE, offset=False)
-        x = constrain(x, P("data", "context", None))
+        x = constrain(x, P("data", "context", None))  # f32[4@data, 64@context, 32]
         # long_context.par:40 head: linear(d, vocab, bias=false) shard kernel[_, model]
         x = linear(x, **weights_of(self.head, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE)
-        x = constrain(x, P("data", "context", "model"))
+        x = constrain(x, P("data", "context", "model"))  # f32[4@data, 64@context, 128@model]
         return x
 
 

@@ -126,7 +126,7 @@ class MixtralBlock(nnx.Module):
         h = x
         # mixtral.par:41 attn_norm: rmsnorm(d, eps=eps)
         h = rmsnorm(h, **weights_of(self.attn_norm, COMPUTE_DTYPE), eps=EPS, dtype=COMPUTE_DTYPE, offset=False)
-        h = constrain(h, P(("data", "expert"), None, None))
+        h = constrain(h, P(("data", "expert"), None, None))  # bf16[8@(data, expert), 64, 64]
         # mixtral.par:42 attn: attention(d, heads, kv_heads=kv_heads, rope=true, rope_base=rope_base) shard...
         h = attention(
             h,
@@ -138,13 +138,13 @@ class MixtralBlock(nnx.Module):
             dtype=COMPUTE_DTYPE,
             kernel="dense",
         )
-        h = constrain(h, P(("data", "expert"), None, None))
+        h = constrain(h, P(("data", "expert"), None, None))  # bf16[8@(data, expert), 64, 64]
         x = x + h
         # mixtral.par:44: residual
         h = x
         # mixtral.par:45 moe_norm: rmsnorm(d, eps=eps)
         h = rmsnorm(h, **weights_of(self.moe_norm, COMPUTE_DTYPE), eps=EPS, dtype=COMPUTE_DTYPE, offset=False)
-        h = constrain(h, P(("data", "expert"), None, None))
+        h = constrain(h, P(("data", "expert"), None, None))  # bf16[8@(data, expert), 64, 64]
         # mixtral.par:46 moe: moe(d, ffn, experts, top_k=top_k, capacity=none, activation=swiglu, aux_weigh...
         h, more = moe(
             h,
@@ -159,7 +159,7 @@ class MixtralBlock(nnx.Module):
             token_axes=("data", "expert"),
             dtype=COMPUTE_DTYPE,
         )
-        h = constrain(h, P(("data", "expert"), None, None))
+        h = constrain(h, P(("data", "expert"), None, None))  # bf16[8@(data, expert), 64, 64]
         aux = add_aux(aux, more)
         x = x + h
         return x, aux
@@ -182,16 +182,16 @@ class Mixtral(nnx.Module):
         aux: Aux = {}  # the layers' auxiliary values, summed
         # mixtral.par:51 embed: embed(vocab, d) shard table[model, _]
         x = embed(x, **weights_of(self.embed, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE, scale=False)
-        x = constrain(x, P(("data", "expert"), None, None))
+        x = constrain(x, P(("data", "expert"), None, None))  # bf16[8@(data, expert), 64, 64]
         # mixtral.par:52 layers: repeat layers mixtral_block(d, heads, kv_heads, ffn, experts, top_k, eps, ...
         x, more = scan_layers(self.layers, LAYERS, x, inputs, key)
         aux = add_aux(aux, more)
         # mixtral.par:53 norm: rmsnorm(d, eps=eps)
         x = rmsnorm(x, **weights_of(self.norm, COMPUTE_DTYPE), eps=EPS, dtype=COMPUTE_DTYPE, offset=False)
-        x = constrain(x, P(("data", "expert"), None, None))
+        x = constrain(x, P(("data", "expert"), None, None))  # bf16[8@(data, expert), 64, 64]
         # mixtral.par:54 head: linear(d, vocab, bias=false) shard kernel[_, model]
         x = linear(x, **weights_of(self.head, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE)
-        x = constrain(x, P(("data", "expert"), None, "model"))
+        x = constrain(x, P(("data", "expert"), None, "model"))  # bf16[8@(data, expert), 64, 512@model]
         return x, aux
 
 

@@ -121,7 +121,7 @@ class Decoder(nnx.Module):
         h = x
         # moe_small.par:25 ln1: layernorm(d)
         h = layernorm(h, **weights_of(self.ln1, COMPUTE_DTYPE), eps=1e-05, dtype=COMPUTE_DTYPE)
-        h = constrain(h, P(("data", "expert"), None, None))
+        h = constrain(h, P(("data", "expert"), None, None))  # f32[16@(data, expert), 16, 32]
         # moe_small.par:26 attn: attention(d, heads, causal=true)
         h = attention(
             h,
@@ -132,13 +132,13 @@ class Decoder(nnx.Module):
             dtype=COMPUTE_DTYPE,
             kernel="dense",
         )
-        h = constrain(h, P(("data", "expert"), None, None))
+        h = constrain(h, P(("data", "expert"), None, None))  # f32[16@(data, expert), 16, 32]
         x = x + h
         # moe_small.par:28: residual
         h = x
         # moe_small.par:29 ln2: layernorm(d)
         h = layernorm(h, **weights_of(self.ln2, COMPUTE_DTYPE), eps=1e-05, dtype=COMPUTE_DTYPE)
-        h = constrain(h, P(("data", "expert"), None, None))
+        h = constrain(h, P(("data", "expert"), None, None))  # f32[16@(data, expert), 16, 32]
         # moe_small.par:30 moe: moe(d, hidden, experts, top_k=2, capacity=1.25) shard w_in[expert, _, _], w...
         h, more = moe(
             h,
@@ -153,7 +153,7 @@ class Decoder(nnx.Module):
             token_axes=("data", "expert"),
             dtype=COMPUTE_DTYPE,
         )
-        h = constrain(h, P(("data", "expert"), None, None))
+        h = constrain(h, P(("data", "expert"), None, None))  # f32[16@(data, expert), 16, 32]
         aux = add_aux(aux, more)
         x = x + h
         return x, aux
@@ -176,16 +176,16 @@ class MoeSmall(nnx.Module):
         aux: Aux = {}  # the layers' auxiliary values, summed
         # moe_small.par:35 embed: embed(vocab, d)
         x = embed(x, **weights_of(self.embed, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE, scale=False)
-        x = constrain(x, P(("data", "expert"), None, None))
+        x = constrain(x, P(("data", "expert"), None, None))  # f32[16@(data, expert), 16, 32]
         # moe_small.par:36 layers: repeat 2 decoder(d, heads)
         x, more = scan_layers(self.layers, 2, x, inputs, key)
         aux = add_aux(aux, more)
         # moe_small.par:37 ln_f: layernorm(d)
         x = layernorm(x, **weights_of(self.ln_f, COMPUTE_DTYPE), eps=1e-05, dtype=COMPUTE_DTYPE)
-        x = constrain(x, P(("data", "expert"), None, None))
+        x = constrain(x, P(("data", "expert"), None, None))  # f32[16@(data, expert), 16, 32]
         # moe_small.par:38 head: linear(d, vocab, bias=false)
         x = linear(x, **weights_of(self.head, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE)
-        x = constrain(x, P(("data", "expert"), None, None))
+        x = constrain(x, P(("data", "expert"), None, None))  # f32[16@(data, expert), 16, 256]
         return x, aux
 
 

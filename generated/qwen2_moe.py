@@ -141,7 +141,7 @@ class Qwen2MoeBlock(nnx.Module):
         h = x
         # qwen2_moe.par:43 attn_norm: rmsnorm(d, eps=eps)
         h = rmsnorm(h, **weights_of(self.attn_norm, COMPUTE_DTYPE), eps=EPS, dtype=COMPUTE_DTYPE, offset=False)
-        h = constrain(h, P(("data", "expert"), None, None))
+        h = constrain(h, P(("data", "expert"), None, None))  # bf16[8@(data, expert), 64, 64]
         # qwen2_moe.par:44 attn: attention(d, heads, kv_heads=kv_heads, rope=true, rope_base=rope_base, qkv...
         h = attention(
             h,
@@ -153,13 +153,13 @@ class Qwen2MoeBlock(nnx.Module):
             dtype=COMPUTE_DTYPE,
             kernel="dense",
         )
-        h = constrain(h, P(("data", "expert"), None, None))
+        h = constrain(h, P(("data", "expert"), None, None))  # bf16[8@(data, expert), 64, 64]
         x = x + h
         # qwen2_moe.par:46: residual
         h = x
         # qwen2_moe.par:47 moe_norm: rmsnorm(d, eps=eps)
         h = rmsnorm(h, **weights_of(self.moe_norm, COMPUTE_DTYPE), eps=EPS, dtype=COMPUTE_DTYPE, offset=False)
-        h = constrain(h, P(("data", "expert"), None, None))
+        h = constrain(h, P(("data", "expert"), None, None))  # bf16[8@(data, expert), 64, 64]
         # qwen2_moe.par:48 moe: moe(d, ffn, experts, top_k=top_k, capacity=none, activation=swiglu, normali...
         h, more = moe(
             h,
@@ -174,7 +174,7 @@ class Qwen2MoeBlock(nnx.Module):
             token_axes=("data", "expert"),
             dtype=COMPUTE_DTYPE,
         )
-        h = constrain(h, P(("data", "expert"), None, None))
+        h = constrain(h, P(("data", "expert"), None, None))  # bf16[8@(data, expert), 64, 64]
         aux = add_aux(aux, more)
         x = x + h
         return x, aux
@@ -197,16 +197,16 @@ class Qwen2Moe(nnx.Module):
         aux: Aux = {}  # the layers' auxiliary values, summed
         # qwen2_moe.par:53 embed: embed(vocab, d) shard table[model, _]
         x = embed(x, **weights_of(self.embed, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE, scale=False)
-        x = constrain(x, P(("data", "expert"), None, None))
+        x = constrain(x, P(("data", "expert"), None, None))  # bf16[8@(data, expert), 64, 64]
         # qwen2_moe.par:54 layers: repeat layers qwen2_moe_block(d, heads, kv_heads, ffn, shared_ffn, exper...
         x, more = scan_layers(self.layers, LAYERS, x, inputs, key)
         aux = add_aux(aux, more)
         # qwen2_moe.par:55 norm: rmsnorm(d, eps=eps)
         x = rmsnorm(x, **weights_of(self.norm, COMPUTE_DTYPE), eps=EPS, dtype=COMPUTE_DTYPE, offset=False)
-        x = constrain(x, P(("data", "expert"), None, None))
+        x = constrain(x, P(("data", "expert"), None, None))  # bf16[8@(data, expert), 64, 64]
         # qwen2_moe.par:56 head: linear(d, vocab, bias=false) shard kernel[_, model]
         x = linear(x, **weights_of(self.head, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE)
-        x = constrain(x, P(("data", "expert"), None, "model"))
+        x = constrain(x, P(("data", "expert"), None, "model"))  # bf16[8@(data, expert), 64, 512@model]
         return x, aux
 
 

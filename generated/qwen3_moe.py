@@ -131,7 +131,7 @@ class Qwen3MoeBlock(nnx.Module):
         h = x
         # qwen3_moe.par:44 attn_norm: rmsnorm(d, eps=eps)
         h = rmsnorm(h, **weights_of(self.attn_norm, COMPUTE_DTYPE), eps=EPS, dtype=COMPUTE_DTYPE, offset=False)
-        h = constrain(h, P(("data", "expert"), None, None))
+        h = constrain(h, P(("data", "expert"), None, None))  # bf16[8@(data, expert), 64, 64]
         # qwen3_moe.par:45 attn: attention(d, heads, kv_heads=kv_heads, head_dim=head_dim, rope=true, rope_...
         h = attention(
             h,
@@ -144,13 +144,13 @@ class Qwen3MoeBlock(nnx.Module):
             dtype=COMPUTE_DTYPE,
             kernel="dense",
         )
-        h = constrain(h, P(("data", "expert"), None, None))
+        h = constrain(h, P(("data", "expert"), None, None))  # bf16[8@(data, expert), 64, 64]
         x = x + h
         # qwen3_moe.par:47: residual
         h = x
         # qwen3_moe.par:48 moe_norm: rmsnorm(d, eps=eps)
         h = rmsnorm(h, **weights_of(self.moe_norm, COMPUTE_DTYPE), eps=EPS, dtype=COMPUTE_DTYPE, offset=False)
-        h = constrain(h, P(("data", "expert"), None, None))
+        h = constrain(h, P(("data", "expert"), None, None))  # bf16[8@(data, expert), 64, 64]
         # qwen3_moe.par:49 moe: moe(d, ffn, experts, top_k=top_k, capacity=none, activation=swiglu, normali...
         h, more = moe(
             h,
@@ -165,7 +165,7 @@ class Qwen3MoeBlock(nnx.Module):
             token_axes=("data", "expert"),
             dtype=COMPUTE_DTYPE,
         )
-        h = constrain(h, P(("data", "expert"), None, None))
+        h = constrain(h, P(("data", "expert"), None, None))  # bf16[8@(data, expert), 64, 64]
         aux = add_aux(aux, more)
         x = x + h
         return x, aux
@@ -188,16 +188,16 @@ class Qwen3Moe(nnx.Module):
         aux: Aux = {}  # the layers' auxiliary values, summed
         # qwen3_moe.par:54 embed: embed(vocab, d) shard table[model, _]
         x = embed(x, **weights_of(self.embed, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE, scale=False)
-        x = constrain(x, P(("data", "expert"), None, None))
+        x = constrain(x, P(("data", "expert"), None, None))  # bf16[8@(data, expert), 64, 64]
         # qwen3_moe.par:55 layers: repeat layers qwen3_moe_block(d, heads, kv_heads, head_dim, ffn, experts...
         x, more = scan_layers(self.layers, LAYERS, x, inputs, key)
         aux = add_aux(aux, more)
         # qwen3_moe.par:56 norm: rmsnorm(d, eps=eps)
         x = rmsnorm(x, **weights_of(self.norm, COMPUTE_DTYPE), eps=EPS, dtype=COMPUTE_DTYPE, offset=False)
-        x = constrain(x, P(("data", "expert"), None, None))
+        x = constrain(x, P(("data", "expert"), None, None))  # bf16[8@(data, expert), 64, 64]
         # qwen3_moe.par:57 head: linear(d, vocab, bias=false) shard kernel[_, model]
         x = linear(x, **weights_of(self.head, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE)
-        x = constrain(x, P(("data", "expert"), None, "model"))
+        x = constrain(x, P(("data", "expert"), None, "model"))  # bf16[8@(data, expert), 64, 512@model]
         return x, aux
 
 

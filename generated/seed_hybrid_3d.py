@@ -115,7 +115,7 @@ class TransformerLayer(nnx.Module):
         h = x
         # seed_hybrid_3d.par:21 ln1: layernorm(hidden)
         h = layernorm(h, **weights_of(self.ln1, COMPUTE_DTYPE), eps=1e-05, dtype=COMPUTE_DTYPE)
-        h = constrain(h, P("data", None, None))
+        h = constrain(h, P("data", None, None))  # f32[2@data, 512, 1024]
         # seed_hybrid_3d.par:22 attn: attention(hidden, heads) shard q[_, model], k[_, model], v[_, model],...
         h = attention(
             h,
@@ -126,22 +126,22 @@ class TransformerLayer(nnx.Module):
             dtype=COMPUTE_DTYPE,
             kernel="dense",
         )
-        h = constrain(h, P("data", None, None))
+        h = constrain(h, P("data", None, None))  # f32[2@data, 512, 1024]
         x = x + h
         # seed_hybrid_3d.par:24: residual
         h = x
         # seed_hybrid_3d.par:25 ln2: layernorm(hidden)
         h = layernorm(h, **weights_of(self.ln2, COMPUTE_DTYPE), eps=1e-05, dtype=COMPUTE_DTYPE)
-        h = constrain(h, P("data", None, None))
+        h = constrain(h, P("data", None, None))  # f32[2@data, 512, 1024]
         # seed_hybrid_3d.par:26 up: linear(hidden, 4 * hidden) shard kernel[_, model], bias[model]
         h = linear(h, **weights_of(self.up, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE)
-        h = constrain(h, P("data", None, "model"))
+        h = constrain(h, P("data", None, "model"))  # f32[2@data, 512, 4096@model]
         # seed_hybrid_3d.par:27 gelu()
         h = gelu(h, approximate=True)
-        h = constrain(h, P("data", None, "model"))
+        h = constrain(h, P("data", None, "model"))  # f32[2@data, 512, 4096@model]
         # seed_hybrid_3d.par:28 down: linear(4 * hidden, hidden) shard kernel[model, _]
         h = linear(h, **weights_of(self.down, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE)
-        h = constrain(h, P("data", None, None))
+        h = constrain(h, P("data", None, None))  # f32[2@data, 512, 1024]
         x = x + h
         return x
 

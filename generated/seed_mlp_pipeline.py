@@ -122,16 +122,16 @@ class Stage0(nnx.Module):
     def __call__(self, x: jax.Array, inputs: Arrays, key: jax.Array | None) -> jax.Array:
         # seed_mlp_pipeline.par:21 fc1: linear(784, 512)
         x = linear(x, **weights_of(self.fc1, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE)
-        x = constrain(x, P("data", None))
+        x = constrain(x, P("data", None))  # f32[8@data, 512]
         # seed_mlp_pipeline.par:22 relu()
         x = relu(x)
-        x = constrain(x, P("data", None))
+        x = constrain(x, P("data", None))  # f32[8@data, 512]
         # seed_mlp_pipeline.par:23 fc2: linear(512, 512)
         x = linear(x, **weights_of(self.fc2, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE)
-        x = constrain(x, P("data", None))
+        x = constrain(x, P("data", None))  # f32[8@data, 512]
         # seed_mlp_pipeline.par:24 relu()
         x = relu(x)
-        x = constrain(x, P("data", None))
+        x = constrain(x, P("data", None))  # f32[8@data, 512]
         return x
 
 
@@ -147,16 +147,16 @@ class Stage1(nnx.Module):
     def __call__(self, x: jax.Array, inputs: Arrays, key: jax.Array | None) -> jax.Array:
         # seed_mlp_pipeline.par:27 fc3: linear(512, 256)
         x = linear(x, **weights_of(self.fc3, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE)
-        x = constrain(x, P("data", None))
+        x = constrain(x, P("data", None))  # f32[8@data, 256]
         # seed_mlp_pipeline.par:28 relu()
         x = relu(x)
-        x = constrain(x, P("data", None))
+        x = constrain(x, P("data", None))  # f32[8@data, 256]
         # seed_mlp_pipeline.par:29 fc4: linear(256, 256)
         x = linear(x, **weights_of(self.fc4, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE)
-        x = constrain(x, P("data", None))
+        x = constrain(x, P("data", None))  # f32[8@data, 256]
         # seed_mlp_pipeline.par:30 relu()
         x = relu(x)
-        x = constrain(x, P("data", None))
+        x = constrain(x, P("data", None))  # f32[8@data, 256]
         return x
 
 
@@ -172,13 +172,13 @@ class Stage2(nnx.Module):
     def __call__(self, x: jax.Array, inputs: Arrays, key: jax.Array | None) -> jax.Array:
         # seed_mlp_pipeline.par:33 fc5: linear(256, 128)
         x = linear(x, **weights_of(self.fc5, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE)
-        x = constrain(x, P("data", None))
+        x = constrain(x, P("data", None))  # f32[8@data, 128]
         # seed_mlp_pipeline.par:34 relu()
         x = relu(x)
-        x = constrain(x, P("data", None))
+        x = constrain(x, P("data", None))  # f32[8@data, 128]
         # seed_mlp_pipeline.par:35 fc6: linear(128, 10)
         x = linear(x, **weights_of(self.fc6, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE)
-        x = constrain(x, P("data", None))
+        x = constrain(x, P("data", None))  # f32[8@data, 10]
         return x
 
 

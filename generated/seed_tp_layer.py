@@ -102,7 +102,7 @@ class SeedTpLayer(nnx.Module):
         h = x
         # seed_tp_layer.par:22 ln1: layernorm(hidden)
         h = layernorm(h, **weights_of(self.ln1, COMPUTE_DTYPE), eps=1e-05, dtype=COMPUTE_DTYPE)
-        h = constrain(h, P("data", None, None))
+        h = constrain(h, P("data", None, None))  # f32[2@data, 128, 768]
         # seed_tp_layer.par:23 attn: attention(hidden, heads, causal=false) shard q[_, model], k[_, model],...
         h = attention(
             h,
@@ -113,22 +113,22 @@ class SeedTpLayer(nnx.Module):
             dtype=COMPUTE_DTYPE,
             kernel="dense",
         )
-        h = constrain(h, P("data", None, None))
+        h = constrain(h, P("data", None, None))  # f32[2@data, 128, 768]
         x = x + h
         # seed_tp_layer.par:25: residual
         h = x
         # seed_tp_layer.par:26 ln2: layernorm(hidden)
         h = layernorm(h, **weights_of(self.ln2, COMPUTE_DTYPE), eps=1e-05, dtype=COMPUTE_DTYPE)
-        h = constrain(h, P("data", None, None))
+        h = constrain(h, P("data", None, None))  # f32[2@data, 128, 768]
         # seed_tp_layer.par:27 up: linear(hidden, ffn) shard kernel[_, model], bias[model]
         h = linear(h, **weights_of(self.up, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE)
-        h = constrain(h, P("data", None, "model"))
+        h = constrain(h, P("data", None, "model"))  # f32[2@data, 128, 3072@model]
         # seed_tp_layer.par:28 gelu()
         h = gelu(h, approximate=True)
-        h = constrain(h, P("data", None, "model"))
+        h = constrain(h, P("data", None, "model"))  # f32[2@data, 128, 3072@model]
         # seed_tp_layer.par:29 down: linear(ffn, hidden) shard kernel[model, _]
         h = linear(h, **weights_of(self.down, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE)
-        h = constrain(h, P("data", None, None))
+        h = constrain(h, P("data", None, None))  # f32[2@data, 128, 768]
         x = x + h
         return x
 

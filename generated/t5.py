@@ -152,7 +152,7 @@ class T5Encoder(nnx.Module):
         h = x
         # t5.par:37 norm: rmsnorm(d, eps=eps)
         h = rmsnorm(h, **weights_of(self.self_attn_norm, COMPUTE_DTYPE), eps=EPS, dtype=COMPUTE_DTYPE, offset=False)
-        h = constrain(h, P("data", None, None))
+        h = constrain(h, P("data", None, None))  # bf16[16@data, 512, 512]
         # t5.par:38 attn: attention(d, heads, head_dim=head_dim, causal=false, scale=1.0, position_bias=enc...
         h = attention(
             h,
@@ -165,19 +165,19 @@ class T5Encoder(nnx.Module):
             dtype=COMPUTE_DTYPE,
             kernel="dense",
         )
-        h = constrain(h, P("data", None, None))
+        h = constrain(h, P("data", None, None))  # bf16[16@data, 512, 512]
         x = x + h
         # t5.par:40: residual
         h = x
         # t5.par:41 norm: rmsnorm(d, eps=eps)
         h = rmsnorm(h, **weights_of(self.mlp_norm, COMPUTE_DTYPE), eps=EPS, dtype=COMPUTE_DTYPE, offset=False)
-        h = constrain(h, P("data", None, None))
+        h = constrain(h, P("data", None, None))  # bf16[16@data, 512, 512]
         # t5.par:42 gate_up: swiglu(d, ffn, activation=gelu) shard gate[_, model], up[_, model]
         h = swiglu(h, **weights_of(self.mlp_gate_up, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE, activation="gelu")
-        h = constrain(h, P("data", None, "model"))
+        h = constrain(h, P("data", None, "model"))  # bf16[16@data, 512, 1024@model]
         # t5.par:43 down: linear(ffn, d, bias=false) shard kernel[model, _]
         h = linear(h, **weights_of(self.mlp_down, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE)
-        h = constrain(h, P("data", None, None))
+        h = constrain(h, P("data", None, None))  # bf16[16@data, 512, 512]
         x = x + h
         return x
 
@@ -217,7 +217,7 @@ class T5Decoder(nnx.Module):
         h = x
         # t5.par:49 norm: rmsnorm(d, eps=eps)
         h = rmsnorm(h, **weights_of(self.self_attn_norm, COMPUTE_DTYPE), eps=EPS, dtype=COMPUTE_DTYPE, offset=False)
-        h = constrain(h, P("data", None, None))
+        h = constrain(h, P("data", None, None))  # bf16[16@data, 128, 512]
         # t5.par:50 attn: attention(d, heads, head_dim=head_dim, scale=1.0, position_bias=decoder_bias) sha...
         h = attention(
             h,
@@ -230,13 +230,13 @@ class T5Decoder(nnx.Module):
             dtype=COMPUTE_DTYPE,
             kernel="dense",
         )
-        h = constrain(h, P("data", None, None))
+        h = constrain(h, P("data", None, None))  # bf16[16@data, 128, 512]
         x = x + h
         # t5.par:52: residual
         h = x
         # t5.par:53 norm: rmsnorm(d, eps=eps)
         h = rmsnorm(h, **weights_of(self.cross_attn_norm, COMPUTE_DTYPE), eps=EPS, dtype=COMPUTE_DTYPE, offset=False)
-        h = constrain(h, P("data", None, None))
+        h = constrain(h, P("data", None, None))  # bf16[16@data, 128, 512]
         # t5.par:54 attn: attention(d, heads, head_dim=head_dim, causal=false, scale=1.0, memory=encoded) s...
         h = attention(
             h,
@@ -249,19 +249,19 @@ class T5Decoder(nnx.Module):
             dtype=COMPUTE_DTYPE,
             kernel="dense",
         )
-        h = constrain(h, P("data", None, None))
+        h = constrain(h, P("data", None, None))  # bf16[16@data, 128, 512]
         x = x + h
         # t5.par:56: residual
         h = x
         # t5.par:57 norm: rmsnorm(d, eps=eps)
         h = rmsnorm(h, **weights_of(self.mlp_norm, COMPUTE_DTYPE), eps=EPS, dtype=COMPUTE_DTYPE, offset=False)
-        h = constrain(h, P("data", None, None))
+        h = constrain(h, P("data", None, None))  # bf16[16@data, 128, 512]
         # t5.par:58 gate_up: swiglu(d, ffn, activation=gelu) shard gate[_, model], up[_, model]
         h = swiglu(h, **weights_of(self.mlp_gate_up, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE, activation="gelu")
-        h = constrain(h, P("data", None, "model"))
+        h = constrain(h, P("data", None, "model"))  # bf16[16@data, 128, 1024@model]
         # t5.par:59 down: linear(ffn, d, bias=false) shard kernel[model, _]
         h = linear(h, **weights_of(self.mlp_down, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE)
-        h = constrain(h, P("data", None, None))
+        h = constrain(h, P("data", None, None))  # bf16[16@data, 128, 512]
         x = x + h
         return x
 
@@ -300,7 +300,7 @@ class T5(nnx.Module):
             max_distance=MAX_DISTANCE,
             dtype=COMPUTE_DTYPE,
         )
-        encoder_bias_stream = constrain(encoder_bias_stream, P(None, "model", None, None))
+        encoder_bias_stream = constrain(encoder_bias_stream, P(None, "model", None, None))  # bf16[1, 6@model, 512, 512]
         inputs = {**inputs, "encoder_bias": encoder_bias_stream}
         # t5.par:67 stream encoded(tokens) {
         encoded_stream = inputs["tokens"]
@@ -308,14 +308,14 @@ class T5(nnx.Module):
         encoded_stream = embed(
             encoded_stream, **weights_of(self.encoded_embed, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE, scale=False
         )
-        encoded_stream = constrain(encoded_stream, P("data", None, None))
+        encoded_stream = constrain(encoded_stream, P("data", None, None))  # bf16[16@data, 512, 512]
         # t5.par:69 layers: repeat layers t5_encoder(d, heads, head_dim, ffn, eps)
         encoded_stream = scan_layers(self.encoded_layers, LAYERS, encoded_stream, inputs, key)
         # t5.par:70 norm: rmsnorm(d, eps=eps)
         encoded_stream = rmsnorm(
             encoded_stream, **weights_of(self.encoded_norm, COMPUTE_DTYPE), eps=EPS, dtype=COMPUTE_DTYPE, offset=False
         )
-        encoded_stream = constrain(encoded_stream, P("data", None, None))
+        encoded_stream = constrain(encoded_stream, P("data", None, None))  # bf16[16@data, 512, 512]
         inputs = {**inputs, "encoded": encoded_stream}
         # t5.par:72 stream decoder_bias(decoder_tokens) {
         decoder_bias_stream = inputs["decoder_tokens"]
@@ -327,19 +327,19 @@ class T5(nnx.Module):
             max_distance=MAX_DISTANCE,
             dtype=COMPUTE_DTYPE,
         )
-        decoder_bias_stream = constrain(decoder_bias_stream, P(None, "model", None, None))
+        decoder_bias_stream = constrain(decoder_bias_stream, P(None, "model", None, None))  # bf16[1, 6@model, 128, 128]
         inputs = {**inputs, "decoder_bias": decoder_bias_stream}
         # t5.par:75 embed: embed(vocab, d) tie table = encoded.embed.table
         x = embed(x, **weights_of(self.embed, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE, scale=False)
-        x = constrain(x, P("data", None, None))
+        x = constrain(x, P("data", None, None))  # bf16[16@data, 128, 512]
         # t5.par:76 layers: repeat layers t5_decoder(d, heads, head_dim, ffn, eps)
         x = scan_layers(self.layers, LAYERS, x, inputs, key)
         # t5.par:77 norm: rmsnorm(d, eps=eps)
         x = rmsnorm(x, **weights_of(self.norm, COMPUTE_DTYPE), eps=EPS, dtype=COMPUTE_DTYPE, offset=False)
-        x = constrain(x, P("data", None, None))
+        x = constrain(x, P("data", None, None))  # bf16[16@data, 128, 512]
         # t5.par:78 head: linear(d, vocab, bias=false) shard kernel[_, model]
         x = linear(x, **weights_of(self.head, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE)
-        x = constrain(x, P("data", None, "model"))
+        x = constrain(x, P("data", None, "model"))  # bf16[16@data, 128, 32128@model]
         return x
 
 

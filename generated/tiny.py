@@ -114,7 +114,7 @@ class Decoder(nnx.Module):
         h = x
         # tiny.par:21 ln1: layernorm(d)
         h = layernorm(h, **weights_of(self.ln1, COMPUTE_DTYPE), eps=1e-05, dtype=COMPUTE_DTYPE)
-        h = constrain(h, P("data", None, None))
+        h = constrain(h, P("data", None, None))  # f32[8@data, 32, 64]
         # tiny.par:22 attn: attention(d, heads) shard q[_, model], k[_, model], v[_, model], o[model, _]
         h = attention(
             h,
@@ -125,22 +125,22 @@ class Decoder(nnx.Module):
             dtype=COMPUTE_DTYPE,
             kernel="dense",
         )
-        h = constrain(h, P("data", None, None))
+        h = constrain(h, P("data", None, None))  # f32[8@data, 32, 64]
         x = x + h
         # tiny.par:24: residual
         h = x
         # tiny.par:25 ln2: layernorm(d)
         h = layernorm(h, **weights_of(self.ln2, COMPUTE_DTYPE), eps=1e-05, dtype=COMPUTE_DTYPE)
-        h = constrain(h, P("data", None, None))
+        h = constrain(h, P("data", None, None))  # f32[8@data, 32, 64]
         # tiny.par:26 up: linear(d, ffn) shard kernel[_, model], bias[model] # column parallel
         h = linear(h, **weights_of(self.up, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE)
-        h = constrain(h, P("data", None, "model"))
+        h = constrain(h, P("data", None, "model"))  # f32[8@data, 32, 256@model]
         # tiny.par:27 gelu()
         h = gelu(h, approximate=True)
-        h = constrain(h, P("data", None, "model"))
+        h = constrain(h, P("data", None, "model"))  # f32[8@data, 32, 256@model]
         # tiny.par:28 down: linear(ffn, d) shard kernel[model, _] # row parallel: one all-reduce
         h = linear(h, **weights_of(self.down, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE)
-        h = constrain(h, P("data", None, None))
+        h = constrain(h, P("data", None, None))  # f32[8@data, 32, 64]
         x = x + h
         return x
 
@@ -161,15 +161,15 @@ class Tiny(nnx.Module):
     def __call__(self, x: jax.Array, inputs: Arrays, key: jax.Array | None) -> jax.Array:
         # tiny.par:33 embed: embed(vocab, d) shard table[model, _] # vocab parallel
         x = embed(x, **weights_of(self.embed, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE, scale=False)
-        x = constrain(x, P("data", None, None))
+        x = constrain(x, P("data", None, None))  # f32[8@data, 32, 64]
         # tiny.par:34 layers: repeat 2 decoder(d, heads, ffn)
         x = scan_layers(self.layers, 2, x, inputs, key)
         # tiny.par:35 ln_f: layernorm(d)
         x = layernorm(x, **weights_of(self.ln_f, COMPUTE_DTYPE), eps=1e-05, dtype=COMPUTE_DTYPE)
-        x = constrain(x, P("data", None, None))
+        x = constrain(x, P("data", None, None))  # f32[8@data, 32, 64]
         # tiny.par:36 head: linear(d, vocab, bias=false) shard kernel[_, model]
         x = linear(x, **weights_of(self.head, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE)
-        x = constrain(x, P("data", None, "model"))
+        x = constrain(x, P("data", None, "model"))  # f32[8@data, 32, 256@model]
         return x
 
 

@@ -149,7 +149,7 @@ class Encoder(nnx.Module):
         h = x
         # vit.par:36 ln_1: layernorm(d, eps=eps)
         h = layernorm(h, **weights_of(self.ln_1, COMPUTE_DTYPE), eps=EPS, dtype=COMPUTE_DTYPE)
-        h = constrain(h, P("data", None, None))
+        h = constrain(h, P("data", None, None))  # f32[32@data, 17, 64]
         # vit.par:37 attn: attention(d, heads, causal=false, bias=true) shard q[_, model], q_bias[model], k...
         h = attention(
             h,
@@ -160,22 +160,22 @@ class Encoder(nnx.Module):
             dtype=COMPUTE_DTYPE,
             kernel="dense",
         )
-        h = constrain(h, P("data", None, None))
+        h = constrain(h, P("data", None, None))  # f32[32@data, 17, 64]
         x = x + h
         # vit.par:39: residual
         h = x
         # vit.par:40 ln_2: layernorm(d, eps=eps)
         h = layernorm(h, **weights_of(self.ln_2, COMPUTE_DTYPE), eps=EPS, dtype=COMPUTE_DTYPE)
-        h = constrain(h, P("data", None, None))
+        h = constrain(h, P("data", None, None))  # f32[32@data, 17, 64]
         # vit.par:41 fc: linear(d, ffn) shard kernel[_, model], bias[model]
         h = linear(h, **weights_of(self.fc, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE)
-        h = constrain(h, P("data", None, "model"))
+        h = constrain(h, P("data", None, "model"))  # f32[32@data, 17, 256@model]
         # vit.par:42 gelu(approximate=false)
         h = gelu(h, approximate=False)
-        h = constrain(h, P("data", None, "model"))
+        h = constrain(h, P("data", None, "model"))  # f32[32@data, 17, 256@model]
         # vit.par:43 proj: linear(ffn, d) shard kernel[model, _]
         h = linear(h, **weights_of(self.proj, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE)
-        h = constrain(h, P("data", None, None))
+        h = constrain(h, P("data", None, None))  # f32[32@data, 17, 64]
         x = x + h
         return x
 
@@ -200,27 +200,27 @@ class Vit(nnx.Module):
     def __call__(self, x: jax.Array, inputs: Arrays, key: jax.Array | None) -> jax.Array:
         # vit.par:48 patches: conv(channels, d, kernel=patch, stride=patch)
         x = conv(x, **weights_of(self.patches, COMPUTE_DTYPE), stride=PATCH, dtype=COMPUTE_DTYPE)
-        x = constrain(x, P("data", None, None, None))
+        x = constrain(x, P("data", None, None, None))  # f32[32@data, 4, 4, 64]
         # vit.par:49 flatten()
         x = flatten(x)
-        x = constrain(x, P("data", None, None))
+        x = constrain(x, P("data", None, None))  # f32[32@data, 16, 64]
         # vit.par:50 cls: class_token(d)
         x = class_token(x, **weights_of(self.cls, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE)
-        x = constrain(x, P("data", None, None))
+        x = constrain(x, P("data", None, None))  # f32[32@data, 17, 64]
         # vit.par:51 positions: position_embed(side // patch * (side // patch) + 1, d)
         x = position_embed(x, **weights_of(self.positions, COMPUTE_DTYPE))
-        x = constrain(x, P("data", None, None))
+        x = constrain(x, P("data", None, None))  # f32[32@data, 17, 64]
         # vit.par:52 layers: repeat layers encoder(d, heads, ffn, eps)
         x = scan_layers(self.layers, LAYERS, x, inputs, key)
         # vit.par:53 ln_f: layernorm(d, eps=eps)
         x = layernorm(x, **weights_of(self.ln_f, COMPUTE_DTYPE), eps=EPS, dtype=COMPUTE_DTYPE)
-        x = constrain(x, P("data", None, None))
+        x = constrain(x, P("data", None, None))  # f32[32@data, 17, 64]
         # vit.par:54 pool(mode=first)
         x = pool(x, mode="first")
-        x = constrain(x, P("data", None))
+        x = constrain(x, P("data", None))  # f32[32@data, 64]
         # vit.par:55 head: linear(d, classes)
         x = linear(x, **weights_of(self.head, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE)
-        x = constrain(x, P("data", None))
+        x = constrain(x, P("data", None))  # f32[32@data, 10]
         return x
 
 

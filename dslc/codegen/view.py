@@ -67,6 +67,7 @@ class Statement:
     key: Path | None = None  # the layer draws random numbers keyed by this path
     static: tuple[tuple[str, object], ...] = ()
     output: ir.Sharding | None = None
+    shape: str = ""  # layer: its output as the spec types it, `bf16[16@data, 128, 512]`
     path: Path | None = None  # layer: the name a selective checkpoint keeps its output by, if it does
     # copy / branch / add: the other variable; sum: the variables summed; layout: the sharding;
     # stream: the input it starts from; keep: the name the layers that read it use
@@ -143,6 +144,16 @@ class Builder:
             if isinstance(node, ir.Block) and node.remat.policy == "selective"
             for path in node.remat.saved
         )
+
+    def seen(self, t: ir.TensorType) -> str:
+        """`t` as the code holds it: a slice of the batch where the step slices it (gradient
+        accumulation, a pipeline's microbatches), else as the spec types it."""
+        p = self.program.pipeline
+        slices = self.program.train.accumulate * (p.microbatches if p is not None and self.program.pipelined else 1)
+        batch = self.program.input(self.program.stream).type.shape[0] if self.program.inputs else 0
+        if slices > 1 and t.rank and t.shape[0] == batch and batch % slices == 0:
+            t = ir.TensorType(t.dtype, (batch // slices, *t.shape[1:]), t.sharding)
+        return t.describe()
 
     def where(self, span: ir.Span, text: bool = True) -> str:
         if span.line <= 0:
@@ -284,6 +295,7 @@ class Builder:
             key=self.path(layer.path, base) if rule.random else None,
             static=tuple(static.items()),
             output=layer.output.sharding if layer.output.rank else None,
+            shape=self.seen(layer.output),
             path=self.path(layer.path, base) if layer.path in self.saved else None,
             has_aux=rule.has_aux,
         )

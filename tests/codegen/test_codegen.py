@@ -434,3 +434,6 @@ def test_the_module_names_the_specs_constants() -> None:
     assert "N_LAYERS" not in gpt3 and "scan_layers(self.blocks, 6, x, inputs, key)" in gpt3
     # A constant the module does not read is not written.
     assert "SEQ = " not in gemma2
+    # Each layer's output is commented with its shape as the code holds it: GPT-3's 1536
+    # sequences a step in 192 microbatches of 8, its MLP's hidden features split over `model`.
+    assert 'h = constrain(h, P("data", None, "model"))  # bf16[8@data, 2048, 49152@model]' in gpt3
