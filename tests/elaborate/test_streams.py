@@ -5,7 +5,8 @@ name — an encoder's output for cross-attention (`memory=`), T5's relative posi
 Numerics against tests/reference.py, a single-device computation that knows nothing of the
 mesh (its cross-attention projects the keys from the memory head by head, its position
 buckets are T5's `_relative_position_bucket` in numpy): specs/t5.par at a small size, computing
-in f32, on one device and on 2x2 (batch over `data`, heads and MLP over `model`). Tolerance:
+in f32, on one device and on 2x2 (batch over `data`, heads and MLP over `model`; and with
+the encoder's tokens split over `model` too, gathered at the end of its stream). Tolerance:
 tests/tolerances.py's F32, 3e-5 of each gradient's norm — the sharded run sums partial
 products in another order; dropping the memory (self-attention in its place) or the bias
 moves the loss or leaves a table unlearnt (checked below, so the comparison could fail).
@@ -31,13 +32,32 @@ T5 = (SPECS / "t5.par").read_text().replace("compute_dtype bf16", "compute_dtype
 SIZES = TEST_SIZES["t5"]["overrides"]
 
 
+def _sequence_parallel(text: str) -> str:
+    """T5 with its encoder's tokens split over `model` between the blocks' tensor-parallel
+    layers (Megatron's sequence parallelism: each block's row-parallel sum reduce-scattered),
+    gathered whole at the stream's end for cross-attention to read."""
+    start, end = text.index("block t5_encoder"), text.index("block t5_decoder")
+    block = text[start:end].replace("]\n  }", "]\n    layout [data, model, _]\n  }")
+    text = text[:start] + block + text[end:]
+    return text.replace(
+        "    embed: embed(vocab, d) shard table[model, _]\n"
+        "    layers: repeat layers t5_encoder(d, heads, head_dim, ffn, eps)\n"
+        "    norm: rmsnorm(d, eps=eps)\n",
+        "    embed: embed(vocab, d) shard table[model, _]\n    layout [data, model, _]\n"
+        "    layers: repeat layers t5_encoder(d, heads, head_dim, ffn, eps)\n    norm: rmsnorm(d, eps=eps)\n"
+        "    layout [data, _, _]\n",
+    )
+
+
 def _relative_error(got: np.ndarray, want: np.ndarray) -> float:
     return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
 
 
-@pytest.mark.parametrize("mesh", ["1x1", "2x2"])
-def test_an_encoder_decoder_computes_what_the_reference_does(mesh: str) -> None:
-    c = compiled(T5, mesh, SIZES)
+@pytest.mark.parametrize(("mesh", "sequence_parallel"), [("1x1", False), ("2x2", False), ("2x2", True)])
+def test_an_encoder_decoder_computes_what_the_reference_does(mesh: str, sequence_parallel: bool) -> None:
+    text = _sequence_parallel(T5) if sequence_parallel else T5
+    assert not sequence_parallel or text.count("layout [data, model, _]") == 3
+    c = compiled(text, mesh, SIZES)
     want = reference.evaluate(c.program.ir, c.weights, c.batch)
     assert want.loss is not None
     assert abs(c.loss - want.loss) <= F32.loss * abs(want.loss)
