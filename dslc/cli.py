@@ -126,7 +126,7 @@ def _parser() -> argparse.ArgumentParser:
     imp = sub.add_parser(
         "import",
         help="read a Hugging Face checkpoint folder (GPT-2, Llama, Mistral, Qwen2, Mixtral, Qwen3-MoE, "
-        "Qwen2-MoE, GPT-NeoX/Pythia, Gemma 2) into a spec's weights",
+        "Qwen2-MoE, GPT-NeoX/Pythia, Gemma 2, ViT, T5/Flan-T5) into a spec's weights",
     )
     imp.add_argument("spec", help="path of the .par file")
     imp.add_argument("checkpoint", help="the checkpoint folder: config.json and .safetensors files")

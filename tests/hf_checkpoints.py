@@ -5,15 +5,18 @@ The checkpoints are config.json plus safetensors files with `save_pretrained`'s 
 layouts: GPT-2's Conv1D weights [in, out] with q, k and v fused in `c_attn`, Llama's
 nn.Linear weights [out, in], GPT-NeoX's too with q, k and v fused head by head in
 `query_key_value`, Gemma 2's norm weights the offsets of their scales from 1, a tied head
-left out, ViT's patch embedding a Conv2d kernel [out, in, height, width]. The forwards
-follow the modelling code of `GPT2LMHeadModel`, `LlamaForCausalLM`, `MixtralForCausalLM`,
-`Qwen3MoeForCausalLM`, `Qwen2MoeForCausalLM`, `GPTNeoXForCausalLM`, `Gemma2ForCausalLM` and
-`ViTForImageClassification` in float64 numpy, in its own form where dslc's differs: the
-fused projection split after the product, rotary embeddings as `rotate_half` with the
-frequencies repeated over both halves (on each head's first `rotary_ndims` features alone
-for GPT-NeoX), key/value heads repeated with `repeat_kv`, a -inf causal mask (and sliding
-window), ViT's images [batch, channels, height, width] and its strided convolution a product
-of each patch with the kernel. Nothing here comes from dslc.
+left out, ViT's patch embedding a Conv2d kernel [out, in, height, width], T5's one token
+table `shared` and each stack's position bias table in its block 0. The forwards follow the
+modelling code of `GPT2LMHeadModel`, `LlamaForCausalLM`, `MixtralForCausalLM`,
+`Qwen3MoeForCausalLM`, `Qwen2MoeForCausalLM`, `GPTNeoXForCausalLM`, `Gemma2ForCausalLM`,
+`ViTForImageClassification` and `T5ForConditionalGeneration` in float64 numpy, in its own
+form where dslc's differs: the fused projection split after the product, rotary embeddings
+as `rotate_half` with the frequencies repeated over both halves (on each head's first
+`rotary_ndims` features alone for GPT-NeoX), key/value heads repeated with `repeat_kv`, a
+-inf causal mask (and sliding window), ViT's images [batch, channels, height, width] and its
+strided convolution a product of each patch with the kernel, T5's position buckets
+`_relative_position_bucket` with torch's float32 arithmetic and its mask added to the bias.
+Nothing here comes from dslc.
 """
 
 from __future__ import annotations
@@ -273,6 +276,53 @@ VIT_CONFIG = {
 VIT_SET = {"channels": 3, "d": 32, "layers": 2, "batch": 8}
 
 
+T5_CONFIG = {
+    "architectures": ["T5ForConditionalGeneration"],
+    "model_type": "t5",
+    "vocab_size": 64,
+    "d_model": 32,
+    # Heads of 16: q, k, v [64, 32] and o [32, 64], not d_model / num_heads wide (as T5-11B's
+    # 128 heads of 128 are not 1024 / 128), so that no projection is square.
+    "d_kv": 16,
+    "d_ff": 48,
+    "num_layers": 2,
+    "num_decoder_layers": 2,
+    "num_heads": 4,
+    # Few buckets over 16 source tokens: the exact ones, the logarithmic ones and the last,
+    # shared by the farthest keys, all occur.
+    "relative_attention_num_buckets": 8,
+    "relative_attention_max_distance": 16,
+    "dropout_rate": 0.1,
+    "layer_norm_epsilon": 1e-6,
+    "initializer_factor": 1.0,
+    "feed_forward_proj": "gated-gelu",
+    "dense_act_fn": "gelu_new",
+    "is_gated_act": True,
+    "is_encoder_decoder": True,
+    "tie_word_embeddings": False,
+    "use_cache": True,
+    "pad_token_id": 0,
+    "eos_token_id": 1,
+    "decoder_start_token_id": 0,
+    "n_positions": 512,
+    "torch_dtype": "float32",
+}
+# specs/t5.par at T5_CONFIG's sizes: 16 source tokens, 8 target tokens.
+T5_SET = {
+    "vocab": 64,
+    "d": 32,
+    "heads": 4,
+    "head_dim": 16,
+    "ffn": 48,
+    "layers": 2,
+    "buckets": 8,
+    "max_distance": 16,
+    "seq": 16,
+    "target_seq": 8,
+    "batch": 8,
+}
+
+
 def _normal(rng: np.random.Generator, *shape: int, scale: float = 0.1) -> np.ndarray:
     return (rng.standard_normal(shape) * scale).astype(np.float32)
 
@@ -508,6 +558,51 @@ def vit_tensors(config: dict[str, object], seed: int = 0) -> Tensors:
             t |= {at + f"attention.attention.{w}.bias": _normal(rng, d) for w in ("query", "key", "value")}
     t |= {"vit.layernorm.weight": 1 + _normal(rng, d), "vit.layernorm.bias": _normal(rng, d)}
     t |= {"classifier.weight": _normal(rng, labels, d, scale=0.3), "classifier.bias": _normal(rng, labels)}
+    return t
+
+
+def t5_tensors(config: dict[str, object], seed: int = 0) -> Tensors:
+    """T5ForConditionalGeneration's tensors as save_pretrained writes them: `shared` once
+    (the stacks' `embed_tokens` are it), each stack's blocks with their norms, attention
+    (q, k, v [heads * d_kv, d], o [d, heads * d_kv]), block 0's `relative_attention_bias`
+    [buckets, heads] and the gated MLP (wi_0, wi_1 [d_ff, d], wo [d, d_ff]), the decoder's
+    cross-attention `EncDecAttention`, each stack's final norm, `lm_head` when untied. The
+    bias tables are wide (scale 1) so that a bucket read from the wrong row shows."""
+    rng = np.random.default_rng(seed)
+    d, vocab, ffn, heads, kv = (int(config[k]) for k in ("d_model", "vocab_size", "d_ff", "num_heads", "d_kv"))  # type: ignore[call-overload]
+    buckets = int(config["relative_attention_num_buckets"])  # type: ignore[call-overload]
+    layers = int(config["num_layers"])  # type: ignore[call-overload]
+    decoder_layers = int(config.get("num_decoder_layers") or layers)  # type: ignore[call-overload]
+    inner = heads * kv
+
+    def attention(at: str) -> Tensors:
+        return {
+            at + "q.weight": _normal(rng, inner, d, scale=0.2),
+            at + "k.weight": _normal(rng, inner, d, scale=0.2),
+            at + "v.weight": _normal(rng, inner, d),
+            at + "o.weight": _normal(rng, d, inner),
+        }
+
+    def mlp(at: str) -> Tensors:
+        return {
+            at + "wi_0.weight": _normal(rng, ffn, d),
+            at + "wi_1.weight": _normal(rng, ffn, d),
+            at + "wo.weight": _normal(rng, d, ffn),
+        }
+
+    t: Tensors = {"shared.weight": _normal(rng, vocab, d, scale=1.0)}
+    for stack, count, parts in (("encoder", layers, 2), ("decoder", decoder_layers, 3)):
+        for i in range(count):
+            at = f"{stack}.block.{i}.layer."
+            t |= {at + "0.layer_norm.weight": 1 + _normal(rng, d), **attention(at + "0.SelfAttention.")}
+            if i == 0:
+                t[at + "0.SelfAttention.relative_attention_bias.weight"] = _normal(rng, buckets, heads, scale=1.0)
+            if parts == 3:
+                t |= {at + "1.layer_norm.weight": 1 + _normal(rng, d), **attention(at + "1.EncDecAttention.")}
+            t |= {f"{at}{parts - 1}.layer_norm.weight": 1 + _normal(rng, d), **mlp(f"{at}{parts - 1}.DenseReluDense.")}
+        t[f"{stack}.final_layer_norm.weight"] = 1 + _normal(rng, d)
+    if not config.get("tie_word_embeddings", True):
+        t["lm_head.weight"] = _normal(rng, vocab, d)
     return t
 
 
@@ -813,3 +908,93 @@ def vit_logits(config: dict[str, object], tensors: Tensors, pixel_values: np.nda
         x = x + linear(p + "output.dense", _gelu(linear(p + "intermediate.dense", hid), act))
     x = _layernorm(x, t["vit.layernorm.weight"], t["vit.layernorm.bias"], eps)
     return linear("classifier", x[:, 0])
+
+
+def _t5_buckets(relative: np.ndarray, bidirectional: bool, buckets: int, max_distance: int) -> np.ndarray:
+    """T5Attention._relative_position_bucket on key - query distances, its arithmetic in
+    float32 as torch's (`relative_position.float()`, a float32 log, truncated to long)."""
+    out = np.zeros_like(relative)
+    if bidirectional:
+        buckets //= 2
+        out += (relative > 0).astype(relative.dtype) * buckets
+        relative = np.abs(relative)
+    else:
+        relative = -np.minimum(relative, 0)
+    exact = buckets // 2
+    # log(0) and its cast are computed where `relative` is small, as torch computes them, and
+    # never used (the `where` below takes `relative` itself there).
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = np.log(relative.astype(np.float32) / np.float32(exact)) / np.float32(math.log(max_distance / exact))
+        large = exact + (ratio * np.float32(buckets - exact)).astype(np.int64)
+    large = np.minimum(large, buckets - 1)
+    return out + np.where(relative < exact, relative, large)
+
+
+def t5_logits(
+    config: dict[str, object], tensors: Tensors, input_ids: np.ndarray, decoder_input_ids: np.ndarray
+) -> np.ndarray:
+    """T5ForConditionalGeneration: the encoder over `input_ids`, the decoder over
+    `decoder_input_ids` attending to the encoder's output, the logits `lm_head` of the
+    decoder's last norm (scaled by d_model ** -0.5 first where the head is tied). Scores are
+    q·k unscaled plus each stack's position bias (block 0's table, for every block; the
+    decoder's buckets one-way, its causal mask added to it); the cross-attention adds none.
+    T5LayerNorm is x / sqrt(mean(x²) + eps) * weight, with no mean taken and no bias."""
+    t = {name: value.astype(np.float64) for name, value in tensors.items()}
+    heads, kv, eps = int(config["num_heads"]), int(config["d_kv"]), float(config["layer_norm_epsilon"])  # type: ignore[call-overload, arg-type]
+    buckets, distance = int(config["relative_attention_num_buckets"]), int(config["relative_attention_max_distance"])  # type: ignore[call-overload]
+    layers = int(config["num_layers"])  # type: ignore[call-overload]
+    decoder_layers = int(config.get("num_decoder_layers") or layers)  # type: ignore[call-overload]
+    projection = str(config["feed_forward_proj"])
+    act = "gelu_new" if projection == "gated-gelu" else projection.split("-")[-1]
+
+    def norm(x: np.ndarray, name: str) -> np.ndarray:
+        return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * t[name + ".weight"]
+
+    def linear(x: np.ndarray, name: str) -> np.ndarray:
+        return x @ t[name + ".weight"].T
+
+    def bias(stack: str, length: int, bidirectional: bool) -> np.ndarray:
+        relative = np.arange(length)[None, :] - np.arange(length)[:, None]  # memory - context
+        bucket = _t5_buckets(relative, bidirectional, buckets, distance)
+        values = t[f"{stack}.block.0.layer.0.SelfAttention.relative_attention_bias.weight"][bucket]  # [q, k, heads]
+        return values.transpose(2, 0, 1)[None]
+
+    def attention(x: np.ndarray, memory: np.ndarray, name: str, position_bias: np.ndarray | float) -> np.ndarray:
+        def heads_of(y: np.ndarray) -> np.ndarray:
+            return y.reshape(y.shape[0], y.shape[1], heads, kv).transpose(0, 2, 1, 3)
+
+        q, k, v = (
+            heads_of(linear(x, name + ".q")),
+            heads_of(linear(memory, name + ".k")),
+            heads_of(linear(memory, name + ".v")),
+        )
+        scores = q @ k.transpose(0, 1, 3, 2) + position_bias
+        out = (_softmax(scores) @ v).transpose(0, 2, 1, 3).reshape(x.shape[0], x.shape[1], heads * kv)
+        return linear(out, name + ".o")
+
+    def mlp(x: np.ndarray, name: str) -> np.ndarray:
+        gate = linear(x, name + ".wi_0")
+        gate = gate / (1.0 + np.exp(-gate)) if act == "silu" else _gelu(gate, act)
+        return linear(gate * linear(x, name + ".wi_1"), name + ".wo")
+
+    x = t["shared.weight"][input_ids]
+    encoder_bias = bias("encoder", x.shape[1], True)
+    for i in range(layers):
+        p = f"encoder.block.{i}.layer."
+        h = norm(x, p + "0.layer_norm")
+        x = x + attention(h, h, p + "0.SelfAttention", encoder_bias)
+        x = x + mlp(norm(x, p + "1.layer_norm"), p + "1.DenseReluDense")
+    encoded = norm(x, "encoder.final_layer_norm")
+    y = t["shared.weight"][decoder_input_ids]
+    s = y.shape[1]
+    decoder_bias = bias("decoder", s, False) + np.where(np.tril(np.ones((s, s), bool)), 0.0, -np.inf)
+    for i in range(decoder_layers):
+        p = f"decoder.block.{i}.layer."
+        h = norm(y, p + "0.layer_norm")
+        y = y + attention(h, h, p + "0.SelfAttention", decoder_bias)
+        y = y + attention(norm(y, p + "1.layer_norm"), encoded, p + "1.EncDecAttention", 0.0)
+        y = y + mlp(norm(y, p + "2.layer_norm"), p + "2.DenseReluDense")
+    y = norm(y, "decoder.final_layer_norm")
+    if config.get("tie_word_embeddings", True):
+        return y * float(config["d_model"]) ** -0.5 @ t["shared.weight"].T  # type: ignore[arg-type]
+    return y @ t["lm_head.weight"].T

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
@@ -36,28 +36,32 @@ from dslc.interop.mapping import (
     TensorMap,
     disagreeing,
     disagreements,
-    match,
     unmet,
     unsupported,
 )
 from dslc.interop.remembered import comment_for, recall
 from dslc.interop.safetensors_io import FLOAT_DTYPES, INDEX, SINGLE, TensorFiles, npz_writer, write_safetensors
+from dslc.interop.t5 import T5
 from dslc.interop.vit import ViT
 from dslc.ir import nodes as ir
 from dslc.ir.weights import mismatches
 
 
 class Family(Protocol):
-    """How one family of checkpoints maps onto a spec (see gpt2.py, llama.py, gpt_neox.py, gemma2.py, vit.py)."""
+    """How one family of checkpoints maps onto a spec (see gpt2.py, llama.py, gpt_neox.py, gemma2.py, vit.py,
+    t5.py)."""
 
     name: str
     model_types: tuple[str, ...]
     structure: Structure
     head_tensor: str
 
+    def match(self, program: ir.Program) -> Matched: ...
     def canonical(self, name: str) -> str: ...
     def ignored(self, name: str) -> bool: ...
+    def copies(self, name: str) -> tuple[str, ...]: ...
     def requirements(self, m: Matched) -> list[Requirement]: ...
+    def unmapped_attention(self, m: Matched) -> list[Requirement]: ...
     def facts(self, config: AnyConfig, m: Matched, program: ir.Program) -> list[Fact]: ...
     def unsupported(self, config: AnyConfig, program: ir.Program) -> list[tuple[str, str]]: ...
     def ties(self, m: Matched) -> bool: ...
@@ -68,7 +72,7 @@ class Family(Protocol):
     def keep(self, written: Mapping[str, object], original: Mapping[str, object]) -> dict[str, object]: ...
 
 
-FAMILIES: tuple[Family, ...] = (GPT2(), Llama(), Mixtral(), Qwen3Moe(), Qwen2Moe(), GPTNeoX(), Gemma2(), ViT())
+FAMILIES: tuple[Family, ...] = (GPT2(), Llama(), Mixtral(), Qwen3Moe(), Qwen2Moe(), GPTNeoX(), Gemma2(), ViT(), T5())
 
 # The dtypes export writes: the spec's names, numpy's, and the torch_dtype config.json states.
 EXPORT_DTYPES = {
@@ -85,6 +89,12 @@ def _program(analysis: Analysis) -> ir.Program:
 
 def _family_of(model_type: str) -> Family:
     return next(f for f in FAMILIES if model_type in f.model_types)
+
+
+def _requirements(family: Family, m: Matched) -> list[Requirement]:
+    """What the spec must be to be built like the family: its own requirements, and no
+    attention argument it does not map."""
+    return family.requirements(m) + family.unmapped_attention(m)
 
 
 def _raise_if(diagnostics: list[Diagnostic]) -> None:
@@ -110,6 +120,9 @@ class ImportPlan:
     stored_head: str | None  # a tied checkpoint's head, where it is stored anyway: it must be the table
     dtype: np.dtype
     config: Mapping[str, object]  # config.json as the folder holds it, every field
+    # A mapped tensor's other names in the files, each the same tensor (T5's
+    # `encoder.embed_tokens.weight`, which is its `shared.weight`): compared with it as it is read.
+    copies: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
 
     def arrays(self) -> Iterator[tuple[str, np.ndarray]]:
         """Every weight of the spec by its dotted name, read one checkpoint tensor at a time
@@ -119,6 +132,7 @@ class ImportPlan:
             tensor = self.files.read(self.found[m.name])
             if m.parts == (self.table,):
                 self._same_head(tensor, m.name)
+            self._same_copies(tensor, m.name)
             if tensor.dtype != self.dtype:
                 tensor = tensor.astype(self.dtype)
             tensor = m.to_spec(tensor)
@@ -133,6 +147,22 @@ class ImportPlan:
             yield from zip(m.parts, m.split(tensor, [self.shapes[p][-1] for p in m.parts]), strict=True)
             if self.copy is not None and m.parts == (self.table,):
                 yield self.copy, tensor.T
+
+    def _same_copies(self, tensor: np.ndarray, name: str) -> None:
+        """Each other name the files store tensor `name` under must hold the same tensor."""
+        for copy in self.copies.get(name, ()):
+            if not np.array_equal(self.files.read(copy), tensor):
+                raise CheckpointError(
+                    [
+                        error(
+                            "C006",
+                            f"`{copy}` differs from `{self.found[name]}`: transformers ties them, one tensor "
+                            "under both names",
+                            file_span(self.files.tensors[copy].file),
+                            help="save the checkpoint again with transformers' own save_pretrained",
+                        )
+                    ]
+                )
 
     def _same_head(self, table: np.ndarray, name: str) -> None:
         """A tied checkpoint that stores its head too: the head must be the table (`name`)."""
@@ -172,14 +202,14 @@ def plan_import(analysis: Analysis, folder: Path) -> ImportPlan:
     config = parse_config(config_json, config_path)
     assert isinstance(config_json, dict)  # parse_config takes nothing else
     family = _family_of(config.model_type)
-    matched = match(family.structure, program)
+    matched = family.match(program)
     disagree = disagreeing(family.facts(config, matched, program), analysis)
 
     def facts_of(other: ir.Program) -> list[Fact]:
-        return family.facts(config, match(family.structure, other), other)
+        return family.facts(config, family.match(other), other)
 
     _raise_if(
-        unmet(family.requirements(matched), family.name)
+        unmet(_requirements(family, matched), family.name)
         + disagreements(disagree, analysis, config_path, follows(disagree, analysis, facts_of) if disagree else None)
         + unsupported(config_path, family.unsupported(config, program))
     )
@@ -193,6 +223,12 @@ def plan_import(analysis: Analysis, folder: Path) -> ImportPlan:
     covered = {p for m in maps for p in m.parts} | ({copy} if copy else set())
     assert covered == set(shapes), f"the {family.name} mapping misses {sorted(set(shapes) ^ covered)}"
     found = _check_tensors(family, files, maps, shapes, tied)
+    stored_as = {family.canonical(name): name for name in files.tensors}
+    copies: dict[str, tuple[str, ...]] = {}
+    for m in maps:
+        others = tuple(stored_as[c] for c in family.copies(m.name) if c in stored_as and stored_as[c] != found[m.name])
+        if others:
+            copies[m.name] = others
     stored_head = (
         next((name for name in files.tensors if family.canonical(name) == family.head_tensor), None) if tied else None
     )
@@ -209,6 +245,7 @@ def plan_import(analysis: Analysis, folder: Path) -> ImportPlan:
         stored_head,
         dtype,
         config_json,
+        copies,
     )
 
 
@@ -238,12 +275,20 @@ def _check_tensors(
             problems.append(_tensor_error(files, name, f"`{name}` and `{found[canonical]}` are the same tensor"))
         found[canonical] = name
     wanted = {m.name for m in maps}
+    # The mapped tensors, and the other names a family's checkpoints may store them under too.
+    known = wanted | {c for m in maps for c in family.copies(m.name)}
+    for m in maps:
+        # A tensor stored only under another of its names is read from there.
+        if m.name not in found:
+            stored = next((c for c in family.copies(m.name) if c in found), None)
+            if stored is not None:
+                found[m.name] = found[stored]
     missing = [m.name for m in maps if m.name not in found]
     # A tied head is the embedding: transformers ties it again on loading whatever is stored.
     left_over = [
         name
         for canonical, name in found.items()
-        if canonical not in wanted and not family.ignored(name) and not (tied and canonical == family.head_tensor)
+        if canonical not in known and not family.ignored(name) and not (tied and canonical == family.head_tensor)
     ]
     if missing:
         problems.append(
@@ -347,12 +392,12 @@ def recognise(program: ir.Program) -> tuple[Family, Matched]:
     built: list[tuple[Family, Matched]] = []
     for family in FAMILIES:
         try:
-            built.append((family, match(family.structure, program)))
+            built.append((family, family.match(program)))
         except CheckpointError as exc:
             tried += exc.diagnostics
     if not built:
         raise CheckpointError(tried)
-    return next(((f, m) for f, m in built if not unmet(f.requirements(m), f.name)), built[0])
+    return next(((f, m) for f, m in built if not unmet(_requirements(f, m), f.name)), built[0])
 
 
 def export_checkpoint(
@@ -373,7 +418,7 @@ def export_checkpoint(
     longer `max_position_embeddings`, ...), those it does come from the spec."""
     program = _program(analysis)
     family, matched = recognise(program)
-    _raise_if(unmet(family.requirements(matched), family.name))
+    _raise_if(unmet(_requirements(family, matched), family.name))
     where = source or folder
     _check_weights(weights, program, where)
     if original is None and source is not None and source.is_file():

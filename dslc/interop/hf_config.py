@@ -325,6 +325,68 @@ class ViTConfig(_Config):
         return self.num_labels if self.num_labels is not None else 2
 
 
+def _feed_forward(value: object) -> str:
+    """T5's `feed_forward_proj` as transformers takes it: an activation's name, gated or not
+    (`relu`, `gated-gelu`); a ValueError (said in the C004 of the key) otherwise, which
+    transformers raises too."""
+    if not isinstance(value, str):
+        raise ValueError("should be a string")
+    parts = value.split("-")
+    if len(parts) > 2 or (len(parts) == 2 and parts[0] != "gated") or not all(parts):
+        raise ValueError("should be an activation's name, or `gated-` and one (`relu`, `gated-gelu`)")
+    return value
+
+
+FeedForward = Annotated[str, PlainValidator(_feed_forward)]
+
+
+class T5Config(_Config):
+    """`T5ForConditionalGeneration`: an encoder of `num_layers` blocks over the source tokens
+    and a decoder of `num_decoder_layers` (as many when left out) over the target tokens,
+    which attends to the encoder's output too; `num_heads` heads of `d_kv` (not d_model /
+    num_heads in every size), unscaled scores plus a learned bias per head for
+    `relative_attention_num_buckets` buckets of distances out to
+    `relative_attention_max_distance`, RMS norms, an MLP of width `d_ff` (`feed_forward_proj`:
+    `relu` for the original T5, `gated-gelu` for T5 v1.1 and Flan-T5), one token table for
+    both stacks (`shared`) and a head tied to it unless `tie_word_embeddings` is false. Its
+    defaults are transformers' (t5-small's sizes, the original T5's MLP and tying).
+
+    transformers derives `dense_act_fn` and `is_gated_act` from `feed_forward_proj` (gelu_new
+    for `gated-gelu`), and `save_pretrained` writes them too; `activation` and `gated` are
+    what it derives."""
+
+    model_type: Literal["t5"]
+    architectures: list[str] | None = None
+    vocab_size: PositiveInt = 32128
+    d_model: PositiveInt = 512
+    d_kv: PositiveInt = 64
+    d_ff: PositiveInt = 2048
+    num_layers: PositiveInt = 6
+    num_decoder_layers: PositiveInt | None = None
+    num_heads: PositiveInt = 8
+    relative_attention_num_buckets: PositiveInt = 32
+    relative_attention_max_distance: PositiveInt = 128
+    layer_norm_epsilon: PositiveFloat = 1e-6
+    feed_forward_proj: FeedForward = "relu"
+    dense_act_fn: str | None = None
+    is_gated_act: bool | None = None
+    tie_word_embeddings: bool = True
+    is_encoder_decoder: bool = True
+
+    @property
+    def decoder_layers(self) -> int:
+        return self.num_decoder_layers if self.num_decoder_layers is not None else self.num_layers
+
+    @property
+    def gated(self) -> bool:
+        return self.feed_forward_proj.split("-")[0] == "gated"
+
+    @property
+    def activation(self) -> str:
+        """The MLP's activation, as ACT2FN names it."""
+        return "gelu_new" if self.feed_forward_proj == "gated-gelu" else self.feed_forward_proj.split("-")[-1]
+
+
 def _pair(side: int | list[int]) -> tuple[int, int]:
     if isinstance(side, int):
         return side, side
@@ -350,12 +412,13 @@ CONFIGS = (
     | GPTNeoXConfig
     | Gemma2Config
     | ViTConfig
+    | T5Config
 )
 HFConfig = Annotated[CONFIGS, Field(discriminator="model_type")]
 # A config.json as `parse_config` reads it (Mixtral's and the Qwen MoEs' are LlamaConfigs).
-AnyConfig = GPT2Config | LlamaConfig | GPTNeoXConfig | Gemma2Config | ViTConfig
+AnyConfig = GPT2Config | LlamaConfig | GPTNeoXConfig | Gemma2Config | ViTConfig | T5Config
 MODEL_TYPES = (
-    "gpt2", "llama", "mistral", "qwen2", "mixtral", "qwen3_moe", "qwen2_moe", "gpt_neox", "gemma2", "vit",
+    "gpt2", "llama", "mistral", "qwen2", "mixtral", "qwen3_moe", "qwen2_moe", "gpt_neox", "gemma2", "vit", "t5",
 )  # fmt: skip
 _ADAPTER: TypeAdapter[CONFIGS] = TypeAdapter(HFConfig)
 

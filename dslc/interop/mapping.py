@@ -4,14 +4,17 @@ state (checked against each other before a tensor is read), and where each tenso
 A family is recognised in a spec by the order of its layers, not by their names: the labels
 are the spec author's. `match` walks the checked IR (residual branches and the arms of
 `branch` statements marked, blocks and repeats unrolled, dropout left out as it holds no
-weights) against the family's `Structure`.
+weights, each `stream` one mark of its own) against the family's `Structure`. A family
+without streams finds a spec with one out of place there; an encoder-decoder (T5) matches
+each stream's body on its own (`match_nodes`).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -23,10 +26,14 @@ from dslc.frontend import Analysis
 from dslc.interop.errors import CheckpointError, file_span
 from dslc.ir import nodes as ir
 from dslc.layers import LOSS_KINDS, args
+from dslc.layers.attention import Attention, AttentionArgs
 from dslc.layers.dense import Embed, Linear
 from dslc.syntax import ast
 
 OPEN, CLOSE = "(", ")"  # a residual branch begins and ends
+# A `stream` statement, whole: its layers are another sequence than the body's, which only a
+# family that maps streams matches (on their own).
+STREAM = "stream"
 # One `branch { }` begins and ends: an arm of consecutive branches, which read the same input
 # and whose outputs are summed (GPT-NeoX's attention and MLP side by side).
 ARM_OPEN, ARM_CLOSE = "[", "]"
@@ -51,6 +58,9 @@ class Structure:
     prefix: tuple[str, ...]
     block: tuple[str, ...]
     suffix: tuple[str, ...]
+    # What the note of a C002 calls these layers: the family ("a T5") unless they are one
+    # part of it (T5's encoder, a stream of its own).
+    whole: str | None = None
 
     def describe(self) -> str:
         def words(kinds: tuple[str, ...]) -> str:
@@ -94,6 +104,8 @@ def _tokens(nodes: Sequence[ir.Node]) -> list[Token]:
                     out += [Token(ARM_OPEN, node, span), *_tokens(arm), Token(ARM_CLOSE, node, span)]
             case ir.Block(body=body):
                 out += _tokens(body)
+            case ir.Stream():
+                out.append(Token(STREAM, node, node.span))
             case ir.Layout():
                 pass
     return out
@@ -102,7 +114,20 @@ def _tokens(nodes: Sequence[ir.Node]) -> list[Token]:
 def match(structure: Structure, program: ir.Program) -> Matched:
     """The spec's layers in the family's order; a CheckpointError (C002) at the first one out
     of place."""
-    tokens = _tokens(ir.unrolled(program.nodes))
+    return match_nodes(structure, ir.unrolled(program.nodes), forward_end(program))
+
+
+def forward_end(program: ir.Program) -> Span:
+    """Where a diagnostic about a layer missing at the end of `forward` points."""
+    return program.chunks[-1].nodes[-1].span if program.chunks[-1].nodes else program.span
+
+
+def match_nodes(
+    structure: Structure, nodes: Sequence[ir.Node], end: Span, ending: str = "the end of `forward`"
+) -> Matched:
+    """`nodes` (unrolled) in the family's order, as `match`; `ending` is what a diagnostic
+    calls their end (a stream's, for a stream's body), `end` where it points at it."""
+    tokens = _tokens(nodes)
     at = 0
 
     def take(kinds: tuple[str, ...]) -> tuple[ir.Layer, ...]:
@@ -111,7 +136,7 @@ def match(structure: Structure, program: ir.Program) -> Matched:
         for kind in kinds:
             found = tokens[at] if at < len(tokens) else None
             if found is None or found.kind != kind:
-                raise CheckpointError([_out_of_place(structure, kind, found, program)])
+                raise CheckpointError([_out_of_place(structure, kind, found, end, ending)])
             if isinstance(found.node, ir.Layer):
                 taken.append(found.node)
             at += 1
@@ -123,24 +148,23 @@ def match(structure: Structure, program: ir.Program) -> Matched:
         blocks.append(take(structure.block))
     suffix = take(structure.suffix)
     if at < len(tokens):
-        raise CheckpointError([_out_of_place(structure, "the end of `forward`", tokens[at], program)])
+        raise CheckpointError([_out_of_place(structure, ending, tokens[at], end, ending)])
     return Matched(prefix, tuple(blocks), suffix)
 
 
-def _out_of_place(structure: Structure, wanted: str, found: Token | None, program: ir.Program) -> Diagnostic:
-    shown = _NAMED.get(wanted, f"`{wanted}`")
+def _out_of_place(structure: Structure, wanted: str, found: Token | None, end: Span, ending: str) -> Diagnostic:
+    shown = wanted if wanted == ending else _NAMED.get(wanted, f"`{wanted}`")
     if found is None:
-        what, span = (
-            "the end of `forward`",
-            program.chunks[-1].nodes[-1].span if program.chunks[-1].nodes else program.span,
-        )
+        what, span = ending, end
+    elif found.kind == STREAM:
+        what, span = f"the stream `{found.node.path}`", found.span
     else:
         what, span = _NAMED.get(found.kind, f"`{found.kind}` `{found.node.path}`"), found.span
     return error(
         "C002",
         f"the spec is not built like a {structure.family}: {shown} should come here, not {what}",
         span,
-        notes=[f"a {structure.family} is {structure.describe()} (dropout anywhere)"],
+        notes=[f"{structure.whole or 'a ' + structure.family} is {structure.describe()} (dropout anywhere)"],
     )
 
 
@@ -379,6 +403,34 @@ def constant(program: ir.Program, name: str, default: object) -> object:
     return dict(program.constants).get(name, default)
 
 
+def _default_scale(a: AttentionArgs) -> bool:
+    """Whether an attention's `scale` is the default 1/sqrt(head_dim), written or not (an
+    explicit 0.125 for heads of 64 is; within 1e-9, as the float written rounds)."""
+    return a.scale is None or math.isclose(a.scale, a.head_dim**-0.5, rel_tol=1e-9)
+
+
+# The attention arguments that change what the layer computes beyond the families' common
+# attention, by name: whether a layer's arguments take it, the requirement that they do not,
+# and the fix.
+ATTENTION_ARGUMENTS: dict[str, tuple[Callable[[AttentionArgs], bool], str, str]] = {
+    "memory": (
+        lambda a: a.memory is not None,
+        "its attention computes its keys and values from its own input (no cross-attention)",
+        "leave out `memory`",
+    ),
+    "position_bias": (
+        lambda a: a.position_bias is not None,
+        "its attention adds no position bias to its scores",
+        "leave out `position_bias`",
+    ),
+    "scale": (
+        lambda a: not _default_scale(a),
+        "its attention scales its scores by 1/sqrt(head_dim)",
+        "leave out `scale`",
+    ),
+}
+
+
 class FamilyBase:
     """What the families share. Their tensors are named `save_pretrained`'s way, the body's
     under `prefix` (which older checkpoints leave out) and the head's weight beside it, as
@@ -399,6 +451,29 @@ class FamilyBase:
     # Keys of a config.json the spec determines that `config` may not write: other names for
     # the sizes it writes, settings it writes for some model types only.
     determined: frozenset[str] = frozenset()
+    # The attention arguments only some models' attention takes (`ATTENTION_ARGUMENTS`) that
+    # the family maps onto its config: a spec whose attention takes another computes what no
+    # checkpoint of the family does, and `unmapped_attention` refuses it.
+    attention_arguments: frozenset[str] = frozenset()
+    structure: Structure
+
+    def match(self, program: ir.Program) -> Matched:
+        """The spec's layers in the family's order (C002 where they are not)."""
+        return match(self.structure, program)
+
+    def unmapped_attention(self, m: Matched) -> list[Requirement]:
+        """A C002 for each attention layer that takes an argument of `ATTENTION_ARGUMENTS` the
+        family does not map (a Llama spec with T5's `scale=1.0` would import the weights and
+        compute other logits)."""
+        out = []
+        for layer in (*m.prefix, *(layer for block in m.blocks for layer in block), *m.suffix):
+            if layer.kind != "attention":
+                continue
+            a = args(layer, Attention)
+            for name, (takes, message, fix) in ATTENTION_ARGUMENTS.items():
+                if name not in self.attention_arguments:
+                    out.append(Requirement(layer, not takes(a), message, fix))
+        return out
 
     def keep(self, written: Mapping[str, object], original: Mapping[str, object]) -> dict[str, object]:
         """config.json for export: each size and setting the spec determines as `written`
@@ -445,6 +520,11 @@ class FamilyBase:
 
     def ignored(self, name: str) -> bool:
         return self.buffer.fullmatch(name) is not None
+
+    def copies(self, name: str) -> tuple[str, ...]:
+        """The other names a checkpoint may store the tensor `name` under as well, each the
+        same tensor (none: T5's one token table has three)."""
+        return ()
 
     def head_layer(self, m: Matched) -> ir.Layer:
         return m.suffix[self.head_at]

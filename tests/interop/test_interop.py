@@ -12,14 +12,17 @@ computes in f32, the reference in float64; f32 roundings through two layers give
 (measured: GPT-2 3.5e-7 on one device, 3.7e-7 on 2x2x2; Llama 3.6e-7 and 3.9e-7; GPT-NeoX
 2.8e-7 and 2.3e-7; Gemma 2, four layers with logits capped at 3, 1.3e-6 on one device and
 1.2e-6 on 4x2; ViT 3.4e-7 on one device and 3.7e-7 on 2x2, 8.0e-7 and 8.7e-7 absolute on
-logits up to 2.3), while a mistake in a layout moves them by far more (GPT-2's first
+logits up to 2.3; T5, two encoder and two decoder blocks, 4.3e-7 on one device and 5.1e-7 on
+2x2, held to 1e-5), while a mistake in a layout moves them by far more (GPT-2's first
 `c_proj` transposed: 1.04; its q and k swapped: 0.32; GPT-NeoX's fused q, k, v read as q|k|v
 blocks rather than head by head: 0.74; its rotary on every feature of a head rather than the
 first quarter: 0.099; Gemma 2's post-attention and pre-MLP norms swapped: 0.89, its window
 dropped: 1.22, on the odd layers rather than the even ones: 1.16, its caps on the scores and
 on the logits dropped: 0.81 and 0.26; ViT's image with its channels reversed: 0.47, its rows
 and columns swapped: 0.59, its patch kernel's height and width swapped, as reversing the
-Conv2d's axes would: 0.50).
+Conv2d's axes would: 0.50; T5's two position bias tables swapped: 0.47, its wi_0 and wi_1
+swapped: 0.26, the encoder's bias left out: 0.20, a SiLU gate for the GELU: 0.062, the
+source tokens reversed (cross-attention reading another encoding): 0.30).
 """
 
 from __future__ import annotations
@@ -49,6 +52,8 @@ from tests.hf_checkpoints import (
     QWEN2_MOE_SET,
     QWEN3_MOE_CONFIG,
     QWEN3_MOE_SET,
+    T5_CONFIG,
+    T5_SET,
     VIT_CONFIG,
     VIT_SET,
     gemma2_logits,
@@ -62,6 +67,8 @@ from tests.hf_checkpoints import (
     mixtral_tensors,
     qwen2_moe_tensors,
     qwen3_moe_tensors,
+    t5_logits,
+    t5_tensors,
     vit_logits,
     vit_tensors,
     write_checkpoint,
@@ -209,6 +216,28 @@ def vit(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return {"root": root, "folder": folder, "tensors": tensors, "weights": weights, "spec": VIT}
 
 
+@pytest.fixture(scope="module")
+def t5(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """A T5 v1.1 checkpoint (gated-GELU MLP, untied head) and its import into specs/t5.par in f32."""
+    root = tmp_path_factory.mktemp("t5")
+    tensors = t5_tensors(T5_CONFIG)
+    folder = write_checkpoint(root / "checkpoint", T5_CONFIG, tensors)
+    spec = f32_llama(root, "t5")
+    weights = root / "weights.npz"
+    assert cli.main(["import", str(spec), str(folder), "-o", str(weights), *flags(T5_SET)]) == 0
+    return {"root": root, "folder": folder, "tensors": tensors, "weights": weights, "spec": spec}
+
+
+def translations(seed: int = 1) -> dict[str, np.ndarray]:
+    """A batch for specs/t5.par at T5_SET's sizes: 16 source tokens, and 8 target tokens
+    shifted right behind the decoder's start token (0, T5's) as the decoder reads them."""
+    rng = np.random.default_rng(seed)
+    source = rng.integers(0, T5_SET["vocab"], size=(8, 16)).astype(np.int32)
+    targets = rng.integers(0, T5_SET["vocab"], size=(8, 8)).astype(np.int32)
+    decoder = np.concatenate([np.zeros((8, 1), np.int32), targets[:, :-1]], axis=1)
+    return {"tokens": source, "decoder_tokens": decoder, "targets": targets}
+
+
 # The mixture-of-experts families: config, the --set that shrinks the spec, the tensors.
 MOE_FAMILIES = {
     "mixtral": (MIXTRAL_CONFIG, MIXTRAL_SET, mixtral_tensors),
@@ -326,6 +355,47 @@ def test_imported_vit_computes_the_reference_logits(
         ),
     ):
         assert relative_error(vit_logits(VIT_CONFIG, tensors, pixel_values), got) > 0.1, name
+
+
+@pytest.mark.parametrize("mesh", ["1x1", None], ids=["one device", "2x2"])
+def test_imported_t5_computes_the_reference_logits(
+    t5: dict[str, Any], mesh: str | None, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """specs/t5.par against T5ForConditionalGeneration's forward: the encoder a stream the
+    cross-attention reads, unscaled scores plus each stack's bucketed bias, the gated-GELU
+    MLP, the untied head. On 2x2 the heads (and the bias tables' heads), the MLP and the
+    vocabulary split over `model`, the batch over `data`. Tolerance 1e-5 relative: f32
+    through four blocks, where 4.3e-7 (one device) and 5.1e-7 (2x2) were seen."""
+    inputs = translations(seed=5)
+    got = logits_of(capsys, t5["spec"], t5["weights"], inputs, T5_SET, mesh, tmp_path)
+    want = t5_logits(T5_CONFIG, t5["tensors"], inputs["tokens"], inputs["decoder_tokens"])
+    assert got.shape == (8, 8, 64) and relative_error(got, want) <= 1e-5
+    # Each piece of the mapping matters: read another way, the checkpoint gives other logits.
+    tensors, tokens = t5["tensors"], inputs["tokens"]
+    bias = "{}.block.0.layer.0.SelfAttention.relative_attention_bias.weight"
+    encoder_bias, decoder_bias = bias.format("encoder"), bias.format("decoder")
+    gates_swapped = dict(tensors)
+    for stack, mlp in (("encoder", 1), ("decoder", 2)):
+        for i in (0, 1):
+            at = f"{stack}.block.{i}.layer.{mlp}.DenseReluDense."
+            gates_swapped[at + "wi_0.weight"], gates_swapped[at + "wi_1.weight"] = (
+                tensors[at + "wi_1.weight"],
+                tensors[at + "wi_0.weight"],
+            )
+    for name, config, changed, source in (
+        (
+            "bias tables swapped",
+            T5_CONFIG,
+            {**tensors, encoder_bias: tensors[decoder_bias], decoder_bias: tensors[encoder_bias]},
+            tokens,
+        ),
+        ("wi_0 and wi_1 swapped", T5_CONFIG, gates_swapped, tokens),
+        ("encoder's bias left out", T5_CONFIG, {**tensors, encoder_bias: 0 * tensors[encoder_bias]}, tokens),
+        ("a silu gate", {**T5_CONFIG, "feed_forward_proj": "gated-silu"}, tensors, tokens),
+        ("the source reversed", T5_CONFIG, tensors, tokens[:, ::-1]),
+    ):
+        moved = relative_error(t5_logits(config, changed, source, inputs["decoder_tokens"]), got)
+        assert moved > 0.05, (name, moved)  # 5000 times the tolerance
 
 
 def test_a_gpt_neox_without_attention_biases_imports_and_exports_again(
@@ -479,7 +549,9 @@ def test_a_spec_whose_experts_are_not_mixtrals_is_refused(
     assert "write `capacity=none`" in err and "its experts are SwiGLU" in err
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama", "mixtral", "qwen3_moe", "qwen2_moe", "gpt_neox", "gemma2", "vit"])
+@pytest.mark.parametrize(
+    "family", ["gpt2", "llama", "mixtral", "qwen3_moe", "qwen2_moe", "gpt_neox", "gemma2", "vit", "t5"]
+)
 def test_export_writes_the_checkpoint_back_byte_for_byte(
     family: str,
     gpt2: dict[str, Any],
@@ -490,6 +562,7 @@ def test_export_writes_the_checkpoint_back_byte_for_byte(
     gpt_neox: dict[str, Any],
     gemma2: dict[str, Any],
     vit: dict[str, Any],
+    t5: dict[str, Any],
     capsys: pytest.CaptureFixture[str],
     tmp_path: Path,
 ) -> None:
@@ -502,6 +575,7 @@ def test_export_writes_the_checkpoint_back_byte_for_byte(
         "gpt_neox": (gpt_neox, gpt_neox["spec"], GPT_NEOX_SET, GPT_NEOX_CONFIG),
         "gemma2": (gemma2, gemma2["spec"], GEMMA2_SET, GEMMA2_CONFIG),
         "vit": (vit, vit["spec"], VIT_SET, VIT_CONFIG),
+        "t5": (t5, t5["spec"], T5_SET, T5_CONFIG),
     }[family]
     out = tmp_path / "exported"
     code, printed, err = run(capsys, "export", spec, "--weights", case["weights"], "-o", out, *flags(sizes))
@@ -1462,3 +1536,228 @@ def test_sharded_and_unprefixed_vit_checkpoints_import_alike(
             with np.load(tmp_path / "w.npz") as got:
                 assert sorted(got.files) == sorted(want.files)
                 assert all(np.array_equal(got[n], want[n]) for n in want.files)
+
+
+# ---- T5 -------------------------------------------------------------------------------------------
+
+
+def _t5_checkpoint(folder: Path, change: dict[str, object], tensors: dict[str, np.ndarray]) -> Path:
+    """T5_CONFIG changed (a key given None is left out), written with `tensors`."""
+    config = {k: v for k, v in {**T5_CONFIG, **change}.items() if v is not None}
+    return write_checkpoint(folder, config, tensors)
+
+
+@pytest.mark.parametrize(
+    ("change", "said"),
+    [
+        # transformers reads a missing num_decoder_layers as num_layers, and T5WithLMHeadModel
+        # is its older name for T5ForConditionalGeneration.
+        ({"num_decoder_layers": None, "architectures": ["T5WithLMHeadModel"]}, []),
+        (
+            {"d_model": 64},
+            [
+                f"t5_f32.par:{declared_at('d', 't5')}:1: error[C001]: config.json's `d_model` is 64, but the spec's "
+                "width is 32",
+                "= help: --set d=64",
+            ],
+        ),
+        ({"d_kv": 8}, ["`d_kv` is 8, but the spec's head width is 16", "= help: --set head_dim=8"]),
+        (
+            {"relative_attention_num_buckets": 32, "relative_attention_max_distance": 128},
+            ["= help: --set buckets=32", "= help: --set max_distance=128", "2 layers of the spec disagree with it"],
+        ),
+        ({"num_layers": 3, "num_decoder_layers": 3}, ["= help: --set layers=3"]),
+        # One constant holds both depths: a decoder deeper than its encoder is an edit of the spec.
+        (
+            {"num_decoder_layers": 3},
+            ["`num_decoder_layers` is 3, but the spec's number of decoder blocks is 2", "repeat the decoder's block 3"],
+        ),
+        ({"layer_norm_epsilon": 1e-5}, ["`layer_norm_epsilon` is 1e-05", "--set eps=1e-05"]),
+        (
+            {"feed_forward_proj": "gated-silu", "dense_act_fn": "silu"},
+            [
+                "error[C001]: config.json's `feed_forward_proj` is \"gated-silu\" (silu), but the spec's MLP's gate "
+                'activation is "gelu"',
+                "write `activation=silu` on the swiglu",
+            ],
+        ),
+        (
+            {"tie_word_embeddings": True},
+            ["error[C003]: tie_word_embeddings is true: transformers then scales the decoder's output by d_model"],
+        ),
+        (
+            {"feed_forward_proj": "relu", "dense_act_fn": "relu", "is_gated_act": False},
+            ["error[C003]: feed_forward_proj 'relu': the original T5's MLP, not gated", "gelu_new(x wi_0) * (x wi_1)"],
+        ),
+        (
+            {"feed_forward_proj": "gated-relu", "dense_act_fn": "relu"},
+            ["error[C003]: feed_forward_proj 'gated-relu': a gate dslc does not compute"],
+        ),
+        (
+            {"dense_act_fn": "relu"},
+            ["error[C003]: dense_act_fn 'relu' contradicts feed_forward_proj 'gated-gelu', which makes it 'gelu_new'"],
+        ),
+        (
+            {"architectures": ["T5EncoderModel"]},
+            ["error[C003]: architectures ['T5EncoderModel']: dslc maps T5ForConditionalGeneration"],
+        ),
+        ({"is_encoder_decoder": False}, ["error[C003]: is_encoder_decoder is false"]),
+        (
+            {"feed_forward_proj": "gelu-gated"},
+            ["error[C004]: 1 unusable value", "`feed_forward_proj`: value error, should be an activation's name"],
+        ),
+    ],
+)
+def test_a_t5_config_is_checked_before_a_tensor_is_read(
+    change: dict[str, object],
+    said: list[str],
+    t5: dict[str, Any],
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+) -> None:
+    folder = _t5_checkpoint(tmp_path / "checkpoint", change, t5["tensors"])
+    if said:
+        (folder / "model.safetensors").unlink()
+    code, _, err = run(capsys, "import", t5["spec"], folder, "-o", tmp_path / "w.npz", *flags(T5_SET))
+    assert code == (1 if said else 0), err
+    for words in said:
+        assert words in err, err
+    assert "Traceback" not in err and (tmp_path / "w.npz").exists() == (not said)
+
+
+ENCODER_ATTENTION = "causal=false, scale=1.0, position_bias=encoder_bias)"
+DECODER_BIAS = "  stream decoder_bias(decoder_tokens) {"
+
+
+@pytest.mark.parametrize(
+    ("edits", "said"),
+    [
+        (
+            [(ENCODER_ATTENTION, "causal=false, position_bias=encoder_bias)")],
+            [
+                "error[C002]: the spec is not built like a T5: its encoder's attention does not scale its scores",
+                "= help: write `scale=1.0`",
+            ],
+        ),
+        (
+            [("scale=1.0, position_bias=decoder_bias)", "scale=1.0)")],
+            [
+                "error[C002]: the spec is not built like a T5: `layers.0.self_attn.attn` reads the decoder's relative "
+                "position bias (`position_bias=`, a stream)"
+            ],
+        ),
+        (
+            [("max_distance=max_distance, bidirectional=false)", "max_distance=max_distance)")],
+            ["its decoder's position buckets are of earlier keys only", "write `bidirectional=false`"],
+        ),
+        (
+            [("embed: embed(vocab, d) tie table = encoded.embed.table", "embed: embed(vocab, d)")],
+            [
+                "its decoder embeds its tokens with the encoder's table (`encoded.embed.table`)",
+                "write `tie table = encoded.embed.table` on the decoder's embedding",
+            ],
+        ),
+        # Cross-attention over a stream that is no encoder.
+        (
+            [
+                ("memory=encoded)", "memory=other)"),
+                (DECODER_BIAS, "  stream other(tokens) {\n    embed: embed(vocab, d)\n  }\n" + DECODER_BIAS),
+            ],
+            [
+                "error[C002]: the spec is not built like a T5: a residual branch should come here, not the end of the "
+                "stream `other`",
+                "= note: a T5's encoder (the stream its cross-attention reads) is embed, then blocks of residual {",
+            ],
+        ),
+        # A stream no T5 layer reads.
+        (
+            [(DECODER_BIAS, "  stream other(tokens) {\n    embed: embed(vocab, d)\n  }\n" + DECODER_BIAS)],
+            ["the stream `other` is none of a T5's (its encoder, and each stack's position bias)"],
+        ),
+    ],
+)
+def test_a_spec_that_does_not_compute_t5_is_refused(
+    edits: list[tuple[str, str]],
+    said: list[str],
+    t5: dict[str, Any],
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+) -> None:
+    text = Path(t5["spec"]).read_text()
+    for old, new in edits:
+        assert old in text
+        text = text.replace(old, new)
+    spec = tmp_path / "edited.par"
+    spec.write_text(text)
+    code, _, err = run(capsys, "import", spec, t5["folder"], "-o", tmp_path / "w.npz", *flags(T5_SET))
+    assert code == 1 and not (tmp_path / "w.npz").exists(), err
+    for words in said:
+        assert words in err, err
+    # Export asks the same of the spec.
+    code, _, err = run(capsys, "export", spec, "--weights", t5["weights"], "-o", tmp_path / "out", *flags(T5_SET))
+    assert code == 1 and said[0] in err and not (tmp_path / "out").exists(), err
+
+
+def test_no_other_family_takes_attention_it_does_not_map(
+    llama: dict[str, Any], t5: dict[str, Any], capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """A Llama spec whose attention does not scale its scores as a Llama's does (T5's
+    `scale=1.0`) would import the weights and compute other logits: it is not built like a
+    Llama, for import and export alike. And a Llama checkpoint is not a T5's: specs/t5.par's
+    streams are out of place in a Llama."""
+    text = Path(llama["spec"]).read_text()
+    written = "rope=true, rope_base=rope_base, qkv_bias=qkv_bias)"
+    assert written in text
+    spec = tmp_path / "unscaled.par"
+    spec.write_text(text.replace(written, written[:-1] + ", scale=1.0)"))
+    said = [
+        "error[C002]: the spec is not built like a Llama: its attention scales its scores by 1/sqrt(head_dim)",
+        "= help: leave out `scale`",
+    ]
+    code, _, err = run(capsys, "import", spec, llama["folder"], "-o", tmp_path / "w.npz", *flags(LLAMA_SET))
+    assert code == 1 and all(words in err for words in said), err
+    code, _, err = run(capsys, "export", spec, "--weights", llama["weights"], "-o", tmp_path / "out", *flags(LLAMA_SET))
+    assert code == 1 and said[0] in err and not (tmp_path / "out").exists(), err
+    # The default scale written out is the default: 1/sqrt(8) for heads of 8.
+    spec.write_text(text.replace(written, written[:-1] + f", scale={8**-0.5!r})"))
+    code, _, err = run(capsys, "import", spec, llama["folder"], "-o", tmp_path / "w.npz", *flags(LLAMA_SET))
+    assert code == 0, err
+    code, _, err = run(capsys, "import", t5["spec"], llama["folder"], "-o", tmp_path / "t5.npz", *flags(T5_SET))
+    assert code == 1 and not (tmp_path / "t5.npz").exists(), err
+    assert (
+        "error[C002]: the spec is not built like a Llama: `embed` should come here, not the stream `encoder_bias`"
+        in err
+    )
+
+
+def test_t5_s_token_table_is_read_under_any_of_its_names(
+    t5: dict[str, Any], capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """transformers ties `encoder.embed_tokens` and `decoder.embed_tokens` to `shared`: a
+    checkpoint may store them too (the same tensor), or only them; one where they differ is
+    refused. The first cross-attention's bias table older checkpoints carry, which
+    transformers never reads, is ignored; shards change nothing."""
+    tensors, shared = t5["tensors"], t5["tensors"]["shared.weight"]
+    embeds = {"encoder.embed_tokens.weight": shared, "decoder.embed_tokens.weight": shared}
+    unread = {"decoder.block.0.layer.1.EncDecAttention.relative_attention_bias.weight": np.ones((8, 4), np.float32)}
+    without = {n: t for n, t in tensors.items() if n != "shared.weight"}
+    with np.load(t5["weights"]) as want:
+        for name, stored, shards in (
+            ("all three names", {**tensors, **embeds, **unread}, 1),
+            ("the encoder's only", {**without, "encoder.embed_tokens.weight": shared}, 3),
+        ):
+            folder = write_checkpoint(tmp_path / name.replace(" ", "_"), T5_CONFIG, stored, shards=shards)
+            code, _, err = run(capsys, "import", t5["spec"], folder, "-o", tmp_path / "w.npz", *flags(T5_SET))
+            assert code == 0, (name, err)
+            with np.load(tmp_path / "w.npz") as got:
+                assert sorted(got.files) == sorted(want.files)
+                assert all(np.array_equal(got[n], want[n]) for n in want.files), name
+    folder = _t5_checkpoint(tmp_path / "differs", {}, {**tensors, **embeds, "decoder.embed_tokens.weight": shared + 1})
+    out = tmp_path / "out"
+    out.mkdir()
+    code, _, err = run(capsys, "import", t5["spec"], folder, "-o", out / "w.npz", *flags(T5_SET))
+    assert code == 1 and list(out.iterdir()) == [], err
+    assert (
+        "model.safetensors: error[C006]: `decoder.embed_tokens.weight` differs from `shared.weight`: transformers "
+        "ties them, one tensor under both names"
+    ) in err
