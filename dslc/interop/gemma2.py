@@ -21,6 +21,7 @@ query q where q - k >= sliding_window, dslc's `window` where q - k >= window.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping
 
@@ -39,7 +40,7 @@ from dslc.interop.mapping import (
 )
 from dslc.ir import nodes as ir
 from dslc.layers import args
-from dslc.layers.attention import Attention
+from dslc.layers.attention import Attention, AttentionArgs
 from dslc.layers.dense import Embed, Linear, SwiGLU
 from dslc.layers.elementwise import Softcap
 from dslc.layers.norm import RmsNorm
@@ -76,6 +77,8 @@ class Gemma2(FamilyBase):
     buffer = _NO_BUFFER
     tied_by_default = True
     head_at = -2  # before the cap on the logits
+    # Its query_pre_attn_scalar is the attention's `scale`.
+    attention_arguments = frozenset({"scale"})
 
     def requirements(self, m: Matched) -> list[Requirement]:
         (embed,) = m.prefix
@@ -185,15 +188,6 @@ class Gemma2(FamilyBase):
                     "gelu_pytorch_tanh and gelu_new are the tanh GELU",
                 )
             )
-        if config.query_pre_attn_scalar != config.head_dim:
-            out.append(
-                (
-                    f"query_pre_attn_scalar {config.query_pre_attn_scalar:g}: dslc scales attention scores by "
-                    f"1/sqrt(head_dim), here 1/sqrt({config.head_dim})",
-                    "Gemma-2-2B and 9B scale by their head width (256); Gemma-2-27B's 144, for heads of 128, "
-                    "is not supported",
-                )
-            )
         if config.rope_type != "default":
             out.append((f"rope type {config.rope_type!r}: dslc's rotary embeddings are unscaled", ""))
         if config.final_logit_softcapping is None:
@@ -263,8 +257,8 @@ class Gemma2(FamilyBase):
             "rope_theta": a.rope_base,
             "max_position_embeddings": program.input(program.stream).type.shape[-1],
             "attention_bias": bool(a.bias),
-            # dslc scales the scores by 1/sqrt(head_dim): Gemma 2 by this ** -0.5.
-            "query_pre_attn_scalar": a.head_dim,
+            # Gemma 2 scales the scores by this ** -0.5, dslc by `scale`.
+            "query_pre_attn_scalar": query_scalar(a),
             "sliding_window": a.window,
             "layer_types": _alternating(len(m.blocks)),
             "attn_logit_softcapping": a.softcap,
@@ -275,6 +269,13 @@ class Gemma2(FamilyBase):
 
     def keep(self, written: Mapping[str, object], original: Mapping[str, object]) -> dict[str, object]:
         return self.keep_rotary(super().keep(written, original), written, original, {"rope_theta": "rope_theta"})
+
+
+def query_scalar(a: AttentionArgs) -> int | float:
+    """What Gemma 2's config calls query_pre_attn_scalar for an attention that scales its
+    scores by `a.score_scale`: its inverse square, a whole number where it rounds to one."""
+    scalar = a.score_scale**-2
+    return round(scalar) if math.isclose(scalar, round(scalar), rel_tol=1e-9) else scalar
 
 
 def _attention_facts(config: Gemma2Config, attn: ir.Layer) -> list[Fact]:
@@ -313,6 +314,19 @@ def _attention_facts(config: Gemma2Config, attn: ir.Layer) -> list[Fact]:
             f"write `head_dim={config.head_dim}` on the attention",
         ),
         Fact("rope_theta", config.rope_base, a.rope_base, "rotary base", attn, "rope_base", "change `rope_base`"),
+        # transformers scales the scores by query_pre_attn_scalar ** -0.5, dslc by `scale`
+        # (1/sqrt(head_dim) when left out): compared as the scalar the spec's scale implies.
+        Fact(
+            "query_pre_attn_scalar",
+            config.query_pre_attn_scalar,
+            query_scalar(a),
+            "query scalar (its scores scaled by 1/sqrt of it)",
+            attn,
+            None,
+            f"write `scale={config.query_pre_attn_scalar**-0.5!r}` on the attention layers "
+            f"(1/sqrt({config.query_pre_attn_scalar:g}), Gemma-2-27B's for heads of 128)",
+            stated=f"{config.query_pre_attn_scalar:g}",
+        ),
         Fact("attention_bias", config.attention_bias, bool(a.bias), "use of attention biases", attn, None, bias_fix),
         # A config without a cap is an edit of the spec, not a `--set`: no value of `attn_cap` is none.
         Fact(

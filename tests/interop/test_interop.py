@@ -329,6 +329,33 @@ def test_imported_gemma2_computes_the_reference_logits(
         assert relative_error(other, got) > 0.1, without
 
 
+def test_a_gemma2_scaled_by_its_own_query_scalar_imports_and_computes_its_logits(
+    gemma2: dict[str, Any], capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """Gemma-2-27B scales the scores of its heads of 128 by 1/sqrt(144), not 1/sqrt(128): a
+    checkpoint whose query_pre_attn_scalar (12) is not its head width (16) imports into the
+    spec whose attention layers say `scale=12 ** -0.5`, computes transformers' logits, and
+    exports the scalar back."""
+    config = {**GEMMA2_CONFIG, "query_pre_attn_scalar": 12}
+    folder = write_checkpoint(tmp_path / "checkpoint", config, gemma2["tensors"])
+    text = Path(gemma2["spec"]).read_text()
+    scaled = text.replace("softcap=attn_cap)", f"softcap=attn_cap, scale={12**-0.5!r})")
+    assert scaled.count("scale=") == text.count("scale=") + 2
+    spec = tmp_path / "gemma2_scaled.par"
+    spec.write_text(scaled)
+    weights = tmp_path / "weights.npz"
+    code, _, err = run(capsys, "import", spec, folder, "-o", weights, *flags(GEMMA2_SET))
+    assert code == 0, err
+    inputs = batch(96, seed=13)
+    got = logits_of(capsys, spec, weights, inputs, GEMMA2_SET, "1x1", tmp_path)
+    assert relative_error(got, gemma2_logits(config, gemma2["tensors"], inputs["tokens"])) <= TOLERANCE
+    # 1/sqrt(16) in its place gives other logits.
+    assert relative_error(got, gemma2_logits(GEMMA2_CONFIG, gemma2["tensors"], inputs["tokens"])) > 10 * TOLERANCE
+    code, _, err = run(capsys, "export", spec, "--weights", weights, "-o", tmp_path / "out", *flags(GEMMA2_SET))
+    assert code == 0, err
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["query_pre_attn_scalar"] == 12
+
+
 @pytest.mark.parametrize("mesh", ["1x1", None], ids=["one device", "2x2"])
 def test_imported_vit_computes_the_reference_logits(
     vit: dict[str, Any], mesh: str | None, capsys: pytest.CaptureFixture[str], tmp_path: Path
@@ -1302,8 +1329,15 @@ ALTERNATING = ["sliding_attention", "full_attention"] * 2
             {"tie_word_embeddings": False},
             ["`tie_word_embeddings` is false", "give the head a kernel of its own: drop its `tie`"],
         ),
-        # dslc scales scores by 1/sqrt(head_dim) (Gemma-2-27B scales its heads of 128 by 1/sqrt(144)).
-        ({"query_pre_attn_scalar": 12}, ["error[C003]: query_pre_attn_scalar 12: dslc scales attention scores"]),
+        # Gemma-2-27B scales its heads of 128 by 1/sqrt(144): the spec's attention says so with `scale`.
+        (
+            {"query_pre_attn_scalar": 12},
+            [
+                "config.json's `query_pre_attn_scalar` is 12, but the spec's query scalar (its scores scaled by "
+                "1/sqrt of it) is 16",
+                f"write `scale={12**-0.5!r}` on the attention layers",
+            ],
+        ),
         ({"hidden_activation": "gelu"}, ["error[C003]: hidden_activation 'gelu'"]),
         (
             {"layer_types": ["full_attention", "sliding_attention"] * 2},
