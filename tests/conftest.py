@@ -12,7 +12,9 @@ compiled XLA program across tests, across the test processes (`pytest -n`), and 
 `dslc` processes tests start: many tests train or run the same spec on the same mesh through
 the CLI, and each would otherwise compile it again. Measured: tests/train/test_train.py 210 s
 without, 112 s with. The folder is in pytest's temporary root for this run (shared by its
-worker processes, removed with pytest's old runs), so no run reads another's programs.
+worker processes, removed with pytest's old runs), so no run reads another's programs. A
+pipelined program's steps stay out of it (`dslc.lower.program.outside_persistent_cache`:
+XLA:CPU loads them with some collectives unordered; README, known problems).
 
 Families of cases too slow to run whole in the suite (`@pytest.mark.sample(k)` on a
 parametrized test) run k of their cases, drawn anew each day (`sample_seed`); `--every-case`

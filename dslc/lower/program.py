@@ -9,11 +9,13 @@ inside it show the generated lines.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import linecache
+import math
 import types
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -82,6 +84,47 @@ def load_module(text: str, name: str) -> types.ModuleType:
     return module
 
 
+@contextlib.contextmanager
+def outside_persistent_cache(mesh: jax.sharding.Mesh) -> Iterator[None]:
+    """Compiles in this context on a CPU mesh write nothing to jax's persistent compilation
+    cache (`jax_compilation_cache_dir`), so no process loads them back from it.
+
+    XLA's CPU runtime orders the collectives no data orders by one resource they all use. Its
+    serialized executables (jax 0.10.2) give each nested thunk sequence (a while loop's body,
+    a conditional's branch) a resource of its own when loaded, so a loaded executable runs
+    such collectives in whatever order its threads reach them. A pipelined step has them (the
+    stage's branch holds accumulation loops that gather ZeRO-3/FSDP parameters, beside
+    collectives of its own): two devices of one group wait at different collectives until XLA
+    aborts (README, known problems). A freshly compiled executable keeps the order.
+
+    Only writes can be stopped per compile (whether jax reads the cache is settled once per
+    process), and nothing is read back that was never written. The fault is in XLA:CPU's
+    serialization: on other platforms compiles are cached as usual."""
+    if mesh.devices.flat[0].platform != "cpu":
+        yield
+        return
+    from jax._src import config  # the threshold's thread-local setting has no public name
+
+    with config.persistent_cache_min_compile_time_secs(math.inf):
+        yield
+
+
+class _LoweredOutsideCache:
+    """A lowered step whose `compile` keeps the executable out of the persistent cache;
+    everything else is jax's `Lowered`."""
+
+    def __init__(self, lowered: Any, mesh: jax.sharding.Mesh) -> None:
+        self._lowered = lowered
+        self._mesh = mesh
+
+    def compile(self, *args: Any, **kwargs: Any) -> Any:
+        with outside_persistent_cache(self._mesh):
+            return self._lowered.compile(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._lowered, name)
+
+
 class Program:
     """A compiled spec on a mesh. Every method is jitted and sharded as the spec declares.
 
@@ -103,7 +146,7 @@ class Program:
     # --- parameters ---------------------------------------------------------------------------
 
     def init(self, seed: int) -> DslcModel:
-        with jax.set_mesh(self.mesh):
+        with self._on_mesh():
             return DslcModel(init_params(self.parameters, seed, self.mesh))
 
     def export_weights(self, model: DslcModel, opt_state: Any = None) -> dict[str, np.ndarray]:
@@ -125,7 +168,7 @@ class Program:
         """A model holding `weights` (by per-layer name, checked as `import_weights` checks
         them), placed on the mesh without initialising a model first."""
         placed = self._placed(weights)
-        with jax.set_mesh(self.mesh):
+        with self._on_mesh():
             return DslcModel(placed)
 
     def _placed(self, weights: Mapping[str, Any]) -> Params:
@@ -151,14 +194,22 @@ class Program:
 
     # Every computation traces under the mesh: kernels that enter `shard_map` (ring
     # attention, expert-parallel mixtures of experts, the pipeline) find it there.
+    @contextlib.contextmanager
+    def _on_mesh(self) -> Iterator[None]:
+        """Under the mesh; a pipelined program's compiles kept out of the persistent cache
+        (`outside_persistent_cache`)."""
+        kept_out = outside_persistent_cache(self.mesh) if self.ir.pipelined else contextlib.nullcontext()
+        with jax.set_mesh(self.mesh), kept_out:
+            yield
+
     def forward(self, model: DslcModel, inputs: Mapping[str, Any]) -> jax.Array:
-        with jax.set_mesh(self.mesh):
+        with self._on_mesh():
             return self._run(model.arrays(), self.place(inputs))[0]
 
     def loss(self, model: DslcModel, batch: Mapping[str, Any]) -> jax.Array:
         """The training objective: the loss layer's value plus the layers' auxiliary losses."""
         self._needs_loss()
-        with jax.set_mesh(self.mesh):
+        with self._on_mesh():
             return self._loss(model.arrays(), self.place(batch, loss=True))
 
     def aux(self, model: DslcModel, inputs: Mapping[str, Any]) -> dict[str, float]:
@@ -166,7 +217,7 @@ class Program:
         off): `aux_loss`, the part of `loss` that is not the loss layer's, and a mixture of
         experts' `moe_dropped` and `moe_routed` (token-to-expert choices dropped for want of
         capacity, and made). Empty for a model whose layers return none."""
-        with jax.set_mesh(self.mesh):
+        with self._on_mesh():
             aux = self._run(model.arrays(), self.place(inputs))[1]
         return {name: float(value) for name, value in aux.items()}
 
@@ -187,7 +238,7 @@ class Program:
     def value_and_grad(self, model: DslcModel, batch: Mapping[str, Any]) -> tuple[float, Params]:
         """The loss and the gradients as the module keeps them, in one step (dropout off)."""
         self._needs_loss()
-        with jax.set_mesh(self.mesh):
+        with self._on_mesh():
             loss, grads = self._grads(model.arrays(), self.place(batch, loss=True))
         return float(loss), grads
 
@@ -207,7 +258,7 @@ class Program:
     def init_optimizer(self, model: DslcModel) -> Any:
         """The optimizer state, split like the spec's ZeRO stage says (stage >= 1: over the
         data axes)."""
-        with jax.set_mesh(self.mesh):
+        with self._on_mesh():
             return init_optimizer(self.parameters, model.arrays(), self.optimizer, self.mesh, self.master_dtype)
 
     def train_step(self, model: DslcModel, opt_state: Any, batch: Mapping[str, Any], step: int) -> tuple[Any, float]:
@@ -227,7 +278,7 @@ class Program:
         self, jitted: Any, model: DslcModel, opt_state: Any, batch: Mapping[str, Any], step: int
     ) -> tuple[Any, dict[str, float]]:
         key = jax.random.key(step)
-        with jax.set_mesh(self.mesh):
+        with self._on_mesh():
             params, opt_state, loss, metrics = jitted(model.arrays(), opt_state, self.place(batch, loss=True), key)
         for name, value in params.items():
             model.params[name].set_value(value)
@@ -244,14 +295,15 @@ class Program:
         `train_step` runs it: parameters and optimizer state donated) lowered for abstract
         arrays with the program's shardings: `.compile()` it to read XLA's memory analysis or
         its optimized HLO."""
-        with jax.set_mesh(self.mesh):
-            return self.trace(step).lower()
+        with self._on_mesh():
+            lowered = self.trace(step).lower()
+        return _LoweredOutsideCache(lowered, self.mesh) if self.ir.pipelined else lowered
 
     def trace(self, step: Literal["forward", "grads", "train"] = "train") -> Any:
         """`lower`'s step traced, not yet lowered: `.jaxpr` is what JAX hands XLA, with every
         loop and branch still whole (XLA's cost analysis counts a loop's body once)."""
         params, batch = self.abstract_arguments()
-        with jax.set_mesh(self.mesh):
+        with self._on_mesh():
             if step == "forward":
                 return self._run.trace(params, batch)
             if step == "grads":
@@ -275,7 +327,7 @@ class Program:
     def compiled_memory(self, step: Literal["grads", "train"] = "train") -> CompiledMemory:
         """Compile the gradient step or the whole training step for this mesh and report
         XLA's memory analysis per device. Nothing is allocated."""
-        with jax.set_mesh(self.mesh):
+        with self._on_mesh():
             stats = self.lower(step).compile().memory_analysis()
         return CompiledMemory(
             int(stats.argument_size_in_bytes),
