@@ -20,6 +20,7 @@ from dslc.interop.mapping import (
     Structure,
     TensorMap,
     layer_weight,
+    with_biases,
 )
 from dslc.ir import nodes as ir
 from dslc.layers import args
@@ -79,14 +80,7 @@ class GPT2(FamilyBase):
                     "leave `head_dim` to its default",
                 ),
             ]
-            out += [
-                Requirement(layer, bool(args(layer, Linear).bias), "its projections have biases", "write `bias=true`")
-                for layer in (fc, proj)
-            ]
-            out += [
-                Requirement(ln, bool(args(ln, LayerNorm).bias), "its layernorms have biases", "write `bias=true`")
-                for ln in (ln_1, ln_2, ln_f)
-            ]
+            out += with_biases((fc, proj), "projections") + with_biases((ln_1, ln_2, ln_f), "layernorms")
         return out
 
     def facts(self, config: AnyConfig, m: Matched, program: ir.Program) -> list[Fact]:

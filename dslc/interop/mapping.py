@@ -28,6 +28,7 @@ from dslc.ir import nodes as ir
 from dslc.layers import LOSS_KINDS, args
 from dslc.layers.attention import Attention, AttentionArgs
 from dslc.layers.dense import Embed, Linear
+from dslc.layers.norm import LayerNorm
 from dslc.syntax import ast
 
 OPEN, CLOSE = "(", ")"  # a residual branch begins and ends
@@ -200,6 +201,16 @@ class Requirement:
     holds: bool
     message: str
     fix: str
+
+
+def with_biases(layers: Sequence[ir.Layer], what: str) -> list[Requirement]:
+    """A requirement that each of `layers` (linears or layernorms, whose bias is `bias=`)
+    adds a bias, as every checkpoint of the family has: `what` names them in the message."""
+    return [Requirement(layer, _biased(layer), f"its {what} have biases", "write `bias=true`") for layer in layers]
+
+
+def _biased(layer: ir.Layer) -> bool:
+    return bool(args(layer, Linear).bias if layer.kind == Linear.kind else args(layer, LayerNorm).bias)
 
 
 @dataclass(frozen=True, slots=True)

@@ -41,6 +41,7 @@ from dslc.interop.mapping import (
     Structure,
     TensorMap,
     layer_weight,
+    with_biases,
 )
 from dslc.ir import nodes as ir
 from dslc.layers import args
@@ -138,19 +139,8 @@ class ViT(FamilyBase):
                 Requirement(attn, a.softcap is None, "its attention scores are not capped", "leave out `softcap`"),
                 Requirement(attn, a.segments is None, "each image attends to all of itself", "leave out `segments`"),
             ]
-            out += [
-                Requirement(
-                    layer, bool(args(layer, Linear).bias), "its MLP's projections have biases", "write `bias=true`"
-                )
-                for layer in (fc, proj)
-            ]
-            out += [
-                Requirement(ln, bool(args(ln, LayerNorm).bias), "its layernorms have biases", "write `bias=true`")
-                for ln in (ln_1, ln_2)
-            ]
-        out.append(
-            Requirement(ln_f, bool(args(ln_f, LayerNorm).bias), "its layernorms have biases", "write `bias=true`")
-        )
+            out += with_biases((fc, proj), "MLP's projections") + with_biases((ln_1, ln_2), "layernorms")
+        out += with_biases((ln_f,), "layernorms")
         return out
 
     def facts(self, config: AnyConfig, m: Matched, program: ir.Program) -> list[Fact]:
