@@ -13,6 +13,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from dslc.codegen.shapes import Spelled
 from dslc.layers import RULES
 from dslc.layers.base import REQUIRED, ArgSpec, LayerRule
 
@@ -31,39 +32,9 @@ _TYPES = {
 }
 
 
-class Sym:
-    """An integer argument by name, so weight shapes print as formulas."""
-
-    def __init__(self, text: str, level: int = 3) -> None:
-        self.text, self.level = text, level
-
-    def _op(self, op: str, other: object, level: int, swap: bool = False) -> Sym:
-        left, right = (other, self) if swap else (self, other)
-        return Sym(f"{_wrap(left, level, False)} {op} {_wrap(right, level, True)}", level)
-
-    def __mul__(self, other: object) -> Sym:
-        return self._op("*", other, 2)
-
-    def __rmul__(self, other: object) -> Sym:
-        return self._op("*", other, 2, swap=True)
-
-    def __floordiv__(self, other: object) -> Sym:
-        return self._op("//", other, 2)
-
-    def __add__(self, other: object) -> Sym:
-        return self._op("+", other, 1)
-
-    def __sub__(self, other: object) -> Sym:
-        return self._op("-", other, 1)
-
-    def __str__(self) -> str:
-        return self.text
-
-
-def _wrap(x: object, level: int, right: bool) -> str:
-    if isinstance(x, Sym) and (x.level < level or (right and x.level == level)):
-        return f"({x})"
-    return str(x)
+def _text(x: object) -> str:
+    """An argument or dimension as the table prints it: a formula in argument names."""
+    return x.code if isinstance(x, Spelled) else str(x)
 
 
 def _literal(value: object) -> str:
@@ -72,9 +43,21 @@ def _literal(value: object) -> str:
     return str(value)
 
 
+def _symbolic(i: int, name: str) -> Spelled:
+    """The i-th argument by name. Its value is a prime of its own, so that no formula
+    simplifies by accident (`heads * (dim // heads)` stays as it is written)."""
+    value = 1000 * (i + 1) + 1
+    while any(value % k == 0 for k in range(2, int(value**0.5) + 1)):
+        value += 1
+    return Spelled(value, name)
+
+
 def _symbolic_args(rule: LayerRule) -> dict[str, object]:
     # An int that defaults to 0 counts something optional (`shared=0`: none): keep the 0.
-    return {a.name: Sym(a.name) if a.type == "int" and a.default != 0 else a.default for a in rule.args}
+    return {
+        a.name: _symbolic(i, a.name) if a.type == "int" and a.default != 0 else a.default
+        for i, a in enumerate(rule.args)
+    }
 
 
 def _default(spec: ArgSpec, rule: LayerRule) -> str:
@@ -83,7 +66,7 @@ def _default(spec: ArgSpec, rule: LayerRule) -> str:
     if spec.default is None:
         return "optional"
     if callable(spec.default):
-        return f"`{spec.default(_symbolic_args(rule))}`"
+        return f"`{_text(spec.default(_symbolic_args(rule)))}`"
     if spec.type == "choice":
         return f"`{spec.default}`"
     return f"`{_literal(spec.default)}`"
@@ -105,7 +88,7 @@ def _signature(rule: LayerRule) -> str:
         elif a.default is None:
             parts.append(f"[{a.name}={'INPUT' if a.type == 'input' else a.type.upper()}]")
         elif callable(a.default):
-            parts.append(f"{a.name}={a.default(_symbolic_args(rule))}")
+            parts.append(f"{a.name}={_text(a.default(_symbolic_args(rule)))}")
         elif a.type == "choice":
             parts.append(f"{a.name}={a.default}")
         else:
@@ -117,7 +100,7 @@ def _flips(rule: LayerRule) -> list[tuple[str, object, str]]:
     """Each way of changing one argument from its default that may add or remove weights:
     (argument, value, how a condition names it)."""
     out: list[tuple[str, object, str]] = []
-    for a in rule.args:
+    for i, a in enumerate(rule.args):
         if a.default is REQUIRED or callable(a.default):
             continue
         if a.type == "bool":
@@ -125,7 +108,7 @@ def _flips(rule: LayerRule) -> list[tuple[str, object, str]]:
         elif a.type == "choice":
             out += [(a.name, c, c) for c in a.choices if c != a.default]
         elif a.type == "int" and a.default == 0:
-            out.append((a.name, Sym(a.name), f"`{a.name}` > 0"))
+            out.append((a.name, _symbolic(i, a.name), f"`{a.name}` > 0"))
         elif a.type == "float" and a.default == 0.0:
             out.append((a.name, 1.0, f"`{a.name}` > 0"))
     return out
@@ -151,7 +134,7 @@ def _weights(rule: LayerRule) -> list[tuple[str, str, str, str]]:
     seen: dict[str, tuple[str, str]] = {}
     present_by_default = set()
     for w in rule.weights(rule.parse(base)):
-        seen[w.name] = ("[" + ", ".join(map(str, w.shape)) + "]", w.init)
+        seen[w.name] = ("[" + ", ".join(map(_text, w.shape)) + "]", w.init)
         present_by_default.add(w.name)
     # A weight present by default stays while every flag that removes it keeps its default; one
     # absent by default appears with the fewest changes that add it (one, else two of
@@ -164,7 +147,7 @@ def _weights(rule: LayerRule) -> list[tuple[str, str, str, str]]:
         names = set()
         for w in rule.weights(rule.parse({**base, **{name: value for name, value, _ in changes}})):
             names.add(w.name)
-            seen.setdefault(w.name, ("[" + ", ".join(map(str, w.shape)) + "]", w.init))
+            seen.setdefault(w.name, ("[" + ", ".join(map(_text, w.shape)) + "]", w.init))
         for name in present_by_default - names:
             if len(changes) == 1 and changes[0][2].startswith("`"):
                 kept_while.setdefault(name, []).append(f"`{changes[0][0]}={_literal(base[changes[0][0]])}`")

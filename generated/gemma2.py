@@ -42,13 +42,19 @@ COMPUTE_DTYPE = "bfloat16"
 
 # ---- the spec's constants ----------------------------------------------------------------------
 
+VOCAB = 256000
+D = 2304
 HEADS = 8
 KV_HEADS = 4
+HEAD_DIM = 256
+FFN = 9216
 LAYERS = 26
 EPS = 1e-06
 WINDOW = 4096
 ATTN_CAP = 50.0
 LOGIT_CAP = 30.0
+SEQ = 8192
+BATCH = 8
 
 
 # ---- parameters and inputs ---------------------------------------------------------------------
@@ -58,7 +64,7 @@ LOGIT_CAP = 30.0
 # stacked along a leading dimension (weights are exported one by one, as `blocks.3.attn.q`).
 PARAMETERS = {
     "embed.table": Parameter(
-        (256000, 2304), "float32", "normal:0.02", P("model", None), optimizer_sharding=P(("model", "data"), None)
+        (VOCAB, D), "float32", "normal:0.02", P("model", None), optimizer_sharding=P(("model", "data"), None)
     ),
     # The weights of `layers.*`: each stacks its 13 layers ahead of one layer's shape
     # and sharding, which the table gives with its name in the block and its init.
@@ -67,57 +73,87 @@ PARAMETERS = {
             (13, *shape), "float32", init, P(None, *sharding), optimizer_sharding=P(None, *optimizer), layers=(1,)
         )
         for name, shape, init, sharding, optimizer in (
-            ("local.norm.scale", (2304,), "zeros", (None,), ("data",)),
-            ("local.attn.q", (2304, 2048), "normal:0.020833333333333332", (None, "model"), ("data", "model")),
-            ("local.attn.k", (2304, 1024), "normal:0.020833333333333332", (None, "model"), ("data", "model")),
-            ("local.attn.v", (2304, 1024), "normal:0.020833333333333332", (None, "model"), ("data", "model")),
-            ("local.attn.o", (2048, 2304), "normal:0.02209708691207961", ("model", None), (("model", "data"), None)),
-            ("local.post_norm.scale", (2304,), "zeros", (None,), ("data",)),
-            ("local_mlp.norm.scale", (2304,), "zeros", (None,), ("data",)),
-            ("local_mlp.gate_up.gate", (2304, 9216), "normal:0.020833333333333332", (None, "model"), ("data", "model")),
-            ("local_mlp.gate_up.up", (2304, 9216), "normal:0.020833333333333332", (None, "model"), ("data", "model")),
+            ("local.norm.scale", (D,), "zeros", (None,), ("data",)),
+            ("local.attn.q", (D, HEADS * HEAD_DIM), "normal:0.020833333333333332", (None, "model"), ("data", "model")),
             (
-                "local_mlp.down.kernel",
-                (9216, 2304),
-                "normal:0.010416666666666666",
-                ("model", None),
-                (("model", "data"), None),
-            ),
-            ("local_mlp.post_norm.scale", (2304,), "zeros", (None,), ("data",)),
-            ("global.norm.scale", (2304,), "zeros", (None,), ("data",)),
-            ("global.attn.q", (2304, 2048), "normal:0.020833333333333332", (None, "model"), ("data", "model")),
-            ("global.attn.k", (2304, 1024), "normal:0.020833333333333332", (None, "model"), ("data", "model")),
-            ("global.attn.v", (2304, 1024), "normal:0.020833333333333332", (None, "model"), ("data", "model")),
-            ("global.attn.o", (2048, 2304), "normal:0.02209708691207961", ("model", None), (("model", "data"), None)),
-            ("global.post_norm.scale", (2304,), "zeros", (None,), ("data",)),
-            ("global_mlp.norm.scale", (2304,), "zeros", (None,), ("data",)),
-            (
-                "global_mlp.gate_up.gate",
-                (2304, 9216),
+                "local.attn.k",
+                (D, KV_HEADS * HEAD_DIM),
                 "normal:0.020833333333333332",
                 (None, "model"),
                 ("data", "model"),
             ),
-            ("global_mlp.gate_up.up", (2304, 9216), "normal:0.020833333333333332", (None, "model"), ("data", "model")),
             (
-                "global_mlp.down.kernel",
-                (9216, 2304),
+                "local.attn.v",
+                (D, KV_HEADS * HEAD_DIM),
+                "normal:0.020833333333333332",
+                (None, "model"),
+                ("data", "model"),
+            ),
+            (
+                "local.attn.o",
+                (HEADS * HEAD_DIM, D),
+                "normal:0.02209708691207961",
+                ("model", None),
+                (("model", "data"), None),
+            ),
+            ("local.post_norm.scale", (D,), "zeros", (None,), ("data",)),
+            ("local_mlp.norm.scale", (D,), "zeros", (None,), ("data",)),
+            ("local_mlp.gate_up.gate", (D, FFN), "normal:0.020833333333333332", (None, "model"), ("data", "model")),
+            ("local_mlp.gate_up.up", (D, FFN), "normal:0.020833333333333332", (None, "model"), ("data", "model")),
+            (
+                "local_mlp.down.kernel",
+                (FFN, D),
                 "normal:0.010416666666666666",
                 ("model", None),
                 (("model", "data"), None),
             ),
-            ("global_mlp.post_norm.scale", (2304,), "zeros", (None,), ("data",)),
+            ("local_mlp.post_norm.scale", (D,), "zeros", (None,), ("data",)),
+            ("global.norm.scale", (D,), "zeros", (None,), ("data",)),
+            ("global.attn.q", (D, HEADS * HEAD_DIM), "normal:0.020833333333333332", (None, "model"), ("data", "model")),
+            (
+                "global.attn.k",
+                (D, KV_HEADS * HEAD_DIM),
+                "normal:0.020833333333333332",
+                (None, "model"),
+                ("data", "model"),
+            ),
+            (
+                "global.attn.v",
+                (D, KV_HEADS * HEAD_DIM),
+                "normal:0.020833333333333332",
+                (None, "model"),
+                ("data", "model"),
+            ),
+            (
+                "global.attn.o",
+                (HEADS * HEAD_DIM, D),
+                "normal:0.02209708691207961",
+                ("model", None),
+                (("model", "data"), None),
+            ),
+            ("global.post_norm.scale", (D,), "zeros", (None,), ("data",)),
+            ("global_mlp.norm.scale", (D,), "zeros", (None,), ("data",)),
+            ("global_mlp.gate_up.gate", (D, FFN), "normal:0.020833333333333332", (None, "model"), ("data", "model")),
+            ("global_mlp.gate_up.up", (D, FFN), "normal:0.020833333333333332", (None, "model"), ("data", "model")),
+            (
+                "global_mlp.down.kernel",
+                (FFN, D),
+                "normal:0.010416666666666666",
+                ("model", None),
+                (("model", "data"), None),
+            ),
+            ("global_mlp.post_norm.scale", (D,), "zeros", (None,), ("data",)),
         )
     },
-    "norm.scale": Parameter((2304,), "float32", "zeros", P(None), optimizer_sharding=P("data")),
+    "norm.scale": Parameter((D,), "float32", "zeros", P(None), optimizer_sharding=P("data")),
 }
 
 
 INPUTS = {
     # gemma2.par:41 input tokens: i32[batch @ data, seq]
-    "tokens": Input((8, 8192), "int32", P("data", None), 256000),
+    "tokens": Input((BATCH, SEQ), "int32", P("data", None), 256000),
     # gemma2.par:42 input targets: i32[batch @ data, seq]
-    "targets": Input((8, 8192), "int32", P("data", None), 256000),
+    "targets": Input((BATCH, SEQ), "int32", P("data", None), 256000),
 }
 STREAM = "tokens"  # the input the forward pass starts from
 

@@ -53,8 +53,14 @@ COMPUTE_DTYPE = "float32"
 
 # ---- the spec's constants ----------------------------------------------------------------------
 
+POSITIONS = 1024
+D = 768
 HEADS = 12
+FFN = 3072
+LAYERS = 12
 EPS = 1e-05
+SEQ = 1024
+BATCH = 16
 
 
 # ---- parameters and inputs ---------------------------------------------------------------------
@@ -63,41 +69,41 @@ EPS = 1e-05
 # Every array of trainable state, under its name in the spec: `*` stands for a repeat's layers,
 # stacked along a leading dimension (weights are exported one by one, as `blocks.3.attn.q`).
 PARAMETERS = {
-    "wte.table": Parameter((50258, 768), "float32", "normal:0.02", P("model", "stage"), stage_split=1, padding=(1, 0)),
-    "wpe.table": Parameter((1024, 768), "float32", "normal:0.02", P("stage", None), stage_split=0),
+    "wte.table": Parameter((50258, D), "float32", "normal:0.02", P("model", "stage"), stage_split=1, padding=(1, 0)),
+    "wpe.table": Parameter((POSITIONS, D), "float32", "normal:0.02", P("stage", None), stage_split=0),
     # The weights of `h.*`: each stacks its 12 layers ahead of one layer's shape
     # and sharding, which the table gives with its name in the block and its init.
     **{
-        f"h.*.{name}": Parameter((12, *shape), "float32", init, P("stage", *sharding), layers=(1,), stage_rows=0)
+        f"h.*.{name}": Parameter((LAYERS, *shape), "float32", init, P("stage", *sharding), layers=(1,), stage_rows=0)
         for name, shape, init, sharding in (
-            ("ln_1.scale", (768,), "ones", (None,)),
-            ("ln_1.bias", (768,), "zeros", (None,)),
-            ("attn.q", (768, 768), "normal:0.03608439182435161", (None, "model")),
-            ("attn.k", (768, 768), "normal:0.03608439182435161", (None, "model")),
-            ("attn.v", (768, 768), "normal:0.03608439182435161", (None, "model")),
-            ("attn.o", (768, 768), "normal:0.03608439182435161", ("model", None)),
-            ("attn.q_bias", (768,), "zeros", ("model",)),
-            ("attn.k_bias", (768,), "zeros", ("model",)),
-            ("attn.v_bias", (768,), "zeros", ("model",)),
-            ("attn.o_bias", (768,), "zeros", (None,)),
-            ("ln_2.scale", (768,), "ones", (None,)),
-            ("ln_2.bias", (768,), "zeros", (None,)),
-            ("fc.kernel", (768, 3072), "normal:0.03608439182435161", (None, "model")),
-            ("fc.bias", (3072,), "zeros", ("model",)),
-            ("proj.kernel", (3072, 768), "normal:0.018042195912175804", ("model", None)),
-            ("proj.bias", (768,), "zeros", (None,)),
+            ("ln_1.scale", (D,), "ones", (None,)),
+            ("ln_1.bias", (D,), "zeros", (None,)),
+            ("attn.q", (D, D), "normal:0.03608439182435161", (None, "model")),
+            ("attn.k", (D, D), "normal:0.03608439182435161", (None, "model")),
+            ("attn.v", (D, D), "normal:0.03608439182435161", (None, "model")),
+            ("attn.o", (D, D), "normal:0.03608439182435161", ("model", None)),
+            ("attn.q_bias", (D,), "zeros", ("model",)),
+            ("attn.k_bias", (D,), "zeros", ("model",)),
+            ("attn.v_bias", (D,), "zeros", ("model",)),
+            ("attn.o_bias", (D,), "zeros", (None,)),
+            ("ln_2.scale", (D,), "ones", (None,)),
+            ("ln_2.bias", (D,), "zeros", (None,)),
+            ("fc.kernel", (D, FFN), "normal:0.03608439182435161", (None, "model")),
+            ("fc.bias", (FFN,), "zeros", ("model",)),
+            ("proj.kernel", (FFN, D), "normal:0.018042195912175804", ("model", None)),
+            ("proj.bias", (D,), "zeros", (None,)),
         )
     },
-    "ln_f.scale": Parameter((768,), "float32", "ones", P("stage"), stage_split=0),
-    "ln_f.bias": Parameter((768,), "float32", "zeros", P("stage"), stage_split=0),
+    "ln_f.scale": Parameter((D,), "float32", "ones", P("stage"), stage_split=0),
+    "ln_f.bias": Parameter((D,), "float32", "zeros", P("stage"), stage_split=0),
 }
 
 
 INPUTS = {
     # gpt2.par:34 input tokens: i32[batch @ data, seq]
-    "tokens": Input((16, 1024), "int32", P("data", None), 50257),
+    "tokens": Input((BATCH, SEQ), "int32", P("data", None), 50257),
     # gpt2.par:35 input targets: i32[batch @ data, seq]
-    "targets": Input((16, 1024), "int32", P("data", None), 50257),
+    "targets": Input((BATCH, SEQ), "int32", P("data", None), 50257),
 }
 STREAM = "tokens"  # the input the forward pass starts from
 

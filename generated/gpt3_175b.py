@@ -44,7 +44,13 @@ COMPUTE_DTYPE = "bfloat16"
 
 # ---- the spec's constants ----------------------------------------------------------------------
 
+VOCAB = 51200
+D = 12288
 HEADS = 96
+FFN = 49152
+SEQ = 2048
+BATCH = 1536
+N_LAYERS = 96
 
 
 # ---- parameters and inputs ---------------------------------------------------------------------
@@ -54,7 +60,7 @@ HEADS = 96
 # stacked along a leading dimension (weights are exported one by one, as `blocks.3.attn.q`).
 PARAMETERS = {
     "embed.table": Parameter(
-        (51200, 12288),
+        (VOCAB, D),
         "float32",
         "normal:0.02",
         P(("model", "stage"), None),
@@ -65,7 +71,7 @@ PARAMETERS = {
     # and sharding, which the table gives with its name in the block and its init.
     **{
         f"blocks.*.{name}": Parameter(
-            (96, *shape),
+            (N_LAYERS, *shape),
             "float32",
             init,
             P("stage", *sharding),
@@ -74,28 +80,28 @@ PARAMETERS = {
             stage_rows=0,
         )
         for name, shape, init, sharding, optimizer in (
-            ("ln1.scale", (12288,), "ones", (None,), ("data",)),
-            ("ln1.bias", (12288,), "zeros", (None,), ("data",)),
-            ("attn.q", (12288, 12288), "normal:0.009021097956087902", (None, "model"), ("data", "model")),
-            ("attn.k", (12288, 12288), "normal:0.009021097956087902", (None, "model"), ("data", "model")),
-            ("attn.v", (12288, 12288), "normal:0.009021097956087902", (None, "model"), ("data", "model")),
-            ("attn.o", (12288, 12288), "normal:0.009021097956087902", ("model", None), (("model", "data"), None)),
-            ("ln2.scale", (12288,), "ones", (None,), ("data",)),
-            ("ln2.bias", (12288,), "zeros", (None,), ("data",)),
-            ("up.kernel", (12288, 49152), "normal:0.009021097956087902", (None, "model"), ("data", "model")),
-            ("up.bias", (49152,), "zeros", ("model",), (("model", "data"),)),
-            ("down.kernel", (49152, 12288), "normal:0.004510548978043951", ("model", None), (("model", "data"), None)),
-            ("down.bias", (12288,), "zeros", (None,), ("data",)),
+            ("ln1.scale", (D,), "ones", (None,), ("data",)),
+            ("ln1.bias", (D,), "zeros", (None,), ("data",)),
+            ("attn.q", (D, D), "normal:0.009021097956087902", (None, "model"), ("data", "model")),
+            ("attn.k", (D, D), "normal:0.009021097956087902", (None, "model"), ("data", "model")),
+            ("attn.v", (D, D), "normal:0.009021097956087902", (None, "model"), ("data", "model")),
+            ("attn.o", (D, D), "normal:0.009021097956087902", ("model", None), (("model", "data"), None)),
+            ("ln2.scale", (D,), "ones", (None,), ("data",)),
+            ("ln2.bias", (D,), "zeros", (None,), ("data",)),
+            ("up.kernel", (D, FFN), "normal:0.009021097956087902", (None, "model"), ("data", "model")),
+            ("up.bias", (FFN,), "zeros", ("model",), (("model", "data"),)),
+            ("down.kernel", (FFN, D), "normal:0.004510548978043951", ("model", None), (("model", "data"), None)),
+            ("down.bias", (D,), "zeros", (None,), ("data",)),
         )
     },
     "ln_f.scale": Parameter(
-        (12288,), "float32", "ones", P("stage"), optimizer_sharding=P(("stage", "data")), stage_split=0
+        (D,), "float32", "ones", P("stage"), optimizer_sharding=P(("stage", "data")), stage_split=0
     ),
     "ln_f.bias": Parameter(
-        (12288,), "float32", "zeros", P("stage"), optimizer_sharding=P(("stage", "data")), stage_split=0
+        (D,), "float32", "zeros", P("stage"), optimizer_sharding=P(("stage", "data")), stage_split=0
     ),
     "head.kernel": Parameter(
-        (12288, 51200),
+        (D, VOCAB),
         "float32",
         "normal:0.009021097956087902",
         P("stage", "model"),
@@ -107,9 +113,9 @@ PARAMETERS = {
 
 INPUTS = {
     # gpt3_175b.par:28 input tokens: i32[batch @ data, seq]
-    "tokens": Input((1536, 2048), "int32", P("data", None), 51200),
+    "tokens": Input((BATCH, SEQ), "int32", P("data", None), 51200),
     # gpt3_175b.par:29 input targets: i32[batch @ data, seq]
-    "targets": Input((1536, 2048), "int32", P("data", None), 51200),
+    "targets": Input((BATCH, SEQ), "int32", P("data", None), 51200),
 }
 STREAM = "tokens"  # the input the forward pass starts from
 

@@ -44,8 +44,14 @@ COMPUTE_DTYPE = "bfloat16"
 
 # ---- the spec's constants ----------------------------------------------------------------------
 
+VOCAB = 50304
+D = 768
 HEADS = 12
+FFN = 3072
+LAYERS = 12
 EPS = 1e-05
+SEQ = 2048
+BATCH = 16
 
 
 # ---- parameters and inputs ---------------------------------------------------------------------
@@ -55,7 +61,7 @@ EPS = 1e-05
 # stacked along a leading dimension (weights are exported one by one, as `blocks.3.attn.q`).
 PARAMETERS = {
     "embed.table": Parameter(
-        (50304, 768),
+        (VOCAB, D),
         "float32",
         "normal:0.02",
         P(("model", "stage"), None),
@@ -66,7 +72,7 @@ PARAMETERS = {
     # and sharding, which the table gives with its name in the block and its init.
     **{
         f"layers.*.{name}": Parameter(
-            (12, *shape),
+            (LAYERS, *shape),
             "float32",
             init,
             P("stage", *sharding),
@@ -75,32 +81,32 @@ PARAMETERS = {
             stage_rows=0,
         )
         for name, shape, init, sharding, optimizer in (
-            ("ln_1.scale", (768,), "ones", (None,), ("data",)),
-            ("ln_1.bias", (768,), "zeros", (None,), ("data",)),
-            ("attn.q", (768, 768), "normal:0.03608439182435161", (None, "model"), ("data", "model")),
-            ("attn.k", (768, 768), "normal:0.03608439182435161", (None, "model"), ("data", "model")),
-            ("attn.v", (768, 768), "normal:0.03608439182435161", (None, "model"), ("data", "model")),
-            ("attn.o", (768, 768), "normal:0.03608439182435161", ("model", None), (("model", "data"), None)),
-            ("attn.q_bias", (768,), "zeros", ("model",), (("model", "data"),)),
-            ("attn.k_bias", (768,), "zeros", ("model",), (("model", "data"),)),
-            ("attn.v_bias", (768,), "zeros", ("model",), (("model", "data"),)),
-            ("attn.o_bias", (768,), "zeros", (None,), ("data",)),
-            ("ln_2.scale", (768,), "ones", (None,), ("data",)),
-            ("ln_2.bias", (768,), "zeros", (None,), ("data",)),
-            ("fc.kernel", (768, 3072), "normal:0.03608439182435161", (None, "model"), ("data", "model")),
-            ("fc.bias", (3072,), "zeros", ("model",), (("model", "data"),)),
-            ("proj.kernel", (3072, 768), "normal:0.018042195912175804", ("model", None), (("model", "data"), None)),
-            ("proj.bias", (768,), "zeros", (None,), ("data",)),
+            ("ln_1.scale", (D,), "ones", (None,), ("data",)),
+            ("ln_1.bias", (D,), "zeros", (None,), ("data",)),
+            ("attn.q", (D, D), "normal:0.03608439182435161", (None, "model"), ("data", "model")),
+            ("attn.k", (D, D), "normal:0.03608439182435161", (None, "model"), ("data", "model")),
+            ("attn.v", (D, D), "normal:0.03608439182435161", (None, "model"), ("data", "model")),
+            ("attn.o", (D, D), "normal:0.03608439182435161", ("model", None), (("model", "data"), None)),
+            ("attn.q_bias", (D,), "zeros", ("model",), (("model", "data"),)),
+            ("attn.k_bias", (D,), "zeros", ("model",), (("model", "data"),)),
+            ("attn.v_bias", (D,), "zeros", ("model",), (("model", "data"),)),
+            ("attn.o_bias", (D,), "zeros", (None,), ("data",)),
+            ("ln_2.scale", (D,), "ones", (None,), ("data",)),
+            ("ln_2.bias", (D,), "zeros", (None,), ("data",)),
+            ("fc.kernel", (D, FFN), "normal:0.03608439182435161", (None, "model"), ("data", "model")),
+            ("fc.bias", (FFN,), "zeros", ("model",), (("model", "data"),)),
+            ("proj.kernel", (FFN, D), "normal:0.018042195912175804", ("model", None), (("model", "data"), None)),
+            ("proj.bias", (D,), "zeros", (None,), ("data",)),
         )
     },
     "ln_f.scale": Parameter(
-        (768,), "float32", "ones", P("stage"), optimizer_sharding=P(("stage", "data")), stage_split=0
+        (D,), "float32", "ones", P("stage"), optimizer_sharding=P(("stage", "data")), stage_split=0
     ),
     "ln_f.bias": Parameter(
-        (768,), "float32", "zeros", P("stage"), optimizer_sharding=P(("stage", "data")), stage_split=0
+        (D,), "float32", "zeros", P("stage"), optimizer_sharding=P(("stage", "data")), stage_split=0
     ),
     "head.kernel": Parameter(
-        (768, 50304),
+        (D, VOCAB),
         "float32",
         "normal:0.03608439182435161",
         P("stage", "model"),
@@ -112,9 +118,9 @@ PARAMETERS = {
 
 INPUTS = {
     # gpt_neox.par:33 input tokens: i32[batch @ data, seq]
-    "tokens": Input((16, 2048), "int32", P("data", None), 50304),
+    "tokens": Input((BATCH, SEQ), "int32", P("data", None), 50304),
     # gpt_neox.par:34 input targets: i32[batch @ data, seq]
-    "targets": Input((16, 2048), "int32", P("data", None), 50304),
+    "targets": Input((BATCH, SEQ), "int32", P("data", None), 50304),
 }
 STREAM = "tokens"  # the input the forward pass starts from
 

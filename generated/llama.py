@@ -44,9 +44,15 @@ COMPUTE_DTYPE = "bfloat16"
 
 # ---- the spec's constants ----------------------------------------------------------------------
 
+VOCAB = 32000
+D = 2048
 HEADS = 32
 KV_HEADS = 4
+FFN = 5632
+LAYERS = 22
 EPS = 1e-05
+SEQ = 2048
+BATCH = 16
 
 
 # ---- parameters and inputs ---------------------------------------------------------------------
@@ -56,7 +62,7 @@ EPS = 1e-05
 # stacked along a leading dimension (weights are exported one by one, as `blocks.3.attn.q`).
 PARAMETERS = {
     "embed.table": Parameter(
-        (32000, 2048),
+        (VOCAB, D),
         "float32",
         "normal:0.02",
         P(("model", "stage"), None),
@@ -67,7 +73,7 @@ PARAMETERS = {
     # and sharding, which the table gives with its name in the block and its init.
     **{
         f"layers.*.{name}": Parameter(
-            (22, *shape),
+            (LAYERS, *shape),
             "float32",
             init,
             P("stage", *sharding),
@@ -76,22 +82,22 @@ PARAMETERS = {
             stage_rows=0,
         )
         for name, shape, init, sharding, optimizer in (
-            ("attn_norm.scale", (2048,), "ones", (None,), ("data",)),
-            ("attn.q", (2048, 2048), "normal:0.02209708691207961", (None, "model"), ("data", "model")),
-            ("attn.k", (2048, 256), "normal:0.02209708691207961", (None, "model"), ("data", "model")),
-            ("attn.v", (2048, 256), "normal:0.02209708691207961", (None, "model"), ("data", "model")),
-            ("attn.o", (2048, 2048), "normal:0.02209708691207961", ("model", None), (("model", "data"), None)),
-            ("mlp_norm.scale", (2048,), "ones", (None,), ("data",)),
-            ("gate_up.gate", (2048, 5632), "normal:0.02209708691207961", (None, "model"), ("data", "model")),
-            ("gate_up.up", (2048, 5632), "normal:0.02209708691207961", (None, "model"), ("data", "model")),
-            ("down.kernel", (5632, 2048), "normal:0.013325044772225653", ("model", None), (("model", "data"), None)),
+            ("attn_norm.scale", (D,), "ones", (None,), ("data",)),
+            ("attn.q", (D, D), "normal:0.02209708691207961", (None, "model"), ("data", "model")),
+            ("attn.k", (D, KV_HEADS * (D // HEADS)), "normal:0.02209708691207961", (None, "model"), ("data", "model")),
+            ("attn.v", (D, KV_HEADS * (D // HEADS)), "normal:0.02209708691207961", (None, "model"), ("data", "model")),
+            ("attn.o", (D, D), "normal:0.02209708691207961", ("model", None), (("model", "data"), None)),
+            ("mlp_norm.scale", (D,), "ones", (None,), ("data",)),
+            ("gate_up.gate", (D, FFN), "normal:0.02209708691207961", (None, "model"), ("data", "model")),
+            ("gate_up.up", (D, FFN), "normal:0.02209708691207961", (None, "model"), ("data", "model")),
+            ("down.kernel", (FFN, D), "normal:0.013325044772225653", ("model", None), (("model", "data"), None)),
         )
     },
     "norm.scale": Parameter(
-        (2048,), "float32", "ones", P("stage"), optimizer_sharding=P(("stage", "data")), stage_split=0
+        (D,), "float32", "ones", P("stage"), optimizer_sharding=P(("stage", "data")), stage_split=0
     ),
     "head.kernel": Parameter(
-        (2048, 32000),
+        (D, VOCAB),
         "float32",
         "normal:0.02209708691207961",
         P("stage", "model"),
@@ -103,9 +109,9 @@ PARAMETERS = {
 
 INPUTS = {
     # llama.par:35 input tokens: i32[batch @ data, seq]
-    "tokens": Input((16, 2048), "int32", P("data", None), 32000),
+    "tokens": Input((BATCH, SEQ), "int32", P("data", None), 32000),
     # llama.par:36 input targets: i32[batch @ data, seq]
-    "targets": Input((16, 2048), "int32", P("data", None), 32000),
+    "targets": Input((BATCH, SEQ), "int32", P("data", None), 32000),
 }
 STREAM = "tokens"  # the input the forward pass starts from
 

@@ -42,8 +42,13 @@ COMPUTE_DTYPE = "bfloat16"
 
 # ---- the spec's constants ----------------------------------------------------------------------
 
+VOCAB = 512
+D = 128
 HEADS = 8
 KV_HEADS = 4
+FFN = 344
+SEQ = 64
+BATCH = 8
 N_LAYERS = 4
 
 
@@ -54,38 +59,38 @@ N_LAYERS = 4
 # stacked along a leading dimension (weights are exported one by one, as `blocks.3.attn.q`).
 PARAMETERS = {
     "embed.table": Parameter(
-        (512, 128), "float32", "normal:0.02", P("model", None), optimizer_sharding=P(("model", "data"), None)
+        (VOCAB, D), "float32", "normal:0.02", P("model", None), optimizer_sharding=P(("model", "data"), None)
     ),
     # The weights of `layers.*`: each stacks its 4 layers ahead of one layer's shape
     # and sharding, which the table gives with its name in the block and its init.
     **{
         f"layers.*.{name}": Parameter(
-            (4, *shape), "float32", init, P(None, *sharding), optimizer_sharding=P(None, *optimizer), layers=(1,)
+            (N_LAYERS, *shape), "float32", init, P(None, *sharding), optimizer_sharding=P(None, *optimizer), layers=(1,)
         )
         for name, shape, init, sharding, optimizer in (
-            ("attn_norm.scale", (128,), "ones", (None,), ("data",)),
-            ("attn.q", (128, 128), "normal:0.08838834764831845", (None, "model"), ("data", "model")),
-            ("attn.k", (128, 64), "normal:0.08838834764831845", (None, "model"), ("data", "model")),
-            ("attn.v", (128, 64), "normal:0.08838834764831845", (None, "model"), ("data", "model")),
-            ("attn.o", (128, 128), "normal:0.08838834764831845", ("model", None), (("model", "data"), None)),
-            ("mlp_norm.scale", (128,), "ones", (None,), ("data",)),
-            ("gate_up.gate", (128, 344), "normal:0.08838834764831845", (None, "model"), ("data", "model")),
-            ("gate_up.up", (128, 344), "normal:0.08838834764831845", (None, "model"), ("data", "model")),
-            ("down.kernel", (344, 128), "normal:0.053916386601719206", ("model", None), (("model", "data"), None)),
+            ("attn_norm.scale", (D,), "ones", (None,), ("data",)),
+            ("attn.q", (D, D), "normal:0.08838834764831845", (None, "model"), ("data", "model")),
+            ("attn.k", (D, KV_HEADS * (D // HEADS)), "normal:0.08838834764831845", (None, "model"), ("data", "model")),
+            ("attn.v", (D, KV_HEADS * (D // HEADS)), "normal:0.08838834764831845", (None, "model"), ("data", "model")),
+            ("attn.o", (D, D), "normal:0.08838834764831845", ("model", None), (("model", "data"), None)),
+            ("mlp_norm.scale", (D,), "ones", (None,), ("data",)),
+            ("gate_up.gate", (D, FFN), "normal:0.08838834764831845", (None, "model"), ("data", "model")),
+            ("gate_up.up", (D, FFN), "normal:0.08838834764831845", (None, "model"), ("data", "model")),
+            ("down.kernel", (FFN, D), "normal:0.053916386601719206", ("model", None), (("model", "data"), None)),
         )
     },
-    "norm.scale": Parameter((128,), "float32", "ones", P(None), optimizer_sharding=P("data")),
+    "norm.scale": Parameter((D,), "float32", "ones", P(None), optimizer_sharding=P("data")),
     "head.kernel": Parameter(
-        (128, 512), "float32", "normal:0.08838834764831845", P(None, "model"), optimizer_sharding=P("data", "model")
+        (D, VOCAB), "float32", "normal:0.08838834764831845", P(None, "model"), optimizer_sharding=P("data", "model")
     ),
 }
 
 
 INPUTS = {
     # llama_small.par:19 input tokens: i32[batch @ data, seq]
-    "tokens": Input((8, 64), "int32", P("data", None), 512),
+    "tokens": Input((BATCH, SEQ), "int32", P("data", None), 512),
     # llama_small.par:20 input targets: i32[batch @ data, seq]
-    "targets": Input((8, 64), "int32", P("data", None), 512),
+    "targets": Input((BATCH, SEQ), "int32", P("data", None), 512),
 }
 STREAM = "tokens"  # the input the forward pass starts from
 

@@ -42,8 +42,13 @@ COMPUTE_DTYPE = "float32"
 
 # ---- the spec's constants ----------------------------------------------------------------------
 
+VOCAB = 128
+D = 32
 HEADS = 4
 KV_HEADS = 2
+FFN = 64
+SEQ = 64
+BATCH = 4
 N_LAYERS = 2
 
 
@@ -53,33 +58,33 @@ N_LAYERS = 2
 # Every array of trainable state, under its name in the spec: `*` stands for a repeat's layers,
 # stacked along a leading dimension (weights are exported one by one, as `blocks.3.attn.q`).
 PARAMETERS = {
-    "embed.table": Parameter((128, 32), "float32", "normal:0.02", P("model", None)),
+    "embed.table": Parameter((VOCAB, D), "float32", "normal:0.02", P("model", None)),
     # The weights of `layers.*`: each stacks its 2 layers ahead of one layer's shape
     # and sharding, which the table gives with its name in the block and its init.
     **{
-        f"layers.*.{name}": Parameter((2, *shape), "float32", init, P(None, *sharding), layers=(1,))
+        f"layers.*.{name}": Parameter((N_LAYERS, *shape), "float32", init, P(None, *sharding), layers=(1,))
         for name, shape, init, sharding in (
-            ("attn_norm.scale", (32,), "ones", (None,)),
-            ("attn.q", (32, 32), "normal:0.1767766952966369", (None, "model")),
-            ("attn.k", (32, 16), "normal:0.1767766952966369", (None, "model")),
-            ("attn.v", (32, 16), "normal:0.1767766952966369", (None, "model")),
-            ("attn.o", (32, 32), "normal:0.1767766952966369", ("model", None)),
-            ("mlp_norm.scale", (32,), "ones", (None,)),
-            ("gate_up.gate", (32, 64), "normal:0.1767766952966369", (None, "model")),
-            ("gate_up.up", (32, 64), "normal:0.1767766952966369", (None, "model")),
-            ("down.kernel", (64, 32), "normal:0.125", ("model", None)),
+            ("attn_norm.scale", (D,), "ones", (None,)),
+            ("attn.q", (D, D), "normal:0.1767766952966369", (None, "model")),
+            ("attn.k", (D, KV_HEADS * (D // HEADS)), "normal:0.1767766952966369", (None, "model")),
+            ("attn.v", (D, KV_HEADS * (D // HEADS)), "normal:0.1767766952966369", (None, "model")),
+            ("attn.o", (D, D), "normal:0.1767766952966369", ("model", None)),
+            ("mlp_norm.scale", (D,), "ones", (None,)),
+            ("gate_up.gate", (D, FFN), "normal:0.1767766952966369", (None, "model")),
+            ("gate_up.up", (D, FFN), "normal:0.1767766952966369", (None, "model")),
+            ("down.kernel", (FFN, D), "normal:0.125", ("model", None)),
         )
     },
-    "norm.scale": Parameter((32,), "float32", "ones", P(None)),
-    "head.kernel": Parameter((32, 128), "float32", "normal:0.1767766952966369", P(None, "model")),
+    "norm.scale": Parameter((D,), "float32", "ones", P(None)),
+    "head.kernel": Parameter((D, VOCAB), "float32", "normal:0.1767766952966369", P(None, "model")),
 }
 
 
 INPUTS = {
     # long_context.par:21 input tokens: i32[batch @ data, seq @ context]
-    "tokens": Input((4, 64), "int32", P("data", "context"), 128),
+    "tokens": Input((BATCH, SEQ), "int32", P("data", "context"), 128),
     # long_context.par:22 input targets: i32[batch @ data, seq @ context]
-    "targets": Input((4, 64), "int32", P("data", "context"), 128),
+    "targets": Input((BATCH, SEQ), "int32", P("data", "context"), 128),
 }
 STREAM = "tokens"  # the input the forward pass starts from
 

@@ -42,7 +42,13 @@ COMPUTE_DTYPE = "float32"
 
 # ---- the spec's constants ----------------------------------------------------------------------
 
+VOCAB = 256
+D = 32
 HEADS = 4
+EXPERTS = 8
+HIDDEN = 64
+SEQ = 16
+BATCH = 16
 
 
 # ---- parameters and inputs ---------------------------------------------------------------------
@@ -51,36 +57,36 @@ HEADS = 4
 # Every array of trainable state, under its name in the spec: `*` stands for a repeat's layers,
 # stacked along a leading dimension (weights are exported one by one, as `blocks.3.attn.q`).
 PARAMETERS = {
-    "embed.table": Parameter((256, 32), "float32", "normal:0.02", P(None, None)),
+    "embed.table": Parameter((VOCAB, D), "float32", "normal:0.02", P(None, None)),
     # The weights of `layers.*`: each stacks its 2 layers ahead of one layer's shape
     # and sharding, which the table gives with its name in the block and its init.
     **{
         f"layers.*.{name}": Parameter((2, *shape), "float32", init, P(None, *sharding), layers=(1,))
         for name, shape, init, sharding in (
-            ("ln1.scale", (32,), "ones", (None,)),
-            ("ln1.bias", (32,), "zeros", (None,)),
-            ("attn.q", (32, 32), "normal:0.1767766952966369", (None, None)),
-            ("attn.k", (32, 32), "normal:0.1767766952966369", (None, None)),
-            ("attn.v", (32, 32), "normal:0.1767766952966369", (None, None)),
-            ("attn.o", (32, 32), "normal:0.1767766952966369", (None, None)),
-            ("ln2.scale", (32,), "ones", (None,)),
-            ("ln2.bias", (32,), "zeros", (None,)),
-            ("moe.router", (32, 8), "normal:0.1767766952966369", (None, None)),
-            ("moe.w_in", (8, 32, 64), "normal:0.1767766952966369", ("expert", None, None)),
-            ("moe.w_out", (8, 64, 32), "normal:0.125", ("expert", None, None)),
+            ("ln1.scale", (D,), "ones", (None,)),
+            ("ln1.bias", (D,), "zeros", (None,)),
+            ("attn.q", (D, D), "normal:0.1767766952966369", (None, None)),
+            ("attn.k", (D, D), "normal:0.1767766952966369", (None, None)),
+            ("attn.v", (D, D), "normal:0.1767766952966369", (None, None)),
+            ("attn.o", (D, D), "normal:0.1767766952966369", (None, None)),
+            ("ln2.scale", (D,), "ones", (None,)),
+            ("ln2.bias", (D,), "zeros", (None,)),
+            ("moe.router", (D, EXPERTS), "normal:0.1767766952966369", (None, None)),
+            ("moe.w_in", (EXPERTS, D, HIDDEN), "normal:0.1767766952966369", ("expert", None, None)),
+            ("moe.w_out", (EXPERTS, HIDDEN, D), "normal:0.125", ("expert", None, None)),
         )
     },
-    "ln_f.scale": Parameter((32,), "float32", "ones", P(None)),
-    "ln_f.bias": Parameter((32,), "float32", "zeros", P(None)),
-    "head.kernel": Parameter((32, 256), "float32", "normal:0.1767766952966369", P(None, None)),
+    "ln_f.scale": Parameter((D,), "float32", "ones", P(None)),
+    "ln_f.bias": Parameter((D,), "float32", "zeros", P(None)),
+    "head.kernel": Parameter((D, VOCAB), "float32", "normal:0.1767766952966369", P(None, None)),
 }
 
 
 INPUTS = {
     # moe_small.par:20 input tokens: i32[batch @ (data, expert), seq]
-    "tokens": Input((16, 16), "int32", P(("data", "expert"), None), 256),
+    "tokens": Input((BATCH, SEQ), "int32", P(("data", "expert"), None), 256),
     # moe_small.par:21 input targets: i32[batch @ (data, expert), seq]
-    "targets": Input((16, 16), "int32", P(("data", "expert"), None), 256),
+    "targets": Input((BATCH, SEQ), "int32", P(("data", "expert"), None), 256),
 }
 STREAM = "tokens"  # the input the forward pass starts from
 

@@ -43,13 +43,20 @@ COMPUTE_DTYPE = "bfloat16"
 
 # ---- the spec's constants ----------------------------------------------------------------------
 
+VOCAB = 512
+D = 64
 HEADS = 4
 KV_HEADS = 4
+FFN = 48
+SHARED_FFN = 96
+EXPERTS = 8
 TOP_K = 2
 NORMALIZE = False
 LAYERS = 2
 EPS = 1e-06
 AUX = 0.001
+SEQ = 64
+BATCH = 8
 
 
 # ---- parameters and inputs ---------------------------------------------------------------------
@@ -58,41 +65,41 @@ AUX = 0.001
 # Every array of trainable state, under its name in the spec: `*` stands for a repeat's layers,
 # stacked along a leading dimension (weights are exported one by one, as `blocks.3.attn.q`).
 PARAMETERS = {
-    "embed.table": Parameter((512, 64), "float32", "normal:0.02", P("model", None)),
+    "embed.table": Parameter((VOCAB, D), "float32", "normal:0.02", P("model", None)),
     # The weights of `layers.*`: each stacks its 2 layers ahead of one layer's shape
     # and sharding, which the table gives with its name in the block and its init.
     **{
-        f"layers.*.{name}": Parameter((2, *shape), "float32", init, P(None, *sharding), layers=(1,))
+        f"layers.*.{name}": Parameter((LAYERS, *shape), "float32", init, P(None, *sharding), layers=(1,))
         for name, shape, init, sharding in (
-            ("attn_norm.scale", (64,), "ones", (None,)),
-            ("attn.q", (64, 64), "normal:0.125", (None, "model")),
-            ("attn.k", (64, 64), "normal:0.125", (None, "model")),
-            ("attn.v", (64, 64), "normal:0.125", (None, "model")),
-            ("attn.o", (64, 64), "normal:0.125", ("model", None)),
-            ("attn.q_bias", (64,), "zeros", ("model",)),
-            ("attn.k_bias", (64,), "zeros", ("model",)),
-            ("attn.v_bias", (64,), "zeros", ("model",)),
-            ("moe_norm.scale", (64,), "ones", (None,)),
-            ("moe.router", (64, 8), "normal:0.125", (None, None)),
-            ("moe.w_in", (8, 64, 48), "normal:0.125", ("expert", None, "model")),
-            ("moe.w_out", (8, 48, 64), "normal:0.14433756729740643", ("expert", "model", None)),
-            ("moe.w_gate", (8, 64, 48), "normal:0.125", ("expert", None, "model")),
-            ("moe.s_in", (64, 96), "normal:0.125", (None, "model")),
-            ("moe.s_out", (96, 64), "normal:0.10206207261596575", ("model", None)),
-            ("moe.s_gate", (64, 96), "normal:0.125", (None, "model")),
-            ("moe.s_router", (64, 1), "normal:0.125", (None, None)),
+            ("attn_norm.scale", (D,), "ones", (None,)),
+            ("attn.q", (D, D), "normal:0.125", (None, "model")),
+            ("attn.k", (D, KV_HEADS * (D // HEADS)), "normal:0.125", (None, "model")),
+            ("attn.v", (D, KV_HEADS * (D // HEADS)), "normal:0.125", (None, "model")),
+            ("attn.o", (D, D), "normal:0.125", ("model", None)),
+            ("attn.q_bias", (D,), "zeros", ("model",)),
+            ("attn.k_bias", (KV_HEADS * (D // HEADS),), "zeros", ("model",)),
+            ("attn.v_bias", (KV_HEADS * (D // HEADS),), "zeros", ("model",)),
+            ("moe_norm.scale", (D,), "ones", (None,)),
+            ("moe.router", (D, EXPERTS), "normal:0.125", (None, None)),
+            ("moe.w_in", (EXPERTS, D, FFN), "normal:0.125", ("expert", None, "model")),
+            ("moe.w_out", (EXPERTS, FFN, D), "normal:0.14433756729740643", ("expert", "model", None)),
+            ("moe.w_gate", (EXPERTS, D, FFN), "normal:0.125", ("expert", None, "model")),
+            ("moe.s_in", (D, SHARED_FFN), "normal:0.125", (None, "model")),
+            ("moe.s_out", (SHARED_FFN, D), "normal:0.10206207261596575", ("model", None)),
+            ("moe.s_gate", (D, SHARED_FFN), "normal:0.125", (None, "model")),
+            ("moe.s_router", (D, 1), "normal:0.125", (None, None)),
         )
     },
-    "norm.scale": Parameter((64,), "float32", "ones", P(None)),
-    "head.kernel": Parameter((64, 512), "float32", "normal:0.125", P(None, "model")),
+    "norm.scale": Parameter((D,), "float32", "ones", P(None)),
+    "head.kernel": Parameter((D, VOCAB), "float32", "normal:0.125", P(None, "model")),
 }
 
 
 INPUTS = {
     # qwen2_moe.par:38 input tokens: i32[batch @ (data, expert), seq]
-    "tokens": Input((8, 64), "int32", P(("data", "expert"), None), 512),
+    "tokens": Input((BATCH, SEQ), "int32", P(("data", "expert"), None), 512),
     # qwen2_moe.par:39 input targets: i32[batch @ (data, expert), seq]
-    "targets": Input((8, 64), "int32", P(("data", "expert"), None), 512),
+    "targets": Input((BATCH, SEQ), "int32", P(("data", "expert"), None), 512),
 }
 STREAM = "tokens"  # the input the forward pass starts from
 

@@ -43,13 +43,20 @@ COMPUTE_DTYPE = "bfloat16"
 
 # ---- the spec's constants ----------------------------------------------------------------------
 
+VOCAB = 512
+D = 64
 HEADS = 4
 KV_HEADS = 2
+HEAD_DIM = 32
+FFN = 96
+EXPERTS = 8
 TOP_K = 2
 NORMALIZE = True
 LAYERS = 2
 EPS = 1e-06
 AUX = 0.001
+SEQ = 64
+BATCH = 8
 
 
 # ---- parameters and inputs ---------------------------------------------------------------------
@@ -58,36 +65,36 @@ AUX = 0.001
 # Every array of trainable state, under its name in the spec: `*` stands for a repeat's layers,
 # stacked along a leading dimension (weights are exported one by one, as `blocks.3.attn.q`).
 PARAMETERS = {
-    "embed.table": Parameter((512, 64), "float32", "normal:0.02", P("model", None)),
+    "embed.table": Parameter((VOCAB, D), "float32", "normal:0.02", P("model", None)),
     # The weights of `layers.*`: each stacks its 2 layers ahead of one layer's shape
     # and sharding, which the table gives with its name in the block and its init.
     **{
-        f"layers.*.{name}": Parameter((2, *shape), "float32", init, P(None, *sharding), layers=(1,))
+        f"layers.*.{name}": Parameter((LAYERS, *shape), "float32", init, P(None, *sharding), layers=(1,))
         for name, shape, init, sharding in (
-            ("attn_norm.scale", (64,), "ones", (None,)),
-            ("attn.q", (64, 128), "normal:0.125", (None, "model")),
-            ("attn.k", (64, 64), "normal:0.125", (None, "model")),
-            ("attn.v", (64, 64), "normal:0.125", (None, "model")),
-            ("attn.o", (128, 64), "normal:0.08838834764831845", ("model", None)),
-            ("attn.q_norm", (32,), "ones", (None,)),
-            ("attn.k_norm", (32,), "ones", (None,)),
-            ("moe_norm.scale", (64,), "ones", (None,)),
-            ("moe.router", (64, 8), "normal:0.125", (None, None)),
-            ("moe.w_in", (8, 64, 96), "normal:0.125", ("expert", None, "model")),
-            ("moe.w_out", (8, 96, 64), "normal:0.10206207261596575", ("expert", "model", None)),
-            ("moe.w_gate", (8, 64, 96), "normal:0.125", ("expert", None, "model")),
+            ("attn_norm.scale", (D,), "ones", (None,)),
+            ("attn.q", (D, HEADS * HEAD_DIM), "normal:0.125", (None, "model")),
+            ("attn.k", (D, KV_HEADS * HEAD_DIM), "normal:0.125", (None, "model")),
+            ("attn.v", (D, KV_HEADS * HEAD_DIM), "normal:0.125", (None, "model")),
+            ("attn.o", (HEADS * HEAD_DIM, D), "normal:0.08838834764831845", ("model", None)),
+            ("attn.q_norm", (HEAD_DIM,), "ones", (None,)),
+            ("attn.k_norm", (HEAD_DIM,), "ones", (None,)),
+            ("moe_norm.scale", (D,), "ones", (None,)),
+            ("moe.router", (D, EXPERTS), "normal:0.125", (None, None)),
+            ("moe.w_in", (EXPERTS, D, FFN), "normal:0.125", ("expert", None, "model")),
+            ("moe.w_out", (EXPERTS, FFN, D), "normal:0.10206207261596575", ("expert", "model", None)),
+            ("moe.w_gate", (EXPERTS, D, FFN), "normal:0.125", ("expert", None, "model")),
         )
     },
-    "norm.scale": Parameter((64,), "float32", "ones", P(None)),
-    "head.kernel": Parameter((64, 512), "float32", "normal:0.125", P(None, "model")),
+    "norm.scale": Parameter((D,), "float32", "ones", P(None)),
+    "head.kernel": Parameter((D, VOCAB), "float32", "normal:0.125", P(None, "model")),
 }
 
 
 INPUTS = {
     # qwen3_moe.par:39 input tokens: i32[batch @ (data, expert), seq]
-    "tokens": Input((8, 64), "int32", P(("data", "expert"), None), 512),
+    "tokens": Input((BATCH, SEQ), "int32", P(("data", "expert"), None), 512),
     # qwen3_moe.par:40 input targets: i32[batch @ (data, expert), seq]
-    "targets": Input((8, 64), "int32", P(("data", "expert"), None), 512),
+    "targets": Input((BATCH, SEQ), "int32", P(("data", "expert"), None), 512),
 }
 STREAM = "tokens"  # the input the forward pass starts from
 

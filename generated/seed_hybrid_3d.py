@@ -44,6 +44,10 @@ COMPUTE_DTYPE = "float32"
 
 # ---- the spec's constants ----------------------------------------------------------------------
 
+LAYERS = 24
+BATCH = 16
+SEQ = 512
+HIDDEN = 1024
 HEADS = 16
 
 
@@ -57,21 +61,21 @@ PARAMETERS = {
     # and sharding, which the table gives with its name in the block and its init.
     **{
         f"blocks.*.{name}": Parameter(
-            (24, *shape), "float32", init, P("pipeline", *sharding), layers=(1,), stage_rows=0
+            (LAYERS, *shape), "float32", init, P("pipeline", *sharding), layers=(1,), stage_rows=0
         )
         for name, shape, init, sharding in (
-            ("ln1.scale", (1024,), "ones", (None,)),
-            ("ln1.bias", (1024,), "zeros", (None,)),
-            ("attn.q", (1024, 1024), "normal:0.03125", (None, "model")),
-            ("attn.k", (1024, 1024), "normal:0.03125", (None, "model")),
-            ("attn.v", (1024, 1024), "normal:0.03125", (None, "model")),
-            ("attn.o", (1024, 1024), "normal:0.03125", ("model", None)),
-            ("ln2.scale", (1024,), "ones", (None,)),
-            ("ln2.bias", (1024,), "zeros", (None,)),
-            ("up.kernel", (1024, 4096), "normal:0.03125", (None, "model")),
-            ("up.bias", (4096,), "zeros", ("model",)),
-            ("down.kernel", (4096, 1024), "normal:0.015625", ("model", None)),
-            ("down.bias", (1024,), "zeros", (None,)),
+            ("ln1.scale", (HIDDEN,), "ones", (None,)),
+            ("ln1.bias", (HIDDEN,), "zeros", (None,)),
+            ("attn.q", (HIDDEN, HIDDEN), "normal:0.03125", (None, "model")),
+            ("attn.k", (HIDDEN, HIDDEN), "normal:0.03125", (None, "model")),
+            ("attn.v", (HIDDEN, HIDDEN), "normal:0.03125", (None, "model")),
+            ("attn.o", (HIDDEN, HIDDEN), "normal:0.03125", ("model", None)),
+            ("ln2.scale", (HIDDEN,), "ones", (None,)),
+            ("ln2.bias", (HIDDEN,), "zeros", (None,)),
+            ("up.kernel", (HIDDEN, 4 * HIDDEN), "normal:0.03125", (None, "model")),
+            ("up.bias", (4 * HIDDEN,), "zeros", ("model",)),
+            ("down.kernel", (4 * HIDDEN, HIDDEN), "normal:0.015625", ("model", None)),
+            ("down.bias", (HIDDEN,), "zeros", (None,)),
         )
     },
 }
@@ -79,9 +83,9 @@ PARAMETERS = {
 
 INPUTS = {
     # seed_hybrid_3d.par:16 input x: f32[batch @ data, seq, hidden]
-    "x": Input((16, 512, 1024), "float32", P("data", None, None), 2),
+    "x": Input((BATCH, SEQ, HIDDEN), "float32", P("data", None, None), 2),
     # seed_hybrid_3d.par:17 input y: f32[batch @ data, seq, hidden] # regression target for training
-    "y": Input((16, 512, 1024), "float32", P("data", None, None), 2),
+    "y": Input((BATCH, SEQ, HIDDEN), "float32", P("data", None, None), 2),
 }
 STREAM = "x"  # the input the forward pass starts from
 

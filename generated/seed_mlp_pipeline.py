@@ -41,6 +41,11 @@ MESH_NODES = (1, 1)  # how many nodes each axis spans (the slow network between 
 COMPUTE_DTYPE = "float32"
 
 
+# ---- the spec's constants ----------------------------------------------------------------------
+
+BATCH = 32
+
+
 # ---- parameters and inputs ---------------------------------------------------------------------
 
 
@@ -100,9 +105,9 @@ PARAMETERS = {
 
 INPUTS = {
     # seed_mlp_pipeline.par:16 input images: f32[batch @ data, 784]
-    "images": Input((32, 784), "float32", P("data", None), 2),
+    "images": Input((BATCH, 784), "float32", P("data", None), 2),
     # seed_mlp_pipeline.par:17 input labels: i32[batch @ data]
-    "labels": Input((32,), "int32", P("data"), 10),
+    "labels": Input((BATCH,), "int32", P("data"), 10),
 }
 STREAM = "images"  # the input the forward pass starts from
 

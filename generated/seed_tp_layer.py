@@ -41,7 +41,11 @@ COMPUTE_DTYPE = "float32"
 
 # ---- the spec's constants ----------------------------------------------------------------------
 
+BATCH = 2
+SEQ = 128
+HIDDEN = 768
 HEADS = 12
+FFN = 3072
 
 
 # ---- parameters and inputs ---------------------------------------------------------------------
@@ -50,26 +54,26 @@ HEADS = 12
 # Every array of trainable state, under its name in the spec: `*` stands for a repeat's layers,
 # stacked along a leading dimension (weights are exported one by one, as `blocks.3.attn.q`).
 PARAMETERS = {
-    "ln1.scale": Parameter((768,), "float32", "ones", P(None)),
-    "ln1.bias": Parameter((768,), "float32", "zeros", P(None)),
-    "attn.q": Parameter((768, 768), "float32", "normal:0.03608439182435161", P(None, "model")),
-    "attn.k": Parameter((768, 768), "float32", "normal:0.03608439182435161", P(None, "model")),
-    "attn.v": Parameter((768, 768), "float32", "normal:0.03608439182435161", P(None, "model")),
-    "attn.o": Parameter((768, 768), "float32", "normal:0.03608439182435161", P("model", None)),
-    "ln2.scale": Parameter((768,), "float32", "ones", P(None)),
-    "ln2.bias": Parameter((768,), "float32", "zeros", P(None)),
-    "up.kernel": Parameter((768, 3072), "float32", "normal:0.03608439182435161", P(None, "model")),
-    "up.bias": Parameter((3072,), "float32", "zeros", P("model")),
-    "down.kernel": Parameter((3072, 768), "float32", "normal:0.018042195912175804", P("model", None)),
-    "down.bias": Parameter((768,), "float32", "zeros", P(None)),
+    "ln1.scale": Parameter((HIDDEN,), "float32", "ones", P(None)),
+    "ln1.bias": Parameter((HIDDEN,), "float32", "zeros", P(None)),
+    "attn.q": Parameter((HIDDEN, HIDDEN), "float32", "normal:0.03608439182435161", P(None, "model")),
+    "attn.k": Parameter((HIDDEN, HIDDEN), "float32", "normal:0.03608439182435161", P(None, "model")),
+    "attn.v": Parameter((HIDDEN, HIDDEN), "float32", "normal:0.03608439182435161", P(None, "model")),
+    "attn.o": Parameter((HIDDEN, HIDDEN), "float32", "normal:0.03608439182435161", P("model", None)),
+    "ln2.scale": Parameter((HIDDEN,), "float32", "ones", P(None)),
+    "ln2.bias": Parameter((HIDDEN,), "float32", "zeros", P(None)),
+    "up.kernel": Parameter((HIDDEN, FFN), "float32", "normal:0.03608439182435161", P(None, "model")),
+    "up.bias": Parameter((FFN,), "float32", "zeros", P("model")),
+    "down.kernel": Parameter((FFN, HIDDEN), "float32", "normal:0.018042195912175804", P("model", None)),
+    "down.bias": Parameter((HIDDEN,), "float32", "zeros", P(None)),
 }
 
 
 INPUTS = {
     # seed_tp_layer.par:17 input x: f32[batch @ data, seq, hidden]
-    "x": Input((2, 128, 768), "float32", P("data", None, None), 2),
+    "x": Input((BATCH, SEQ, HIDDEN), "float32", P("data", None, None), 2),
     # seed_tp_layer.par:18 input y: f32[batch @ data, seq, hidden] # regression target for training
-    "y": Input((2, 128, 768), "float32", P("data", None, None), 2),
+    "y": Input((BATCH, SEQ, HIDDEN), "float32", P("data", None, None), 2),
 }
 STREAM = "x"  # the input the forward pass starts from
 

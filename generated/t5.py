@@ -42,10 +42,18 @@ COMPUTE_DTYPE = "bfloat16"
 
 # ---- the spec's constants ----------------------------------------------------------------------
 
+VOCAB = 32128
+D = 512
 HEADS = 6
+HEAD_DIM = 64
+FFN = 1024
 LAYERS = 8
 EPS = 1e-06
+BUCKETS = 32
 MAX_DISTANCE = 128
+SEQ = 512
+TARGET_SEQ = 128
+BATCH = 16
 
 
 # ---- parameters and inputs ---------------------------------------------------------------------
@@ -55,70 +63,142 @@ MAX_DISTANCE = 128
 # stacked along a leading dimension (weights are exported one by one, as `blocks.3.attn.q`).
 PARAMETERS = {
     "encoder_bias.bias.table": Parameter(
-        (32, 6), "float32", "normal:0.02", P(None, "model"), optimizer_sharding=P("data", "model")
+        (BUCKETS, HEADS), "float32", "normal:0.02", P(None, "model"), optimizer_sharding=P("data", "model")
     ),
     "encoded.embed.table": Parameter(
-        (32128, 512), "float32", "normal:0.02", P("model", None), optimizer_sharding=P(("model", "data"), None)
+        (VOCAB, D), "float32", "normal:0.02", P("model", None), optimizer_sharding=P(("model", "data"), None)
     ),
     # The weights of `encoded.layers.*`: each stacks its 8 layers ahead of one layer's shape
     # and sharding, which the table gives with its name in the block and its init.
     **{
         f"encoded.layers.*.{name}": Parameter(
-            (8, *shape), "float32", init, P(None, *sharding), optimizer_sharding=P(None, *optimizer), layers=(1,)
+            (LAYERS, *shape), "float32", init, P(None, *sharding), optimizer_sharding=P(None, *optimizer), layers=(1,)
         )
         for name, shape, init, sharding, optimizer in (
-            ("self_attn.norm.scale", (512,), "ones", (None,), ("data",)),
-            ("self_attn.attn.q", (512, 384), "normal:0.005524271728019903", (None, "model"), ("data", "model")),
-            ("self_attn.attn.k", (512, 384), "normal:0.04419417382415922", (None, "model"), ("data", "model")),
-            ("self_attn.attn.v", (512, 384), "normal:0.04419417382415922", (None, "model"), ("data", "model")),
-            ("self_attn.attn.o", (384, 512), "normal:0.05103103630798288", ("model", None), (("model", "data"), None)),
-            ("mlp.norm.scale", (512,), "ones", (None,), ("data",)),
-            ("mlp.gate_up.gate", (512, 1024), "normal:0.04419417382415922", (None, "model"), ("data", "model")),
-            ("mlp.gate_up.up", (512, 1024), "normal:0.04419417382415922", (None, "model"), ("data", "model")),
-            ("mlp.down.kernel", (1024, 512), "normal:0.03125", ("model", None), (("model", "data"), None)),
+            ("self_attn.norm.scale", (D,), "ones", (None,), ("data",)),
+            (
+                "self_attn.attn.q",
+                (D, HEADS * HEAD_DIM),
+                "normal:0.005524271728019903",
+                (None, "model"),
+                ("data", "model"),
+            ),
+            (
+                "self_attn.attn.k",
+                (D, HEADS * HEAD_DIM),
+                "normal:0.04419417382415922",
+                (None, "model"),
+                ("data", "model"),
+            ),
+            (
+                "self_attn.attn.v",
+                (D, HEADS * HEAD_DIM),
+                "normal:0.04419417382415922",
+                (None, "model"),
+                ("data", "model"),
+            ),
+            (
+                "self_attn.attn.o",
+                (HEADS * HEAD_DIM, D),
+                "normal:0.05103103630798288",
+                ("model", None),
+                (("model", "data"), None),
+            ),
+            ("mlp.norm.scale", (D,), "ones", (None,), ("data",)),
+            ("mlp.gate_up.gate", (D, FFN), "normal:0.04419417382415922", (None, "model"), ("data", "model")),
+            ("mlp.gate_up.up", (D, FFN), "normal:0.04419417382415922", (None, "model"), ("data", "model")),
+            ("mlp.down.kernel", (FFN, D), "normal:0.03125", ("model", None), (("model", "data"), None)),
         )
     },
-    "encoded.norm.scale": Parameter((512,), "float32", "ones", P(None), optimizer_sharding=P("data")),
+    "encoded.norm.scale": Parameter((D,), "float32", "ones", P(None), optimizer_sharding=P("data")),
     "decoder_bias.bias.table": Parameter(
-        (32, 6), "float32", "normal:0.02", P(None, "model"), optimizer_sharding=P("data", "model")
+        (BUCKETS, HEADS), "float32", "normal:0.02", P(None, "model"), optimizer_sharding=P("data", "model")
     ),
     # The weights of `layers.*`: each stacks its 8 layers ahead of one layer's shape
     # and sharding, which the table gives with its name in the block and its init.
     **{
         f"layers.*.{name}": Parameter(
-            (8, *shape), "float32", init, P(None, *sharding), optimizer_sharding=P(None, *optimizer), layers=(1,)
+            (LAYERS, *shape), "float32", init, P(None, *sharding), optimizer_sharding=P(None, *optimizer), layers=(1,)
         )
         for name, shape, init, sharding, optimizer in (
-            ("self_attn.norm.scale", (512,), "ones", (None,), ("data",)),
-            ("self_attn.attn.q", (512, 384), "normal:0.005524271728019903", (None, "model"), ("data", "model")),
-            ("self_attn.attn.k", (512, 384), "normal:0.04419417382415922", (None, "model"), ("data", "model")),
-            ("self_attn.attn.v", (512, 384), "normal:0.04419417382415922", (None, "model"), ("data", "model")),
-            ("self_attn.attn.o", (384, 512), "normal:0.05103103630798288", ("model", None), (("model", "data"), None)),
-            ("cross_attn.norm.scale", (512,), "ones", (None,), ("data",)),
-            ("cross_attn.attn.q", (512, 384), "normal:0.005524271728019903", (None, "model"), ("data", "model")),
-            ("cross_attn.attn.k", (512, 384), "normal:0.04419417382415922", (None, "model"), ("data", "model")),
-            ("cross_attn.attn.v", (512, 384), "normal:0.04419417382415922", (None, "model"), ("data", "model")),
-            ("cross_attn.attn.o", (384, 512), "normal:0.05103103630798288", ("model", None), (("model", "data"), None)),
-            ("mlp.norm.scale", (512,), "ones", (None,), ("data",)),
-            ("mlp.gate_up.gate", (512, 1024), "normal:0.04419417382415922", (None, "model"), ("data", "model")),
-            ("mlp.gate_up.up", (512, 1024), "normal:0.04419417382415922", (None, "model"), ("data", "model")),
-            ("mlp.down.kernel", (1024, 512), "normal:0.03125", ("model", None), (("model", "data"), None)),
+            ("self_attn.norm.scale", (D,), "ones", (None,), ("data",)),
+            (
+                "self_attn.attn.q",
+                (D, HEADS * HEAD_DIM),
+                "normal:0.005524271728019903",
+                (None, "model"),
+                ("data", "model"),
+            ),
+            (
+                "self_attn.attn.k",
+                (D, HEADS * HEAD_DIM),
+                "normal:0.04419417382415922",
+                (None, "model"),
+                ("data", "model"),
+            ),
+            (
+                "self_attn.attn.v",
+                (D, HEADS * HEAD_DIM),
+                "normal:0.04419417382415922",
+                (None, "model"),
+                ("data", "model"),
+            ),
+            (
+                "self_attn.attn.o",
+                (HEADS * HEAD_DIM, D),
+                "normal:0.05103103630798288",
+                ("model", None),
+                (("model", "data"), None),
+            ),
+            ("cross_attn.norm.scale", (D,), "ones", (None,), ("data",)),
+            (
+                "cross_attn.attn.q",
+                (D, HEADS * HEAD_DIM),
+                "normal:0.005524271728019903",
+                (None, "model"),
+                ("data", "model"),
+            ),
+            (
+                "cross_attn.attn.k",
+                (D, HEADS * HEAD_DIM),
+                "normal:0.04419417382415922",
+                (None, "model"),
+                ("data", "model"),
+            ),
+            (
+                "cross_attn.attn.v",
+                (D, HEADS * HEAD_DIM),
+                "normal:0.04419417382415922",
+                (None, "model"),
+                ("data", "model"),
+            ),
+            (
+                "cross_attn.attn.o",
+                (HEADS * HEAD_DIM, D),
+                "normal:0.05103103630798288",
+                ("model", None),
+                (("model", "data"), None),
+            ),
+            ("mlp.norm.scale", (D,), "ones", (None,), ("data",)),
+            ("mlp.gate_up.gate", (D, FFN), "normal:0.04419417382415922", (None, "model"), ("data", "model")),
+            ("mlp.gate_up.up", (D, FFN), "normal:0.04419417382415922", (None, "model"), ("data", "model")),
+            ("mlp.down.kernel", (FFN, D), "normal:0.03125", ("model", None), (("model", "data"), None)),
         )
     },
-    "norm.scale": Parameter((512,), "float32", "ones", P(None), optimizer_sharding=P("data")),
+    "norm.scale": Parameter((D,), "float32", "ones", P(None), optimizer_sharding=P("data")),
     "head.kernel": Parameter(
-        (512, 32128), "float32", "normal:0.04419417382415922", P(None, "model"), optimizer_sharding=P("data", "model")
+        (D, VOCAB), "float32", "normal:0.04419417382415922", P(None, "model"), optimizer_sharding=P("data", "model")
     ),
 }
 
 
 INPUTS = {
     # t5.par:31 input tokens: i32[batch @ data, seq]
-    "tokens": Input((16, 512), "int32", P("data", None), 32128),
+    "tokens": Input((BATCH, SEQ), "int32", P("data", None), 32128),
     # t5.par:32 input decoder_tokens: i32[batch @ data, target_seq]
-    "decoder_tokens": Input((16, 128), "int32", P("data", None), 32128),
+    "decoder_tokens": Input((BATCH, TARGET_SEQ), "int32", P("data", None), 32128),
     # t5.par:33 input targets: i32[batch @ data, target_seq]
-    "targets": Input((16, 128), "int32", P("data", None), 32128),
+    "targets": Input((BATCH, TARGET_SEQ), "int32", P("data", None), 32128),
 }
 STREAM = "decoder_tokens"  # the input the forward pass starts from
 

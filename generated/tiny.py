@@ -41,7 +41,12 @@ COMPUTE_DTYPE = "float32"
 
 # ---- the spec's constants ----------------------------------------------------------------------
 
+VOCAB = 256
+D = 64
 HEADS = 4
+FFN = 256
+SEQ = 32
+BATCH = 8
 
 
 # ---- parameters and inputs ---------------------------------------------------------------------
@@ -50,37 +55,37 @@ HEADS = 4
 # Every array of trainable state, under its name in the spec: `*` stands for a repeat's layers,
 # stacked along a leading dimension (weights are exported one by one, as `blocks.3.attn.q`).
 PARAMETERS = {
-    "embed.table": Parameter((256, 64), "float32", "normal:0.02", P("model", None)),
+    "embed.table": Parameter((VOCAB, D), "float32", "normal:0.02", P("model", None)),
     # The weights of `layers.*`: each stacks its 2 layers ahead of one layer's shape
     # and sharding, which the table gives with its name in the block and its init.
     **{
         f"layers.*.{name}": Parameter((2, *shape), "float32", init, P(None, *sharding), layers=(1,))
         for name, shape, init, sharding in (
-            ("ln1.scale", (64,), "ones", (None,)),
-            ("ln1.bias", (64,), "zeros", (None,)),
-            ("attn.q", (64, 64), "normal:0.125", (None, "model")),
-            ("attn.k", (64, 64), "normal:0.125", (None, "model")),
-            ("attn.v", (64, 64), "normal:0.125", (None, "model")),
-            ("attn.o", (64, 64), "normal:0.125", ("model", None)),
-            ("ln2.scale", (64,), "ones", (None,)),
-            ("ln2.bias", (64,), "zeros", (None,)),
-            ("up.kernel", (64, 256), "normal:0.125", (None, "model")),
-            ("up.bias", (256,), "zeros", ("model",)),
-            ("down.kernel", (256, 64), "normal:0.0625", ("model", None)),
-            ("down.bias", (64,), "zeros", (None,)),
+            ("ln1.scale", (D,), "ones", (None,)),
+            ("ln1.bias", (D,), "zeros", (None,)),
+            ("attn.q", (D, D), "normal:0.125", (None, "model")),
+            ("attn.k", (D, D), "normal:0.125", (None, "model")),
+            ("attn.v", (D, D), "normal:0.125", (None, "model")),
+            ("attn.o", (D, D), "normal:0.125", ("model", None)),
+            ("ln2.scale", (D,), "ones", (None,)),
+            ("ln2.bias", (D,), "zeros", (None,)),
+            ("up.kernel", (D, FFN), "normal:0.125", (None, "model")),
+            ("up.bias", (FFN,), "zeros", ("model",)),
+            ("down.kernel", (FFN, D), "normal:0.0625", ("model", None)),
+            ("down.bias", (D,), "zeros", (None,)),
         )
     },
-    "ln_f.scale": Parameter((64,), "float32", "ones", P(None)),
-    "ln_f.bias": Parameter((64,), "float32", "zeros", P(None)),
-    "head.kernel": Parameter((64, 256), "float32", "normal:0.125", P(None, "model")),
+    "ln_f.scale": Parameter((D,), "float32", "ones", P(None)),
+    "ln_f.bias": Parameter((D,), "float32", "zeros", P(None)),
+    "head.kernel": Parameter((D, VOCAB), "float32", "normal:0.125", P(None, "model")),
 }
 
 
 INPUTS = {
     # tiny.par:16 input tokens: i32[batch @ data, seq]
-    "tokens": Input((8, 32), "int32", P("data", None), 256),
+    "tokens": Input((BATCH, SEQ), "int32", P("data", None), 256),
     # tiny.par:17 input targets: i32[batch @ data, seq]
-    "targets": Input((8, 32), "int32", P("data", None), 256),
+    "targets": Input((BATCH, SEQ), "int32", P("data", None), 256),
 }
 STREAM = "tokens"  # the input the forward pass starts from
 

@@ -53,10 +53,16 @@ COMPUTE_DTYPE = "float32"
 
 # ---- the spec's constants ----------------------------------------------------------------------
 
+SIDE = 16
+CHANNELS = 1
 PATCH = 4
+D = 64
 HEADS = 4
+FFN = 256
 LAYERS = 4
+CLASSES = 10
 EPS = 1e-12
+BATCH = 32
 
 
 # ---- parameters and inputs ---------------------------------------------------------------------
@@ -66,52 +72,60 @@ EPS = 1e-12
 # stacked along a leading dimension (weights are exported one by one, as `blocks.3.attn.q`).
 PARAMETERS = {
     "patches.kernel": Parameter(
-        (4, 4, 1, 64),
+        (PATCH, PATCH, CHANNELS, D),
         "float32",
         "normal:0.25",
         P(None, None, None, None),
         optimizer_sharding=P("data", None, None, None),
     ),
-    "patches.bias": Parameter((64,), "float32", "zeros", P(None), optimizer_sharding=P("data")),
-    "cls.token": Parameter((64,), "float32", "normal:0.02", P(None), optimizer_sharding=P("data")),
-    "positions.table": Parameter((17, 64), "float32", "normal:0.02", P(None, None), optimizer_sharding=P(None, "data")),
+    "patches.bias": Parameter((D,), "float32", "zeros", P(None), optimizer_sharding=P("data")),
+    "cls.token": Parameter((D,), "float32", "normal:0.02", P(None), optimizer_sharding=P("data")),
+    "positions.table": Parameter(
+        (SIDE // PATCH * (SIDE // PATCH) + 1, D),
+        "float32",
+        "normal:0.02",
+        P(None, None),
+        optimizer_sharding=P(None, "data"),
+    ),
     # The weights of `layers.*`: each stacks its 4 layers ahead of one layer's shape
     # and sharding, which the table gives with its name in the block and its init.
     **{
         f"layers.*.{name}": Parameter(
-            (4, *shape), "float32", init, P(None, *sharding), optimizer_sharding=P(None, *optimizer), layers=(1,)
+            (LAYERS, *shape), "float32", init, P(None, *sharding), optimizer_sharding=P(None, *optimizer), layers=(1,)
         )
         for name, shape, init, sharding, optimizer in (
-            ("ln_1.scale", (64,), "ones", (None,), ("data",)),
-            ("ln_1.bias", (64,), "zeros", (None,), ("data",)),
-            ("attn.q", (64, 64), "normal:0.125", (None, "model"), ("data", "model")),
-            ("attn.k", (64, 64), "normal:0.125", (None, "model"), ("data", "model")),
-            ("attn.v", (64, 64), "normal:0.125", (None, "model"), ("data", "model")),
-            ("attn.o", (64, 64), "normal:0.125", ("model", None), (("model", "data"), None)),
-            ("attn.q_bias", (64,), "zeros", ("model",), (("model", "data"),)),
-            ("attn.k_bias", (64,), "zeros", ("model",), (("model", "data"),)),
-            ("attn.v_bias", (64,), "zeros", ("model",), (("model", "data"),)),
-            ("attn.o_bias", (64,), "zeros", (None,), ("data",)),
-            ("ln_2.scale", (64,), "ones", (None,), ("data",)),
-            ("ln_2.bias", (64,), "zeros", (None,), ("data",)),
-            ("fc.kernel", (64, 256), "normal:0.125", (None, "model"), ("data", "model")),
-            ("fc.bias", (256,), "zeros", ("model",), (("model", "data"),)),
-            ("proj.kernel", (256, 64), "normal:0.0625", ("model", None), (("model", "data"), None)),
-            ("proj.bias", (64,), "zeros", (None,), ("data",)),
+            ("ln_1.scale", (D,), "ones", (None,), ("data",)),
+            ("ln_1.bias", (D,), "zeros", (None,), ("data",)),
+            ("attn.q", (D, D), "normal:0.125", (None, "model"), ("data", "model")),
+            ("attn.k", (D, D), "normal:0.125", (None, "model"), ("data", "model")),
+            ("attn.v", (D, D), "normal:0.125", (None, "model"), ("data", "model")),
+            ("attn.o", (D, D), "normal:0.125", ("model", None), (("model", "data"), None)),
+            ("attn.q_bias", (D,), "zeros", ("model",), (("model", "data"),)),
+            ("attn.k_bias", (D,), "zeros", ("model",), (("model", "data"),)),
+            ("attn.v_bias", (D,), "zeros", ("model",), (("model", "data"),)),
+            ("attn.o_bias", (D,), "zeros", (None,), ("data",)),
+            ("ln_2.scale", (D,), "ones", (None,), ("data",)),
+            ("ln_2.bias", (D,), "zeros", (None,), ("data",)),
+            ("fc.kernel", (D, FFN), "normal:0.125", (None, "model"), ("data", "model")),
+            ("fc.bias", (FFN,), "zeros", ("model",), (("model", "data"),)),
+            ("proj.kernel", (FFN, D), "normal:0.0625", ("model", None), (("model", "data"), None)),
+            ("proj.bias", (D,), "zeros", (None,), ("data",)),
         )
     },
-    "ln_f.scale": Parameter((64,), "float32", "ones", P(None), optimizer_sharding=P("data")),
-    "ln_f.bias": Parameter((64,), "float32", "zeros", P(None), optimizer_sharding=P("data")),
-    "head.kernel": Parameter((64, 10), "float32", "normal:0.125", P(None, None), optimizer_sharding=P("data", None)),
-    "head.bias": Parameter((10,), "float32", "zeros", P(None), optimizer_sharding=P("data")),
+    "ln_f.scale": Parameter((D,), "float32", "ones", P(None), optimizer_sharding=P("data")),
+    "ln_f.bias": Parameter((D,), "float32", "zeros", P(None), optimizer_sharding=P("data")),
+    "head.kernel": Parameter(
+        (D, CLASSES), "float32", "normal:0.125", P(None, None), optimizer_sharding=P("data", None)
+    ),
+    "head.bias": Parameter((CLASSES,), "float32", "zeros", P(None), optimizer_sharding=P("data")),
 }
 
 
 INPUTS = {
     # vit.par:31 input images: f32[batch @ data, side, side, channels]
-    "images": Input((32, 16, 16, 1), "float32", P("data", None, None, None), 2),
+    "images": Input((BATCH, SIDE, SIDE, CHANNELS), "float32", P("data", None, None, None), 2),
     # vit.par:32 input labels: i32[batch @ data]
-    "labels": Input((32,), "int32", P("data"), 10),
+    "labels": Input((BATCH,), "int32", P("data"), 10),
 }
 STREAM = "images"  # the input the forward pass starts from
 

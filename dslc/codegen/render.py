@@ -17,6 +17,7 @@ import jinja2
 from dslc.codegen import source
 from dslc.codegen.layout import laid_out
 from dslc.codegen.names import class_name, global_namer, safe_identifier
+from dslc.codegen.shapes import Spelled, weight_shape
 from dslc.codegen.view import Builder, Code, ModuleClass, Statement
 from dslc.ir import nodes as ir
 from dslc.ir.boundaries import boundary_of, chunk_input
@@ -190,7 +191,7 @@ def generate(
         # Whether any layer returns auxiliary values (a mixture of experts' balancing loss):
         # only then does the code thread them through.
         "aux": any(RULES[layer.kind].has_aux for layer in ir.all_layers(program)),
-        "parameters": _parameters(program, placement),
+        "parameters": _parameters(program, placement, builder),
         "inputs": _inputs(program, builder),
         "stream": program.stream,
         "classes": [*builder.blocks, *top],
@@ -273,7 +274,7 @@ def _layer_paths(name: str) -> list[str]:
 TABLE_FROM = 4
 
 
-def _parameters(program: ir.Program, placement: Placement) -> list[str]:
+def _parameters(program: ir.Program, placement: Placement, builder: Builder) -> list[str]:
     """The entries of the `PARAMETERS` table (each as its first line follows 4 spaces): one
     `Parameter(...)` per stored array; a repeat's arrays, from `TABLE_FROM` of them, as one
     loop over a table of what differs between them (a block's weights read as one table)."""
@@ -281,15 +282,20 @@ def _parameters(program: ir.Program, placement: Placement) -> list[str]:
     out: list[str] = []
     while arrays:
         group = _repeat_group(program, arrays)
-        loop = _repeat_entry(program, group) if len(group) >= TABLE_FROM else None
-        out.extend([loop] if loop is not None else [_parameter_entry(program, a) for a in group])
+        loop = _repeat_entry(program, builder, group) if len(group) >= TABLE_FROM else None
+        out.extend([loop] if loop is not None else [_parameter_entry(program, builder, a) for a in group])
         del arrays[: len(group)]
     return out
 
 
-def _parameter_entry(program: ir.Program, array: StoredArray) -> str:
+def _parameter_entry(program: ir.Program, builder: Builder, array: StoredArray) -> str:
     state = array.state(program)
-    args = [py(array.type.shape), py(ir.DTYPES[array.type.dtype].jax), py(array.init), spec(state.params)]
+    args = [
+        _tuple(_spelled_shape(program, builder, array)),
+        py(ir.DTYPES[array.type.dtype].jax),
+        py(array.init),
+        spec(state.params),
+    ]
     args += _placement_keywords(array, state.grads, state.params, state.optimizer)
     if array.rows:
         rows = [
@@ -358,7 +364,7 @@ def _repeat_group(program: ir.Program, arrays: list[StoredArray]) -> list[Stored
     return arrays[:count]
 
 
-def _repeat_entry(program: ir.Program, group: list[StoredArray]) -> str | None:
+def _repeat_entry(program: ir.Program, builder: Builder, group: list[StoredArray]) -> str | None:
     """A repeat's arrays as a dict comprehension over a table of what differs between them."""
     first = group[0]
     prefix = first.name[: first.name.index(".*.") + 3]
@@ -373,7 +379,7 @@ def _repeat_entry(program: ir.Program, group: list[StoredArray]) -> str | None:
     def lead(sharding: ir.Sharding, column: str) -> str:
         return "P(" + ", ".join([*spec_entries(sharding[:n]), "*" + column]) + ")"
 
-    args = ["(" + ", ".join([*map(py, first.type.shape[:n]), "*shape"]) + ")", py(ir.DTYPES[first.type.dtype].jax)]
+    args = [_tuple([*_spelled_shape(program, builder, first)[:n], "*shape"]), py(ir.DTYPES[first.type.dtype].jax)]
     args += ["init", lead(state.params, "sharding")]
     keywords = _placement_keywords(first, state.grads, state.params, state.optimizer)
     keywords = [k for k in keywords if not k.startswith(("grad_sharding=", "optimizer_sharding="))]
@@ -383,7 +389,8 @@ def _repeat_entry(program: ir.Program, group: list[StoredArray]) -> str | None:
     rows = []
     for a in group:
         st = a.state(program)
-        row = [py(a.name[len(prefix) :]), py(a.type.shape[n:]), py(a.init), _entries_tuple(st.params[n:])]
+        row = [py(a.name[len(prefix) :]), _tuple(_spelled_shape(program, builder, a)[n:]), py(a.init)]
+        row += [_entries_tuple(st.params[n:])]
         row += [_entries_tuple(st.grads[n:])] * grads + [_entries_tuple(st.optimizer[n:])] * optimizer
         rows.append(f"({', '.join(row)}),")
     name = "f" + py(prefix + "{name}")
@@ -403,9 +410,39 @@ def _repeat_entry(program: ir.Program, group: list[StoredArray]) -> str | None:
     )
 
 
-def _entries_tuple(sharding: ir.Sharding) -> str:
-    entries = spec_entries(sharding)
+def _spelled_shape(program: ir.Program, builder: Builder, array: StoredArray) -> list[str]:
+    """Each dimension of `array` as code: in the spec's constants where they compute it (a
+    layer's weight by its rule's formula, a repeat's layers by its count), else its number
+    (a padded vocabulary, a per-stage array's rows, arrays holding several weights)."""
+    shape = array.type.shape
+    out = [str(n) for n in shape]
+    if array.rows or "|" in array.name:
+        return out
+    path, _, weight = _layer_paths(array.name)[0].rpartition(".")
+    layer = next((x for x in ir.all_layers(program) if x.path == path), None)
+    own = weight_shape(layer, weight) if layer is not None else None
+    lead = array.lead
+    if own is not None and len(own) == len(shape) - lead:
+        for i, n in enumerate(own):
+            if isinstance(n, Spelled) and n == shape[lead + i]:
+                out[lead + i] = builder.code(n.code) or out[lead + i]
+    if array.layers == (1,):
+        # A repeat's layers, stacked: its count as written, where every share of it (a
+        # pipeline's stages each run some) was written as one constant of that value.
+        prefix = array.name[: array.name.index(".*.")]
+        written = {n.written for n in ir.walk(program.nodes) if isinstance(n, ir.Repeat) and n.path == prefix}
+        count = written.pop() if len(written) == 1 else ""
+        if dict(program.constants).get(count) == shape[0]:
+            out[0] = builder.code(count) or out[0]
+    return out
+
+
+def _tuple(entries: list[str]) -> str:
     return "(" + ", ".join(entries) + ("," if len(entries) == 1 else "") + ")"
+
+
+def _entries_tuple(sharding: ir.Sharding) -> str:
+    return _tuple(spec_entries(sharding))
 
 
 def _chunk_weights(placement: Placement) -> list[str]:
@@ -487,7 +524,7 @@ def _inputs(program: ir.Program, builder: Builder) -> list[dict[str, object]]:
     return [
         {
             "name": i.name,
-            "shape": i.type.shape,
+            "shape": Code(_tuple([(builder.code(w) if w else None) or str(n) for n, w in _dims(i)])),
             "dtype": ir.DTYPES[i.type.dtype].jax,
             "sharding": i.type.sharding,
             "bound": bounds.get(i.name, 2),
@@ -495,6 +532,12 @@ def _inputs(program: ir.Program, builder: Builder) -> list[dict[str, object]]:
         }
         for i in program.inputs
     ]
+
+
+def _dims(i: ir.Input) -> list[tuple[int, str]]:
+    """Each dimension of an input with how the spec wrote it ("" where it is not known)."""
+    written = i.written or ("",) * i.type.rank
+    return list(zip(i.type.shape, written, strict=True))
 
 
 def _schedule(program: ir.Program) -> dict[str, object]:

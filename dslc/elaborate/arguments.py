@@ -8,11 +8,11 @@ from typing import cast
 
 from dslc.diagnostics import Diagnostics, Label, Span
 from dslc.elaborate.flow import Scope
+from dslc.elaborate.spelling import spelled
 from dslc.ir.evaluate import ScalarValue, eval_value
 from dslc.ir.names import closest, unknown_name
 from dslc.layers.base import REQUIRED, ArgSpec
 from dslc.syntax import ast
-from dslc.syntax.format import value as value_text
 
 # What `_value` returns for an argument it reported as wrong.
 INVALID = object()
@@ -72,35 +72,6 @@ def bind_arguments(
         else:
             values[spec.name] = spec.default
     return values if ok else None
-
-
-def spelled(v: ast.Value, spellings: Mapping[str, str]) -> str | None:
-    """`v` written in the names `spellings` gives each of its names (a block's parameter as
-    the constants its use passed); None where a name has no spelling."""
-
-    def substituted(e: ast.Expr) -> ast.Expr | None:
-        match e:
-            case ast.NameRef(name=name):
-                text = spellings.get(name)
-                if text is None:
-                    return None
-                # A name standing for more than one token is bracketed where it is put.
-                return ast.NameRef(text if text.replace("_", "").isalnum() else f"({text})", e.span)
-            case ast.Neg(operand=operand):
-                inner = substituted(operand)
-                return None if inner is None else ast.Neg(inner, e.span)
-            case ast.Chain(first=first, rest=rest):
-                head = substituted(first)
-                tail = [(op, substituted(operand)) for op, operand in rest]
-                kept = tuple((op, t) for op, t in tail if t is not None)
-                return None if head is None or len(kept) < len(tail) else ast.Chain(head, kept, e.span)
-            case _:
-                return e
-
-    if isinstance(v, ast.FloatLit | ast.BoolLit):
-        return value_text(v)
-    out = substituted(v)
-    return None if out is None else value_text(out)
 
 
 def _spell_into(written: dict[str, str], name: str, v: ast.Value, spellings: Mapping[str, str]) -> None:

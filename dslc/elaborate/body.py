@@ -11,13 +11,14 @@ from dataclasses import dataclass, replace
 from typing import cast
 
 from dslc.diagnostics import Diagnostics, Label, Span
-from dslc.elaborate.arguments import bind_arguments, spelled
+from dslc.elaborate.arguments import bind_arguments
 from dslc.elaborate.checkpoints import resolve_checkpoint
 from dslc.elaborate.flow import UNKNOWN, Flow, Scope, Segment, Walk
 from dslc.elaborate.header import Header
 from dslc.elaborate.infer import infer_layer
 from dslc.elaborate.layouts import fuse_reduce_scatter, relayout
 from dslc.elaborate.names import name_statements
+from dslc.elaborate.spelling import spelled
 from dslc.elaborate.vocabulary import feeding_masked_losses
 from dslc.elaborate.weights import check_shard_axes, report_uneven_once
 from dslc.ir import nodes as ir

@@ -7,6 +7,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from dslc.diagnostics import Diagnostic, Diagnostics, Label, Span
+from dslc.elaborate.spelling import spelled
 from dslc.ir import nodes as ir
 from dslc.ir.evaluate import ScalarValue, eval_expr, eval_value
 from dslc.ir.names import unknown_name
@@ -271,7 +272,9 @@ def _read_inputs(module: ast.Module, header: Header, diags: Diagnostics) -> dict
         if name in header.untyped_inputs or len(diags.items) > reported:
             header.broken_inputs.add(name)
         shape = tuple(size or 1 for size in sizes)
-        inputs[name] = ir.Input(name, ir.TensorType(dtype, shape, sharding), decl.span)
+        names = {c: c for c in header.constants}
+        written = tuple(spelled(dim.size, names) or "" for dim in t.dims)
+        inputs[name] = ir.Input(name, ir.TensorType(dtype, shape, sharding), decl.span, written)
     return inputs
 
 

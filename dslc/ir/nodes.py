@@ -412,6 +412,9 @@ class Input:
     name: str
     type: TensorType
     span: Span = field(default=NO_SPAN, compare=False, repr=False)
+    # Each dimension as the spec wrote it, in its constants (`batch`, `4 * seq`); "" where
+    # it names none. The generated module spells the input's shape so.
+    written: tuple[str, ...] = field(default=(), compare=False, repr=False)
 
 
 @dataclass(frozen=True, slots=True)

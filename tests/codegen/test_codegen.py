@@ -431,9 +431,52 @@ def test_the_module_names_the_specs_constants() -> None:
     t5 = (GENERATED / "t5.py").read_text()
     assert "scale=1.0," in t5 and "heads=HEADS," in t5 and "eps=EPS," in t5
     gpt3 = (GENERATED / "gpt3_175b.py").read_text()
-    assert "N_LAYERS" not in gpt3 and "scan_layers(self.blocks, 6, x, inputs, key)" in gpt3
-    # A constant the module does not read is not written.
-    assert "SEQ = " not in gemma2
+    assert "scan_layers(self.blocks, 6, x, inputs, key)" in gpt3
+    # A constant the module does not read is not written (llama's `tied`, which only
+    # checkpoint import reads).
+    assert "const tied" in (SPECS / "llama.par").read_text() and "TIED" not in (GENERATED / "llama.py").read_text()
     # Each layer's output is commented with its shape as the code holds it: GPT-3's 1536
     # sequences a step in 192 microbatches of 8, its MLP's hidden features split over `model`.
     assert 'h = constrain(h, P("data", None, "model"))  # bf16[8@data, 2048, 49152@model]' in gpt3
+
+
+def test_weight_and_input_shapes_read_in_the_specs_constants() -> None:
+    """`PARAMETERS` and `INPUTS` spell each shape by the formula that sized it, in the spec's
+    constants: attention's key projection by its grouped heads, a repeat's stacked layers
+    by its count, a `heads * (dim // heads)` that is `dim` again as `D`; a dimension the
+    constants do not compute (a vocabulary padded to split evenly) stays a number."""
+    llama = (GENERATED / "llama.py").read_text()
+    assert '("attn.k", (D, KV_HEADS * (D // HEADS)),' in llama and '("attn.q", (D, D),' in llama
+    assert "(LAYERS, *shape)," in llama and '"tokens": Input((BATCH, SEQ),' in llama
+    assert '("gate_up.gate", (D, FFN),' in llama and "(D, VOCAB)," in llama
+    vit = (GENERATED / "vit.py").read_text()
+    assert "(SIDE // PATCH * (SIDE // PATCH) + 1, D)," in vit
+    gpt2 = (GENERATED / "gpt2.py").read_text()
+    # GPT-2's 50,257 tokens padded by one to split over `model` (the padding keyword says so).
+    assert '"wte.table": Parameter((50258, D),' in gpt2 and "padding=(1, 0)" in gpt2
+
+
+@pytest.mark.parametrize("name", ["llama", "vit", "qwen2_moe", "t5", "gpt2", "seed_mlp_pipeline"])
+def test_the_spelled_shapes_are_the_shapes(name: str) -> None:
+    """Evaluated, the module's spelled shapes are the placement's numbers, array by array."""
+    from dslc.ir.placement import place
+    from dslc.lower.program import load_module
+
+    program = dslc.analyze(SPECS / f"{name}.par").program
+    assert program is not None
+    module = load_module(generate_module(SPECS / f"{name}.par"), f"spelled_{name}")
+    arrays = place(program).arrays
+    assert {a.name: tuple(a.type.shape) for a in arrays} == {n: tuple(p.shape) for n, p in module.PARAMETERS.items()}
+    assert {i.name: i.type.shape for i in program.inputs} == {n: i.shape for n, i in module.INPUTS.items()}
+
+
+def test_a_formula_is_spelled_only_where_it_computes_the_number() -> None:
+    from dslc.codegen.shapes import Spelled
+
+    dim, heads, kv = Spelled(2048, "D"), Spelled(32, "HEADS"), Spelled(4, "KV")
+    assert (heads * (dim // heads)).code == "D"  # exact division: dim again
+    assert (kv * (dim // heads)).code == "KV * (D // HEADS)"
+    uneven = Spelled(10, "D") // Spelled(3, "H")
+    assert (Spelled(3, "H") * uneven).code == "H * (D // H)" and Spelled(3, "H") * uneven == 9
+    assert (dim - heads + 1).code == "D - HEADS + 1" and (2 * (dim + 1)).code == "2 * (D + 1)"
+    assert dim * 0.5 == 1024.0 and not isinstance(dim * 0.5, Spelled)

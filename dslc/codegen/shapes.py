@@ -1,0 +1,113 @@
+"""Weight shapes as the spec's constants compute them: `(D, KV_HEADS * (D // HEADS))` where the
+`PARAMETERS` table would otherwise say `(2048, 256)`.
+
+A layer's integer arguments, where the spec wrote them in its constants, become `Spelled`
+integers: each is its value and the code computing it, and arithmetic on them builds both. The
+rule's own `weights` then runs on them unchanged, so a shape is spelled by the same formula
+that sized it; a dimension that comes out as a plain number (a literal, padding) stays one.
+"""
+
+from __future__ import annotations
+
+from dslc.ir import nodes as ir
+from dslc.layers import RULES
+from dslc.layers.base import arg_field
+
+# How tightly each operator binds, to bracket an operand only where Python needs it.
+_ATOM, _PRODUCT, _SUM = 3, 2, 1
+
+
+class Spelled(int):
+    """An integer with the Python code that computes it from the spec's constants."""
+
+    code: str
+    level: int
+    # `a // b` remembers (a, b): `b * (a // b)` is `a` again where the division was exact
+    # (attention's `heads * head_dim`, head_dim being dim // heads, is dim).
+    quotient: tuple[int, int] | None
+
+    def __new__(cls, value: int, code: str, level: int = _ATOM, quotient: tuple[int, int] | None = None) -> Spelled:
+        out = super().__new__(cls, value)
+        out.code, out.level, out.quotient = code, level, quotient
+        return out
+
+    def _op(self, op: str, other: object, level: int, value: int, swap: bool = False) -> Spelled:
+        left, right = (other, self) if swap else (self, other)
+        return Spelled(value, f"{_operand(left, level, False)} {op} {_operand(right, level, True)}", level)
+
+    # Arithmetic with another integer keeps the code; anything else (a float) gets Python's
+    # plain arithmetic, through its own reflected operator.
+    def __mul__(self, other: int) -> int:
+        return self._product(other, swap=False)
+
+    def __rmul__(self, other: int) -> int:
+        return self._product(other, swap=True)
+
+    def _product(self, other: int, swap: bool) -> int:
+        if not _integer(other):
+            return NotImplemented
+        value = int(self) * other
+        return _undivided(self, other) or _undivided(other, self) or self._op("*", other, _PRODUCT, value, swap)
+
+    def __floordiv__(self, other: int) -> int:
+        if not _integer(other):
+            return NotImplemented
+        out = self._op("//", other, _PRODUCT, int(self) // other)
+        out.quotient = (self, other)
+        return out
+
+    def __add__(self, other: int) -> int:
+        return self._op("+", other, _SUM, int(self) + other) if _integer(other) else NotImplemented
+
+    def __radd__(self, other: int) -> int:
+        return self._op("+", other, _SUM, other + int(self), swap=True) if _integer(other) else NotImplemented
+
+    def __sub__(self, other: int) -> int:
+        return self._op("-", other, _SUM, int(self) - other) if _integer(other) else NotImplemented
+
+
+def _undivided(factor: int, product: int) -> int | None:
+    """`factor * (a // factor)` as `a`, where that is what it equals."""
+    if isinstance(product, Spelled) and product.quotient is not None:
+        a, b = product.quotient
+        if _same(b, factor) and int(a) == int(factor) * int(product):
+            return a
+    return None
+
+
+def _same(x: int, y: int) -> bool:
+    return isinstance(x, Spelled) and isinstance(y, Spelled) and x.code == y.code
+
+
+def _integer(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _operand(x: object, level: int, right: bool) -> str:
+    if isinstance(x, Spelled):
+        return f"({x.code})" if x.level < level or (right and x.level == level) else x.code
+    return repr(x)
+
+
+def weight_shape(layer: ir.Layer, weight: str) -> tuple[int, ...] | None:
+    """The shape of `layer`'s weight `weight`, each dimension `Spelled` (in the spec's own
+    names) where the spec wrote what computes it; None when the rule has no such weight."""
+    rule = RULES[layer.kind]
+    values = dict(layer.attrs)
+    written = dict(layer.written)
+    for spec in rule.args:
+        value = values.get(spec.name)
+        if spec.type != "int" or not _integer(value):
+            continue
+        assert isinstance(value, int)
+        if spec.name in written:
+            text = written[spec.name]
+            values[spec.name] = Spelled(value, text, _ATOM if text.isidentifier() else _SUM - 1)
+        elif callable(spec.default):
+            # A default computed from the arguments before it (head_dim = dim // heads):
+            # computed again on their spellings, and kept only where it comes out the same.
+            again = spec.default(values)
+            if _integer(again) and again == value:
+                values[spec.name] = again
+    typed = rule.Args(**{arg_field(name): v for name, v in values.items()})
+    return next((w.shape for w in rule.weights(typed) if w.name == weight), None)
