@@ -57,112 +57,50 @@ SEQ = 8192
 BATCH = 8
 
 
-# ---- parameters and inputs ---------------------------------------------------------------------
-
-
-# Every array of trainable state, under its name in the spec: `*` stands for a repeat's layers,
-# stacked along a leading dimension (weights are exported one by one, as `blocks.3.attn.q`).
-PARAMETERS = {
-    "embed.table": Parameter(
-        (VOCAB, D), "float32", "normal:0.02", P("model", None), optimizer_sharding=P(("model", "data"), None)
-    ),
-    # The weights of `layers.*`: each stacks its 13 layers ahead of one layer's shape
-    # and sharding, which the table gives with its name in the block and its init.
-    **{
-        f"layers.*.{name}": Parameter(
-            (13, *shape), "float32", init, P(None, *sharding), optimizer_sharding=P(None, *optimizer), layers=(1,)
-        )
-        for name, shape, init, sharding, optimizer in (
-            ("local.norm.scale", (D,), "zeros", (None,), ("data",)),
-            ("local.attn.q", (D, HEADS * HEAD_DIM), "normal:0.020833333333333332", (None, "model"), ("data", "model")),
-            (
-                "local.attn.k",
-                (D, KV_HEADS * HEAD_DIM),
-                "normal:0.020833333333333332",
-                (None, "model"),
-                ("data", "model"),
-            ),
-            (
-                "local.attn.v",
-                (D, KV_HEADS * HEAD_DIM),
-                "normal:0.020833333333333332",
-                (None, "model"),
-                ("data", "model"),
-            ),
-            (
-                "local.attn.o",
-                (HEADS * HEAD_DIM, D),
-                "normal:0.02209708691207961",
-                ("model", None),
-                (("model", "data"), None),
-            ),
-            ("local.post_norm.scale", (D,), "zeros", (None,), ("data",)),
-            ("local_mlp.norm.scale", (D,), "zeros", (None,), ("data",)),
-            ("local_mlp.gate_up.gate", (D, FFN), "normal:0.020833333333333332", (None, "model"), ("data", "model")),
-            ("local_mlp.gate_up.up", (D, FFN), "normal:0.020833333333333332", (None, "model"), ("data", "model")),
-            (
-                "local_mlp.down.kernel",
-                (FFN, D),
-                "normal:0.010416666666666666",
-                ("model", None),
-                (("model", "data"), None),
-            ),
-            ("local_mlp.post_norm.scale", (D,), "zeros", (None,), ("data",)),
-            ("global.norm.scale", (D,), "zeros", (None,), ("data",)),
-            ("global.attn.q", (D, HEADS * HEAD_DIM), "normal:0.020833333333333332", (None, "model"), ("data", "model")),
-            (
-                "global.attn.k",
-                (D, KV_HEADS * HEAD_DIM),
-                "normal:0.020833333333333332",
-                (None, "model"),
-                ("data", "model"),
-            ),
-            (
-                "global.attn.v",
-                (D, KV_HEADS * HEAD_DIM),
-                "normal:0.020833333333333332",
-                (None, "model"),
-                ("data", "model"),
-            ),
-            (
-                "global.attn.o",
-                (HEADS * HEAD_DIM, D),
-                "normal:0.02209708691207961",
-                ("model", None),
-                (("model", "data"), None),
-            ),
-            ("global.post_norm.scale", (D,), "zeros", (None,), ("data",)),
-            ("global_mlp.norm.scale", (D,), "zeros", (None,), ("data",)),
-            ("global_mlp.gate_up.gate", (D, FFN), "normal:0.020833333333333332", (None, "model"), ("data", "model")),
-            ("global_mlp.gate_up.up", (D, FFN), "normal:0.020833333333333332", (None, "model"), ("data", "model")),
-            (
-                "global_mlp.down.kernel",
-                (FFN, D),
-                "normal:0.010416666666666666",
-                ("model", None),
-                (("model", "data"), None),
-            ),
-            ("global_mlp.post_norm.scale", (D,), "zeros", (None,), ("data",)),
-        )
-    },
-    "norm.scale": Parameter((D,), "float32", "zeros", P(None), optimizer_sharding=P("data")),
-}
-
-
-INPUTS = {
-    # gemma2.par:41 input tokens: i32[batch @ data, seq]
-    "tokens": Input((BATCH, SEQ), "int32", P("data", None), 256000),
-    # gemma2.par:42 input targets: i32[batch @ data, seq]
-    "targets": Input((BATCH, SEQ), "int32", P("data", None), 256000),
-}
-STREAM = "tokens"  # the input the forward pass starts from
-
-
 # ---- the model ---------------------------------------------------------------------------------
 
 
 class Gemma2Pair(nnx.Module):
     """Block `gemma2_pair` of the spec. (gemma2.par:46-66)"""
+
+    # Its weights as one layer holds them (name, shape, init, sharding, optimizer); `PARAMETERS`
+    # stacks each over the layers of the repeat that runs this block.
+    WEIGHTS = (
+        ("local.norm.scale", (D,), "zeros", (None,), ("data",)),
+        ("local.attn.q", (D, HEADS * HEAD_DIM), "normal:0.020833333333333332", (None, "model"), ("data", "model")),
+        ("local.attn.k", (D, KV_HEADS * HEAD_DIM), "normal:0.020833333333333332", (None, "model"), ("data", "model")),
+        ("local.attn.v", (D, KV_HEADS * HEAD_DIM), "normal:0.020833333333333332", (None, "model"), ("data", "model")),
+        (
+            "local.attn.o",
+            (HEADS * HEAD_DIM, D),
+            "normal:0.02209708691207961",
+            ("model", None),
+            (("model", "data"), None),
+        ),
+        ("local.post_norm.scale", (D,), "zeros", (None,), ("data",)),
+        ("local_mlp.norm.scale", (D,), "zeros", (None,), ("data",)),
+        ("local_mlp.gate_up.gate", (D, FFN), "normal:0.020833333333333332", (None, "model"), ("data", "model")),
+        ("local_mlp.gate_up.up", (D, FFN), "normal:0.020833333333333332", (None, "model"), ("data", "model")),
+        ("local_mlp.down.kernel", (FFN, D), "normal:0.010416666666666666", ("model", None), (("model", "data"), None)),
+        ("local_mlp.post_norm.scale", (D,), "zeros", (None,), ("data",)),
+        ("global.norm.scale", (D,), "zeros", (None,), ("data",)),
+        ("global.attn.q", (D, HEADS * HEAD_DIM), "normal:0.020833333333333332", (None, "model"), ("data", "model")),
+        ("global.attn.k", (D, KV_HEADS * HEAD_DIM), "normal:0.020833333333333332", (None, "model"), ("data", "model")),
+        ("global.attn.v", (D, KV_HEADS * HEAD_DIM), "normal:0.020833333333333332", (None, "model"), ("data", "model")),
+        (
+            "global.attn.o",
+            (HEADS * HEAD_DIM, D),
+            "normal:0.02209708691207961",
+            ("model", None),
+            (("model", "data"), None),
+        ),
+        ("global.post_norm.scale", (D,), "zeros", (None,), ("data",)),
+        ("global_mlp.norm.scale", (D,), "zeros", (None,), ("data",)),
+        ("global_mlp.gate_up.gate", (D, FFN), "normal:0.020833333333333332", (None, "model"), ("data", "model")),
+        ("global_mlp.gate_up.up", (D, FFN), "normal:0.020833333333333332", (None, "model"), ("data", "model")),
+        ("global_mlp.down.kernel", (FFN, D), "normal:0.010416666666666666", ("model", None), (("model", "data"), None)),
+        ("global_mlp.post_norm.scale", (D,), "zeros", (None,), ("data",)),
+    )
 
     def __init__(self, params: Arrays, path: str) -> None:
         self.path = path
@@ -325,6 +263,38 @@ class Gemma2(nnx.Module):
         x = softcap(x, cap=LOGIT_CAP)
         x = constrain(x, P("data", None, "model"))  # bf16[8@data, 8192, 256000@model]
         return x
+
+
+# ---- parameters and inputs ---------------------------------------------------------------------
+
+
+# Every array of trainable state, under its name in the spec: `*` stands for a repeat's layers,
+# stacked along a leading dimension (weights are exported one by one, as `blocks.3.attn.q`).
+PARAMETERS = {
+    "embed.table": Parameter(
+        (VOCAB, D), "float32", "normal:0.02", P("model", None), optimizer_sharding=P(("model", "data"), None)
+    ),
+    # The weights of `layers.*`: each of Gemma2Pair's stacked over its 13 layers.
+    **{
+        f"layers.*.{name}": Parameter(
+            (13, *shape), "float32", init, P(None, *sharding), optimizer_sharding=P(None, *optimizer), layers=(1,)
+        )
+        for name, shape, init, sharding, optimizer in Gemma2Pair.WEIGHTS
+    },
+    "norm.scale": Parameter((D,), "float32", "zeros", P(None), optimizer_sharding=P("data")),
+}
+
+
+INPUTS = {
+    # gemma2.par:41 input tokens: i32[batch @ data, seq]
+    "tokens": Input((BATCH, SEQ), "int32", P("data", None), 256000),
+    # gemma2.par:42 input targets: i32[batch @ data, seq]
+    "targets": Input((BATCH, SEQ), "int32", P("data", None), 256000),
+}
+STREAM = "tokens"  # the input the forward pass starts from
+
+
+# ---- the forward pass and the loss -------------------------------------------------------------
 
 
 def forward(params: Arrays, inputs: Arrays, key: jax.Array | None = None) -> jax.Array:

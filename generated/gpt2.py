@@ -63,56 +63,32 @@ SEQ = 1024
 BATCH = 16
 
 
-# ---- parameters and inputs ---------------------------------------------------------------------
-
-
-# Every array of trainable state, under its name in the spec: `*` stands for a repeat's layers,
-# stacked along a leading dimension (weights are exported one by one, as `blocks.3.attn.q`).
-PARAMETERS = {
-    "wte.table": Parameter((50258, D), "float32", "normal:0.02", P("model", "stage"), stage_split=1, padding=(1, 0)),
-    "wpe.table": Parameter((POSITIONS, D), "float32", "normal:0.02", P("stage", None), stage_split=0),
-    # The weights of `h.*`: each stacks its 12 layers ahead of one layer's shape
-    # and sharding, which the table gives with its name in the block and its init.
-    **{
-        f"h.*.{name}": Parameter((LAYERS, *shape), "float32", init, P("stage", *sharding), layers=(1,), stage_rows=0)
-        for name, shape, init, sharding in (
-            ("ln_1.scale", (D,), "ones", (None,)),
-            ("ln_1.bias", (D,), "zeros", (None,)),
-            ("attn.q", (D, D), "normal:0.03608439182435161", (None, "model")),
-            ("attn.k", (D, D), "normal:0.03608439182435161", (None, "model")),
-            ("attn.v", (D, D), "normal:0.03608439182435161", (None, "model")),
-            ("attn.o", (D, D), "normal:0.03608439182435161", ("model", None)),
-            ("attn.q_bias", (D,), "zeros", ("model",)),
-            ("attn.k_bias", (D,), "zeros", ("model",)),
-            ("attn.v_bias", (D,), "zeros", ("model",)),
-            ("attn.o_bias", (D,), "zeros", (None,)),
-            ("ln_2.scale", (D,), "ones", (None,)),
-            ("ln_2.bias", (D,), "zeros", (None,)),
-            ("fc.kernel", (D, FFN), "normal:0.03608439182435161", (None, "model")),
-            ("fc.bias", (FFN,), "zeros", ("model",)),
-            ("proj.kernel", (FFN, D), "normal:0.018042195912175804", ("model", None)),
-            ("proj.bias", (D,), "zeros", (None,)),
-        )
-    },
-    "ln_f.scale": Parameter((D,), "float32", "ones", P("stage"), stage_split=0),
-    "ln_f.bias": Parameter((D,), "float32", "zeros", P("stage"), stage_split=0),
-}
-
-
-INPUTS = {
-    # gpt2.par:34 input tokens: i32[batch @ data, seq]
-    "tokens": Input((BATCH, SEQ), "int32", P("data", None), 50257),
-    # gpt2.par:35 input targets: i32[batch @ data, seq]
-    "targets": Input((BATCH, SEQ), "int32", P("data", None), 50257),
-}
-STREAM = "tokens"  # the input the forward pass starts from
-
-
 # ---- the model ---------------------------------------------------------------------------------
 
 
 class Gpt2Block(nnx.Module):
     """Block `gpt2_block` of the spec. (gpt2.par:38-48)"""
+
+    # Its weights as one layer holds them (name, shape, init, sharding); `PARAMETERS`
+    # stacks each over the layers of the repeat that runs this block.
+    WEIGHTS = (
+        ("ln_1.scale", (D,), "ones", (None,)),
+        ("ln_1.bias", (D,), "zeros", (None,)),
+        ("attn.q", (D, D), "normal:0.03608439182435161", (None, "model")),
+        ("attn.k", (D, D), "normal:0.03608439182435161", (None, "model")),
+        ("attn.v", (D, D), "normal:0.03608439182435161", (None, "model")),
+        ("attn.o", (D, D), "normal:0.03608439182435161", ("model", None)),
+        ("attn.q_bias", (D,), "zeros", ("model",)),
+        ("attn.k_bias", (D,), "zeros", ("model",)),
+        ("attn.v_bias", (D,), "zeros", ("model",)),
+        ("attn.o_bias", (D,), "zeros", (None,)),
+        ("ln_2.scale", (D,), "ones", (None,)),
+        ("ln_2.bias", (D,), "zeros", (None,)),
+        ("fc.kernel", (D, FFN), "normal:0.03608439182435161", (None, "model")),
+        ("fc.bias", (FFN,), "zeros", ("model",)),
+        ("proj.kernel", (FFN, D), "normal:0.018042195912175804", ("model", None)),
+        ("proj.bias", (D,), "zeros", (None,)),
+    )
 
     def __init__(self, params: Arrays, path: str) -> None:
         self.path = path
@@ -226,6 +202,36 @@ class Stage1(nnx.Module):
         x = linear(x, **weights_of(self.lm_head, COMPUTE_DTYPE, transposed="kernel"), dtype=COMPUTE_DTYPE)
         x = constrain(x, P("data", None, "model"))  # f32[4@data, 1024, 50258@model]
         return x
+
+
+# ---- parameters and inputs ---------------------------------------------------------------------
+
+
+# Every array of trainable state, under its name in the spec: `*` stands for a repeat's layers,
+# stacked along a leading dimension (weights are exported one by one, as `blocks.3.attn.q`).
+PARAMETERS = {
+    "wte.table": Parameter((50258, D), "float32", "normal:0.02", P("model", "stage"), stage_split=1, padding=(1, 0)),
+    "wpe.table": Parameter((POSITIONS, D), "float32", "normal:0.02", P("stage", None), stage_split=0),
+    # The weights of `h.*`: each of Gpt2Block's stacked over its 12 layers.
+    **{
+        f"h.*.{name}": Parameter((LAYERS, *shape), "float32", init, P("stage", *sharding), layers=(1,), stage_rows=0)
+        for name, shape, init, sharding in Gpt2Block.WEIGHTS
+    },
+    "ln_f.scale": Parameter((D,), "float32", "ones", P("stage"), stage_split=0),
+    "ln_f.bias": Parameter((D,), "float32", "zeros", P("stage"), stage_split=0),
+}
+
+
+INPUTS = {
+    # gpt2.par:34 input tokens: i32[batch @ data, seq]
+    "tokens": Input((BATCH, SEQ), "int32", P("data", None), 50257),
+    # gpt2.par:35 input targets: i32[batch @ data, seq]
+    "targets": Input((BATCH, SEQ), "int32", P("data", None), 50257),
+}
+STREAM = "tokens"  # the input the forward pass starts from
+
+
+# ---- the forward pass and the loss -------------------------------------------------------------
 
 
 # The class of each chunk of the pipeline, in model order.

@@ -53,78 +53,28 @@ BATCH = 1536
 N_LAYERS = 96
 
 
-# ---- parameters and inputs ---------------------------------------------------------------------
-
-
-# Every array of trainable state, under its name in the spec: `*` stands for a repeat's layers,
-# stacked along a leading dimension (weights are exported one by one, as `blocks.3.attn.q`).
-PARAMETERS = {
-    "embed.table": Parameter(
-        (VOCAB, D),
-        "float32",
-        "normal:0.02",
-        P(("model", "stage"), None),
-        optimizer_sharding=P(("model", "stage", "data"), None),
-        stage_split=0,
-    ),
-    # The weights of `blocks.*`: each stacks its 96 layers ahead of one layer's shape
-    # and sharding, which the table gives with its name in the block and its init.
-    **{
-        f"blocks.*.{name}": Parameter(
-            (N_LAYERS, *shape),
-            "float32",
-            init,
-            P("stage", *sharding),
-            optimizer_sharding=P("stage", *optimizer),
-            layers=(1,),
-            stage_rows=0,
-        )
-        for name, shape, init, sharding, optimizer in (
-            ("ln1.scale", (D,), "ones", (None,), ("data",)),
-            ("ln1.bias", (D,), "zeros", (None,), ("data",)),
-            ("attn.q", (D, D), "normal:0.009021097956087902", (None, "model"), ("data", "model")),
-            ("attn.k", (D, D), "normal:0.009021097956087902", (None, "model"), ("data", "model")),
-            ("attn.v", (D, D), "normal:0.009021097956087902", (None, "model"), ("data", "model")),
-            ("attn.o", (D, D), "normal:0.009021097956087902", ("model", None), (("model", "data"), None)),
-            ("ln2.scale", (D,), "ones", (None,), ("data",)),
-            ("ln2.bias", (D,), "zeros", (None,), ("data",)),
-            ("up.kernel", (D, FFN), "normal:0.009021097956087902", (None, "model"), ("data", "model")),
-            ("up.bias", (FFN,), "zeros", ("model",), (("model", "data"),)),
-            ("down.kernel", (FFN, D), "normal:0.004510548978043951", ("model", None), (("model", "data"), None)),
-            ("down.bias", (D,), "zeros", (None,), ("data",)),
-        )
-    },
-    "ln_f.scale": Parameter(
-        (D,), "float32", "ones", P("stage"), optimizer_sharding=P(("stage", "data")), stage_split=0
-    ),
-    "ln_f.bias": Parameter(
-        (D,), "float32", "zeros", P("stage"), optimizer_sharding=P(("stage", "data")), stage_split=0
-    ),
-    "head.kernel": Parameter(
-        (D, VOCAB),
-        "float32",
-        "normal:0.009021097956087902",
-        P("stage", "model"),
-        optimizer_sharding=P(("stage", "data"), "model"),
-        stage_split=0,
-    ),
-}
-
-
-INPUTS = {
-    # gpt3_175b.par:28 input tokens: i32[batch @ data, seq]
-    "tokens": Input((BATCH, SEQ), "int32", P("data", None), 51200),
-    # gpt3_175b.par:29 input targets: i32[batch @ data, seq]
-    "targets": Input((BATCH, SEQ), "int32", P("data", None), 51200),
-}
-STREAM = "tokens"  # the input the forward pass starts from
-
-
 # ---- the model ---------------------------------------------------------------------------------
 
 
 class GptBlock(nnx.Module):
     """Block `gpt_block` of the spec. (gpt3_175b.par:32-40)"""
+
+    # Its weights as one layer holds them (name, shape, init, sharding, optimizer); `PARAMETERS`
+    # stacks each over the layers of the repeat that runs this block.
+    WEIGHTS = (
+        ("ln1.scale", (D,), "ones", (None,), ("data",)),
+        ("ln1.bias", (D,), "zeros", (None,), ("data",)),
+        ("attn.q", (D, D), "normal:0.009021097956087902", (None, "model"), ("data", "model")),
+        ("attn.k", (D, D), "normal:0.009021097956087902", (None, "model"), ("data", "model")),
+        ("attn.v", (D, D), "normal:0.009021097956087902", (None, "model"), ("data", "model")),
+        ("attn.o", (D, D), "normal:0.009021097956087902", ("model", None), (("model", "data"), None)),
+        ("ln2.scale", (D,), "ones", (None,), ("data",)),
+        ("ln2.bias", (D,), "zeros", (None,), ("data",)),
+        ("up.kernel", (D, FFN), "normal:0.009021097956087902", (None, "model"), ("data", "model")),
+        ("up.bias", (FFN,), "zeros", ("model",), (("model", "data"),)),
+        ("down.kernel", (FFN, D), "normal:0.004510548978043951", ("model", None), (("model", "data"), None)),
+        ("down.bias", (D,), "zeros", (None,), ("data",)),
+    )
 
     def __init__(self, params: Arrays, path: str) -> None:
         self.path = path
@@ -237,6 +187,62 @@ class Stage15(nnx.Module):
         x = linear(x, **weights_of(self.head, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE)
         x = constrain(x, P("data", None, "model"))  # bf16[8@data, 2048, 51200@model]
         return x
+
+
+# ---- parameters and inputs ---------------------------------------------------------------------
+
+
+# Every array of trainable state, under its name in the spec: `*` stands for a repeat's layers,
+# stacked along a leading dimension (weights are exported one by one, as `blocks.3.attn.q`).
+PARAMETERS = {
+    "embed.table": Parameter(
+        (VOCAB, D),
+        "float32",
+        "normal:0.02",
+        P(("model", "stage"), None),
+        optimizer_sharding=P(("model", "stage", "data"), None),
+        stage_split=0,
+    ),
+    # The weights of `blocks.*`: each of GptBlock's stacked over its 96 layers.
+    **{
+        f"blocks.*.{name}": Parameter(
+            (N_LAYERS, *shape),
+            "float32",
+            init,
+            P("stage", *sharding),
+            optimizer_sharding=P("stage", *optimizer),
+            layers=(1,),
+            stage_rows=0,
+        )
+        for name, shape, init, sharding, optimizer in GptBlock.WEIGHTS
+    },
+    "ln_f.scale": Parameter(
+        (D,), "float32", "ones", P("stage"), optimizer_sharding=P(("stage", "data")), stage_split=0
+    ),
+    "ln_f.bias": Parameter(
+        (D,), "float32", "zeros", P("stage"), optimizer_sharding=P(("stage", "data")), stage_split=0
+    ),
+    "head.kernel": Parameter(
+        (D, VOCAB),
+        "float32",
+        "normal:0.009021097956087902",
+        P("stage", "model"),
+        optimizer_sharding=P(("stage", "data"), "model"),
+        stage_split=0,
+    ),
+}
+
+
+INPUTS = {
+    # gpt3_175b.par:28 input tokens: i32[batch @ data, seq]
+    "tokens": Input((BATCH, SEQ), "int32", P("data", None), 51200),
+    # gpt3_175b.par:29 input targets: i32[batch @ data, seq]
+    "targets": Input((BATCH, SEQ), "int32", P("data", None), 51200),
+}
+STREAM = "tokens"  # the input the forward pass starts from
+
+
+# ---- the forward pass and the loss -------------------------------------------------------------
 
 
 # The class of each chunk of the pipeline, in model order.

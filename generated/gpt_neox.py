@@ -54,82 +54,32 @@ SEQ = 2048
 BATCH = 16
 
 
-# ---- parameters and inputs ---------------------------------------------------------------------
-
-
-# Every array of trainable state, under its name in the spec: `*` stands for a repeat's layers,
-# stacked along a leading dimension (weights are exported one by one, as `blocks.3.attn.q`).
-PARAMETERS = {
-    "embed.table": Parameter(
-        (VOCAB, D),
-        "float32",
-        "normal:0.02",
-        P(("model", "stage"), None),
-        optimizer_sharding=P(("model", "stage", "data"), None),
-        stage_split=0,
-    ),
-    # The weights of `layers.*`: each stacks its 12 layers ahead of one layer's shape
-    # and sharding, which the table gives with its name in the block and its init.
-    **{
-        f"layers.*.{name}": Parameter(
-            (LAYERS, *shape),
-            "float32",
-            init,
-            P("stage", *sharding),
-            optimizer_sharding=P("stage", *optimizer),
-            layers=(1,),
-            stage_rows=0,
-        )
-        for name, shape, init, sharding, optimizer in (
-            ("ln_1.scale", (D,), "ones", (None,), ("data",)),
-            ("ln_1.bias", (D,), "zeros", (None,), ("data",)),
-            ("attn.q", (D, D), "normal:0.03608439182435161", (None, "model"), ("data", "model")),
-            ("attn.k", (D, D), "normal:0.03608439182435161", (None, "model"), ("data", "model")),
-            ("attn.v", (D, D), "normal:0.03608439182435161", (None, "model"), ("data", "model")),
-            ("attn.o", (D, D), "normal:0.03608439182435161", ("model", None), (("model", "data"), None)),
-            ("attn.q_bias", (D,), "zeros", ("model",), (("model", "data"),)),
-            ("attn.k_bias", (D,), "zeros", ("model",), (("model", "data"),)),
-            ("attn.v_bias", (D,), "zeros", ("model",), (("model", "data"),)),
-            ("attn.o_bias", (D,), "zeros", (None,), ("data",)),
-            ("ln_2.scale", (D,), "ones", (None,), ("data",)),
-            ("ln_2.bias", (D,), "zeros", (None,), ("data",)),
-            ("fc.kernel", (D, FFN), "normal:0.03608439182435161", (None, "model"), ("data", "model")),
-            ("fc.bias", (FFN,), "zeros", ("model",), (("model", "data"),)),
-            ("proj.kernel", (FFN, D), "normal:0.018042195912175804", ("model", None), (("model", "data"), None)),
-            ("proj.bias", (D,), "zeros", (None,), ("data",)),
-        )
-    },
-    "ln_f.scale": Parameter(
-        (D,), "float32", "ones", P("stage"), optimizer_sharding=P(("stage", "data")), stage_split=0
-    ),
-    "ln_f.bias": Parameter(
-        (D,), "float32", "zeros", P("stage"), optimizer_sharding=P(("stage", "data")), stage_split=0
-    ),
-    "head.kernel": Parameter(
-        (D, VOCAB),
-        "float32",
-        "normal:0.03608439182435161",
-        P("stage", "model"),
-        optimizer_sharding=P(("stage", "data"), "model"),
-        stage_split=0,
-    ),
-}
-
-
-INPUTS = {
-    # gpt_neox.par:33 input tokens: i32[batch @ data, seq]
-    "tokens": Input((BATCH, SEQ), "int32", P("data", None), 50304),
-    # gpt_neox.par:34 input targets: i32[batch @ data, seq]
-    "targets": Input((BATCH, SEQ), "int32", P("data", None), 50304),
-}
-STREAM = "tokens"  # the input the forward pass starts from
-
-
 # ---- the model ---------------------------------------------------------------------------------
 
 
 class NeoxBlock(nnx.Module):
     """Block `neox_block` of the spec. (gpt_neox.par:37-46)"""
+
+    # Its weights as one layer holds them (name, shape, init, sharding, optimizer); `PARAMETERS`
+    # stacks each over the layers of the repeat that runs this block.
+    WEIGHTS = (
+        ("ln_1.scale", (D,), "ones", (None,), ("data",)),
+        ("ln_1.bias", (D,), "zeros", (None,), ("data",)),
+        ("attn.q", (D, D), "normal:0.03608439182435161", (None, "model"), ("data", "model")),
+        ("attn.k", (D, D), "normal:0.03608439182435161", (None, "model"), ("data", "model")),
+        ("attn.v", (D, D), "normal:0.03608439182435161", (None, "model"), ("data", "model")),
+        ("attn.o", (D, D), "normal:0.03608439182435161", ("model", None), (("model", "data"), None)),
+        ("attn.q_bias", (D,), "zeros", ("model",), (("model", "data"),)),
+        ("attn.k_bias", (D,), "zeros", ("model",), (("model", "data"),)),
+        ("attn.v_bias", (D,), "zeros", ("model",), (("model", "data"),)),
+        ("attn.o_bias", (D,), "zeros", (None,), ("data",)),
+        ("ln_2.scale", (D,), "ones", (None,), ("data",)),
+        ("ln_2.bias", (D,), "zeros", (None,), ("data",)),
+        ("fc.kernel", (D, FFN), "normal:0.03608439182435161", (None, "model"), ("data", "model")),
+        ("fc.bias", (FFN,), "zeros", ("model",), (("model", "data"),)),
+        ("proj.kernel", (FFN, D), "normal:0.018042195912175804", ("model", None), (("model", "data"), None)),
+        ("proj.bias", (D,), "zeros", (None,), ("data",)),
+    )
 
     def __init__(self, params: Arrays, path: str) -> None:
         self.path = path
@@ -232,6 +182,62 @@ class Stage1(nnx.Module):
         x = linear(x, **weights_of(self.head, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE)
         x = constrain(x, P("data", None, "model"))  # bf16[4@data, 2048, 50304@model]
         return x
+
+
+# ---- parameters and inputs ---------------------------------------------------------------------
+
+
+# Every array of trainable state, under its name in the spec: `*` stands for a repeat's layers,
+# stacked along a leading dimension (weights are exported one by one, as `blocks.3.attn.q`).
+PARAMETERS = {
+    "embed.table": Parameter(
+        (VOCAB, D),
+        "float32",
+        "normal:0.02",
+        P(("model", "stage"), None),
+        optimizer_sharding=P(("model", "stage", "data"), None),
+        stage_split=0,
+    ),
+    # The weights of `layers.*`: each of NeoxBlock's stacked over its 12 layers.
+    **{
+        f"layers.*.{name}": Parameter(
+            (LAYERS, *shape),
+            "float32",
+            init,
+            P("stage", *sharding),
+            optimizer_sharding=P("stage", *optimizer),
+            layers=(1,),
+            stage_rows=0,
+        )
+        for name, shape, init, sharding, optimizer in NeoxBlock.WEIGHTS
+    },
+    "ln_f.scale": Parameter(
+        (D,), "float32", "ones", P("stage"), optimizer_sharding=P(("stage", "data")), stage_split=0
+    ),
+    "ln_f.bias": Parameter(
+        (D,), "float32", "zeros", P("stage"), optimizer_sharding=P(("stage", "data")), stage_split=0
+    ),
+    "head.kernel": Parameter(
+        (D, VOCAB),
+        "float32",
+        "normal:0.03608439182435161",
+        P("stage", "model"),
+        optimizer_sharding=P(("stage", "data"), "model"),
+        stage_split=0,
+    ),
+}
+
+
+INPUTS = {
+    # gpt_neox.par:33 input tokens: i32[batch @ data, seq]
+    "tokens": Input((BATCH, SEQ), "int32", P("data", None), 50304),
+    # gpt_neox.par:34 input targets: i32[batch @ data, seq]
+    "targets": Input((BATCH, SEQ), "int32", P("data", None), 50304),
+}
+STREAM = "tokens"  # the input the forward pass starts from
+
+
+# ---- the forward pass and the loss -------------------------------------------------------------
 
 
 # The class of each chunk of the pipeline, in model order.

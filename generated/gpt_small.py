@@ -54,54 +54,28 @@ BATCH = 16
 N_LAYERS = 4
 
 
-# ---- parameters and inputs ---------------------------------------------------------------------
-
-
-# Every array of trainable state, under its name in the spec: `*` stands for a repeat's layers,
-# stacked along a leading dimension (weights are exported one by one, as `blocks.3.attn.q`).
-PARAMETERS = {
-    "embed.table": Parameter((VOCAB, D), "float32", "normal:0.02", P(("model", "stage"), None), stage_split=0),
-    # The weights of `blocks.*`: each stacks its 4 layers ahead of one layer's shape
-    # and sharding, which the table gives with its name in the block and its init.
-    **{
-        f"blocks.*.{name}": Parameter(
-            (N_LAYERS, *shape), "float32", init, P("stage", *sharding), layers=(1,), stage_rows=0
-        )
-        for name, shape, init, sharding in (
-            ("ln1.scale", (D,), "ones", (None,)),
-            ("ln1.bias", (D,), "zeros", (None,)),
-            ("attn.q", (D, D), "normal:0.125", (None, "model")),
-            ("attn.k", (D, D), "normal:0.125", (None, "model")),
-            ("attn.v", (D, D), "normal:0.125", (None, "model")),
-            ("attn.o", (D, D), "normal:0.125", ("model", None)),
-            ("ln2.scale", (D,), "ones", (None,)),
-            ("ln2.bias", (D,), "zeros", (None,)),
-            ("up.kernel", (D, FFN), "normal:0.125", (None, "model")),
-            ("up.bias", (FFN,), "zeros", ("model",)),
-            ("down.kernel", (FFN, D), "normal:0.0625", ("model", None)),
-            ("down.bias", (D,), "zeros", (None,)),
-        )
-    },
-    "ln_f.scale": Parameter((D,), "float32", "ones", P("stage"), stage_split=0),
-    "ln_f.bias": Parameter((D,), "float32", "zeros", P("stage"), stage_split=0),
-    "head.kernel": Parameter((D, VOCAB), "float32", "normal:0.125", P("stage", "model"), stage_split=0),
-}
-
-
-INPUTS = {
-    # gpt_small.par:18 input tokens: i32[batch @ data, seq]
-    "tokens": Input((BATCH, SEQ), "int32", P("data", None), 128),
-    # gpt_small.par:19 input targets: i32[batch @ data, seq]
-    "targets": Input((BATCH, SEQ), "int32", P("data", None), 128),
-}
-STREAM = "tokens"  # the input the forward pass starts from
-
-
 # ---- the model ---------------------------------------------------------------------------------
 
 
 class GptBlock(nnx.Module):
     """Block `gpt_block` of the spec. (gpt_small.par:22-32)"""
+
+    # Its weights as one layer holds them (name, shape, init, sharding); `PARAMETERS`
+    # stacks each over the layers of the repeat that runs this block.
+    WEIGHTS = (
+        ("ln1.scale", (D,), "ones", (None,)),
+        ("ln1.bias", (D,), "zeros", (None,)),
+        ("attn.q", (D, D), "normal:0.125", (None, "model")),
+        ("attn.k", (D, D), "normal:0.125", (None, "model")),
+        ("attn.v", (D, D), "normal:0.125", (None, "model")),
+        ("attn.o", (D, D), "normal:0.125", ("model", None)),
+        ("ln2.scale", (D,), "ones", (None,)),
+        ("ln2.bias", (D,), "zeros", (None,)),
+        ("up.kernel", (D, FFN), "normal:0.125", (None, "model")),
+        ("up.bias", (FFN,), "zeros", ("model",)),
+        ("down.kernel", (FFN, D), "normal:0.0625", ("model", None)),
+        ("down.bias", (D,), "zeros", (None,)),
+    )
 
     def __init__(self, params: Arrays, path: str) -> None:
         self.path = path
@@ -209,6 +183,38 @@ class Stage1(nnx.Module):
         x = linear(x, **weights_of(self.head, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE)
         x = constrain(x, P("data", None, "model"))  # f32[4@data, 32, 128@model]
         return x
+
+
+# ---- parameters and inputs ---------------------------------------------------------------------
+
+
+# Every array of trainable state, under its name in the spec: `*` stands for a repeat's layers,
+# stacked along a leading dimension (weights are exported one by one, as `blocks.3.attn.q`).
+PARAMETERS = {
+    "embed.table": Parameter((VOCAB, D), "float32", "normal:0.02", P(("model", "stage"), None), stage_split=0),
+    # The weights of `blocks.*`: each of GptBlock's stacked over its 4 layers.
+    **{
+        f"blocks.*.{name}": Parameter(
+            (N_LAYERS, *shape), "float32", init, P("stage", *sharding), layers=(1,), stage_rows=0
+        )
+        for name, shape, init, sharding in GptBlock.WEIGHTS
+    },
+    "ln_f.scale": Parameter((D,), "float32", "ones", P("stage"), stage_split=0),
+    "ln_f.bias": Parameter((D,), "float32", "zeros", P("stage"), stage_split=0),
+    "head.kernel": Parameter((D, VOCAB), "float32", "normal:0.125", P("stage", "model"), stage_split=0),
+}
+
+
+INPUTS = {
+    # gpt_small.par:18 input tokens: i32[batch @ data, seq]
+    "tokens": Input((BATCH, SEQ), "int32", P("data", None), 128),
+    # gpt_small.par:19 input targets: i32[batch @ data, seq]
+    "targets": Input((BATCH, SEQ), "int32", P("data", None), 128),
+}
+STREAM = "tokens"  # the input the forward pass starts from
+
+
+# ---- the forward pass and the loss -------------------------------------------------------------
 
 
 # The class of each chunk of the pipeline, in model order.

@@ -55,72 +55,25 @@ SEQ = 2048
 BATCH = 16
 
 
-# ---- parameters and inputs ---------------------------------------------------------------------
-
-
-# Every array of trainable state, under its name in the spec: `*` stands for a repeat's layers,
-# stacked along a leading dimension (weights are exported one by one, as `blocks.3.attn.q`).
-PARAMETERS = {
-    "embed.table": Parameter(
-        (VOCAB, D),
-        "float32",
-        "normal:0.02",
-        P(("model", "stage"), None),
-        optimizer_sharding=P(("model", "stage", "data"), None),
-        stage_split=0,
-    ),
-    # The weights of `layers.*`: each stacks its 22 layers ahead of one layer's shape
-    # and sharding, which the table gives with its name in the block and its init.
-    **{
-        f"layers.*.{name}": Parameter(
-            (LAYERS, *shape),
-            "float32",
-            init,
-            P("stage", *sharding),
-            optimizer_sharding=P("stage", *optimizer),
-            layers=(1,),
-            stage_rows=0,
-        )
-        for name, shape, init, sharding, optimizer in (
-            ("attn_norm.scale", (D,), "ones", (None,), ("data",)),
-            ("attn.q", (D, D), "normal:0.02209708691207961", (None, "model"), ("data", "model")),
-            ("attn.k", (D, KV_HEADS * (D // HEADS)), "normal:0.02209708691207961", (None, "model"), ("data", "model")),
-            ("attn.v", (D, KV_HEADS * (D // HEADS)), "normal:0.02209708691207961", (None, "model"), ("data", "model")),
-            ("attn.o", (D, D), "normal:0.02209708691207961", ("model", None), (("model", "data"), None)),
-            ("mlp_norm.scale", (D,), "ones", (None,), ("data",)),
-            ("gate_up.gate", (D, FFN), "normal:0.02209708691207961", (None, "model"), ("data", "model")),
-            ("gate_up.up", (D, FFN), "normal:0.02209708691207961", (None, "model"), ("data", "model")),
-            ("down.kernel", (FFN, D), "normal:0.013325044772225653", ("model", None), (("model", "data"), None)),
-        )
-    },
-    "norm.scale": Parameter(
-        (D,), "float32", "ones", P("stage"), optimizer_sharding=P(("stage", "data")), stage_split=0
-    ),
-    "head.kernel": Parameter(
-        (D, VOCAB),
-        "float32",
-        "normal:0.02209708691207961",
-        P("stage", "model"),
-        optimizer_sharding=P(("stage", "data"), "model"),
-        stage_split=0,
-    ),
-}
-
-
-INPUTS = {
-    # llama.par:35 input tokens: i32[batch @ data, seq]
-    "tokens": Input((BATCH, SEQ), "int32", P("data", None), 32000),
-    # llama.par:36 input targets: i32[batch @ data, seq]
-    "targets": Input((BATCH, SEQ), "int32", P("data", None), 32000),
-}
-STREAM = "tokens"  # the input the forward pass starts from
-
-
 # ---- the model ---------------------------------------------------------------------------------
 
 
 class LlamaBlock(nnx.Module):
     """Block `llama_block` of the spec. (llama.par:39-46)"""
+
+    # Its weights as one layer holds them (name, shape, init, sharding, optimizer); `PARAMETERS`
+    # stacks each over the layers of the repeat that runs this block.
+    WEIGHTS = (
+        ("attn_norm.scale", (D,), "ones", (None,), ("data",)),
+        ("attn.q", (D, D), "normal:0.02209708691207961", (None, "model"), ("data", "model")),
+        ("attn.k", (D, KV_HEADS * (D // HEADS)), "normal:0.02209708691207961", (None, "model"), ("data", "model")),
+        ("attn.v", (D, KV_HEADS * (D // HEADS)), "normal:0.02209708691207961", (None, "model"), ("data", "model")),
+        ("attn.o", (D, D), "normal:0.02209708691207961", ("model", None), (("model", "data"), None)),
+        ("mlp_norm.scale", (D,), "ones", (None,), ("data",)),
+        ("gate_up.gate", (D, FFN), "normal:0.02209708691207961", (None, "model"), ("data", "model")),
+        ("gate_up.up", (D, FFN), "normal:0.02209708691207961", (None, "model"), ("data", "model")),
+        ("down.kernel", (FFN, D), "normal:0.013325044772225653", ("model", None), (("model", "data"), None)),
+    )
 
     def __init__(self, params: Arrays, path: str) -> None:
         self.path = path
@@ -218,6 +171,59 @@ class Stage1(nnx.Module):
         x = linear(x, **weights_of(self.head, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE)
         x = constrain(x, P("data", None, "model"))  # bf16[4@data, 2048, 32000@model]
         return x
+
+
+# ---- parameters and inputs ---------------------------------------------------------------------
+
+
+# Every array of trainable state, under its name in the spec: `*` stands for a repeat's layers,
+# stacked along a leading dimension (weights are exported one by one, as `blocks.3.attn.q`).
+PARAMETERS = {
+    "embed.table": Parameter(
+        (VOCAB, D),
+        "float32",
+        "normal:0.02",
+        P(("model", "stage"), None),
+        optimizer_sharding=P(("model", "stage", "data"), None),
+        stage_split=0,
+    ),
+    # The weights of `layers.*`: each of LlamaBlock's stacked over its 22 layers.
+    **{
+        f"layers.*.{name}": Parameter(
+            (LAYERS, *shape),
+            "float32",
+            init,
+            P("stage", *sharding),
+            optimizer_sharding=P("stage", *optimizer),
+            layers=(1,),
+            stage_rows=0,
+        )
+        for name, shape, init, sharding, optimizer in LlamaBlock.WEIGHTS
+    },
+    "norm.scale": Parameter(
+        (D,), "float32", "ones", P("stage"), optimizer_sharding=P(("stage", "data")), stage_split=0
+    ),
+    "head.kernel": Parameter(
+        (D, VOCAB),
+        "float32",
+        "normal:0.02209708691207961",
+        P("stage", "model"),
+        optimizer_sharding=P(("stage", "data"), "model"),
+        stage_split=0,
+    ),
+}
+
+
+INPUTS = {
+    # llama.par:35 input tokens: i32[batch @ data, seq]
+    "tokens": Input((BATCH, SEQ), "int32", P("data", None), 32000),
+    # llama.par:36 input targets: i32[batch @ data, seq]
+    "targets": Input((BATCH, SEQ), "int32", P("data", None), 32000),
+}
+STREAM = "tokens"  # the input the forward pass starts from
+
+
+# ---- the forward pass and the loss -------------------------------------------------------------
 
 
 # The class of each chunk of the pipeline, in model order.

@@ -52,54 +52,25 @@ BATCH = 8
 N_LAYERS = 4
 
 
-# ---- parameters and inputs ---------------------------------------------------------------------
-
-
-# Every array of trainable state, under its name in the spec: `*` stands for a repeat's layers,
-# stacked along a leading dimension (weights are exported one by one, as `blocks.3.attn.q`).
-PARAMETERS = {
-    "embed.table": Parameter(
-        (VOCAB, D), "float32", "normal:0.02", P("model", None), optimizer_sharding=P(("model", "data"), None)
-    ),
-    # The weights of `layers.*`: each stacks its 4 layers ahead of one layer's shape
-    # and sharding, which the table gives with its name in the block and its init.
-    **{
-        f"layers.*.{name}": Parameter(
-            (N_LAYERS, *shape), "float32", init, P(None, *sharding), optimizer_sharding=P(None, *optimizer), layers=(1,)
-        )
-        for name, shape, init, sharding, optimizer in (
-            ("attn_norm.scale", (D,), "ones", (None,), ("data",)),
-            ("attn.q", (D, D), "normal:0.08838834764831845", (None, "model"), ("data", "model")),
-            ("attn.k", (D, KV_HEADS * (D // HEADS)), "normal:0.08838834764831845", (None, "model"), ("data", "model")),
-            ("attn.v", (D, KV_HEADS * (D // HEADS)), "normal:0.08838834764831845", (None, "model"), ("data", "model")),
-            ("attn.o", (D, D), "normal:0.08838834764831845", ("model", None), (("model", "data"), None)),
-            ("mlp_norm.scale", (D,), "ones", (None,), ("data",)),
-            ("gate_up.gate", (D, FFN), "normal:0.08838834764831845", (None, "model"), ("data", "model")),
-            ("gate_up.up", (D, FFN), "normal:0.08838834764831845", (None, "model"), ("data", "model")),
-            ("down.kernel", (FFN, D), "normal:0.053916386601719206", ("model", None), (("model", "data"), None)),
-        )
-    },
-    "norm.scale": Parameter((D,), "float32", "ones", P(None), optimizer_sharding=P("data")),
-    "head.kernel": Parameter(
-        (D, VOCAB), "float32", "normal:0.08838834764831845", P(None, "model"), optimizer_sharding=P("data", "model")
-    ),
-}
-
-
-INPUTS = {
-    # llama_small.par:19 input tokens: i32[batch @ data, seq]
-    "tokens": Input((BATCH, SEQ), "int32", P("data", None), 512),
-    # llama_small.par:20 input targets: i32[batch @ data, seq]
-    "targets": Input((BATCH, SEQ), "int32", P("data", None), 512),
-}
-STREAM = "tokens"  # the input the forward pass starts from
-
-
 # ---- the model ---------------------------------------------------------------------------------
 
 
 class LlamaBlock(nnx.Module):
     """Block `llama_block` of the spec. (llama_small.par:23-30)"""
+
+    # Its weights as one layer holds them (name, shape, init, sharding, optimizer); `PARAMETERS`
+    # stacks each over the layers of the repeat that runs this block.
+    WEIGHTS = (
+        ("attn_norm.scale", (D,), "ones", (None,), ("data",)),
+        ("attn.q", (D, D), "normal:0.08838834764831845", (None, "model"), ("data", "model")),
+        ("attn.k", (D, KV_HEADS * (D // HEADS)), "normal:0.08838834764831845", (None, "model"), ("data", "model")),
+        ("attn.v", (D, KV_HEADS * (D // HEADS)), "normal:0.08838834764831845", (None, "model"), ("data", "model")),
+        ("attn.o", (D, D), "normal:0.08838834764831845", ("model", None), (("model", "data"), None)),
+        ("mlp_norm.scale", (D,), "ones", (None,), ("data",)),
+        ("gate_up.gate", (D, FFN), "normal:0.08838834764831845", (None, "model"), ("data", "model")),
+        ("gate_up.up", (D, FFN), "normal:0.08838834764831845", (None, "model"), ("data", "model")),
+        ("down.kernel", (FFN, D), "normal:0.053916386601719206", ("model", None), (("model", "data"), None)),
+    )
 
     def __init__(self, params: Arrays, path: str) -> None:
         self.path = path
@@ -183,6 +154,41 @@ class LlamaSmall(nnx.Module):
         x = linear(x, **weights_of(self.head, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE)
         x = constrain(x, P("data", None, "model"))  # bf16[8@data, 64, 512@model]
         return x
+
+
+# ---- parameters and inputs ---------------------------------------------------------------------
+
+
+# Every array of trainable state, under its name in the spec: `*` stands for a repeat's layers,
+# stacked along a leading dimension (weights are exported one by one, as `blocks.3.attn.q`).
+PARAMETERS = {
+    "embed.table": Parameter(
+        (VOCAB, D), "float32", "normal:0.02", P("model", None), optimizer_sharding=P(("model", "data"), None)
+    ),
+    # The weights of `layers.*`: each of LlamaBlock's stacked over its 4 layers.
+    **{
+        f"layers.*.{name}": Parameter(
+            (N_LAYERS, *shape), "float32", init, P(None, *sharding), optimizer_sharding=P(None, *optimizer), layers=(1,)
+        )
+        for name, shape, init, sharding, optimizer in LlamaBlock.WEIGHTS
+    },
+    "norm.scale": Parameter((D,), "float32", "ones", P(None), optimizer_sharding=P("data")),
+    "head.kernel": Parameter(
+        (D, VOCAB), "float32", "normal:0.08838834764831845", P(None, "model"), optimizer_sharding=P("data", "model")
+    ),
+}
+
+
+INPUTS = {
+    # llama_small.par:19 input tokens: i32[batch @ data, seq]
+    "tokens": Input((BATCH, SEQ), "int32", P("data", None), 512),
+    # llama_small.par:20 input targets: i32[batch @ data, seq]
+    "targets": Input((BATCH, SEQ), "int32", P("data", None), 512),
+}
+STREAM = "tokens"  # the input the forward pass starts from
+
+
+# ---- the forward pass and the loss -------------------------------------------------------------
 
 
 def forward(params: Arrays, inputs: Arrays, key: jax.Array | None = None) -> jax.Array:

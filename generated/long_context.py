@@ -52,48 +52,25 @@ BATCH = 4
 N_LAYERS = 2
 
 
-# ---- parameters and inputs ---------------------------------------------------------------------
-
-
-# Every array of trainable state, under its name in the spec: `*` stands for a repeat's layers,
-# stacked along a leading dimension (weights are exported one by one, as `blocks.3.attn.q`).
-PARAMETERS = {
-    "embed.table": Parameter((VOCAB, D), "float32", "normal:0.02", P("model", None)),
-    # The weights of `layers.*`: each stacks its 2 layers ahead of one layer's shape
-    # and sharding, which the table gives with its name in the block and its init.
-    **{
-        f"layers.*.{name}": Parameter((N_LAYERS, *shape), "float32", init, P(None, *sharding), layers=(1,))
-        for name, shape, init, sharding in (
-            ("attn_norm.scale", (D,), "ones", (None,)),
-            ("attn.q", (D, D), "normal:0.1767766952966369", (None, "model")),
-            ("attn.k", (D, KV_HEADS * (D // HEADS)), "normal:0.1767766952966369", (None, "model")),
-            ("attn.v", (D, KV_HEADS * (D // HEADS)), "normal:0.1767766952966369", (None, "model")),
-            ("attn.o", (D, D), "normal:0.1767766952966369", ("model", None)),
-            ("mlp_norm.scale", (D,), "ones", (None,)),
-            ("gate_up.gate", (D, FFN), "normal:0.1767766952966369", (None, "model")),
-            ("gate_up.up", (D, FFN), "normal:0.1767766952966369", (None, "model")),
-            ("down.kernel", (FFN, D), "normal:0.125", ("model", None)),
-        )
-    },
-    "norm.scale": Parameter((D,), "float32", "ones", P(None)),
-    "head.kernel": Parameter((D, VOCAB), "float32", "normal:0.1767766952966369", P(None, "model")),
-}
-
-
-INPUTS = {
-    # long_context.par:21 input tokens: i32[batch @ data, seq @ context]
-    "tokens": Input((BATCH, SEQ), "int32", P("data", "context"), 128),
-    # long_context.par:22 input targets: i32[batch @ data, seq @ context]
-    "targets": Input((BATCH, SEQ), "int32", P("data", "context"), 128),
-}
-STREAM = "tokens"  # the input the forward pass starts from
-
-
 # ---- the model ---------------------------------------------------------------------------------
 
 
 class Decoder(nnx.Module):
     """Block `decoder` of the spec. (long_context.par:25-32)"""
+
+    # Its weights as one layer holds them (name, shape, init, sharding); `PARAMETERS`
+    # stacks each over the layers of the repeat that runs this block.
+    WEIGHTS = (
+        ("attn_norm.scale", (D,), "ones", (None,)),
+        ("attn.q", (D, D), "normal:0.1767766952966369", (None, "model")),
+        ("attn.k", (D, KV_HEADS * (D // HEADS)), "normal:0.1767766952966369", (None, "model")),
+        ("attn.v", (D, KV_HEADS * (D // HEADS)), "normal:0.1767766952966369", (None, "model")),
+        ("attn.o", (D, D), "normal:0.1767766952966369", ("model", None)),
+        ("mlp_norm.scale", (D,), "ones", (None,)),
+        ("gate_up.gate", (D, FFN), "normal:0.1767766952966369", (None, "model")),
+        ("gate_up.up", (D, FFN), "normal:0.1767766952966369", (None, "model")),
+        ("down.kernel", (FFN, D), "normal:0.125", ("model", None)),
+    )
 
     def __init__(self, params: Arrays, path: str) -> None:
         self.path = path
@@ -173,6 +150,35 @@ class LongContext(nnx.Module):
         x = linear(x, **weights_of(self.head, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE)
         x = constrain(x, P("data", "context", "model"))  # f32[4@data, 64@context, 128@model]
         return x
+
+
+# ---- parameters and inputs ---------------------------------------------------------------------
+
+
+# Every array of trainable state, under its name in the spec: `*` stands for a repeat's layers,
+# stacked along a leading dimension (weights are exported one by one, as `blocks.3.attn.q`).
+PARAMETERS = {
+    "embed.table": Parameter((VOCAB, D), "float32", "normal:0.02", P("model", None)),
+    # The weights of `layers.*`: each of Decoder's stacked over its 2 layers.
+    **{
+        f"layers.*.{name}": Parameter((N_LAYERS, *shape), "float32", init, P(None, *sharding), layers=(1,))
+        for name, shape, init, sharding in Decoder.WEIGHTS
+    },
+    "norm.scale": Parameter((D,), "float32", "ones", P(None)),
+    "head.kernel": Parameter((D, VOCAB), "float32", "normal:0.1767766952966369", P(None, "model")),
+}
+
+
+INPUTS = {
+    # long_context.par:21 input tokens: i32[batch @ data, seq @ context]
+    "tokens": Input((BATCH, SEQ), "int32", P("data", "context"), 128),
+    # long_context.par:22 input targets: i32[batch @ data, seq @ context]
+    "targets": Input((BATCH, SEQ), "int32", P("data", "context"), 128),
+}
+STREAM = "tokens"  # the input the forward pass starts from
+
+
+# ---- the forward pass and the loss -------------------------------------------------------------
 
 
 def forward(params: Arrays, inputs: Arrays, key: jax.Array | None = None) -> jax.Array:

@@ -57,49 +57,26 @@ SEQ = 64
 BATCH = 8
 
 
-# ---- parameters and inputs ---------------------------------------------------------------------
-
-
-# Every array of trainable state, under its name in the spec: `*` stands for a repeat's layers,
-# stacked along a leading dimension (weights are exported one by one, as `blocks.3.attn.q`).
-PARAMETERS = {
-    "embed.table": Parameter((VOCAB, D), "float32", "normal:0.02", P("model", None)),
-    # The weights of `layers.*`: each stacks its 2 layers ahead of one layer's shape
-    # and sharding, which the table gives with its name in the block and its init.
-    **{
-        f"layers.*.{name}": Parameter((LAYERS, *shape), "float32", init, P(None, *sharding), layers=(1,))
-        for name, shape, init, sharding in (
-            ("attn_norm.scale", (D,), "ones", (None,)),
-            ("attn.q", (D, D), "normal:0.125", (None, "model")),
-            ("attn.k", (D, KV_HEADS * (D // HEADS)), "normal:0.125", (None, "model")),
-            ("attn.v", (D, KV_HEADS * (D // HEADS)), "normal:0.125", (None, "model")),
-            ("attn.o", (D, D), "normal:0.125", ("model", None)),
-            ("moe_norm.scale", (D,), "ones", (None,)),
-            ("moe.router", (D, EXPERTS), "normal:0.125", (None, None)),
-            ("moe.w_in", (EXPERTS, D, FFN), "normal:0.125", ("expert", None, "model")),
-            ("moe.w_out", (EXPERTS, FFN, D), "normal:0.10206207261596575", ("expert", "model", None)),
-            ("moe.w_gate", (EXPERTS, D, FFN), "normal:0.125", ("expert", None, "model")),
-        )
-    },
-    "norm.scale": Parameter((D,), "float32", "ones", P(None)),
-    "head.kernel": Parameter((D, VOCAB), "float32", "normal:0.125", P(None, "model")),
-}
-
-
-INPUTS = {
-    # mixtral.par:36 input tokens: i32[batch @ (data, expert), seq]
-    "tokens": Input((BATCH, SEQ), "int32", P(("data", "expert"), None), 512),
-    # mixtral.par:37 input targets: i32[batch @ (data, expert), seq]
-    "targets": Input((BATCH, SEQ), "int32", P(("data", "expert"), None), 512),
-}
-STREAM = "tokens"  # the input the forward pass starts from
-
-
 # ---- the model ---------------------------------------------------------------------------------
 
 
 class MixtralBlock(nnx.Module):
     """Block `mixtral_block` of the spec. (mixtral.par:40-46)"""
+
+    # Its weights as one layer holds them (name, shape, init, sharding); `PARAMETERS`
+    # stacks each over the layers of the repeat that runs this block.
+    WEIGHTS = (
+        ("attn_norm.scale", (D,), "ones", (None,)),
+        ("attn.q", (D, D), "normal:0.125", (None, "model")),
+        ("attn.k", (D, KV_HEADS * (D // HEADS)), "normal:0.125", (None, "model")),
+        ("attn.v", (D, KV_HEADS * (D // HEADS)), "normal:0.125", (None, "model")),
+        ("attn.o", (D, D), "normal:0.125", ("model", None)),
+        ("moe_norm.scale", (D,), "ones", (None,)),
+        ("moe.router", (D, EXPERTS), "normal:0.125", (None, None)),
+        ("moe.w_in", (EXPERTS, D, FFN), "normal:0.125", ("expert", None, "model")),
+        ("moe.w_out", (EXPERTS, FFN, D), "normal:0.10206207261596575", ("expert", "model", None)),
+        ("moe.w_gate", (EXPERTS, D, FFN), "normal:0.125", ("expert", None, "model")),
+    )
 
     def __init__(self, params: Arrays, path: str) -> None:
         self.path = path
@@ -199,6 +176,35 @@ class Mixtral(nnx.Module):
         x = linear(x, **weights_of(self.head, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE)
         x = constrain(x, P(("data", "expert"), None, "model"))  # bf16[8@(data, expert), 64, 512@model]
         return x, aux
+
+
+# ---- parameters and inputs ---------------------------------------------------------------------
+
+
+# Every array of trainable state, under its name in the spec: `*` stands for a repeat's layers,
+# stacked along a leading dimension (weights are exported one by one, as `blocks.3.attn.q`).
+PARAMETERS = {
+    "embed.table": Parameter((VOCAB, D), "float32", "normal:0.02", P("model", None)),
+    # The weights of `layers.*`: each of MixtralBlock's stacked over its 2 layers.
+    **{
+        f"layers.*.{name}": Parameter((LAYERS, *shape), "float32", init, P(None, *sharding), layers=(1,))
+        for name, shape, init, sharding in MixtralBlock.WEIGHTS
+    },
+    "norm.scale": Parameter((D,), "float32", "ones", P(None)),
+    "head.kernel": Parameter((D, VOCAB), "float32", "normal:0.125", P(None, "model")),
+}
+
+
+INPUTS = {
+    # mixtral.par:36 input tokens: i32[batch @ (data, expert), seq]
+    "tokens": Input((BATCH, SEQ), "int32", P(("data", "expert"), None), 512),
+    # mixtral.par:37 input targets: i32[batch @ (data, expert), seq]
+    "targets": Input((BATCH, SEQ), "int32", P(("data", "expert"), None), 512),
+}
+STREAM = "tokens"  # the input the forward pass starts from
+
+
+# ---- the forward pass and the loss -------------------------------------------------------------
 
 
 def run(params: Arrays, inputs: Arrays, key: jax.Array | None = None) -> tuple[jax.Array, Aux]:

@@ -51,51 +51,27 @@ SEQ = 16
 BATCH = 16
 
 
-# ---- parameters and inputs ---------------------------------------------------------------------
-
-
-# Every array of trainable state, under its name in the spec: `*` stands for a repeat's layers,
-# stacked along a leading dimension (weights are exported one by one, as `blocks.3.attn.q`).
-PARAMETERS = {
-    "embed.table": Parameter((VOCAB, D), "float32", "normal:0.02", P(None, None)),
-    # The weights of `layers.*`: each stacks its 2 layers ahead of one layer's shape
-    # and sharding, which the table gives with its name in the block and its init.
-    **{
-        f"layers.*.{name}": Parameter((2, *shape), "float32", init, P(None, *sharding), layers=(1,))
-        for name, shape, init, sharding in (
-            ("ln1.scale", (D,), "ones", (None,)),
-            ("ln1.bias", (D,), "zeros", (None,)),
-            ("attn.q", (D, D), "normal:0.1767766952966369", (None, None)),
-            ("attn.k", (D, D), "normal:0.1767766952966369", (None, None)),
-            ("attn.v", (D, D), "normal:0.1767766952966369", (None, None)),
-            ("attn.o", (D, D), "normal:0.1767766952966369", (None, None)),
-            ("ln2.scale", (D,), "ones", (None,)),
-            ("ln2.bias", (D,), "zeros", (None,)),
-            ("moe.router", (D, EXPERTS), "normal:0.1767766952966369", (None, None)),
-            ("moe.w_in", (EXPERTS, D, HIDDEN), "normal:0.1767766952966369", ("expert", None, None)),
-            ("moe.w_out", (EXPERTS, HIDDEN, D), "normal:0.125", ("expert", None, None)),
-        )
-    },
-    "ln_f.scale": Parameter((D,), "float32", "ones", P(None)),
-    "ln_f.bias": Parameter((D,), "float32", "zeros", P(None)),
-    "head.kernel": Parameter((D, VOCAB), "float32", "normal:0.1767766952966369", P(None, None)),
-}
-
-
-INPUTS = {
-    # moe_small.par:20 input tokens: i32[batch @ (data, expert), seq]
-    "tokens": Input((BATCH, SEQ), "int32", P(("data", "expert"), None), 256),
-    # moe_small.par:21 input targets: i32[batch @ (data, expert), seq]
-    "targets": Input((BATCH, SEQ), "int32", P(("data", "expert"), None), 256),
-}
-STREAM = "tokens"  # the input the forward pass starts from
-
-
 # ---- the model ---------------------------------------------------------------------------------
 
 
 class Decoder(nnx.Module):
     """Block `decoder` of the spec. (moe_small.par:24-30)"""
+
+    # Its weights as one layer holds them (name, shape, init, sharding); `PARAMETERS`
+    # stacks each over the layers of the repeat that runs this block.
+    WEIGHTS = (
+        ("ln1.scale", (D,), "ones", (None,)),
+        ("ln1.bias", (D,), "zeros", (None,)),
+        ("attn.q", (D, D), "normal:0.1767766952966369", (None, None)),
+        ("attn.k", (D, D), "normal:0.1767766952966369", (None, None)),
+        ("attn.v", (D, D), "normal:0.1767766952966369", (None, None)),
+        ("attn.o", (D, D), "normal:0.1767766952966369", (None, None)),
+        ("ln2.scale", (D,), "ones", (None,)),
+        ("ln2.bias", (D,), "zeros", (None,)),
+        ("moe.router", (D, EXPERTS), "normal:0.1767766952966369", (None, None)),
+        ("moe.w_in", (EXPERTS, D, HIDDEN), "normal:0.1767766952966369", ("expert", None, None)),
+        ("moe.w_out", (EXPERTS, HIDDEN, D), "normal:0.125", ("expert", None, None)),
+    )
 
     def __init__(self, params: Arrays, path: str) -> None:
         self.path = path
@@ -193,6 +169,36 @@ class MoeSmall(nnx.Module):
         x = linear(x, **weights_of(self.head, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE)
         x = constrain(x, P(("data", "expert"), None, None))  # f32[16@(data, expert), 16, 256]
         return x, aux
+
+
+# ---- parameters and inputs ---------------------------------------------------------------------
+
+
+# Every array of trainable state, under its name in the spec: `*` stands for a repeat's layers,
+# stacked along a leading dimension (weights are exported one by one, as `blocks.3.attn.q`).
+PARAMETERS = {
+    "embed.table": Parameter((VOCAB, D), "float32", "normal:0.02", P(None, None)),
+    # The weights of `layers.*`: each of Decoder's stacked over its 2 layers.
+    **{
+        f"layers.*.{name}": Parameter((2, *shape), "float32", init, P(None, *sharding), layers=(1,))
+        for name, shape, init, sharding in Decoder.WEIGHTS
+    },
+    "ln_f.scale": Parameter((D,), "float32", "ones", P(None)),
+    "ln_f.bias": Parameter((D,), "float32", "zeros", P(None)),
+    "head.kernel": Parameter((D, VOCAB), "float32", "normal:0.1767766952966369", P(None, None)),
+}
+
+
+INPUTS = {
+    # moe_small.par:20 input tokens: i32[batch @ (data, expert), seq]
+    "tokens": Input((BATCH, SEQ), "int32", P(("data", "expert"), None), 256),
+    # moe_small.par:21 input targets: i32[batch @ (data, expert), seq]
+    "targets": Input((BATCH, SEQ), "int32", P(("data", "expert"), None), 256),
+}
+STREAM = "tokens"  # the input the forward pass starts from
+
+
+# ---- the forward pass and the loss -------------------------------------------------------------
 
 
 def run(params: Arrays, inputs: Arrays, key: jax.Array | None = None) -> tuple[jax.Array, Aux]:

@@ -59,56 +59,33 @@ SEQ = 64
 BATCH = 8
 
 
-# ---- parameters and inputs ---------------------------------------------------------------------
-
-
-# Every array of trainable state, under its name in the spec: `*` stands for a repeat's layers,
-# stacked along a leading dimension (weights are exported one by one, as `blocks.3.attn.q`).
-PARAMETERS = {
-    "embed.table": Parameter((VOCAB, D), "float32", "normal:0.02", P("model", None)),
-    # The weights of `layers.*`: each stacks its 2 layers ahead of one layer's shape
-    # and sharding, which the table gives with its name in the block and its init.
-    **{
-        f"layers.*.{name}": Parameter((LAYERS, *shape), "float32", init, P(None, *sharding), layers=(1,))
-        for name, shape, init, sharding in (
-            ("attn_norm.scale", (D,), "ones", (None,)),
-            ("attn.q", (D, D), "normal:0.125", (None, "model")),
-            ("attn.k", (D, KV_HEADS * (D // HEADS)), "normal:0.125", (None, "model")),
-            ("attn.v", (D, KV_HEADS * (D // HEADS)), "normal:0.125", (None, "model")),
-            ("attn.o", (D, D), "normal:0.125", ("model", None)),
-            ("attn.q_bias", (D,), "zeros", ("model",)),
-            ("attn.k_bias", (KV_HEADS * (D // HEADS),), "zeros", ("model",)),
-            ("attn.v_bias", (KV_HEADS * (D // HEADS),), "zeros", ("model",)),
-            ("moe_norm.scale", (D,), "ones", (None,)),
-            ("moe.router", (D, EXPERTS), "normal:0.125", (None, None)),
-            ("moe.w_in", (EXPERTS, D, FFN), "normal:0.125", ("expert", None, "model")),
-            ("moe.w_out", (EXPERTS, FFN, D), "normal:0.14433756729740643", ("expert", "model", None)),
-            ("moe.w_gate", (EXPERTS, D, FFN), "normal:0.125", ("expert", None, "model")),
-            ("moe.s_in", (D, SHARED_FFN), "normal:0.125", (None, "model")),
-            ("moe.s_out", (SHARED_FFN, D), "normal:0.10206207261596575", ("model", None)),
-            ("moe.s_gate", (D, SHARED_FFN), "normal:0.125", (None, "model")),
-            ("moe.s_router", (D, 1), "normal:0.125", (None, None)),
-        )
-    },
-    "norm.scale": Parameter((D,), "float32", "ones", P(None)),
-    "head.kernel": Parameter((D, VOCAB), "float32", "normal:0.125", P(None, "model")),
-}
-
-
-INPUTS = {
-    # qwen2_moe.par:38 input tokens: i32[batch @ (data, expert), seq]
-    "tokens": Input((BATCH, SEQ), "int32", P(("data", "expert"), None), 512),
-    # qwen2_moe.par:39 input targets: i32[batch @ (data, expert), seq]
-    "targets": Input((BATCH, SEQ), "int32", P(("data", "expert"), None), 512),
-}
-STREAM = "tokens"  # the input the forward pass starts from
-
-
 # ---- the model ---------------------------------------------------------------------------------
 
 
 class Qwen2MoeBlock(nnx.Module):
     """Block `qwen2_moe_block` of the spec. (qwen2_moe.par:42-48)"""
+
+    # Its weights as one layer holds them (name, shape, init, sharding); `PARAMETERS`
+    # stacks each over the layers of the repeat that runs this block.
+    WEIGHTS = (
+        ("attn_norm.scale", (D,), "ones", (None,)),
+        ("attn.q", (D, D), "normal:0.125", (None, "model")),
+        ("attn.k", (D, KV_HEADS * (D // HEADS)), "normal:0.125", (None, "model")),
+        ("attn.v", (D, KV_HEADS * (D // HEADS)), "normal:0.125", (None, "model")),
+        ("attn.o", (D, D), "normal:0.125", ("model", None)),
+        ("attn.q_bias", (D,), "zeros", ("model",)),
+        ("attn.k_bias", (KV_HEADS * (D // HEADS),), "zeros", ("model",)),
+        ("attn.v_bias", (KV_HEADS * (D // HEADS),), "zeros", ("model",)),
+        ("moe_norm.scale", (D,), "ones", (None,)),
+        ("moe.router", (D, EXPERTS), "normal:0.125", (None, None)),
+        ("moe.w_in", (EXPERTS, D, FFN), "normal:0.125", ("expert", None, "model")),
+        ("moe.w_out", (EXPERTS, FFN, D), "normal:0.14433756729740643", ("expert", "model", None)),
+        ("moe.w_gate", (EXPERTS, D, FFN), "normal:0.125", ("expert", None, "model")),
+        ("moe.s_in", (D, SHARED_FFN), "normal:0.125", (None, "model")),
+        ("moe.s_out", (SHARED_FFN, D), "normal:0.10206207261596575", ("model", None)),
+        ("moe.s_gate", (D, SHARED_FFN), "normal:0.125", (None, "model")),
+        ("moe.s_router", (D, 1), "normal:0.125", (None, None)),
+    )
 
     def __init__(self, params: Arrays, path: str) -> None:
         self.path = path
@@ -215,6 +192,35 @@ class Qwen2Moe(nnx.Module):
         x = linear(x, **weights_of(self.head, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE)
         x = constrain(x, P(("data", "expert"), None, "model"))  # bf16[8@(data, expert), 64, 512@model]
         return x, aux
+
+
+# ---- parameters and inputs ---------------------------------------------------------------------
+
+
+# Every array of trainable state, under its name in the spec: `*` stands for a repeat's layers,
+# stacked along a leading dimension (weights are exported one by one, as `blocks.3.attn.q`).
+PARAMETERS = {
+    "embed.table": Parameter((VOCAB, D), "float32", "normal:0.02", P("model", None)),
+    # The weights of `layers.*`: each of Qwen2MoeBlock's stacked over its 2 layers.
+    **{
+        f"layers.*.{name}": Parameter((LAYERS, *shape), "float32", init, P(None, *sharding), layers=(1,))
+        for name, shape, init, sharding in Qwen2MoeBlock.WEIGHTS
+    },
+    "norm.scale": Parameter((D,), "float32", "ones", P(None)),
+    "head.kernel": Parameter((D, VOCAB), "float32", "normal:0.125", P(None, "model")),
+}
+
+
+INPUTS = {
+    # qwen2_moe.par:38 input tokens: i32[batch @ (data, expert), seq]
+    "tokens": Input((BATCH, SEQ), "int32", P(("data", "expert"), None), 512),
+    # qwen2_moe.par:39 input targets: i32[batch @ (data, expert), seq]
+    "targets": Input((BATCH, SEQ), "int32", P(("data", "expert"), None), 512),
+}
+STREAM = "tokens"  # the input the forward pass starts from
+
+
+# ---- the forward pass and the loss -------------------------------------------------------------
 
 
 def run(params: Arrays, inputs: Arrays, key: jax.Array | None = None) -> tuple[jax.Array, Aux]:

@@ -51,50 +51,28 @@ HIDDEN = 1024
 HEADS = 16
 
 
-# ---- parameters and inputs ---------------------------------------------------------------------
-
-
-# Every array of trainable state, under its name in the spec: `*` stands for a repeat's layers,
-# stacked along a leading dimension (weights are exported one by one, as `blocks.3.attn.q`).
-PARAMETERS = {
-    # The weights of `blocks.*`: each stacks its 24 layers ahead of one layer's shape
-    # and sharding, which the table gives with its name in the block and its init.
-    **{
-        f"blocks.*.{name}": Parameter(
-            (LAYERS, *shape), "float32", init, P("pipeline", *sharding), layers=(1,), stage_rows=0
-        )
-        for name, shape, init, sharding in (
-            ("ln1.scale", (HIDDEN,), "ones", (None,)),
-            ("ln1.bias", (HIDDEN,), "zeros", (None,)),
-            ("attn.q", (HIDDEN, HIDDEN), "normal:0.03125", (None, "model")),
-            ("attn.k", (HIDDEN, HIDDEN), "normal:0.03125", (None, "model")),
-            ("attn.v", (HIDDEN, HIDDEN), "normal:0.03125", (None, "model")),
-            ("attn.o", (HIDDEN, HIDDEN), "normal:0.03125", ("model", None)),
-            ("ln2.scale", (HIDDEN,), "ones", (None,)),
-            ("ln2.bias", (HIDDEN,), "zeros", (None,)),
-            ("up.kernel", (HIDDEN, 4 * HIDDEN), "normal:0.03125", (None, "model")),
-            ("up.bias", (4 * HIDDEN,), "zeros", ("model",)),
-            ("down.kernel", (4 * HIDDEN, HIDDEN), "normal:0.015625", ("model", None)),
-            ("down.bias", (HIDDEN,), "zeros", (None,)),
-        )
-    },
-}
-
-
-INPUTS = {
-    # seed_hybrid_3d.par:16 input x: f32[batch @ data, seq, hidden]
-    "x": Input((BATCH, SEQ, HIDDEN), "float32", P("data", None, None), 2),
-    # seed_hybrid_3d.par:17 input y: f32[batch @ data, seq, hidden] # regression target for training
-    "y": Input((BATCH, SEQ, HIDDEN), "float32", P("data", None, None), 2),
-}
-STREAM = "x"  # the input the forward pass starts from
-
-
 # ---- the model ---------------------------------------------------------------------------------
 
 
 class TransformerLayer(nnx.Module):
     """Block `transformer_layer` of the spec. (seed_hybrid_3d.par:20-28)"""
+
+    # Its weights as one layer holds them (name, shape, init, sharding); `PARAMETERS`
+    # stacks each over the layers of the repeat that runs this block.
+    WEIGHTS = (
+        ("ln1.scale", (HIDDEN,), "ones", (None,)),
+        ("ln1.bias", (HIDDEN,), "zeros", (None,)),
+        ("attn.q", (HIDDEN, HIDDEN), "normal:0.03125", (None, "model")),
+        ("attn.k", (HIDDEN, HIDDEN), "normal:0.03125", (None, "model")),
+        ("attn.v", (HIDDEN, HIDDEN), "normal:0.03125", (None, "model")),
+        ("attn.o", (HIDDEN, HIDDEN), "normal:0.03125", ("model", None)),
+        ("ln2.scale", (HIDDEN,), "ones", (None,)),
+        ("ln2.bias", (HIDDEN,), "zeros", (None,)),
+        ("up.kernel", (HIDDEN, 4 * HIDDEN), "normal:0.03125", (None, "model")),
+        ("up.bias", (4 * HIDDEN,), "zeros", ("model",)),
+        ("down.kernel", (4 * HIDDEN, HIDDEN), "normal:0.015625", ("model", None)),
+        ("down.bias", (HIDDEN,), "zeros", (None,)),
+    )
 
     def __init__(self, params: Arrays, path: str) -> None:
         self.path = path
@@ -161,6 +139,34 @@ class Stage0(nnx.Module):
         # seed_hybrid_3d.par:34 blocks: repeat layers transformer_layer(hidden, heads)
         x = scan_layers(self.blocks, 12, x, inputs, key)
         return x
+
+
+# ---- parameters and inputs ---------------------------------------------------------------------
+
+
+# Every array of trainable state, under its name in the spec: `*` stands for a repeat's layers,
+# stacked along a leading dimension (weights are exported one by one, as `blocks.3.attn.q`).
+PARAMETERS = {
+    # The weights of `blocks.*`: each of TransformerLayer's stacked over its 24 layers.
+    **{
+        f"blocks.*.{name}": Parameter(
+            (LAYERS, *shape), "float32", init, P("pipeline", *sharding), layers=(1,), stage_rows=0
+        )
+        for name, shape, init, sharding in TransformerLayer.WEIGHTS
+    },
+}
+
+
+INPUTS = {
+    # seed_hybrid_3d.par:16 input x: f32[batch @ data, seq, hidden]
+    "x": Input((BATCH, SEQ, HIDDEN), "float32", P("data", None, None), 2),
+    # seed_hybrid_3d.par:17 input y: f32[batch @ data, seq, hidden] # regression target for training
+    "y": Input((BATCH, SEQ, HIDDEN), "float32", P("data", None, None), 2),
+}
+STREAM = "x"  # the input the forward pass starts from
+
+
+# ---- the forward pass and the loss -------------------------------------------------------------
 
 
 # The class of each chunk of the pipeline, in model order.

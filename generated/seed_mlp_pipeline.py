@@ -46,72 +46,6 @@ COMPUTE_DTYPE = "float32"
 BATCH = 32
 
 
-# ---- parameters and inputs ---------------------------------------------------------------------
-
-
-# Every array of trainable state, under its name in the spec: `*` stands for a repeat's layers,
-# stacked along a leading dimension (weights are exported one by one, as `blocks.3.attn.q`).
-PARAMETERS = {
-    "fc1.kernel|fc3.kernel|fc5.kernel": Parameter(
-        (3, 784, 512),
-        "float32",
-        "rows",
-        P("stage", None, None),
-        stage_rows=0,
-        rows=(
-            Row("fc1.kernel", (784, 512), "normal:0.03571428571428571"),
-            Row("fc3.kernel", (512, 256), "normal:0.04419417382415922"),
-            Row("fc5.kernel", (256, 128), "normal:0.0625"),
-        ),
-    ),
-    "fc1.bias|fc3.bias|fc5.bias": Parameter(
-        (3, 512),
-        "float32",
-        "rows",
-        P("stage", None),
-        stage_rows=0,
-        rows=(
-            Row("fc1.bias", (512,), "zeros"),
-            Row("fc3.bias", (256,), "zeros"),
-            Row("fc5.bias", (128,), "zeros"),
-        ),
-    ),
-    "fc2.kernel|fc4.kernel|fc6.kernel": Parameter(
-        (3, 512, 512),
-        "float32",
-        "rows",
-        P("stage", None, None),
-        stage_rows=0,
-        rows=(
-            Row("fc2.kernel", (512, 512), "normal:0.04419417382415922"),
-            Row("fc4.kernel", (256, 256), "normal:0.0625"),
-            Row("fc6.kernel", (128, 10), "normal:0.08838834764831845"),
-        ),
-    ),
-    "fc2.bias|fc4.bias|fc6.bias": Parameter(
-        (3, 512),
-        "float32",
-        "rows",
-        P("stage", None),
-        stage_rows=0,
-        rows=(
-            Row("fc2.bias", (512,), "zeros"),
-            Row("fc4.bias", (256,), "zeros"),
-            Row("fc6.bias", (10,), "zeros"),
-        ),
-    ),
-}
-
-
-INPUTS = {
-    # seed_mlp_pipeline.par:16 input images: f32[batch @ data, 784]
-    "images": Input((BATCH, 784), "float32", P("data", None), 2),
-    # seed_mlp_pipeline.par:17 input labels: i32[batch @ data]
-    "labels": Input((BATCH,), "int32", P("data"), 10),
-}
-STREAM = "images"  # the input the forward pass starts from
-
-
 # ---- the model ---------------------------------------------------------------------------------
 
 
@@ -185,6 +119,75 @@ class Stage2(nnx.Module):
         x = linear(x, **weights_of(self.fc6, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE)
         x = constrain(x, P("data", None))  # f32[8@data, 10]
         return x
+
+
+# ---- parameters and inputs ---------------------------------------------------------------------
+
+
+# Every array of trainable state, under its name in the spec: `*` stands for a repeat's layers,
+# stacked along a leading dimension (weights are exported one by one, as `blocks.3.attn.q`).
+PARAMETERS = {
+    "fc1.kernel|fc3.kernel|fc5.kernel": Parameter(
+        (3, 784, 512),
+        "float32",
+        "rows",
+        P("stage", None, None),
+        stage_rows=0,
+        rows=(
+            Row("fc1.kernel", (784, 512), "normal:0.03571428571428571"),
+            Row("fc3.kernel", (512, 256), "normal:0.04419417382415922"),
+            Row("fc5.kernel", (256, 128), "normal:0.0625"),
+        ),
+    ),
+    "fc1.bias|fc3.bias|fc5.bias": Parameter(
+        (3, 512),
+        "float32",
+        "rows",
+        P("stage", None),
+        stage_rows=0,
+        rows=(
+            Row("fc1.bias", (512,), "zeros"),
+            Row("fc3.bias", (256,), "zeros"),
+            Row("fc5.bias", (128,), "zeros"),
+        ),
+    ),
+    "fc2.kernel|fc4.kernel|fc6.kernel": Parameter(
+        (3, 512, 512),
+        "float32",
+        "rows",
+        P("stage", None, None),
+        stage_rows=0,
+        rows=(
+            Row("fc2.kernel", (512, 512), "normal:0.04419417382415922"),
+            Row("fc4.kernel", (256, 256), "normal:0.0625"),
+            Row("fc6.kernel", (128, 10), "normal:0.08838834764831845"),
+        ),
+    ),
+    "fc2.bias|fc4.bias|fc6.bias": Parameter(
+        (3, 512),
+        "float32",
+        "rows",
+        P("stage", None),
+        stage_rows=0,
+        rows=(
+            Row("fc2.bias", (512,), "zeros"),
+            Row("fc4.bias", (256,), "zeros"),
+            Row("fc6.bias", (10,), "zeros"),
+        ),
+    ),
+}
+
+
+INPUTS = {
+    # seed_mlp_pipeline.par:16 input images: f32[batch @ data, 784]
+    "images": Input((BATCH, 784), "float32", P("data", None), 2),
+    # seed_mlp_pipeline.par:17 input labels: i32[batch @ data]
+    "labels": Input((BATCH,), "int32", P("data"), 10),
+}
+STREAM = "images"  # the input the forward pass starts from
+
+
+# ---- the forward pass and the loss -------------------------------------------------------------
 
 
 # The class of each chunk of the pipeline, in model order.

@@ -48,36 +48,6 @@ HEADS = 12
 FFN = 3072
 
 
-# ---- parameters and inputs ---------------------------------------------------------------------
-
-
-# Every array of trainable state, under its name in the spec: `*` stands for a repeat's layers,
-# stacked along a leading dimension (weights are exported one by one, as `blocks.3.attn.q`).
-PARAMETERS = {
-    "ln1.scale": Parameter((HIDDEN,), "float32", "ones", P(None)),
-    "ln1.bias": Parameter((HIDDEN,), "float32", "zeros", P(None)),
-    "attn.q": Parameter((HIDDEN, HIDDEN), "float32", "normal:0.03608439182435161", P(None, "model")),
-    "attn.k": Parameter((HIDDEN, HIDDEN), "float32", "normal:0.03608439182435161", P(None, "model")),
-    "attn.v": Parameter((HIDDEN, HIDDEN), "float32", "normal:0.03608439182435161", P(None, "model")),
-    "attn.o": Parameter((HIDDEN, HIDDEN), "float32", "normal:0.03608439182435161", P("model", None)),
-    "ln2.scale": Parameter((HIDDEN,), "float32", "ones", P(None)),
-    "ln2.bias": Parameter((HIDDEN,), "float32", "zeros", P(None)),
-    "up.kernel": Parameter((HIDDEN, FFN), "float32", "normal:0.03608439182435161", P(None, "model")),
-    "up.bias": Parameter((FFN,), "float32", "zeros", P("model")),
-    "down.kernel": Parameter((FFN, HIDDEN), "float32", "normal:0.018042195912175804", P("model", None)),
-    "down.bias": Parameter((HIDDEN,), "float32", "zeros", P(None)),
-}
-
-
-INPUTS = {
-    # seed_tp_layer.par:17 input x: f32[batch @ data, seq, hidden]
-    "x": Input((BATCH, SEQ, HIDDEN), "float32", P("data", None, None), 2),
-    # seed_tp_layer.par:18 input y: f32[batch @ data, seq, hidden] # regression target for training
-    "y": Input((BATCH, SEQ, HIDDEN), "float32", P("data", None, None), 2),
-}
-STREAM = "x"  # the input the forward pass starts from
-
-
 # ---- the model ---------------------------------------------------------------------------------
 
 
@@ -135,6 +105,39 @@ class SeedTpLayer(nnx.Module):
         h = constrain(h, P("data", None, None))  # f32[2@data, 128, 768]
         x = x + h
         return x
+
+
+# ---- parameters and inputs ---------------------------------------------------------------------
+
+
+# Every array of trainable state, under its name in the spec: `*` stands for a repeat's layers,
+# stacked along a leading dimension (weights are exported one by one, as `blocks.3.attn.q`).
+PARAMETERS = {
+    "ln1.scale": Parameter((HIDDEN,), "float32", "ones", P(None)),
+    "ln1.bias": Parameter((HIDDEN,), "float32", "zeros", P(None)),
+    "attn.q": Parameter((HIDDEN, HIDDEN), "float32", "normal:0.03608439182435161", P(None, "model")),
+    "attn.k": Parameter((HIDDEN, HIDDEN), "float32", "normal:0.03608439182435161", P(None, "model")),
+    "attn.v": Parameter((HIDDEN, HIDDEN), "float32", "normal:0.03608439182435161", P(None, "model")),
+    "attn.o": Parameter((HIDDEN, HIDDEN), "float32", "normal:0.03608439182435161", P("model", None)),
+    "ln2.scale": Parameter((HIDDEN,), "float32", "ones", P(None)),
+    "ln2.bias": Parameter((HIDDEN,), "float32", "zeros", P(None)),
+    "up.kernel": Parameter((HIDDEN, FFN), "float32", "normal:0.03608439182435161", P(None, "model")),
+    "up.bias": Parameter((FFN,), "float32", "zeros", P("model")),
+    "down.kernel": Parameter((FFN, HIDDEN), "float32", "normal:0.018042195912175804", P("model", None)),
+    "down.bias": Parameter((HIDDEN,), "float32", "zeros", P(None)),
+}
+
+
+INPUTS = {
+    # seed_tp_layer.par:17 input x: f32[batch @ data, seq, hidden]
+    "x": Input((BATCH, SEQ, HIDDEN), "float32", P("data", None, None), 2),
+    # seed_tp_layer.par:18 input y: f32[batch @ data, seq, hidden] # regression target for training
+    "y": Input((BATCH, SEQ, HIDDEN), "float32", P("data", None, None), 2),
+}
+STREAM = "x"  # the input the forward pass starts from
+
+
+# ---- the forward pass and the loss -------------------------------------------------------------
 
 
 def forward(params: Arrays, inputs: Arrays, key: jax.Array | None = None) -> jax.Array:

@@ -56,158 +56,31 @@ TARGET_SEQ = 128
 BATCH = 16
 
 
-# ---- parameters and inputs ---------------------------------------------------------------------
-
-
-# Every array of trainable state, under its name in the spec: `*` stands for a repeat's layers,
-# stacked along a leading dimension (weights are exported one by one, as `blocks.3.attn.q`).
-PARAMETERS = {
-    "encoder_bias.bias.table": Parameter(
-        (BUCKETS, HEADS), "float32", "normal:0.02", P(None, "model"), optimizer_sharding=P("data", "model")
-    ),
-    "encoded.embed.table": Parameter(
-        (VOCAB, D), "float32", "normal:0.02", P("model", None), optimizer_sharding=P(("model", "data"), None)
-    ),
-    # The weights of `encoded.layers.*`: each stacks its 8 layers ahead of one layer's shape
-    # and sharding, which the table gives with its name in the block and its init.
-    **{
-        f"encoded.layers.*.{name}": Parameter(
-            (LAYERS, *shape), "float32", init, P(None, *sharding), optimizer_sharding=P(None, *optimizer), layers=(1,)
-        )
-        for name, shape, init, sharding, optimizer in (
-            ("self_attn.norm.scale", (D,), "ones", (None,), ("data",)),
-            (
-                "self_attn.attn.q",
-                (D, HEADS * HEAD_DIM),
-                "normal:0.005524271728019903",
-                (None, "model"),
-                ("data", "model"),
-            ),
-            (
-                "self_attn.attn.k",
-                (D, HEADS * HEAD_DIM),
-                "normal:0.04419417382415922",
-                (None, "model"),
-                ("data", "model"),
-            ),
-            (
-                "self_attn.attn.v",
-                (D, HEADS * HEAD_DIM),
-                "normal:0.04419417382415922",
-                (None, "model"),
-                ("data", "model"),
-            ),
-            (
-                "self_attn.attn.o",
-                (HEADS * HEAD_DIM, D),
-                "normal:0.05103103630798288",
-                ("model", None),
-                (("model", "data"), None),
-            ),
-            ("mlp.norm.scale", (D,), "ones", (None,), ("data",)),
-            ("mlp.gate_up.gate", (D, FFN), "normal:0.04419417382415922", (None, "model"), ("data", "model")),
-            ("mlp.gate_up.up", (D, FFN), "normal:0.04419417382415922", (None, "model"), ("data", "model")),
-            ("mlp.down.kernel", (FFN, D), "normal:0.03125", ("model", None), (("model", "data"), None)),
-        )
-    },
-    "encoded.norm.scale": Parameter((D,), "float32", "ones", P(None), optimizer_sharding=P("data")),
-    "decoder_bias.bias.table": Parameter(
-        (BUCKETS, HEADS), "float32", "normal:0.02", P(None, "model"), optimizer_sharding=P("data", "model")
-    ),
-    # The weights of `layers.*`: each stacks its 8 layers ahead of one layer's shape
-    # and sharding, which the table gives with its name in the block and its init.
-    **{
-        f"layers.*.{name}": Parameter(
-            (LAYERS, *shape), "float32", init, P(None, *sharding), optimizer_sharding=P(None, *optimizer), layers=(1,)
-        )
-        for name, shape, init, sharding, optimizer in (
-            ("self_attn.norm.scale", (D,), "ones", (None,), ("data",)),
-            (
-                "self_attn.attn.q",
-                (D, HEADS * HEAD_DIM),
-                "normal:0.005524271728019903",
-                (None, "model"),
-                ("data", "model"),
-            ),
-            (
-                "self_attn.attn.k",
-                (D, HEADS * HEAD_DIM),
-                "normal:0.04419417382415922",
-                (None, "model"),
-                ("data", "model"),
-            ),
-            (
-                "self_attn.attn.v",
-                (D, HEADS * HEAD_DIM),
-                "normal:0.04419417382415922",
-                (None, "model"),
-                ("data", "model"),
-            ),
-            (
-                "self_attn.attn.o",
-                (HEADS * HEAD_DIM, D),
-                "normal:0.05103103630798288",
-                ("model", None),
-                (("model", "data"), None),
-            ),
-            ("cross_attn.norm.scale", (D,), "ones", (None,), ("data",)),
-            (
-                "cross_attn.attn.q",
-                (D, HEADS * HEAD_DIM),
-                "normal:0.005524271728019903",
-                (None, "model"),
-                ("data", "model"),
-            ),
-            (
-                "cross_attn.attn.k",
-                (D, HEADS * HEAD_DIM),
-                "normal:0.04419417382415922",
-                (None, "model"),
-                ("data", "model"),
-            ),
-            (
-                "cross_attn.attn.v",
-                (D, HEADS * HEAD_DIM),
-                "normal:0.04419417382415922",
-                (None, "model"),
-                ("data", "model"),
-            ),
-            (
-                "cross_attn.attn.o",
-                (HEADS * HEAD_DIM, D),
-                "normal:0.05103103630798288",
-                ("model", None),
-                (("model", "data"), None),
-            ),
-            ("mlp.norm.scale", (D,), "ones", (None,), ("data",)),
-            ("mlp.gate_up.gate", (D, FFN), "normal:0.04419417382415922", (None, "model"), ("data", "model")),
-            ("mlp.gate_up.up", (D, FFN), "normal:0.04419417382415922", (None, "model"), ("data", "model")),
-            ("mlp.down.kernel", (FFN, D), "normal:0.03125", ("model", None), (("model", "data"), None)),
-        )
-    },
-    "norm.scale": Parameter((D,), "float32", "ones", P(None), optimizer_sharding=P("data")),
-    "head.kernel": Parameter(
-        (D, VOCAB), "float32", "normal:0.04419417382415922", P(None, "model"), optimizer_sharding=P("data", "model")
-    ),
-}
-
-
-INPUTS = {
-    # t5.par:31 input tokens: i32[batch @ data, seq]
-    "tokens": Input((BATCH, SEQ), "int32", P("data", None), 32128),
-    # t5.par:32 input decoder_tokens: i32[batch @ data, target_seq]
-    "decoder_tokens": Input((BATCH, TARGET_SEQ), "int32", P("data", None), 32128),
-    # t5.par:33 input targets: i32[batch @ data, target_seq]
-    "targets": Input((BATCH, TARGET_SEQ), "int32", P("data", None), 32128),
-}
-STREAM = "decoder_tokens"  # the input the forward pass starts from
-
-
 # ---- the model ---------------------------------------------------------------------------------
 
 
 class T5Encoder(nnx.Module):
     """Block `t5_encoder` of the spec. (t5.par:36-43)"""
+
+    # Its weights as one layer holds them (name, shape, init, sharding, optimizer); `PARAMETERS`
+    # stacks each over the layers of the repeat that runs this block.
+    WEIGHTS = (
+        ("self_attn.norm.scale", (D,), "ones", (None,), ("data",)),
+        ("self_attn.attn.q", (D, HEADS * HEAD_DIM), "normal:0.005524271728019903", (None, "model"), ("data", "model")),
+        ("self_attn.attn.k", (D, HEADS * HEAD_DIM), "normal:0.04419417382415922", (None, "model"), ("data", "model")),
+        ("self_attn.attn.v", (D, HEADS * HEAD_DIM), "normal:0.04419417382415922", (None, "model"), ("data", "model")),
+        (
+            "self_attn.attn.o",
+            (HEADS * HEAD_DIM, D),
+            "normal:0.05103103630798288",
+            ("model", None),
+            (("model", "data"), None),
+        ),
+        ("mlp.norm.scale", (D,), "ones", (None,), ("data",)),
+        ("mlp.gate_up.gate", (D, FFN), "normal:0.04419417382415922", (None, "model"), ("data", "model")),
+        ("mlp.gate_up.up", (D, FFN), "normal:0.04419417382415922", (None, "model"), ("data", "model")),
+        ("mlp.down.kernel", (FFN, D), "normal:0.03125", ("model", None), (("model", "data"), None)),
+    )
 
     def __init__(self, params: Arrays, path: str) -> None:
         self.path = path
@@ -264,6 +137,37 @@ class T5Encoder(nnx.Module):
 
 class T5Decoder(nnx.Module):
     """Block `t5_decoder` of the spec. (t5.par:48-59)"""
+
+    # Its weights as one layer holds them (name, shape, init, sharding, optimizer); `PARAMETERS`
+    # stacks each over the layers of the repeat that runs this block.
+    WEIGHTS = (
+        ("self_attn.norm.scale", (D,), "ones", (None,), ("data",)),
+        ("self_attn.attn.q", (D, HEADS * HEAD_DIM), "normal:0.005524271728019903", (None, "model"), ("data", "model")),
+        ("self_attn.attn.k", (D, HEADS * HEAD_DIM), "normal:0.04419417382415922", (None, "model"), ("data", "model")),
+        ("self_attn.attn.v", (D, HEADS * HEAD_DIM), "normal:0.04419417382415922", (None, "model"), ("data", "model")),
+        (
+            "self_attn.attn.o",
+            (HEADS * HEAD_DIM, D),
+            "normal:0.05103103630798288",
+            ("model", None),
+            (("model", "data"), None),
+        ),
+        ("cross_attn.norm.scale", (D,), "ones", (None,), ("data",)),
+        ("cross_attn.attn.q", (D, HEADS * HEAD_DIM), "normal:0.005524271728019903", (None, "model"), ("data", "model")),
+        ("cross_attn.attn.k", (D, HEADS * HEAD_DIM), "normal:0.04419417382415922", (None, "model"), ("data", "model")),
+        ("cross_attn.attn.v", (D, HEADS * HEAD_DIM), "normal:0.04419417382415922", (None, "model"), ("data", "model")),
+        (
+            "cross_attn.attn.o",
+            (HEADS * HEAD_DIM, D),
+            "normal:0.05103103630798288",
+            ("model", None),
+            (("model", "data"), None),
+        ),
+        ("mlp.norm.scale", (D,), "ones", (None,), ("data",)),
+        ("mlp.gate_up.gate", (D, FFN), "normal:0.04419417382415922", (None, "model"), ("data", "model")),
+        ("mlp.gate_up.up", (D, FFN), "normal:0.04419417382415922", (None, "model"), ("data", "model")),
+        ("mlp.down.kernel", (FFN, D), "normal:0.03125", ("model", None), (("model", "data"), None)),
+    )
 
     def __init__(self, params: Arrays, path: str) -> None:
         self.path = path
@@ -421,6 +325,57 @@ class T5(nnx.Module):
         x = linear(x, **weights_of(self.head, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE)
         x = constrain(x, P("data", None, "model"))  # bf16[16@data, 128, 32128@model]
         return x
+
+
+# ---- parameters and inputs ---------------------------------------------------------------------
+
+
+# Every array of trainable state, under its name in the spec: `*` stands for a repeat's layers,
+# stacked along a leading dimension (weights are exported one by one, as `blocks.3.attn.q`).
+PARAMETERS = {
+    "encoder_bias.bias.table": Parameter(
+        (BUCKETS, HEADS), "float32", "normal:0.02", P(None, "model"), optimizer_sharding=P("data", "model")
+    ),
+    "encoded.embed.table": Parameter(
+        (VOCAB, D), "float32", "normal:0.02", P("model", None), optimizer_sharding=P(("model", "data"), None)
+    ),
+    # The weights of `encoded.layers.*`: each of T5Encoder's stacked over its 8 layers.
+    **{
+        f"encoded.layers.*.{name}": Parameter(
+            (LAYERS, *shape), "float32", init, P(None, *sharding), optimizer_sharding=P(None, *optimizer), layers=(1,)
+        )
+        for name, shape, init, sharding, optimizer in T5Encoder.WEIGHTS
+    },
+    "encoded.norm.scale": Parameter((D,), "float32", "ones", P(None), optimizer_sharding=P("data")),
+    "decoder_bias.bias.table": Parameter(
+        (BUCKETS, HEADS), "float32", "normal:0.02", P(None, "model"), optimizer_sharding=P("data", "model")
+    ),
+    # The weights of `layers.*`: each of T5Decoder's stacked over its 8 layers.
+    **{
+        f"layers.*.{name}": Parameter(
+            (LAYERS, *shape), "float32", init, P(None, *sharding), optimizer_sharding=P(None, *optimizer), layers=(1,)
+        )
+        for name, shape, init, sharding, optimizer in T5Decoder.WEIGHTS
+    },
+    "norm.scale": Parameter((D,), "float32", "ones", P(None), optimizer_sharding=P("data")),
+    "head.kernel": Parameter(
+        (D, VOCAB), "float32", "normal:0.04419417382415922", P(None, "model"), optimizer_sharding=P("data", "model")
+    ),
+}
+
+
+INPUTS = {
+    # t5.par:31 input tokens: i32[batch @ data, seq]
+    "tokens": Input((BATCH, SEQ), "int32", P("data", None), 32128),
+    # t5.par:32 input decoder_tokens: i32[batch @ data, target_seq]
+    "decoder_tokens": Input((BATCH, TARGET_SEQ), "int32", P("data", None), 32128),
+    # t5.par:33 input targets: i32[batch @ data, target_seq]
+    "targets": Input((BATCH, TARGET_SEQ), "int32", P("data", None), 32128),
+}
+STREAM = "decoder_tokens"  # the input the forward pass starts from
+
+
+# ---- the forward pass and the loss -------------------------------------------------------------
 
 
 def forward(params: Arrays, inputs: Arrays, key: jax.Array | None = None) -> jax.Array:

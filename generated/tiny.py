@@ -49,52 +49,28 @@ SEQ = 32
 BATCH = 8
 
 
-# ---- parameters and inputs ---------------------------------------------------------------------
-
-
-# Every array of trainable state, under its name in the spec: `*` stands for a repeat's layers,
-# stacked along a leading dimension (weights are exported one by one, as `blocks.3.attn.q`).
-PARAMETERS = {
-    "embed.table": Parameter((VOCAB, D), "float32", "normal:0.02", P("model", None)),
-    # The weights of `layers.*`: each stacks its 2 layers ahead of one layer's shape
-    # and sharding, which the table gives with its name in the block and its init.
-    **{
-        f"layers.*.{name}": Parameter((2, *shape), "float32", init, P(None, *sharding), layers=(1,))
-        for name, shape, init, sharding in (
-            ("ln1.scale", (D,), "ones", (None,)),
-            ("ln1.bias", (D,), "zeros", (None,)),
-            ("attn.q", (D, D), "normal:0.125", (None, "model")),
-            ("attn.k", (D, D), "normal:0.125", (None, "model")),
-            ("attn.v", (D, D), "normal:0.125", (None, "model")),
-            ("attn.o", (D, D), "normal:0.125", ("model", None)),
-            ("ln2.scale", (D,), "ones", (None,)),
-            ("ln2.bias", (D,), "zeros", (None,)),
-            ("up.kernel", (D, FFN), "normal:0.125", (None, "model")),
-            ("up.bias", (FFN,), "zeros", ("model",)),
-            ("down.kernel", (FFN, D), "normal:0.0625", ("model", None)),
-            ("down.bias", (D,), "zeros", (None,)),
-        )
-    },
-    "ln_f.scale": Parameter((D,), "float32", "ones", P(None)),
-    "ln_f.bias": Parameter((D,), "float32", "zeros", P(None)),
-    "head.kernel": Parameter((D, VOCAB), "float32", "normal:0.125", P(None, "model")),
-}
-
-
-INPUTS = {
-    # tiny.par:16 input tokens: i32[batch @ data, seq]
-    "tokens": Input((BATCH, SEQ), "int32", P("data", None), 256),
-    # tiny.par:17 input targets: i32[batch @ data, seq]
-    "targets": Input((BATCH, SEQ), "int32", P("data", None), 256),
-}
-STREAM = "tokens"  # the input the forward pass starts from
-
-
 # ---- the model ---------------------------------------------------------------------------------
 
 
 class Decoder(nnx.Module):
     """Block `decoder` of the spec. (tiny.par:20-28)"""
+
+    # Its weights as one layer holds them (name, shape, init, sharding); `PARAMETERS`
+    # stacks each over the layers of the repeat that runs this block.
+    WEIGHTS = (
+        ("ln1.scale", (D,), "ones", (None,)),
+        ("ln1.bias", (D,), "zeros", (None,)),
+        ("attn.q", (D, D), "normal:0.125", (None, "model")),
+        ("attn.k", (D, D), "normal:0.125", (None, "model")),
+        ("attn.v", (D, D), "normal:0.125", (None, "model")),
+        ("attn.o", (D, D), "normal:0.125", ("model", None)),
+        ("ln2.scale", (D,), "ones", (None,)),
+        ("ln2.bias", (D,), "zeros", (None,)),
+        ("up.kernel", (D, FFN), "normal:0.125", (None, "model")),
+        ("up.bias", (FFN,), "zeros", ("model",)),
+        ("down.kernel", (FFN, D), "normal:0.0625", ("model", None)),
+        ("down.bias", (D,), "zeros", (None,)),
+    )
 
     def __init__(self, params: Arrays, path: str) -> None:
         self.path = path
@@ -176,6 +152,36 @@ class Tiny(nnx.Module):
         x = linear(x, **weights_of(self.head, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE)
         x = constrain(x, P("data", None, "model"))  # f32[8@data, 32, 256@model]
         return x
+
+
+# ---- parameters and inputs ---------------------------------------------------------------------
+
+
+# Every array of trainable state, under its name in the spec: `*` stands for a repeat's layers,
+# stacked along a leading dimension (weights are exported one by one, as `blocks.3.attn.q`).
+PARAMETERS = {
+    "embed.table": Parameter((VOCAB, D), "float32", "normal:0.02", P("model", None)),
+    # The weights of `layers.*`: each of Decoder's stacked over its 2 layers.
+    **{
+        f"layers.*.{name}": Parameter((2, *shape), "float32", init, P(None, *sharding), layers=(1,))
+        for name, shape, init, sharding in Decoder.WEIGHTS
+    },
+    "ln_f.scale": Parameter((D,), "float32", "ones", P(None)),
+    "ln_f.bias": Parameter((D,), "float32", "zeros", P(None)),
+    "head.kernel": Parameter((D, VOCAB), "float32", "normal:0.125", P(None, "model")),
+}
+
+
+INPUTS = {
+    # tiny.par:16 input tokens: i32[batch @ data, seq]
+    "tokens": Input((BATCH, SEQ), "int32", P("data", None), 256),
+    # tiny.par:17 input targets: i32[batch @ data, seq]
+    "targets": Input((BATCH, SEQ), "int32", P("data", None), 256),
+}
+STREAM = "tokens"  # the input the forward pass starts from
+
+
+# ---- the forward pass and the loss -------------------------------------------------------------
 
 
 def forward(params: Arrays, inputs: Arrays, key: jax.Array | None = None) -> jax.Array:

@@ -65,76 +65,32 @@ EPS = 1e-12
 BATCH = 32
 
 
-# ---- parameters and inputs ---------------------------------------------------------------------
-
-
-# Every array of trainable state, under its name in the spec: `*` stands for a repeat's layers,
-# stacked along a leading dimension (weights are exported one by one, as `blocks.3.attn.q`).
-PARAMETERS = {
-    "patches.kernel": Parameter(
-        (PATCH, PATCH, CHANNELS, D),
-        "float32",
-        "normal:0.25",
-        P(None, None, None, None),
-        optimizer_sharding=P("data", None, None, None),
-    ),
-    "patches.bias": Parameter((D,), "float32", "zeros", P(None), optimizer_sharding=P("data")),
-    "cls.token": Parameter((D,), "float32", "normal:0.02", P(None), optimizer_sharding=P("data")),
-    "positions.table": Parameter(
-        (SIDE // PATCH * (SIDE // PATCH) + 1, D),
-        "float32",
-        "normal:0.02",
-        P(None, None),
-        optimizer_sharding=P(None, "data"),
-    ),
-    # The weights of `layers.*`: each stacks its 4 layers ahead of one layer's shape
-    # and sharding, which the table gives with its name in the block and its init.
-    **{
-        f"layers.*.{name}": Parameter(
-            (LAYERS, *shape), "float32", init, P(None, *sharding), optimizer_sharding=P(None, *optimizer), layers=(1,)
-        )
-        for name, shape, init, sharding, optimizer in (
-            ("ln_1.scale", (D,), "ones", (None,), ("data",)),
-            ("ln_1.bias", (D,), "zeros", (None,), ("data",)),
-            ("attn.q", (D, D), "normal:0.125", (None, "model"), ("data", "model")),
-            ("attn.k", (D, D), "normal:0.125", (None, "model"), ("data", "model")),
-            ("attn.v", (D, D), "normal:0.125", (None, "model"), ("data", "model")),
-            ("attn.o", (D, D), "normal:0.125", ("model", None), (("model", "data"), None)),
-            ("attn.q_bias", (D,), "zeros", ("model",), (("model", "data"),)),
-            ("attn.k_bias", (D,), "zeros", ("model",), (("model", "data"),)),
-            ("attn.v_bias", (D,), "zeros", ("model",), (("model", "data"),)),
-            ("attn.o_bias", (D,), "zeros", (None,), ("data",)),
-            ("ln_2.scale", (D,), "ones", (None,), ("data",)),
-            ("ln_2.bias", (D,), "zeros", (None,), ("data",)),
-            ("fc.kernel", (D, FFN), "normal:0.125", (None, "model"), ("data", "model")),
-            ("fc.bias", (FFN,), "zeros", ("model",), (("model", "data"),)),
-            ("proj.kernel", (FFN, D), "normal:0.0625", ("model", None), (("model", "data"), None)),
-            ("proj.bias", (D,), "zeros", (None,), ("data",)),
-        )
-    },
-    "ln_f.scale": Parameter((D,), "float32", "ones", P(None), optimizer_sharding=P("data")),
-    "ln_f.bias": Parameter((D,), "float32", "zeros", P(None), optimizer_sharding=P("data")),
-    "head.kernel": Parameter(
-        (D, CLASSES), "float32", "normal:0.125", P(None, None), optimizer_sharding=P("data", None)
-    ),
-    "head.bias": Parameter((CLASSES,), "float32", "zeros", P(None), optimizer_sharding=P("data")),
-}
-
-
-INPUTS = {
-    # vit.par:31 input images: f32[batch @ data, side, side, channels]
-    "images": Input((BATCH, SIDE, SIDE, CHANNELS), "float32", P("data", None, None, None), 2),
-    # vit.par:32 input labels: i32[batch @ data]
-    "labels": Input((BATCH,), "int32", P("data"), 10),
-}
-STREAM = "images"  # the input the forward pass starts from
-
-
 # ---- the model ---------------------------------------------------------------------------------
 
 
 class Encoder(nnx.Module):
     """Block `encoder` of the spec. (vit.par:35-43)"""
+
+    # Its weights as one layer holds them (name, shape, init, sharding, optimizer); `PARAMETERS`
+    # stacks each over the layers of the repeat that runs this block.
+    WEIGHTS = (
+        ("ln_1.scale", (D,), "ones", (None,), ("data",)),
+        ("ln_1.bias", (D,), "zeros", (None,), ("data",)),
+        ("attn.q", (D, D), "normal:0.125", (None, "model"), ("data", "model")),
+        ("attn.k", (D, D), "normal:0.125", (None, "model"), ("data", "model")),
+        ("attn.v", (D, D), "normal:0.125", (None, "model"), ("data", "model")),
+        ("attn.o", (D, D), "normal:0.125", ("model", None), (("model", "data"), None)),
+        ("attn.q_bias", (D,), "zeros", ("model",), (("model", "data"),)),
+        ("attn.k_bias", (D,), "zeros", ("model",), (("model", "data"),)),
+        ("attn.v_bias", (D,), "zeros", ("model",), (("model", "data"),)),
+        ("attn.o_bias", (D,), "zeros", (None,), ("data",)),
+        ("ln_2.scale", (D,), "ones", (None,), ("data",)),
+        ("ln_2.bias", (D,), "zeros", (None,), ("data",)),
+        ("fc.kernel", (D, FFN), "normal:0.125", (None, "model"), ("data", "model")),
+        ("fc.bias", (FFN,), "zeros", ("model",), (("model", "data"),)),
+        ("proj.kernel", (FFN, D), "normal:0.0625", ("model", None), (("model", "data"), None)),
+        ("proj.bias", (D,), "zeros", (None,), ("data",)),
+    )
 
     def __init__(self, params: Arrays, path: str) -> None:
         self.path = path
@@ -236,6 +192,56 @@ class Vit(nnx.Module):
         x = linear(x, **weights_of(self.head, COMPUTE_DTYPE), dtype=COMPUTE_DTYPE)
         x = constrain(x, P("data", None))  # f32[32@data, 10]
         return x
+
+
+# ---- parameters and inputs ---------------------------------------------------------------------
+
+
+# Every array of trainable state, under its name in the spec: `*` stands for a repeat's layers,
+# stacked along a leading dimension (weights are exported one by one, as `blocks.3.attn.q`).
+PARAMETERS = {
+    "patches.kernel": Parameter(
+        (PATCH, PATCH, CHANNELS, D),
+        "float32",
+        "normal:0.25",
+        P(None, None, None, None),
+        optimizer_sharding=P("data", None, None, None),
+    ),
+    "patches.bias": Parameter((D,), "float32", "zeros", P(None), optimizer_sharding=P("data")),
+    "cls.token": Parameter((D,), "float32", "normal:0.02", P(None), optimizer_sharding=P("data")),
+    "positions.table": Parameter(
+        (SIDE // PATCH * (SIDE // PATCH) + 1, D),
+        "float32",
+        "normal:0.02",
+        P(None, None),
+        optimizer_sharding=P(None, "data"),
+    ),
+    # The weights of `layers.*`: each of Encoder's stacked over its 4 layers.
+    **{
+        f"layers.*.{name}": Parameter(
+            (LAYERS, *shape), "float32", init, P(None, *sharding), optimizer_sharding=P(None, *optimizer), layers=(1,)
+        )
+        for name, shape, init, sharding, optimizer in Encoder.WEIGHTS
+    },
+    "ln_f.scale": Parameter((D,), "float32", "ones", P(None), optimizer_sharding=P("data")),
+    "ln_f.bias": Parameter((D,), "float32", "zeros", P(None), optimizer_sharding=P("data")),
+    "head.kernel": Parameter(
+        (D, CLASSES), "float32", "normal:0.125", P(None, None), optimizer_sharding=P("data", None)
+    ),
+    "head.bias": Parameter((CLASSES,), "float32", "zeros", P(None), optimizer_sharding=P("data")),
+}
+
+
+INPUTS = {
+    # vit.par:31 input images: f32[batch @ data, side, side, channels]
+    "images": Input((BATCH, SIDE, SIDE, CHANNELS), "float32", P("data", None, None, None), 2),
+    # vit.par:32 input labels: i32[batch @ data]
+    "labels": Input((BATCH,), "int32", P("data"), 10),
+}
+STREAM = "images"  # the input the forward pass starts from
+
+
+# ---- the forward pass and the loss -------------------------------------------------------------
 
 
 def forward(params: Arrays, inputs: Arrays, key: jax.Array | None = None) -> jax.Array:

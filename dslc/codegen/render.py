@@ -191,7 +191,7 @@ def generate(
         # Whether any layer returns auxiliary values (a mixture of experts' balancing loss):
         # only then does the code thread them through.
         "aux": any(RULES[layer.kind].has_aux for layer in ir.all_layers(program)),
-        "parameters": _parameters(program, placement, builder),
+        "parameters": _parameters(program, placement, builder, [*builder.blocks, *top]),
         "inputs": _inputs(program, builder),
         "stream": program.stream,
         "classes": [*builder.blocks, *top],
@@ -274,15 +274,16 @@ def _layer_paths(name: str) -> list[str]:
 TABLE_FROM = 4
 
 
-def _parameters(program: ir.Program, placement: Placement, builder: Builder) -> list[str]:
+def _parameters(program: ir.Program, placement: Placement, builder: Builder, classes: list[ModuleClass]) -> list[str]:
     """The entries of the `PARAMETERS` table (each as its first line follows 4 spaces): one
     `Parameter(...)` per stored array; a repeat's arrays, from `TABLE_FROM` of them, as one
-    loop over a table of what differs between them (a block's weights read as one table)."""
+    loop over a table of what differs between them (a block's weights read as one table),
+    which the block's class holds where one class runs the repeat."""
     arrays = list(placement.arrays)
     out: list[str] = []
     while arrays:
         group = _repeat_group(program, arrays)
-        loop = _repeat_entry(program, builder, group) if len(group) >= TABLE_FROM else None
+        loop = _repeat_entry(program, builder, classes, group) if len(group) >= TABLE_FROM else None
         out.extend([loop] if loop is not None else [_parameter_entry(program, builder, a) for a in group])
         del arrays[: len(group)]
     return out
@@ -364,8 +365,12 @@ def _repeat_group(program: ir.Program, arrays: list[StoredArray]) -> list[Stored
     return arrays[:count]
 
 
-def _repeat_entry(program: ir.Program, builder: Builder, group: list[StoredArray]) -> str | None:
-    """A repeat's arrays as a dict comprehension over a table of what differs between them."""
+def _repeat_entry(
+    program: ir.Program, builder: Builder, classes: list[ModuleClass], group: list[StoredArray]
+) -> str | None:
+    """A repeat's arrays as a dict comprehension over a table of what differs between them:
+    the `WEIGHTS` of the block class the repeat runs, where it runs one (and no other repeat
+    of it stores its weights otherwise), else a table of its own."""
     first = group[0]
     prefix = first.name[: first.name.index(".*.") + 3]
     if not re.fullmatch(r"[A-Za-z0-9_.*]+", prefix):
@@ -396,6 +401,18 @@ def _repeat_entry(program: ir.Program, builder: Builder, group: list[StoredArray
     name = "f" + py(prefix + "{name}")
     layers = " x ".join(map(str, first.type.shape[:n]))
     element = f"{name}: Parameter({', '.join(args)})"
+    owner = _runs(classes, prefix)
+    if owner is not None and owner.weights_table in ([], rows) and owner.weights_columns in ((), tuple(columns)):
+        owner.weights_table, owner.weights_columns = rows, tuple(columns)
+        return "\n".join(
+            [
+                f"# The weights of `{prefix[:-1]}`: each of {owner.name}'s stacked over its {layers} layers.",
+                "    **{",
+                f"        {element}",
+                f"        for {', '.join(columns)} in {owner.name}.WEIGHTS",
+                "    },",
+            ]
+        )
     return "\n".join(
         [
             f"# The weights of `{prefix[:-1]}`: each stacks its {layers} layers ahead of one layer's shape",
@@ -408,6 +425,15 @@ def _repeat_entry(program: ir.Program, builder: Builder, group: list[StoredArray
             "    },",
         ]
     )
+
+
+def _runs(classes: list[ModuleClass], prefix: str) -> ModuleClass | None:
+    """The block class every top-level use of the repeat storing its weights under `prefix`
+    (`layers.*.`) runs, if one class does."""
+    names = {
+        a.cls for c in classes if not c.is_block for a in c.attributes if a.kind == "layers" and a.prefix == prefix
+    }
+    return next((c for c in classes if c.is_block and {c.name} == names), None)
 
 
 def _spelled_shape(program: ir.Program, builder: Builder, array: StoredArray) -> list[str]:

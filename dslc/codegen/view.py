@@ -104,6 +104,10 @@ class ModuleClass:
     remat: str = "none"
     saved: tuple[Path, ...] = ()
     is_block: bool = True
+    # A repeated block's weights as one layer holds them, a row of code each (name, shape,
+    # init, shardings), which `PARAMETERS` stacks; empty where the table stays there.
+    weights_table: list[str] = field(default_factory=list)
+    weights_columns: tuple[str, ...] = ()
 
 
 @dataclass
