@@ -50,6 +50,7 @@ HEAD_DIM = 256
 FFN = 9216
 LAYERS = 26
 EPS = 1e-06
+ROPE_BASE = 10000.0
 WINDOW = 4096
 ATTN_CAP = 50.0
 LOGIT_CAP = 30.0
@@ -165,7 +166,7 @@ class Gemma2Pair(nnx.Module):
             kv_heads=KV_HEADS,
             causal=True,
             window=WINDOW,
-            rope=functools.partial(rotary, base=10000.0),
+            rope=functools.partial(rotary, base=ROPE_BASE),
             softcap=ATTN_CAP,
             dtype=COMPUTE_DTYPE,
             kernel="flash",
@@ -203,7 +204,7 @@ class Gemma2Pair(nnx.Module):
             heads=HEADS,
             kv_heads=KV_HEADS,
             causal=True,
-            rope=functools.partial(rotary, base=10000.0),
+            rope=functools.partial(rotary, base=ROPE_BASE),
             softcap=ATTN_CAP,
             dtype=COMPUTE_DTYPE,
             kernel="flash",

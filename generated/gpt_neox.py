@@ -50,6 +50,7 @@ HEADS = 12
 FFN = 3072
 LAYERS = 12
 EPS = 1e-05
+ROPE_DIMS = 16
 SEQ = 2048
 BATCH = 16
 
@@ -118,7 +119,7 @@ class NeoxBlock(nnx.Module):
             heads=HEADS,
             kv_heads=12,
             causal=True,
-            rope=functools.partial(rotary, base=10000.0, dims=16),
+            rope=functools.partial(rotary, base=10000.0, dims=ROPE_DIMS),
             dtype=COMPUTE_DTYPE,
             kernel="flash",
             block=512,

@@ -51,6 +51,7 @@ KV_HEADS = 4
 FFN = 5632
 LAYERS = 22
 EPS = 1e-05
+ROPE_BASE = 10000.0
 SEQ = 2048
 BATCH = 16
 
@@ -110,7 +111,7 @@ class LlamaBlock(nnx.Module):
             heads=HEADS,
             kv_heads=KV_HEADS,
             causal=True,
-            rope=functools.partial(rotary, base=10000.0),
+            rope=functools.partial(rotary, base=ROPE_BASE),
             dtype=COMPUTE_DTYPE,
             kernel="flash",
             block=512,

@@ -52,6 +52,7 @@ EXPERTS = 8
 TOP_K = 2
 LAYERS = 2
 EPS = 1e-05
+ROPE_BASE = 1000000.0
 AUX = 0.01
 SEQ = 64
 BATCH = 8
@@ -117,7 +118,7 @@ class MixtralBlock(nnx.Module):
             heads=HEADS,
             kv_heads=KV_HEADS,
             causal=True,
-            rope=functools.partial(rotary, base=1000000.0),
+            rope=functools.partial(rotary, base=ROPE_BASE),
             dtype=COMPUTE_DTYPE,
             kernel="dense",
         )

@@ -54,6 +54,7 @@ TOP_K = 2
 NORMALIZE = False
 LAYERS = 2
 EPS = 1e-06
+ROPE_BASE = 1000000.0
 AUX = 0.001
 SEQ = 64
 BATCH = 8
@@ -133,7 +134,7 @@ class Qwen2MoeBlock(nnx.Module):
             heads=HEADS,
             kv_heads=KV_HEADS,
             causal=True,
-            rope=functools.partial(rotary, base=1000000.0),
+            rope=functools.partial(rotary, base=ROPE_BASE),
             dtype=COMPUTE_DTYPE,
             kernel="dense",
         )

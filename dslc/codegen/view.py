@@ -12,6 +12,7 @@ run by `scan_layers`.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 from dataclasses import dataclass, field
@@ -21,7 +22,7 @@ from dslc.codegen.names import Namer, attribute_namer, class_name, comment
 from dslc.ir import nodes as ir
 from dslc.ir.signature import signature
 from dslc.layers import RULES
-from dslc.layers.base import input_args
+from dslc.layers.base import BoundKernel, input_args
 
 # Comments carry the spec line they came from, cut to stay within the line length.
 COMMENT_WIDTH = 100
@@ -284,10 +285,20 @@ class Builder:
         # A static argument that is the argument the spec wrote, unchanged, by the constants
         # the spec wrote it in.
         bound, written = dict(layer.attrs), dict(layer.written)
+
+        def spelled(argument: str, value: object) -> object:
+            given = bound.get(argument)
+            if argument in written and type(given) is type(value) and given == value:
+                return self.code(written[argument]) or value
+            return value
+
         for keyword, value in static.items():
-            given = bound.get(keyword)
-            if keyword in written and type(given) is type(value) and given == value:
-                static[keyword] = self.code(written[keyword]) or value
+            if isinstance(value, BoundKernel):
+                passes = dict(value.passes)
+                keywords = tuple((k, spelled(passes[k], v) if k in passes else v) for k, v in value.keywords)
+                static[keyword] = dataclasses.replace(value, keywords=keywords)
+            else:
+                static[keyword] = spelled(keyword, value)
         return Statement(
             "layer",
             var,

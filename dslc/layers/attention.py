@@ -571,7 +571,8 @@ class Attention(LayerRule[AttentionArgs]):
         static |= {"axis": operand[1][0]} if operand[1] else {"window": a.window} if a.window is not None else {}
         if a.rope:
             partial = (("dims", a.rope_dims),) if a.rope_dims not in (None, a.head_dim) else ()
-            static["rope"] = BoundKernel("rotary", (("base", a.rope_base), *partial))
+            passes = (("base", "rope_base"), ("dims", "rope_dims"))
+            static["rope"] = BoundKernel("rotary", (("base", a.rope_base), *partial), passes)
         if a.qk_norm:
             static["norm_eps"] = a.norm_eps
         if a.softcap is not None and not operand[1]:

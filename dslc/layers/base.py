@@ -43,6 +43,9 @@ class BoundKernel:
 
     kernel: str
     keywords: tuple[tuple[str, object], ...] = ()
+    # The layer's argument each keyword passes on unchanged, where one does (`base` is
+    # `rope_base`): the module writes it as the spec did, in its constants.
+    passes: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

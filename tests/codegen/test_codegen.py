@@ -432,9 +432,13 @@ def test_the_module_names_the_specs_constants() -> None:
     assert "scale=1.0," in t5 and "heads=HEADS," in t5 and "eps=EPS," in t5
     gpt3 = (GENERATED / "gpt3_175b.py").read_text()
     assert "scan_layers(self.blocks, 6, x, inputs, key)" in gpt3
+    # Through a kernel the layer binds for its own (attention's rotary embedding).
+    llama = (GENERATED / "llama.py").read_text()
+    assert "ROPE_BASE = 10000.0\n" in llama and "rope=functools.partial(rotary, base=ROPE_BASE)," in llama
+    assert "dims=ROPE_DIMS)," in (GENERATED / "gpt_neox.py").read_text()
     # A constant the module does not read is not written (llama's `tied`, which only
     # checkpoint import reads).
-    assert "const tied" in (SPECS / "llama.par").read_text() and "TIED" not in (GENERATED / "llama.py").read_text()
+    assert "const tied" in (SPECS / "llama.par").read_text() and "TIED" not in llama
     # Each layer's output is commented with its shape as the code holds it: GPT-3's 1536
     # sequences a step in 192 microbatches of 8, its MLP's hidden features split over `model`.
     assert 'h = constrain(h, P("data", None, "model"))  # bf16[8@data, 2048, 49152@model]' in gpt3
