@@ -26,9 +26,9 @@ class Spelled(int):
     # (attention's `heads * head_dim`, head_dim being dim // heads, is dim).
     quotient: tuple[int, int] | None
 
-    def __new__(cls, value: int, code: str, level: int = _ATOM, quotient: tuple[int, int] | None = None) -> Spelled:
+    def __new__(cls, value: int, code: str, level: int = _ATOM) -> Spelled:
         out = super().__new__(cls, value)
-        out.code, out.level, out.quotient = code, level, quotient
+        out.code, out.level, out.quotient = code, level, None
         return out
 
     def _op(self, op: str, other: object, level: int, value: int, swap: bool = False) -> Spelled:
@@ -102,7 +102,9 @@ def weight_shape(layer: ir.Layer, weight: str) -> tuple[int, ...] | None:
         assert isinstance(value, int)
         if spec.name in written:
             text = written[spec.name]
-            values[spec.name] = Spelled(value, text, _ATOM if text.isidentifier() else _SUM - 1)
+            # A name or a number stands alone; anything longer is bracketed where it is put.
+            alone = text.isidentifier() or text.isdigit()
+            values[spec.name] = Spelled(value, text, _ATOM if alone else _SUM - 1)
         elif callable(spec.default):
             # A default computed from the arguments before it (head_dim = dim // heads):
             # computed again on their spellings, and kept only where it comes out the same.
