@@ -25,7 +25,7 @@ from dslc_runtime.layers import cross_entropy, cross_entropy_count, dropout, emb
 from dslc_runtime.mesh import TooFewDevices, machine_mesh
 from dslc_runtime.model import constrain, layer_key, layers_of, scan_layers, weights_of
 from dslc_runtime.params import Arrays, init_params
-from dslc_runtime.pipeline import Pipeline, Share, layer_shares, pipeline_value_and_grad, take_share
+from dslc_runtime.pipeline import PipelineRun, Share, layer_shares, pipeline_value_and_grad, take_share
 from dslc_runtime.schedule import schedule_tables
 from dslc_runtime.storage import Parameter
 from dslc_runtime.training import data_parallel, init_optimizer, make_optimizer, make_train_step
@@ -278,7 +278,9 @@ SCHEDULE = schedule_tables(*TIMELINES)
 # One microbatch of each chunk's input.
 CHUNK_INPUTS = [(4, 32), (4, 32, 64)]
 BOUNDARY = ((4, 32, 64), "float32")  # the buffer stages hand over
-PIPELINE = Pipeline(SCHEDULE, axis="stage", stream=STREAM, microbatches=4, chunk_inputs=CHUNK_INPUTS, boundary=BOUNDARY)
+PIPELINE = PipelineRun(
+    SCHEDULE, axis="stage", stream=STREAM, microbatches=4, chunk_inputs=CHUNK_INPUTS, boundary=BOUNDARY
+)
 
 
 def run_chunk(c: int, weights: Arrays, x: jax.Array, inputs: Arrays, key: jax.Array | None) -> jax.Array:

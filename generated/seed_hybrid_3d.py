@@ -25,7 +25,7 @@ from dslc_runtime.layers import gelu, layernorm, linear, mse
 from dslc_runtime.mesh import TooFewDevices, machine_mesh
 from dslc_runtime.model import constrain, layers_of, scan_layers, weights_of
 from dslc_runtime.params import Arrays, init_params
-from dslc_runtime.pipeline import Pipeline, layer_shares, pipeline_value_and_grad, take_share
+from dslc_runtime.pipeline import PipelineRun, layer_shares, pipeline_value_and_grad, take_share
 from dslc_runtime.schedule import schedule_tables
 from dslc_runtime.storage import Parameter
 from dslc_runtime.training import data_parallel, init_optimizer, make_optimizer, make_train_step
@@ -225,7 +225,7 @@ SCHEDULE = schedule_tables(*TIMELINES)
 # One microbatch of each chunk's input.
 CHUNK_INPUTS = [(2, 512, 1024), (2, 512, 1024)]
 BOUNDARY = ((2, 512, 1024), "float32")  # the buffer stages hand over
-PIPELINE = Pipeline(
+PIPELINE = PipelineRun(
     SCHEDULE, axis="pipeline", stream=STREAM, microbatches=8, chunk_inputs=CHUNK_INPUTS, boundary=BOUNDARY
 )
 

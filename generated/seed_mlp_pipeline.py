@@ -24,7 +24,7 @@ from dslc_runtime.layers import cross_entropy, cross_entropy_count, linear, relu
 from dslc_runtime.mesh import TooFewDevices, machine_mesh
 from dslc_runtime.model import constrain, weights_of
 from dslc_runtime.params import Arrays, init_params
-from dslc_runtime.pipeline import Pipeline, Share, pipeline_value_and_grad, take_share
+from dslc_runtime.pipeline import PipelineRun, Share, pipeline_value_and_grad, take_share
 from dslc_runtime.schedule import schedule_tables
 from dslc_runtime.storage import Parameter, Row
 from dslc_runtime.training import init_optimizer, make_optimizer, make_train_step
@@ -264,7 +264,9 @@ SCHEDULE = schedule_tables(*TIMELINES)
 # One microbatch of each chunk's input.
 CHUNK_INPUTS = [(8, 784), (8, 512), (8, 256)]
 BOUNDARY = ((8, 512), "float32")  # the buffer stages hand over
-PIPELINE = Pipeline(SCHEDULE, axis="stage", stream=STREAM, microbatches=4, chunk_inputs=CHUNK_INPUTS, boundary=BOUNDARY)
+PIPELINE = PipelineRun(
+    SCHEDULE, axis="stage", stream=STREAM, microbatches=4, chunk_inputs=CHUNK_INPUTS, boundary=BOUNDARY
+)
 
 
 def run_chunk(c: int, weights: Arrays, x: jax.Array, inputs: Arrays, key: jax.Array | None) -> jax.Array:

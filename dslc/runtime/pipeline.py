@@ -89,7 +89,7 @@ Chunk = Callable[[Any, jax.Array, dict[str, jax.Array], jax.Array | None], Any]
 ChunkWeights = Callable[[dict[str, jax.Array]], dict[str, jax.Array]]
 
 
-class Pipeline(NamedTuple):
+class PipelineRun(NamedTuple):
     """What the executor runs: the schedule's `table` (`schedule_tables`), over the mesh axis
     `axis`, on a batch cut into `microbatches`; `stream` is the input the first chunk reads.
     `chunk_inputs[c]` is the shape of one microbatch of chunk c's input, `boundary` the
@@ -111,7 +111,7 @@ def pipeline_value_and_grad(
     key: jax.Array | None,
     *,
     mesh: jax.sharding.Mesh,
-    pipeline: Pipeline,
+    pipeline: PipelineRun,
     parameters: dict[str, Parameter],
     has_aux: bool = False,
     count: Callable[[dict[str, jax.Array]], jax.Array] | None = None,
@@ -214,7 +214,7 @@ class _Executor:
         chunks: Sequence[Chunk],
         shares: Sequence[ChunkWeights],
         has_aux: bool,
-        pipeline: Pipeline,
+        pipeline: PipelineRun,
         local: dict[str, jax.Array],
         micro: dict[str, jax.Array],
         tables: dict[str, jax.Array],
