@@ -105,8 +105,9 @@ def test_pieces_given_the_wrong_rank_say_what_they_take() -> None:
 def test_vit_learns_the_digits_its_held_out_accuracy_rising(tmp_path: Path) -> None:
     from dslc.train.loop import TrainOptions, train
 
-    result = train(dslc.compile(SPECS / "vit.par"), TrainOptions(steps=60, out=tmp_path / "run", eval_every=20))
+    result = train(dslc.compile(SPECS / "vit.par"), TrainOptions(steps=40, out=tmp_path / "run", eval_every=20))
     accuracy = result.eval_accuracies
-    assert sorted(accuracy) == [20, 40, 60], accuracy
-    # Ten classes: chance is 10%; after 60 steps of 32 images the held-out digits are mostly right.
-    assert accuracy[20] > 0.2 and accuracy[60] > 0.6 and accuracy[60] > accuracy[20], accuracy
+    assert sorted(accuracy) == [20, 40], accuracy
+    # Ten classes: chance is 10%; after 40 steps of 32 images the held-out digits are mostly
+    # right (73% in this seed's run, 44% at step 20).
+    assert accuracy[20] > 0.2 and accuracy[40] > 0.6 and accuracy[40] > accuracy[20], accuracy
