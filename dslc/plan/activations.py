@@ -65,6 +65,12 @@ def held_dtype(compute: str, widen: Widen) -> str:
     return "f32" if widen == "all" and DTYPE_BYTES[compute] < 4 else compute
 
 
+def _width(compute: str, recomputed: bool, widen: Widen) -> str:
+    """The dtype a layer's residuals and working set are held in: widened inside a scan, and
+    wherever a checkpointed block's backward recomputes them when the plan widens at all."""
+    return held_dtype(compute, "all" if recomputed and widen != "none" else widen)
+
+
 def tensor_bytes(t: TensorType, mesh: Mesh, slices: int) -> int:
     return t.slice_numel(mesh, slices) * DTYPE_BYTES[t.dtype]
 
@@ -118,7 +124,7 @@ def _transient(node: Node, mesh: Mesh, compute: str, slices: int, recomputed: bo
     freed before it is done (its residuals sit in a scan's stacked buffers)."""
     match node:
         case Layer():
-            return RULES[node.kind].workspace_bytes(node, mesh, compute, slices)
+            return RULES[node.kind].workspace_bytes(node, mesh, _width(compute, recomputed, widen), slices)
         case Block() if node.remat.reruns_block:
             # The body is recomputed as a whole, into the step's own temporaries.
             one = _kept_by_node(node, mesh, compute, slices, recomputed, widen)
@@ -148,12 +154,12 @@ def _kept_by_node(
             # Widened, what it keeps is held in f32 — and what a checkpointed block's backward
             # recomputes, wherever it runs: XLA's CPU backend converts the 16-bit operands of
             # the recomputed matrix products to f32 once for both the forward and the backward
-            # product.
-            width = held_dtype(compute, "all" if recomputed and widen != "none" else widen)
+            # product. Its working set, the gradients of what it keeps, is made in f32 as well.
+            width = _width(compute, recomputed, widen)
             copies = weight_copies(node, mesh, width) if cast else 0
             residuals = rule.recomputed_bytes if recomputed else rule.residual_bytes
             kept = residuals(node, mesh, width, slices) + copies
-            return Kept(kept, kept + rule.workspace_bytes(node, mesh, compute, slices))
+            return Kept(kept, kept + rule.workspace_bytes(node, mesh, width, slices))
         case Residual() | Branches():
             return kept_by(node.body, mesh, compute, slices, recomputed, widen)
         case Stream():

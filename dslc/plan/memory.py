@@ -161,6 +161,19 @@ def memory(program: Program, backend: str | None = None) -> Memory:
         summed, sum_details = summed_by_hand(program, placement)
         temporaries += max(scans + widened, summed)
         details.extend(scan_details + widen_details + sum_details)
+        if backend == "cpu":
+            # The sum comes after the backward pass, whose activations and loops' temporaries
+            # are dead by then: it holds more only where it is larger than they are.
+            twice = cpu_summed_twice(program, placement)
+            beyond = max(0, twice - acts - temporaries)
+            temporaries += beyond
+            details.append(
+                (
+                    "XLA's CPU backend: the gradients of weights outside a scan summed over the data axes, "
+                    "held twice at the sum, beyond the backward's buffers",
+                    beyond,
+                )
+            )
     # The update writes each array's new value (under ZeRO 1 and 2 gathered whole again)
     # before it lands in the donated buffer: the largest of them, where the step's own
     # temporaries and activations, all dead by then, are not larger.
@@ -268,6 +281,33 @@ def cpu_widening(program: Program, placement: Placement) -> tuple[int, int, list
             ("XLA's CPU backend: a scan's 16-bit residuals held in f32", residuals),
         ],
     )
+
+
+def cpu_summed_twice(program: Program, placement: Placement) -> int:
+    """The gradients XLA's CPU backend holds twice where it sums them over the data axes: the
+    gradients of the weights outside a scan (a repeat's stacked weights are summed step by
+    step inside its backward loop, `scan_temporaries`), in a step that leaves the sum to XLA
+    (no pipeline, nothing summed by hand: `data_parallel_axes`), whose stored gradient is the
+    whole sum (not split by ZeRO over those axes). XLA's all-reduce combiner merges their
+    all-reduces into one tuple all-reduce, which runs once the backward pass has made the
+    last of them, and the CPU backend writes an all-reduce's sums into new buffers beside its
+    inputs (a GPU's NCCL all-reduce runs in place): the unsummed gradients, in the buffers
+    the step returns, and their sums, copied into those buffers afterwards, coexist."""
+    if program.pipelined or data_parallel_axes(program) or not program.inputs:
+        return 0
+    mesh = program.mesh
+    data = tuple(a for a in program.input(program.stream).type.sharding[0] if mesh.size((a,)) > 1)
+    held = 0
+    for array in placement.arrays:
+        if array.layers and "*" in array.name and math.prod(array.type.shape[: array.lead]) > 1:
+            continue  # a scan's stacked weights
+        if not any(a not in array.type.axes_used for a in data):
+            continue  # split over every data axis: nothing to sum
+        gradient = gradient_type(array.type, program)
+        whole = gradient.local_nbytes(mesh)
+        if _local(gradient, array.state(program).grads, mesh) == whole:
+            held += whole
+    return held
 
 
 def summed_by_hand(program: Program, placement: Placement) -> tuple[int, list[tuple[str, int]]]:
