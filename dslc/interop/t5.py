@@ -32,6 +32,7 @@ untie it; the original T5 ties it, and its MLP is not gated either).
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from dslc.diagnostics import error
@@ -125,6 +126,13 @@ def _bias_layer(stream: ir.Stream, reader: ir.Layer) -> ir.Layer:
         f"the stream `{stream.path}`, which `{reader.path}` adds to its scores, should hold one "
         "`relative_position_bias` and nothing else",
     )
+
+
+# T5's token ids: the decoder starts from the padding id, and every T5 v1.1 and Flan-T5 config
+# says these. Without `decoder_start_token_id` transformers cannot shift the labels right
+# (training) or start generating; an exported T5 states them unless its imported config
+# said others.
+TOKEN_IDS = {"decoder_start_token_id": 0, "pad_token_id": 0, "eos_token_id": 1}
 
 
 class T5(FamilyBase):
@@ -485,7 +493,13 @@ class T5(FamilyBase):
             "is_encoder_decoder": True,
             "tie_word_embeddings": False,
             "torch_dtype": dtype,
+            **TOKEN_IDS,
         }
+
+    def keep(self, written: Mapping[str, object], original: Mapping[str, object]) -> dict[str, object]:
+        # The token ids are the imported config's own where it says them (the spec does not).
+        out = super().keep(written, original)
+        return out | {key: original[key] for key in TOKEN_IDS if key in original}
 
 
 def _attention(attn: ir.Layer, what: str, causal: bool, bias: str | None, memory: str | None) -> list[Requirement]:

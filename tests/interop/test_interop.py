@@ -1245,6 +1245,36 @@ def test_export_keeps_what_the_imported_config_said(
     assert not set(change) - stated & set(_exported(tmp_path / "again")[0])
 
 
+def test_an_exported_t5_states_its_token_ids_and_keeps_imported_ones(
+    t5: dict[str, Any], capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """Without decoder_start_token_id transformers' T5 can neither shift labels right nor
+    generate: weights with no imported config export T5's own ids (start from the padding id
+    0, stop at 1); a checkpoint that said others gets its own back."""
+    with np.load(t5["weights"]) as kept:
+        np.savez(tmp_path / "anew.npz", **{n: kept[n] for n in kept.files})
+    code, _, err = run(
+        capsys, "export", t5["spec"], "--weights", tmp_path / "anew.npz", "-o", tmp_path / "a", *flags(T5_SET)
+    )
+    assert code == 0, err
+    fresh = _exported(tmp_path / "a")[0]
+    assert {k: fresh[k] for k in ("decoder_start_token_id", "pad_token_id", "eos_token_id")} == {
+        "decoder_start_token_id": 0,
+        "pad_token_id": 0,
+        "eos_token_id": 1,
+    }
+    own = {**T5_CONFIG, "decoder_start_token_id": 5, "pad_token_id": 5, "eos_token_id": 7}
+    folder = write_checkpoint(tmp_path / "checkpoint", own, t5["tensors"])
+    code, _, err = run(capsys, "import", t5["spec"], folder, "-o", tmp_path / "w.npz", *flags(T5_SET))
+    assert code == 0, err
+    code, _, err = run(
+        capsys, "export", t5["spec"], "--weights", tmp_path / "w.npz", "-o", tmp_path / "b", *flags(T5_SET)
+    )
+    assert code == 0, err
+    again = _exported(tmp_path / "b")[0]
+    assert (again["decoder_start_token_id"], again["pad_token_id"], again["eos_token_id"]) == (5, 5, 7)
+
+
 def test_a_damaged_kept_config_is_refused_for_export(
     gpt2: dict[str, Any], capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
