@@ -25,7 +25,7 @@ from dslc_runtime.layers import cross_entropy, cross_entropy_count, embed, linea
 from dslc_runtime.mesh import TooFewDevices, machine_mesh
 from dslc_runtime.model import constrain, layers_of, scan_layers, weights_of
 from dslc_runtime.params import Arrays, init_params
-from dslc_runtime.storage import Parameter
+from dslc_runtime.storage import Parameter, fan_in
 from dslc_runtime.training import data_parallel, init_optimizer, make_optimizer, make_train_step
 from flax import nnx
 from jax.sharding import Mesh
@@ -68,38 +68,26 @@ class Gemma2Pair(nnx.Module):
     # stacks each over the layers of the repeat that runs this block.
     WEIGHTS = (
         ("local.norm.scale", (D,), "zeros", (None,), ("data",)),
-        ("local.attn.q", (D, HEADS * HEAD_DIM), "normal:0.020833333333333332", (None, "model"), ("data", "model")),
-        ("local.attn.k", (D, KV_HEADS * HEAD_DIM), "normal:0.020833333333333332", (None, "model"), ("data", "model")),
-        ("local.attn.v", (D, KV_HEADS * HEAD_DIM), "normal:0.020833333333333332", (None, "model"), ("data", "model")),
-        (
-            "local.attn.o",
-            (HEADS * HEAD_DIM, D),
-            "normal:0.02209708691207961",
-            ("model", None),
-            (("model", "data"), None),
-        ),
+        ("local.attn.q", (D, HEADS * HEAD_DIM), fan_in(D), (None, "model"), ("data", "model")),
+        ("local.attn.k", (D, KV_HEADS * HEAD_DIM), fan_in(D), (None, "model"), ("data", "model")),
+        ("local.attn.v", (D, KV_HEADS * HEAD_DIM), fan_in(D), (None, "model"), ("data", "model")),
+        ("local.attn.o", (HEADS * HEAD_DIM, D), fan_in(HEADS * HEAD_DIM), ("model", None), (("model", "data"), None)),
         ("local.post_norm.scale", (D,), "zeros", (None,), ("data",)),
         ("local_mlp.norm.scale", (D,), "zeros", (None,), ("data",)),
-        ("local_mlp.gate_up.gate", (D, FFN), "normal:0.020833333333333332", (None, "model"), ("data", "model")),
-        ("local_mlp.gate_up.up", (D, FFN), "normal:0.020833333333333332", (None, "model"), ("data", "model")),
-        ("local_mlp.down.kernel", (FFN, D), "normal:0.010416666666666666", ("model", None), (("model", "data"), None)),
+        ("local_mlp.gate_up.gate", (D, FFN), fan_in(D), (None, "model"), ("data", "model")),
+        ("local_mlp.gate_up.up", (D, FFN), fan_in(D), (None, "model"), ("data", "model")),
+        ("local_mlp.down.kernel", (FFN, D), fan_in(FFN), ("model", None), (("model", "data"), None)),
         ("local_mlp.post_norm.scale", (D,), "zeros", (None,), ("data",)),
         ("global.norm.scale", (D,), "zeros", (None,), ("data",)),
-        ("global.attn.q", (D, HEADS * HEAD_DIM), "normal:0.020833333333333332", (None, "model"), ("data", "model")),
-        ("global.attn.k", (D, KV_HEADS * HEAD_DIM), "normal:0.020833333333333332", (None, "model"), ("data", "model")),
-        ("global.attn.v", (D, KV_HEADS * HEAD_DIM), "normal:0.020833333333333332", (None, "model"), ("data", "model")),
-        (
-            "global.attn.o",
-            (HEADS * HEAD_DIM, D),
-            "normal:0.02209708691207961",
-            ("model", None),
-            (("model", "data"), None),
-        ),
+        ("global.attn.q", (D, HEADS * HEAD_DIM), fan_in(D), (None, "model"), ("data", "model")),
+        ("global.attn.k", (D, KV_HEADS * HEAD_DIM), fan_in(D), (None, "model"), ("data", "model")),
+        ("global.attn.v", (D, KV_HEADS * HEAD_DIM), fan_in(D), (None, "model"), ("data", "model")),
+        ("global.attn.o", (HEADS * HEAD_DIM, D), fan_in(HEADS * HEAD_DIM), ("model", None), (("model", "data"), None)),
         ("global.post_norm.scale", (D,), "zeros", (None,), ("data",)),
         ("global_mlp.norm.scale", (D,), "zeros", (None,), ("data",)),
-        ("global_mlp.gate_up.gate", (D, FFN), "normal:0.020833333333333332", (None, "model"), ("data", "model")),
-        ("global_mlp.gate_up.up", (D, FFN), "normal:0.020833333333333332", (None, "model"), ("data", "model")),
-        ("global_mlp.down.kernel", (FFN, D), "normal:0.010416666666666666", ("model", None), (("model", "data"), None)),
+        ("global_mlp.gate_up.gate", (D, FFN), fan_in(D), (None, "model"), ("data", "model")),
+        ("global_mlp.gate_up.up", (D, FFN), fan_in(D), (None, "model"), ("data", "model")),
+        ("global_mlp.down.kernel", (FFN, D), fan_in(FFN), ("model", None), (("model", "data"), None)),
         ("global_mlp.post_norm.scale", (D,), "zeros", (None,), ("data",)),
     )
 

@@ -36,7 +36,7 @@ from dslc_runtime.model import constrain, layer_key, layers_of, scan_layers, wei
 from dslc_runtime.params import Arrays, init_params
 from dslc_runtime.pipeline import PipelineRun, Share, layer_shares, pipeline_value_and_grad, take_share
 from dslc_runtime.schedule import schedule_tables
-from dslc_runtime.storage import Parameter
+from dslc_runtime.storage import Parameter, fan_in
 from dslc_runtime.training import data_parallel, init_optimizer, make_optimizer, make_train_step
 from flax import nnx
 from jax.sharding import Mesh
@@ -74,19 +74,19 @@ class Gpt2Block(nnx.Module):
     WEIGHTS = (
         ("ln_1.scale", (D,), "ones", (None,)),
         ("ln_1.bias", (D,), "zeros", (None,)),
-        ("attn.q", (D, D), "normal:0.03608439182435161", (None, "model")),
-        ("attn.k", (D, D), "normal:0.03608439182435161", (None, "model")),
-        ("attn.v", (D, D), "normal:0.03608439182435161", (None, "model")),
-        ("attn.o", (D, D), "normal:0.03608439182435161", ("model", None)),
+        ("attn.q", (D, D), fan_in(D), (None, "model")),
+        ("attn.k", (D, D), fan_in(D), (None, "model")),
+        ("attn.v", (D, D), fan_in(D), (None, "model")),
+        ("attn.o", (D, D), fan_in(D), ("model", None)),
         ("attn.q_bias", (D,), "zeros", ("model",)),
         ("attn.k_bias", (D,), "zeros", ("model",)),
         ("attn.v_bias", (D,), "zeros", ("model",)),
         ("attn.o_bias", (D,), "zeros", (None,)),
         ("ln_2.scale", (D,), "ones", (None,)),
         ("ln_2.bias", (D,), "zeros", (None,)),
-        ("fc.kernel", (D, FFN), "normal:0.03608439182435161", (None, "model")),
+        ("fc.kernel", (D, FFN), fan_in(D), (None, "model")),
         ("fc.bias", (FFN,), "zeros", ("model",)),
-        ("proj.kernel", (FFN, D), "normal:0.018042195912175804", ("model", None)),
+        ("proj.kernel", (FFN, D), fan_in(FFN), ("model", None)),
         ("proj.bias", (D,), "zeros", (None,)),
     )
 

@@ -27,7 +27,7 @@ from dslc_runtime.model import constrain, layers_of, scan_layers, weights_of
 from dslc_runtime.params import Arrays, init_params
 from dslc_runtime.pipeline import PipelineRun, Share, layer_shares, pipeline_value_and_grad, take_share
 from dslc_runtime.schedule import schedule_tables
-from dslc_runtime.storage import Parameter
+from dslc_runtime.storage import Parameter, fan_in
 from dslc_runtime.training import data_parallel, init_optimizer, make_optimizer, make_train_step
 from flax import nnx
 from jax.sharding import Mesh
@@ -64,15 +64,15 @@ class GptBlock(nnx.Module):
     WEIGHTS = (
         ("ln1.scale", (D,), "ones", (None,), ("data",)),
         ("ln1.bias", (D,), "zeros", (None,), ("data",)),
-        ("attn.q", (D, D), "normal:0.009021097956087902", (None, "model"), ("data", "model")),
-        ("attn.k", (D, D), "normal:0.009021097956087902", (None, "model"), ("data", "model")),
-        ("attn.v", (D, D), "normal:0.009021097956087902", (None, "model"), ("data", "model")),
-        ("attn.o", (D, D), "normal:0.009021097956087902", ("model", None), (("model", "data"), None)),
+        ("attn.q", (D, D), fan_in(D), (None, "model"), ("data", "model")),
+        ("attn.k", (D, D), fan_in(D), (None, "model"), ("data", "model")),
+        ("attn.v", (D, D), fan_in(D), (None, "model"), ("data", "model")),
+        ("attn.o", (D, D), fan_in(D), ("model", None), (("model", "data"), None)),
         ("ln2.scale", (D,), "ones", (None,), ("data",)),
         ("ln2.bias", (D,), "zeros", (None,), ("data",)),
-        ("up.kernel", (D, FFN), "normal:0.009021097956087902", (None, "model"), ("data", "model")),
+        ("up.kernel", (D, FFN), fan_in(D), (None, "model"), ("data", "model")),
         ("up.bias", (FFN,), "zeros", ("model",), (("model", "data"),)),
-        ("down.kernel", (FFN, D), "normal:0.004510548978043951", ("model", None), (("model", "data"), None)),
+        ("down.kernel", (FFN, D), fan_in(FFN), ("model", None), (("model", "data"), None)),
         ("down.bias", (D,), "zeros", (None,), ("data",)),
     )
 
@@ -225,7 +225,7 @@ PARAMETERS = {
     "head.kernel": Parameter(
         (D, VOCAB),
         "float32",
-        "normal:0.009021097956087902",
+        fan_in(D),
         P("stage", "model"),
         optimizer_sharding=P(("stage", "data"), "model"),
         stage_split=0,

@@ -27,7 +27,7 @@ from dslc_runtime.model import constrain, layers_of, scan_layers, weights_of
 from dslc_runtime.params import Arrays, init_params
 from dslc_runtime.pipeline import PipelineRun, Share, layer_shares, pipeline_value_and_grad, take_share
 from dslc_runtime.schedule import schedule_tables
-from dslc_runtime.storage import Parameter
+from dslc_runtime.storage import Parameter, fan_in
 from dslc_runtime.training import data_parallel, init_optimizer, make_optimizer, make_train_step
 from flax import nnx
 from jax.sharding import Mesh
@@ -66,19 +66,19 @@ class NeoxBlock(nnx.Module):
     WEIGHTS = (
         ("ln_1.scale", (D,), "ones", (None,), ("data",)),
         ("ln_1.bias", (D,), "zeros", (None,), ("data",)),
-        ("attn.q", (D, D), "normal:0.03608439182435161", (None, "model"), ("data", "model")),
-        ("attn.k", (D, D), "normal:0.03608439182435161", (None, "model"), ("data", "model")),
-        ("attn.v", (D, D), "normal:0.03608439182435161", (None, "model"), ("data", "model")),
-        ("attn.o", (D, D), "normal:0.03608439182435161", ("model", None), (("model", "data"), None)),
+        ("attn.q", (D, D), fan_in(D), (None, "model"), ("data", "model")),
+        ("attn.k", (D, D), fan_in(D), (None, "model"), ("data", "model")),
+        ("attn.v", (D, D), fan_in(D), (None, "model"), ("data", "model")),
+        ("attn.o", (D, D), fan_in(D), ("model", None), (("model", "data"), None)),
         ("attn.q_bias", (D,), "zeros", ("model",), (("model", "data"),)),
         ("attn.k_bias", (D,), "zeros", ("model",), (("model", "data"),)),
         ("attn.v_bias", (D,), "zeros", ("model",), (("model", "data"),)),
         ("attn.o_bias", (D,), "zeros", (None,), ("data",)),
         ("ln_2.scale", (D,), "ones", (None,), ("data",)),
         ("ln_2.bias", (D,), "zeros", (None,), ("data",)),
-        ("fc.kernel", (D, FFN), "normal:0.03608439182435161", (None, "model"), ("data", "model")),
+        ("fc.kernel", (D, FFN), fan_in(D), (None, "model"), ("data", "model")),
         ("fc.bias", (FFN,), "zeros", ("model",), (("model", "data"),)),
-        ("proj.kernel", (FFN, D), "normal:0.018042195912175804", ("model", None), (("model", "data"), None)),
+        ("proj.kernel", (FFN, D), fan_in(FFN), ("model", None), (("model", "data"), None)),
         ("proj.bias", (D,), "zeros", (None,), ("data",)),
     )
 
@@ -221,7 +221,7 @@ PARAMETERS = {
     "head.kernel": Parameter(
         (D, VOCAB),
         "float32",
-        "normal:0.03608439182435161",
+        fan_in(D),
         P("stage", "model"),
         optimizer_sharding=P(("stage", "data"), "model"),
         stage_split=0,

@@ -27,7 +27,7 @@ from dslc_runtime.model import constrain, layer_key, layers_of, scan_layers, wei
 from dslc_runtime.params import Arrays, init_params
 from dslc_runtime.pipeline import PipelineRun, Share, layer_shares, pipeline_value_and_grad, take_share
 from dslc_runtime.schedule import schedule_tables
-from dslc_runtime.storage import Parameter
+from dslc_runtime.storage import Parameter, fan_in
 from dslc_runtime.training import data_parallel, init_optimizer, make_optimizer, make_train_step
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
@@ -65,15 +65,15 @@ class GptBlock(nnx.Module):
     WEIGHTS = (
         ("ln1.scale", (D,), "ones", (None,)),
         ("ln1.bias", (D,), "zeros", (None,)),
-        ("attn.q", (D, D), "normal:0.125", (None, "model")),
-        ("attn.k", (D, D), "normal:0.125", (None, "model")),
-        ("attn.v", (D, D), "normal:0.125", (None, "model")),
-        ("attn.o", (D, D), "normal:0.125", ("model", None)),
+        ("attn.q", (D, D), fan_in(D), (None, "model")),
+        ("attn.k", (D, D), fan_in(D), (None, "model")),
+        ("attn.v", (D, D), fan_in(D), (None, "model")),
+        ("attn.o", (D, D), fan_in(D), ("model", None)),
         ("ln2.scale", (D,), "ones", (None,)),
         ("ln2.bias", (D,), "zeros", (None,)),
-        ("up.kernel", (D, FFN), "normal:0.125", (None, "model")),
+        ("up.kernel", (D, FFN), fan_in(D), (None, "model")),
         ("up.bias", (FFN,), "zeros", ("model",)),
-        ("down.kernel", (FFN, D), "normal:0.0625", ("model", None)),
+        ("down.kernel", (FFN, D), fan_in(FFN), ("model", None)),
         ("down.bias", (D,), "zeros", (None,)),
     )
 
@@ -201,7 +201,7 @@ PARAMETERS = {
     },
     "ln_f.scale": Parameter((D,), "float32", "ones", P("stage"), stage_split=0),
     "ln_f.bias": Parameter((D,), "float32", "zeros", P("stage"), stage_split=0),
-    "head.kernel": Parameter((D, VOCAB), "float32", "normal:0.125", P("stage", "model"), stage_split=0),
+    "head.kernel": Parameter((D, VOCAB), "float32", fan_in(D), P("stage", "model"), stage_split=0),
 }
 
 

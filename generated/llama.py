@@ -27,7 +27,7 @@ from dslc_runtime.model import constrain, layers_of, scan_layers, weights_of
 from dslc_runtime.params import Arrays, init_params
 from dslc_runtime.pipeline import PipelineRun, Share, layer_shares, pipeline_value_and_grad, take_share
 from dslc_runtime.schedule import schedule_tables
-from dslc_runtime.storage import Parameter
+from dslc_runtime.storage import Parameter, fan_in
 from dslc_runtime.training import data_parallel, init_optimizer, make_optimizer, make_train_step
 from flax import nnx
 from jax.sharding import Mesh
@@ -66,14 +66,14 @@ class LlamaBlock(nnx.Module):
     # stacks each over the layers of the repeat that runs this block.
     WEIGHTS = (
         ("attn_norm.scale", (D,), "ones", (None,), ("data",)),
-        ("attn.q", (D, D), "normal:0.02209708691207961", (None, "model"), ("data", "model")),
-        ("attn.k", (D, KV_HEADS * (D // HEADS)), "normal:0.02209708691207961", (None, "model"), ("data", "model")),
-        ("attn.v", (D, KV_HEADS * (D // HEADS)), "normal:0.02209708691207961", (None, "model"), ("data", "model")),
-        ("attn.o", (D, D), "normal:0.02209708691207961", ("model", None), (("model", "data"), None)),
+        ("attn.q", (D, D), fan_in(D), (None, "model"), ("data", "model")),
+        ("attn.k", (D, KV_HEADS * (D // HEADS)), fan_in(D), (None, "model"), ("data", "model")),
+        ("attn.v", (D, KV_HEADS * (D // HEADS)), fan_in(D), (None, "model"), ("data", "model")),
+        ("attn.o", (D, D), fan_in(D), ("model", None), (("model", "data"), None)),
         ("mlp_norm.scale", (D,), "ones", (None,), ("data",)),
-        ("gate_up.gate", (D, FFN), "normal:0.02209708691207961", (None, "model"), ("data", "model")),
-        ("gate_up.up", (D, FFN), "normal:0.02209708691207961", (None, "model"), ("data", "model")),
-        ("down.kernel", (FFN, D), "normal:0.013325044772225653", ("model", None), (("model", "data"), None)),
+        ("gate_up.gate", (D, FFN), fan_in(D), (None, "model"), ("data", "model")),
+        ("gate_up.up", (D, FFN), fan_in(D), (None, "model"), ("data", "model")),
+        ("down.kernel", (FFN, D), fan_in(FFN), ("model", None), (("model", "data"), None)),
     )
 
     def __init__(self, params: Arrays, path: str) -> None:
@@ -207,7 +207,7 @@ PARAMETERS = {
     "head.kernel": Parameter(
         (D, VOCAB),
         "float32",
-        "normal:0.02209708691207961",
+        fan_in(D),
         P("stage", "model"),
         optimizer_sharding=P(("stage", "data"), "model"),
         stage_split=0,

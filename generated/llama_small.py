@@ -25,7 +25,7 @@ from dslc_runtime.layers import cross_entropy, cross_entropy_count, embed, linea
 from dslc_runtime.mesh import TooFewDevices, machine_mesh
 from dslc_runtime.model import constrain, layers_of, scan_layers, weights_of
 from dslc_runtime.params import Arrays, init_params
-from dslc_runtime.storage import Parameter
+from dslc_runtime.storage import Parameter, fan_in
 from dslc_runtime.training import data_parallel, init_optimizer, make_optimizer, make_train_step
 from flax import nnx
 from jax.sharding import Mesh
@@ -62,14 +62,14 @@ class LlamaBlock(nnx.Module):
     # stacks each over the layers of the repeat that runs this block.
     WEIGHTS = (
         ("attn_norm.scale", (D,), "ones", (None,), ("data",)),
-        ("attn.q", (D, D), "normal:0.08838834764831845", (None, "model"), ("data", "model")),
-        ("attn.k", (D, KV_HEADS * (D // HEADS)), "normal:0.08838834764831845", (None, "model"), ("data", "model")),
-        ("attn.v", (D, KV_HEADS * (D // HEADS)), "normal:0.08838834764831845", (None, "model"), ("data", "model")),
-        ("attn.o", (D, D), "normal:0.08838834764831845", ("model", None), (("model", "data"), None)),
+        ("attn.q", (D, D), fan_in(D), (None, "model"), ("data", "model")),
+        ("attn.k", (D, KV_HEADS * (D // HEADS)), fan_in(D), (None, "model"), ("data", "model")),
+        ("attn.v", (D, KV_HEADS * (D // HEADS)), fan_in(D), (None, "model"), ("data", "model")),
+        ("attn.o", (D, D), fan_in(D), ("model", None), (("model", "data"), None)),
         ("mlp_norm.scale", (D,), "ones", (None,), ("data",)),
-        ("gate_up.gate", (D, FFN), "normal:0.08838834764831845", (None, "model"), ("data", "model")),
-        ("gate_up.up", (D, FFN), "normal:0.08838834764831845", (None, "model"), ("data", "model")),
-        ("down.kernel", (FFN, D), "normal:0.053916386601719206", ("model", None), (("model", "data"), None)),
+        ("gate_up.gate", (D, FFN), fan_in(D), (None, "model"), ("data", "model")),
+        ("gate_up.up", (D, FFN), fan_in(D), (None, "model"), ("data", "model")),
+        ("down.kernel", (FFN, D), fan_in(FFN), ("model", None), (("model", "data"), None)),
     )
 
     def __init__(self, params: Arrays, path: str) -> None:
@@ -173,9 +173,7 @@ PARAMETERS = {
         for name, shape, init, sharding, optimizer in LlamaBlock.WEIGHTS
     },
     "norm.scale": Parameter((D,), "float32", "ones", P(None), optimizer_sharding=P("data")),
-    "head.kernel": Parameter(
-        (D, VOCAB), "float32", "normal:0.08838834764831845", P(None, "model"), optimizer_sharding=P("data", "model")
-    ),
+    "head.kernel": Parameter((D, VOCAB), "float32", fan_in(D), P(None, "model"), optimizer_sharding=P("data", "model")),
 }
 
 

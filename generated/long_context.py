@@ -25,7 +25,7 @@ from dslc_runtime.layers import cross_entropy, cross_entropy_count, embed, linea
 from dslc_runtime.mesh import TooFewDevices, machine_mesh
 from dslc_runtime.model import constrain, layers_of, scan_layers, weights_of
 from dslc_runtime.params import Arrays, init_params
-from dslc_runtime.storage import Parameter
+from dslc_runtime.storage import Parameter, fan_in
 from dslc_runtime.training import init_optimizer, make_optimizer, make_train_step
 from flax import nnx
 from jax.sharding import Mesh
@@ -62,14 +62,14 @@ class Decoder(nnx.Module):
     # stacks each over the layers of the repeat that runs this block.
     WEIGHTS = (
         ("attn_norm.scale", (D,), "ones", (None,)),
-        ("attn.q", (D, D), "normal:0.1767766952966369", (None, "model")),
-        ("attn.k", (D, KV_HEADS * (D // HEADS)), "normal:0.1767766952966369", (None, "model")),
-        ("attn.v", (D, KV_HEADS * (D // HEADS)), "normal:0.1767766952966369", (None, "model")),
-        ("attn.o", (D, D), "normal:0.1767766952966369", ("model", None)),
+        ("attn.q", (D, D), fan_in(D), (None, "model")),
+        ("attn.k", (D, KV_HEADS * (D // HEADS)), fan_in(D), (None, "model")),
+        ("attn.v", (D, KV_HEADS * (D // HEADS)), fan_in(D), (None, "model")),
+        ("attn.o", (D, D), fan_in(D), ("model", None)),
         ("mlp_norm.scale", (D,), "ones", (None,)),
-        ("gate_up.gate", (D, FFN), "normal:0.1767766952966369", (None, "model")),
-        ("gate_up.up", (D, FFN), "normal:0.1767766952966369", (None, "model")),
-        ("down.kernel", (FFN, D), "normal:0.125", ("model", None)),
+        ("gate_up.gate", (D, FFN), fan_in(D), (None, "model")),
+        ("gate_up.up", (D, FFN), fan_in(D), (None, "model")),
+        ("down.kernel", (FFN, D), fan_in(FFN), ("model", None)),
     )
 
     def __init__(self, params: Arrays, path: str) -> None:
@@ -165,7 +165,7 @@ PARAMETERS = {
         for name, shape, init, sharding in Decoder.WEIGHTS
     },
     "norm.scale": Parameter((D,), "float32", "ones", P(None)),
-    "head.kernel": Parameter((D, VOCAB), "float32", "normal:0.1767766952966369", P(None, "model")),
+    "head.kernel": Parameter((D, VOCAB), "float32", fan_in(D), P(None, "model")),
 }
 
 

@@ -25,7 +25,7 @@ from dslc_runtime.layers import cross_entropy, cross_entropy_count, embed, layer
 from dslc_runtime.mesh import TooFewDevices, machine_mesh
 from dslc_runtime.model import Aux, constrain, layers_of, scan_layers, weights_of
 from dslc_runtime.params import Arrays, init_params
-from dslc_runtime.storage import Parameter
+from dslc_runtime.storage import Parameter, fan_in
 from dslc_runtime.training import init_optimizer, make_optimizer, make_train_step
 from flax import nnx
 from jax.sharding import Mesh
@@ -62,15 +62,15 @@ class Decoder(nnx.Module):
     WEIGHTS = (
         ("ln1.scale", (D,), "ones", (None,)),
         ("ln1.bias", (D,), "zeros", (None,)),
-        ("attn.q", (D, D), "normal:0.1767766952966369", (None, None)),
-        ("attn.k", (D, D), "normal:0.1767766952966369", (None, None)),
-        ("attn.v", (D, D), "normal:0.1767766952966369", (None, None)),
-        ("attn.o", (D, D), "normal:0.1767766952966369", (None, None)),
+        ("attn.q", (D, D), fan_in(D), (None, None)),
+        ("attn.k", (D, D), fan_in(D), (None, None)),
+        ("attn.v", (D, D), fan_in(D), (None, None)),
+        ("attn.o", (D, D), fan_in(D), (None, None)),
         ("ln2.scale", (D,), "ones", (None,)),
         ("ln2.bias", (D,), "zeros", (None,)),
-        ("moe.router", (D, EXPERTS), "normal:0.1767766952966369", (None, None)),
-        ("moe.w_in", (EXPERTS, D, HIDDEN), "normal:0.1767766952966369", ("expert", None, None)),
-        ("moe.w_out", (EXPERTS, HIDDEN, D), "normal:0.125", ("expert", None, None)),
+        ("moe.router", (D, EXPERTS), fan_in(D), (None, None)),
+        ("moe.w_in", (EXPERTS, D, HIDDEN), fan_in(D), ("expert", None, None)),
+        ("moe.w_out", (EXPERTS, HIDDEN, D), fan_in(HIDDEN), ("expert", None, None)),
     )
 
     def __init__(self, params: Arrays, path: str) -> None:
@@ -185,7 +185,7 @@ PARAMETERS = {
     },
     "ln_f.scale": Parameter((D,), "float32", "ones", P(None)),
     "ln_f.bias": Parameter((D,), "float32", "zeros", P(None)),
-    "head.kernel": Parameter((D, VOCAB), "float32", "normal:0.1767766952966369", P(None, None)),
+    "head.kernel": Parameter((D, VOCAB), "float32", fan_in(D), P(None, None)),
 }
 
 

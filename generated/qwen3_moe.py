@@ -26,7 +26,7 @@ from dslc_runtime.layers import cross_entropy, cross_entropy_count, embed, linea
 from dslc_runtime.mesh import TooFewDevices, machine_mesh
 from dslc_runtime.model import Aux, constrain, layers_of, scan_layers, weights_of
 from dslc_runtime.params import Arrays, init_params
-from dslc_runtime.storage import Parameter
+from dslc_runtime.storage import Parameter, fan_in
 from dslc_runtime.training import init_optimizer, make_optimizer, make_train_step
 from flax import nnx
 from jax.sharding import Mesh
@@ -70,17 +70,17 @@ class Qwen3MoeBlock(nnx.Module):
     # stacks each over the layers of the repeat that runs this block.
     WEIGHTS = (
         ("attn_norm.scale", (D,), "ones", (None,)),
-        ("attn.q", (D, HEADS * HEAD_DIM), "normal:0.125", (None, "model")),
-        ("attn.k", (D, KV_HEADS * HEAD_DIM), "normal:0.125", (None, "model")),
-        ("attn.v", (D, KV_HEADS * HEAD_DIM), "normal:0.125", (None, "model")),
-        ("attn.o", (HEADS * HEAD_DIM, D), "normal:0.08838834764831845", ("model", None)),
+        ("attn.q", (D, HEADS * HEAD_DIM), fan_in(D), (None, "model")),
+        ("attn.k", (D, KV_HEADS * HEAD_DIM), fan_in(D), (None, "model")),
+        ("attn.v", (D, KV_HEADS * HEAD_DIM), fan_in(D), (None, "model")),
+        ("attn.o", (HEADS * HEAD_DIM, D), fan_in(HEADS * HEAD_DIM), ("model", None)),
         ("attn.q_norm", (HEAD_DIM,), "ones", (None,)),
         ("attn.k_norm", (HEAD_DIM,), "ones", (None,)),
         ("moe_norm.scale", (D,), "ones", (None,)),
-        ("moe.router", (D, EXPERTS), "normal:0.125", (None, None)),
-        ("moe.w_in", (EXPERTS, D, FFN), "normal:0.125", ("expert", None, "model")),
-        ("moe.w_out", (EXPERTS, FFN, D), "normal:0.10206207261596575", ("expert", "model", None)),
-        ("moe.w_gate", (EXPERTS, D, FFN), "normal:0.125", ("expert", None, "model")),
+        ("moe.router", (D, EXPERTS), fan_in(D), (None, None)),
+        ("moe.w_in", (EXPERTS, D, FFN), fan_in(D), ("expert", None, "model")),
+        ("moe.w_out", (EXPERTS, FFN, D), fan_in(FFN), ("expert", "model", None)),
+        ("moe.w_gate", (EXPERTS, D, FFN), fan_in(D), ("expert", None, "model")),
     )
 
     def __init__(self, params: Arrays, path: str) -> None:
@@ -199,7 +199,7 @@ PARAMETERS = {
         for name, shape, init, sharding in Qwen3MoeBlock.WEIGHTS
     },
     "norm.scale": Parameter((D,), "float32", "ones", P(None)),
-    "head.kernel": Parameter((D, VOCAB), "float32", "normal:0.125", P(None, "model")),
+    "head.kernel": Parameter((D, VOCAB), "float32", fan_in(D), P(None, "model")),
 }
 
 

@@ -27,7 +27,7 @@ from dslc_runtime.model import constrain, layers_of, scan_layers, weights_of
 from dslc_runtime.params import Arrays, init_params
 from dslc_runtime.pipeline import PipelineRun, layer_shares, pipeline_value_and_grad, take_share
 from dslc_runtime.schedule import schedule_tables
-from dslc_runtime.storage import Parameter
+from dslc_runtime.storage import Parameter, fan_in
 from dslc_runtime.training import data_parallel, init_optimizer, make_optimizer, make_train_step
 from flax import nnx
 from jax.sharding import Mesh
@@ -62,15 +62,15 @@ class TransformerLayer(nnx.Module):
     WEIGHTS = (
         ("ln1.scale", (HIDDEN,), "ones", (None,)),
         ("ln1.bias", (HIDDEN,), "zeros", (None,)),
-        ("attn.q", (HIDDEN, HIDDEN), "normal:0.03125", (None, "model")),
-        ("attn.k", (HIDDEN, HIDDEN), "normal:0.03125", (None, "model")),
-        ("attn.v", (HIDDEN, HIDDEN), "normal:0.03125", (None, "model")),
-        ("attn.o", (HIDDEN, HIDDEN), "normal:0.03125", ("model", None)),
+        ("attn.q", (HIDDEN, HIDDEN), fan_in(HIDDEN), (None, "model")),
+        ("attn.k", (HIDDEN, HIDDEN), fan_in(HIDDEN), (None, "model")),
+        ("attn.v", (HIDDEN, HIDDEN), fan_in(HIDDEN), (None, "model")),
+        ("attn.o", (HIDDEN, HIDDEN), fan_in(HIDDEN), ("model", None)),
         ("ln2.scale", (HIDDEN,), "ones", (None,)),
         ("ln2.bias", (HIDDEN,), "zeros", (None,)),
-        ("up.kernel", (HIDDEN, 4 * HIDDEN), "normal:0.03125", (None, "model")),
+        ("up.kernel", (HIDDEN, 4 * HIDDEN), fan_in(HIDDEN), (None, "model")),
         ("up.bias", (4 * HIDDEN,), "zeros", ("model",)),
-        ("down.kernel", (4 * HIDDEN, HIDDEN), "normal:0.015625", ("model", None)),
+        ("down.kernel", (4 * HIDDEN, HIDDEN), fan_in(4 * HIDDEN), ("model", None)),
         ("down.bias", (HIDDEN,), "zeros", (None,)),
     )
 

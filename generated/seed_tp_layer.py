@@ -24,7 +24,7 @@ from dslc_runtime.layers import gelu, layernorm, linear, mse
 from dslc_runtime.mesh import TooFewDevices, machine_mesh
 from dslc_runtime.model import constrain, weights_of
 from dslc_runtime.params import Arrays, init_params
-from dslc_runtime.storage import Parameter
+from dslc_runtime.storage import Parameter, fan_in
 from dslc_runtime.training import init_optimizer, make_optimizer, make_train_step
 from flax import nnx
 from jax.sharding import Mesh
@@ -115,15 +115,15 @@ class SeedTpLayer(nnx.Module):
 PARAMETERS = {
     "ln1.scale": Parameter((HIDDEN,), "float32", "ones", P(None)),
     "ln1.bias": Parameter((HIDDEN,), "float32", "zeros", P(None)),
-    "attn.q": Parameter((HIDDEN, HIDDEN), "float32", "normal:0.03608439182435161", P(None, "model")),
-    "attn.k": Parameter((HIDDEN, HIDDEN), "float32", "normal:0.03608439182435161", P(None, "model")),
-    "attn.v": Parameter((HIDDEN, HIDDEN), "float32", "normal:0.03608439182435161", P(None, "model")),
-    "attn.o": Parameter((HIDDEN, HIDDEN), "float32", "normal:0.03608439182435161", P("model", None)),
+    "attn.q": Parameter((HIDDEN, HIDDEN), "float32", fan_in(HIDDEN), P(None, "model")),
+    "attn.k": Parameter((HIDDEN, HIDDEN), "float32", fan_in(HIDDEN), P(None, "model")),
+    "attn.v": Parameter((HIDDEN, HIDDEN), "float32", fan_in(HIDDEN), P(None, "model")),
+    "attn.o": Parameter((HIDDEN, HIDDEN), "float32", fan_in(HIDDEN), P("model", None)),
     "ln2.scale": Parameter((HIDDEN,), "float32", "ones", P(None)),
     "ln2.bias": Parameter((HIDDEN,), "float32", "zeros", P(None)),
-    "up.kernel": Parameter((HIDDEN, FFN), "float32", "normal:0.03608439182435161", P(None, "model")),
+    "up.kernel": Parameter((HIDDEN, FFN), "float32", fan_in(HIDDEN), P(None, "model")),
     "up.bias": Parameter((FFN,), "float32", "zeros", P("model")),
-    "down.kernel": Parameter((FFN, HIDDEN), "float32", "normal:0.018042195912175804", P("model", None)),
+    "down.kernel": Parameter((FFN, HIDDEN), "float32", fan_in(FFN), P("model", None)),
     "down.bias": Parameter((HIDDEN,), "float32", "zeros", P(None)),
 }
 

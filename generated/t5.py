@@ -25,7 +25,7 @@ from dslc_runtime.layers import cross_entropy, cross_entropy_count, embed, linea
 from dslc_runtime.mesh import TooFewDevices, machine_mesh
 from dslc_runtime.model import constrain, layers_of, scan_layers, weights_of
 from dslc_runtime.params import Arrays, init_params
-from dslc_runtime.storage import Parameter
+from dslc_runtime.storage import Parameter, fan_in
 from dslc_runtime.training import data_parallel, init_optimizer, make_optimizer, make_train_step
 from flax import nnx
 from jax.sharding import Mesh
@@ -66,20 +66,20 @@ class T5Encoder(nnx.Module):
     # stacks each over the layers of the repeat that runs this block.
     WEIGHTS = (
         ("self_attn.norm.scale", (D,), "ones", (None,), ("data",)),
-        ("self_attn.attn.q", (D, HEADS * HEAD_DIM), "normal:0.005524271728019903", (None, "model"), ("data", "model")),
-        ("self_attn.attn.k", (D, HEADS * HEAD_DIM), "normal:0.04419417382415922", (None, "model"), ("data", "model")),
-        ("self_attn.attn.v", (D, HEADS * HEAD_DIM), "normal:0.04419417382415922", (None, "model"), ("data", "model")),
+        ("self_attn.attn.q", (D, HEADS * HEAD_DIM), fan_in(D, gain=0.125), (None, "model"), ("data", "model")),
+        ("self_attn.attn.k", (D, HEADS * HEAD_DIM), fan_in(D), (None, "model"), ("data", "model")),
+        ("self_attn.attn.v", (D, HEADS * HEAD_DIM), fan_in(D), (None, "model"), ("data", "model")),
         (
             "self_attn.attn.o",
             (HEADS * HEAD_DIM, D),
-            "normal:0.05103103630798288",
+            fan_in(HEADS * HEAD_DIM),
             ("model", None),
             (("model", "data"), None),
         ),
         ("mlp.norm.scale", (D,), "ones", (None,), ("data",)),
-        ("mlp.gate_up.gate", (D, FFN), "normal:0.04419417382415922", (None, "model"), ("data", "model")),
-        ("mlp.gate_up.up", (D, FFN), "normal:0.04419417382415922", (None, "model"), ("data", "model")),
-        ("mlp.down.kernel", (FFN, D), "normal:0.03125", ("model", None), (("model", "data"), None)),
+        ("mlp.gate_up.gate", (D, FFN), fan_in(D), (None, "model"), ("data", "model")),
+        ("mlp.gate_up.up", (D, FFN), fan_in(D), (None, "model"), ("data", "model")),
+        ("mlp.down.kernel", (FFN, D), fan_in(FFN), ("model", None), (("model", "data"), None)),
     )
 
     def __init__(self, params: Arrays, path: str) -> None:
@@ -142,31 +142,31 @@ class T5Decoder(nnx.Module):
     # stacks each over the layers of the repeat that runs this block.
     WEIGHTS = (
         ("self_attn.norm.scale", (D,), "ones", (None,), ("data",)),
-        ("self_attn.attn.q", (D, HEADS * HEAD_DIM), "normal:0.005524271728019903", (None, "model"), ("data", "model")),
-        ("self_attn.attn.k", (D, HEADS * HEAD_DIM), "normal:0.04419417382415922", (None, "model"), ("data", "model")),
-        ("self_attn.attn.v", (D, HEADS * HEAD_DIM), "normal:0.04419417382415922", (None, "model"), ("data", "model")),
+        ("self_attn.attn.q", (D, HEADS * HEAD_DIM), fan_in(D, gain=0.125), (None, "model"), ("data", "model")),
+        ("self_attn.attn.k", (D, HEADS * HEAD_DIM), fan_in(D), (None, "model"), ("data", "model")),
+        ("self_attn.attn.v", (D, HEADS * HEAD_DIM), fan_in(D), (None, "model"), ("data", "model")),
         (
             "self_attn.attn.o",
             (HEADS * HEAD_DIM, D),
-            "normal:0.05103103630798288",
+            fan_in(HEADS * HEAD_DIM),
             ("model", None),
             (("model", "data"), None),
         ),
         ("cross_attn.norm.scale", (D,), "ones", (None,), ("data",)),
-        ("cross_attn.attn.q", (D, HEADS * HEAD_DIM), "normal:0.005524271728019903", (None, "model"), ("data", "model")),
-        ("cross_attn.attn.k", (D, HEADS * HEAD_DIM), "normal:0.04419417382415922", (None, "model"), ("data", "model")),
-        ("cross_attn.attn.v", (D, HEADS * HEAD_DIM), "normal:0.04419417382415922", (None, "model"), ("data", "model")),
+        ("cross_attn.attn.q", (D, HEADS * HEAD_DIM), fan_in(D, gain=0.125), (None, "model"), ("data", "model")),
+        ("cross_attn.attn.k", (D, HEADS * HEAD_DIM), fan_in(D), (None, "model"), ("data", "model")),
+        ("cross_attn.attn.v", (D, HEADS * HEAD_DIM), fan_in(D), (None, "model"), ("data", "model")),
         (
             "cross_attn.attn.o",
             (HEADS * HEAD_DIM, D),
-            "normal:0.05103103630798288",
+            fan_in(HEADS * HEAD_DIM),
             ("model", None),
             (("model", "data"), None),
         ),
         ("mlp.norm.scale", (D,), "ones", (None,), ("data",)),
-        ("mlp.gate_up.gate", (D, FFN), "normal:0.04419417382415922", (None, "model"), ("data", "model")),
-        ("mlp.gate_up.up", (D, FFN), "normal:0.04419417382415922", (None, "model"), ("data", "model")),
-        ("mlp.down.kernel", (FFN, D), "normal:0.03125", ("model", None), (("model", "data"), None)),
+        ("mlp.gate_up.gate", (D, FFN), fan_in(D), (None, "model"), ("data", "model")),
+        ("mlp.gate_up.up", (D, FFN), fan_in(D), (None, "model"), ("data", "model")),
+        ("mlp.down.kernel", (FFN, D), fan_in(FFN), ("model", None), (("model", "data"), None)),
     )
 
     def __init__(self, params: Arrays, path: str) -> None:
@@ -358,9 +358,7 @@ PARAMETERS = {
         for name, shape, init, sharding, optimizer in T5Decoder.WEIGHTS
     },
     "norm.scale": Parameter((D,), "float32", "ones", P(None), optimizer_sharding=P("data")),
-    "head.kernel": Parameter(
-        (D, VOCAB), "float32", "normal:0.04419417382415922", P(None, "model"), optimizer_sharding=P("data", "model")
-    ),
+    "head.kernel": Parameter((D, VOCAB), "float32", fan_in(D), P(None, "model"), optimizer_sharding=P("data", "model")),
 }
 
 

@@ -24,7 +24,7 @@ from dslc_runtime.layers import cross_entropy, cross_entropy_count, embed, gelu,
 from dslc_runtime.mesh import TooFewDevices, machine_mesh
 from dslc_runtime.model import constrain, layers_of, scan_layers, weights_of
 from dslc_runtime.params import Arrays, init_params
-from dslc_runtime.storage import Parameter
+from dslc_runtime.storage import Parameter, fan_in
 from dslc_runtime.training import init_optimizer, make_optimizer, make_train_step
 from flax import nnx
 from jax.sharding import Mesh
@@ -60,15 +60,15 @@ class Decoder(nnx.Module):
     WEIGHTS = (
         ("ln1.scale", (D,), "ones", (None,)),
         ("ln1.bias", (D,), "zeros", (None,)),
-        ("attn.q", (D, D), "normal:0.125", (None, "model")),
-        ("attn.k", (D, D), "normal:0.125", (None, "model")),
-        ("attn.v", (D, D), "normal:0.125", (None, "model")),
-        ("attn.o", (D, D), "normal:0.125", ("model", None)),
+        ("attn.q", (D, D), fan_in(D), (None, "model")),
+        ("attn.k", (D, D), fan_in(D), (None, "model")),
+        ("attn.v", (D, D), fan_in(D), (None, "model")),
+        ("attn.o", (D, D), fan_in(D), ("model", None)),
         ("ln2.scale", (D,), "ones", (None,)),
         ("ln2.bias", (D,), "zeros", (None,)),
-        ("up.kernel", (D, FFN), "normal:0.125", (None, "model")),
+        ("up.kernel", (D, FFN), fan_in(D), (None, "model")),
         ("up.bias", (FFN,), "zeros", ("model",)),
-        ("down.kernel", (FFN, D), "normal:0.0625", ("model", None)),
+        ("down.kernel", (FFN, D), fan_in(FFN), ("model", None)),
         ("down.bias", (D,), "zeros", (None,)),
     )
 
@@ -168,7 +168,7 @@ PARAMETERS = {
     },
     "ln_f.scale": Parameter((D,), "float32", "ones", P(None)),
     "ln_f.bias": Parameter((D,), "float32", "zeros", P(None)),
-    "head.kernel": Parameter((D, VOCAB), "float32", "normal:0.125", P(None, "model")),
+    "head.kernel": Parameter((D, VOCAB), "float32", fan_in(D), P(None, "model")),
 }
 
 

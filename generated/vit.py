@@ -36,7 +36,7 @@ from dslc_runtime.layers import (
 from dslc_runtime.mesh import TooFewDevices, machine_mesh
 from dslc_runtime.model import constrain, layers_of, scan_layers, weights_of
 from dslc_runtime.params import Arrays, init_params
-from dslc_runtime.storage import Parameter
+from dslc_runtime.storage import Parameter, fan_in
 from dslc_runtime.training import data_parallel, init_optimizer, make_optimizer, make_train_step
 from flax import nnx
 from jax.sharding import Mesh
@@ -76,19 +76,19 @@ class Encoder(nnx.Module):
     WEIGHTS = (
         ("ln_1.scale", (D,), "ones", (None,), ("data",)),
         ("ln_1.bias", (D,), "zeros", (None,), ("data",)),
-        ("attn.q", (D, D), "normal:0.125", (None, "model"), ("data", "model")),
-        ("attn.k", (D, D), "normal:0.125", (None, "model"), ("data", "model")),
-        ("attn.v", (D, D), "normal:0.125", (None, "model"), ("data", "model")),
-        ("attn.o", (D, D), "normal:0.125", ("model", None), (("model", "data"), None)),
+        ("attn.q", (D, D), fan_in(D), (None, "model"), ("data", "model")),
+        ("attn.k", (D, D), fan_in(D), (None, "model"), ("data", "model")),
+        ("attn.v", (D, D), fan_in(D), (None, "model"), ("data", "model")),
+        ("attn.o", (D, D), fan_in(D), ("model", None), (("model", "data"), None)),
         ("attn.q_bias", (D,), "zeros", ("model",), (("model", "data"),)),
         ("attn.k_bias", (D,), "zeros", ("model",), (("model", "data"),)),
         ("attn.v_bias", (D,), "zeros", ("model",), (("model", "data"),)),
         ("attn.o_bias", (D,), "zeros", (None,), ("data",)),
         ("ln_2.scale", (D,), "ones", (None,), ("data",)),
         ("ln_2.bias", (D,), "zeros", (None,), ("data",)),
-        ("fc.kernel", (D, FFN), "normal:0.125", (None, "model"), ("data", "model")),
+        ("fc.kernel", (D, FFN), fan_in(D), (None, "model"), ("data", "model")),
         ("fc.bias", (FFN,), "zeros", ("model",), (("model", "data"),)),
-        ("proj.kernel", (FFN, D), "normal:0.0625", ("model", None), (("model", "data"), None)),
+        ("proj.kernel", (FFN, D), fan_in(FFN), ("model", None), (("model", "data"), None)),
         ("proj.bias", (D,), "zeros", (None,), ("data",)),
     )
 
@@ -203,7 +203,7 @@ PARAMETERS = {
     "patches.kernel": Parameter(
         (PATCH, PATCH, CHANNELS, D),
         "float32",
-        "normal:0.25",
+        fan_in(PATCH * PATCH * CHANNELS),
         P(None, None, None, None),
         optimizer_sharding=P("data", None, None, None),
     ),
@@ -225,9 +225,7 @@ PARAMETERS = {
     },
     "ln_f.scale": Parameter((D,), "float32", "ones", P(None), optimizer_sharding=P("data")),
     "ln_f.bias": Parameter((D,), "float32", "zeros", P(None), optimizer_sharding=P("data")),
-    "head.kernel": Parameter(
-        (D, CLASSES), "float32", "normal:0.125", P(None, None), optimizer_sharding=P("data", None)
-    ),
+    "head.kernel": Parameter((D, CLASSES), "float32", fan_in(D), P(None, None), optimizer_sharding=P("data", None)),
     "head.bias": Parameter((CLASSES,), "float32", "zeros", P(None), optimizer_sharding=P("data")),
 }
 

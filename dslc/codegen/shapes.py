@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dslc.ir import nodes as ir
 from dslc.layers import RULES
-from dslc.layers.base import arg_field
+from dslc.layers.base import WeightSpec, arg_field
 
 # How tightly each operator binds, to bracket an operand only where Python needs it.
 _ATOM, _PRODUCT, _SUM = 3, 2, 1
@@ -46,6 +46,8 @@ class Spelled(int):
     def _product(self, other: int, swap: bool) -> int:
         if not _integer(other):
             return NotImplemented
+        if other == 1 and not isinstance(other, Spelled):
+            return self  # math.prod's start
         value = int(self) * other
         return _undivided(self, other) or _undivided(other, self) or self._op("*", other, _PRODUCT, value, swap)
 
@@ -89,9 +91,10 @@ def _operand(x: object, level: int, right: bool) -> str:
     return repr(x)
 
 
-def weight_shape(layer: ir.Layer, weight: str) -> tuple[int, ...] | None:
-    """The shape of `layer`'s weight `weight`, each dimension `Spelled` (in the spec's own
-    names) where the spec wrote what computes it; None when the rule has no such weight."""
+def spelled_weight(layer: ir.Layer, weight: str) -> WeightSpec | None:
+    """`layer`'s weight `weight` as its rule declares it, each dimension of its shape (and its
+    fan-in) `Spelled` in the spec's own names where the spec wrote what computes it; None when
+    the rule has no such weight."""
     rule = RULES[layer.kind]
     values = dict(layer.attrs)
     written = dict(layer.written)
@@ -112,4 +115,4 @@ def weight_shape(layer: ir.Layer, weight: str) -> tuple[int, ...] | None:
             if _integer(again) and again == value:
                 values[spec.name] = again
     typed = rule.Args(**{arg_field(name): v for name, v in values.items()})
-    return next((w.shape for w in rule.weights(typed) if w.name == weight), None)
+    return next((w for w in rule.weights(typed) if w.name == weight), None)

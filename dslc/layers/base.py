@@ -19,6 +19,7 @@ from typing import Any, ClassVar, Generic, Literal, TypeVar
 
 from dslc.diagnostics import Diagnostics, Label, Span
 from dslc.ir.nodes import DTYPE_BYTES, Axes, Collective, CollectiveKind, Input, Layer, Mesh, Sharding, TensorType
+from dslc.runtime.storage import fan_in
 
 Attrs = dict[str, object]
 
@@ -77,13 +78,16 @@ class WeightSpec:
     # own, so that the scores start out as large as under the default one).
     gain: float = 1.0
 
+    @property
+    def inputs(self) -> int:
+        """What a "fan_in" weight sums into each output: `fan_in`, or all but its last dimension."""
+        return self.fan_in or math.prod(self.shape[:-1])
+
     def initializer(self) -> str:
         """The IR's initializer: "zeros", "ones" or "normal:STD"."""
         match self.init:
             case "fan_in":
-                fan_in = self.fan_in or math.prod(self.shape[:-1])
-                std = fan_in**-0.5 if self.gain == 1.0 else fan_in**-0.5 * self.gain
-                return f"normal:{std!r}"
+                return fan_in(self.inputs, self.gain)
             case "normal":
                 return "normal:0.02"
             case _:

@@ -13,6 +13,13 @@ import math
 from typing import Any, NamedTuple
 
 
+def fan_in(n: int, gain: float = 1.0) -> str:
+    """The initializer of a weight that sums `n` inputs into each output: normal, with
+    standard deviation 1/sqrt(n) (times `gain`), as "normal:STD"."""
+    std = n**-0.5 if gain == 1.0 else n**-0.5 * gain
+    return f"normal:{std!r}"
+
+
 class Row(NamedTuple):
     """What one stage's row of a per-stage array holds: a weight of its own shape (padded to
     the row's), initialised its own way; `first` is the first layer of a repeat's share."""
@@ -28,7 +35,7 @@ class Parameter(NamedTuple):
 
     shape: tuple[int, ...]
     dtype: str
-    init: str  # "zeros", "ones", "normal:STD", or "rows" (each row its own)
+    init: str  # "zeros", "ones", "normal:STD" (`fan_in(n)` writes one), or "rows" (each row its own)
     sharding: Any  # a PartitionSpec: where it lives between steps
     # Where its gradient and its optimizer state live, when not like the array itself: ZeRO
     # stage 2 and up split the gradient over the data axes, stage 1 and up the state.

@@ -452,7 +452,8 @@ def test_weight_and_input_shapes_read_in_the_specs_constants() -> None:
     llama = (GENERATED / "llama.py").read_text()
     assert '("attn.k", (D, KV_HEADS * (D // HEADS)),' in llama and '("attn.q", (D, D),' in llama
     assert "(LAYERS, *shape)," in llama and '"tokens": Input((BATCH, SEQ),' in llama
-    assert '("gate_up.gate", (D, FFN),' in llama and "(D, VOCAB)," in llama
+    assert '("gate_up.gate", (D, FFN), fan_in(D),' in llama and '("down.kernel", (FFN, D), fan_in(FFN),' in llama
+    assert "(D, VOCAB)," in llama
     vit = (GENERATED / "vit.py").read_text()
     assert "(SIDE // PATCH * (SIDE // PATCH) + 1, D)," in vit
     gpt2 = (GENERATED / "gpt2.py").read_text()
@@ -462,7 +463,8 @@ def test_weight_and_input_shapes_read_in_the_specs_constants() -> None:
 
 @pytest.mark.parametrize("name", ["llama", "vit", "qwen2_moe", "t5", "gpt2", "seed_mlp_pipeline"])
 def test_the_spelled_shapes_are_the_shapes(name: str) -> None:
-    """Evaluated, the module's spelled shapes are the placement's numbers, array by array."""
+    """Evaluated, the module's spelled shapes and initializers (`fan_in(D)`) are the
+    placement's, array by array."""
     from dslc.ir.placement import place
     from dslc.lower.program import load_module
 
@@ -472,6 +474,7 @@ def test_the_spelled_shapes_are_the_shapes(name: str) -> None:
     arrays = place(program).arrays
     assert {a.name: tuple(a.type.shape) for a in arrays} == {n: tuple(p.shape) for n, p in module.PARAMETERS.items()}
     assert {i.name: i.type.shape for i in program.inputs} == {n: i.shape for n, i in module.INPUTS.items()}
+    assert {a.name: a.init for a in arrays} == {n: p.init for n, p in module.PARAMETERS.items()}
 
 
 def test_a_formula_is_spelled_only_where_it_computes_the_number() -> None:
