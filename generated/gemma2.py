@@ -259,6 +259,8 @@ class Gemma2(nnx.Module):
 
 # Every array of trainable state, under its name in the spec: `*` stands for a repeat's layers,
 # stacked along a leading dimension (weights are exported one by one, as `blocks.3.attn.q`).
+# `optimizer_sharding`: where its optimizer state lives, if not like the array (ZeRO 1 and up).
+# `layers`: how many leading dimensions each `*` of its name spans (a repeat's layers).
 PARAMETERS = {
     "embed.table": Parameter(
         (VOCAB, D), "float32", "normal:0.02", P("model", None), optimizer_sharding=P(("model", "data"), None)

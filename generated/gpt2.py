@@ -209,6 +209,10 @@ class Stage1(nnx.Module):
 
 # Every array of trainable state, under its name in the spec: `*` stands for a repeat's layers,
 # stacked along a leading dimension (weights are exported one by one, as `blocks.3.attn.q`).
+# `layers`: how many leading dimensions each `*` of its name spans (a repeat's layers).
+# `stage_rows`: the dimension whose pieces are each pipeline stage's own (layers or rows).
+# `stage_split`: the dimension it is split along over the stages between steps; a step gathers it.
+# `padding`: padding at the end of each of its own dimensions (a vocabulary split evenly).
 PARAMETERS = {
     "wte.table": Parameter((50258, D), "float32", "normal:0.02", P("model", "stage"), stage_split=1, padding=(1, 0)),
     "wpe.table": Parameter((POSITIONS, D), "float32", "normal:0.02", P("stage", None), stage_split=0),

@@ -194,6 +194,10 @@ class Stage15(nnx.Module):
 
 # Every array of trainable state, under its name in the spec: `*` stands for a repeat's layers,
 # stacked along a leading dimension (weights are exported one by one, as `blocks.3.attn.q`).
+# `optimizer_sharding`: where its optimizer state lives, if not like the array (ZeRO 1 and up).
+# `layers`: how many leading dimensions each `*` of its name spans (a repeat's layers).
+# `stage_rows`: the dimension whose pieces are each pipeline stage's own (layers or rows).
+# `stage_split`: the dimension it is split along over the stages between steps; a step gathers it.
 PARAMETERS = {
     "embed.table": Parameter(
         (VOCAB, D),

@@ -190,6 +190,9 @@ class Stage1(nnx.Module):
 
 # Every array of trainable state, under its name in the spec: `*` stands for a repeat's layers,
 # stacked along a leading dimension (weights are exported one by one, as `blocks.3.attn.q`).
+# `layers`: how many leading dimensions each `*` of its name spans (a repeat's layers).
+# `stage_rows`: the dimension whose pieces are each pipeline stage's own (layers or rows).
+# `stage_split`: the dimension it is split along over the stages between steps; a step gathers it.
 PARAMETERS = {
     "embed.table": Parameter((VOCAB, D), "float32", "normal:0.02", P(("model", "stage"), None), stage_split=0),
     # The weights of `blocks.*`: each of GptBlock's stacked over its 4 layers.

@@ -157,6 +157,7 @@ class LongContext(nnx.Module):
 
 # Every array of trainable state, under its name in the spec: `*` stands for a repeat's layers,
 # stacked along a leading dimension (weights are exported one by one, as `blocks.3.attn.q`).
+# `layers`: how many leading dimensions each `*` of its name spans (a repeat's layers).
 PARAMETERS = {
     "embed.table": Parameter((VOCAB, D), "float32", "normal:0.02", P("model", None)),
     # The weights of `layers.*`: each of Decoder's stacked over its 2 layers.

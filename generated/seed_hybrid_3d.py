@@ -146,6 +146,8 @@ class Stage0(nnx.Module):
 
 # Every array of trainable state, under its name in the spec: `*` stands for a repeat's layers,
 # stacked along a leading dimension (weights are exported one by one, as `blocks.3.attn.q`).
+# `layers`: how many leading dimensions each `*` of its name spans (a repeat's layers).
+# `stage_rows`: the dimension whose pieces are each pipeline stage's own (layers or rows).
 PARAMETERS = {
     # The weights of `blocks.*`: each of TransformerLayer's stacked over its 24 layers.
     **{

@@ -126,6 +126,8 @@ class Stage2(nnx.Module):
 
 # Every array of trainable state, under its name in the spec: `*` stands for a repeat's layers,
 # stacked along a leading dimension (weights are exported one by one, as `blocks.3.attn.q`).
+# `rows`: one row per pipeline stage, each holding a weight of that stage's own.
+# `stage_rows`: the dimension whose pieces are each pipeline stage's own (layers or rows).
 PARAMETERS = {
     "fc1.kernel|fc3.kernel|fc5.kernel": Parameter(
         (3, 784, 512),

@@ -175,6 +175,7 @@ def generate(
     data_axes = data_parallel_axes(program)
     chunk_weights = _chunk_weights(placement) if program.pipelined else []
     mesh_axes = program.mesh.names or ("replica",)
+    parameters = _parameters(program, placement, builder, [*builder.blocks, *top])
     mesh_shape = program.mesh.shape or (1,)
     context = {
         "model": safe_identifier(program.name),
@@ -192,7 +193,10 @@ def generate(
         # Whether any layer returns auxiliary values (a mixture of experts' balancing loss):
         # only then does the code thread them through.
         "aux": any(RULES[layer.kind].has_aux for layer in ir.all_layers(program)),
-        "parameters": _parameters(program, placement, builder, [*builder.blocks, *top]),
+        "parameters": parameters,
+        "legend": [
+            (k, meaning) for k, meaning in KEYWORDS.items() if any(re.search(rf"\b{k}=", e) for e in parameters)
+        ],
         "inputs": _inputs(program, builder),
         "stream": program.stream,
         "classes": [*builder.blocks, *top],
@@ -270,6 +274,17 @@ def _layer_paths(name: str) -> list[str]:
     head, _, last = name.replace("*.", "").rpartition(".")
     return [f"{p}.{last}" for p in head.split("|")]
 
+
+# What each keyword of a `Parameter(...)` says, for the module's legend of those it uses.
+KEYWORDS = {
+    "grad_sharding": "where its gradient lives, if not like the array (ZeRO 2 and up: over the data axes)",
+    "optimizer_sharding": "where its optimizer state lives, if not like the array (ZeRO 1 and up)",
+    "layers": "how many leading dimensions each `*` of its name spans (a repeat's layers)",
+    "rows": "one row per pipeline stage, each holding a weight of that stage's own",
+    "stage_rows": "the dimension whose pieces are each pipeline stage's own (layers or rows)",
+    "stage_split": "the dimension it is split along over the stages between steps; a step gathers it",
+    "padding": "padding at the end of each of its own dimensions (a vocabulary split evenly)",
+}
 
 # The fewest of a repeat's arrays that `PARAMETERS` lists as a table rather than one by one.
 TABLE_FROM = 4

@@ -457,8 +457,13 @@ def test_weight_and_input_shapes_read_in_the_specs_constants() -> None:
     vit = (GENERATED / "vit.py").read_text()
     assert "(SIDE // PATCH * (SIDE // PATCH) + 1, D)," in vit
     gpt2 = (GENERATED / "gpt2.py").read_text()
+    # The table's keywords are explained above it, those it uses and no other.
+    gpt3 = (GENERATED / "gpt3_175b.py").read_text()
+    legend = set(re.findall(r"^# `(\w+)`: ", gpt3, re.M))
+    assert legend == {"optimizer_sharding", "layers", "stage_rows", "stage_split"}
+    assert all(f"{k}=" in gpt3 for k in legend) and "grad_sharding=" not in gpt3 and "padding=" not in gpt3
     # GPT-2's 50,257 tokens padded by one to split over `model` (the padding keyword says so).
-    assert '"wte.table": Parameter((50258, D),' in gpt2 and "padding=(1, 0)" in gpt2
+    assert '"wte.table": Parameter((50258, D),' in gpt2 and "padding=(1, 0)" in gpt2 and "# `padding`: " in gpt2
 
 
 @pytest.mark.parametrize("name", ["llama", "vit", "qwen2_moe", "t5", "gpt2", "seed_mlp_pipeline"])
