@@ -17,7 +17,7 @@ import jinja2
 from dslc.codegen import source
 from dslc.codegen.layout import laid_out
 from dslc.codegen.names import class_name, global_namer, safe_identifier
-from dslc.codegen.shapes import Spelled, spelled_weight
+from dslc.codegen.shapes import spelled_init, spelled_shape
 from dslc.codegen.view import Builder, Code, ModuleClass, Statement
 from dslc.ir import nodes as ir
 from dslc.ir.boundaries import boundary_of, chunk_input
@@ -26,10 +26,9 @@ from dslc.ir.placement import Placement, Share, StateSharding, StoredArray, plac
 from dslc.ir.schedule import schedule_of
 from dslc.ir.signature import chunk_signature
 from dslc.layers import RULES, args
-from dslc.layers.base import BoundKernel, WeightSpec
+from dslc.layers.base import BoundKernel
 from dslc.layers.inputs import integer_bounds
 from dslc.layers.moe import MoE
-from dslc.runtime.storage import fan_in
 from dslc.schedules.notation import timelines
 from dslc.schedules.render import to_text
 
@@ -308,9 +307,9 @@ def _parameters(program: ir.Program, placement: Placement, builder: Builder, cla
 def _parameter_entry(program: ir.Program, builder: Builder, array: StoredArray) -> str:
     state = array.state(program)
     args = [
-        _tuple(_spelled_shape(program, builder, array)),
+        _tuple(spelled_shape(program, builder.code, array)),
         py(ir.DTYPES[array.type.dtype].jax),
-        _spelled_init(program, builder, array),
+        spelled_init(program, builder.code, array) or py(array.init),
         spec(state.params),
     ]
     args += _placement_keywords(array, state.grads, state.params, state.optimizer)
@@ -400,7 +399,7 @@ def _repeat_entry(
     def lead(sharding: ir.Sharding, column: str) -> str:
         return "P(" + ", ".join([*spec_entries(sharding[:n]), "*" + column]) + ")"
 
-    args = [_tuple([*_spelled_shape(program, builder, first)[:n], "*shape"]), py(ir.DTYPES[first.type.dtype].jax)]
+    args = [_tuple([*spelled_shape(program, builder.code, first)[:n], "*shape"]), py(ir.DTYPES[first.type.dtype].jax)]
     args += ["init", lead(state.params, "sharding")]
     keywords = _placement_keywords(first, state.grads, state.params, state.optimizer)
     keywords = [k for k in keywords if not k.startswith(("grad_sharding=", "optimizer_sharding="))]
@@ -410,8 +409,8 @@ def _repeat_entry(
     rows = []
     for a in group:
         st = a.state(program)
-        row = [py(a.name[len(prefix) :]), _tuple(_spelled_shape(program, builder, a)[n:])]
-        row += [_spelled_init(program, builder, a)]
+        row = [py(a.name[len(prefix) :]), _tuple(spelled_shape(program, builder.code, a)[n:])]
+        row += [spelled_init(program, builder.code, a) or py(a.init)]
         row += [_entries_tuple(st.params[n:])]
         row += [_entries_tuple(st.grads[n:])] * grads + [_entries_tuple(st.optimizer[n:])] * optimizer
         rows.append(f"({', '.join(row)}),")
@@ -451,51 +450,6 @@ def _runs(classes: list[ModuleClass], prefix: str) -> ModuleClass | None:
         a.cls for c in classes if not c.is_block for a in c.attributes if a.kind == "layers" and a.prefix == prefix
     }
     return next((c for c in classes if c.is_block and {c.name} == names), None)
-
-
-def _declared(program: ir.Program, array: StoredArray) -> WeightSpec | None:
-    """The weight `array` stores as its layer's rule declares it, spelled in the spec's
-    constants (`spelled_weight`); None for an array of several weights or per-stage rows."""
-    if array.rows or "|" in array.name:
-        return None
-    path, _, weight = _layer_paths(array.name)[0].rpartition(".")
-    layer = next((x for x in ir.all_layers(program) if x.path == path), None)
-    return spelled_weight(layer, weight) if layer is not None else None
-
-
-def _spelled_shape(program: ir.Program, builder: Builder, array: StoredArray) -> list[str]:
-    """Each dimension of `array` as code: in the spec's constants where they compute it (a
-    layer's weight by its rule's formula, a repeat's layers by its count), else its number
-    (a padded vocabulary, a per-stage array's rows, arrays holding several weights)."""
-    shape = array.type.shape
-    out = [str(n) for n in shape]
-    declared, lead = _declared(program, array), array.lead
-    if declared is not None and len(declared.shape) == len(shape) - lead:
-        for i, n in enumerate(declared.shape):
-            if isinstance(n, Spelled) and n == shape[lead + i]:
-                out[lead + i] = builder.code(n.code) or out[lead + i]
-    if array.layers == (1,):
-        # A repeat's layers, stacked: its count as written, where every share of it (a
-        # pipeline's stages each run some) was written as one constant of that value.
-        prefix = array.name[: array.name.index(".*.")]
-        written = {n.written for n in ir.walk(program.nodes) if isinstance(n, ir.Repeat) and n.path == prefix}
-        count = written.pop() if len(written) == 1 else ""
-        if dict(program.constants).get(count) == shape[0]:
-            out[0] = builder.code(count) or out[0]
-    return out
-
-
-def _spelled_init(program: ir.Program, builder: Builder, array: StoredArray) -> str:
-    """`array`'s initializer as code: `fan_in(D)` (the runtime's, giving the same "normal:STD")
-    for a weight initialised by its fan-in, else its initializer's text."""
-    declared = _declared(program, array)
-    if declared is None or declared.init != "fan_in":
-        return py(array.init)
-    n = declared.inputs
-    if fan_in(int(n), declared.gain) != array.init:
-        return py(array.init)
-    text = (builder.code(n.code) if isinstance(n, Spelled) else None) or str(int(n))
-    return f"fan_in({text})" if declared.gain == 1.0 else f"fan_in({text}, gain={declared.gain!r})"
 
 
 def _tuple(entries: list[str]) -> str:

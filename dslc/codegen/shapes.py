@@ -1,17 +1,26 @@
-"""Weight shapes as the spec's constants compute them: `(D, KV_HEADS * (D // HEADS))` where the
-`PARAMETERS` table would otherwise say `(2048, 256)`.
+"""Weight shapes and initializers as the spec's constants compute them: the `PARAMETERS`
+table says `(D, KV_HEADS * (D // HEADS))` where it would otherwise say `(2048, 256)`.
 
 A layer's integer arguments, where the spec wrote them in its constants, become `Spelled`
 integers: each is its value and the code computing it, and arithmetic on them builds both. The
 rule's own `weights` then runs on them unchanged, so a shape is spelled by the same formula
 that sized it; a dimension that comes out as a plain number (a literal, padding) stays one.
+A weight initialised by its fan-in is written `fan_in(D)` the same way.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+from dslc.codegen.view import Code
 from dslc.ir import nodes as ir
+from dslc.ir.placement import StoredArray
 from dslc.layers import RULES
 from dslc.layers.base import WeightSpec, arg_field
+from dslc.runtime.storage import fan_in
+
+# An argument as the spec wrote it -> the module's code for it (`Builder.code`), or None.
+Speller = Callable[[str], Code | None]
 
 # How tightly each operator binds, to bracket an operand only where Python needs it.
 _ATOM, _PRODUCT, _SUM = 3, 2, 1
@@ -116,3 +125,48 @@ def spelled_weight(layer: ir.Layer, weight: str) -> WeightSpec | None:
                 values[spec.name] = again
     typed = rule.Args(**{arg_field(name): v for name, v in values.items()})
     return next((w for w in rule.weights(typed) if w.name == weight), None)
+
+
+def _declared(program: ir.Program, array: StoredArray) -> WeightSpec | None:
+    """The weight `array` stores as its layer's rule declares it, spelled in the spec's
+    constants (`spelled_weight`); None for an array of several weights or per-stage rows."""
+    if array.rows or "|" in array.name:
+        return None
+    path, _, weight = array.name.replace("*.", "").rpartition(".")
+    layer = next((x for x in ir.all_layers(program) if x.path == path), None)
+    return spelled_weight(layer, weight) if layer is not None else None
+
+
+def spelled_shape(program: ir.Program, code: Speller, array: StoredArray) -> list[str]:
+    """Each dimension of `array` as code: in the spec's constants where they compute it (a
+    layer's weight by its rule's formula, a repeat's layers by its count), else its number
+    (a padded vocabulary, a per-stage array's rows, arrays holding several weights)."""
+    shape = array.type.shape
+    out = [str(n) for n in shape]
+    declared, lead = _declared(program, array), array.lead
+    if declared is not None and len(declared.shape) == len(shape) - lead:
+        for i, n in enumerate(declared.shape):
+            if isinstance(n, Spelled) and n == shape[lead + i]:
+                out[lead + i] = code(n.code) or out[lead + i]
+    if array.layers == (1,):
+        # A repeat's layers, stacked: its count as written, where every share of it (a
+        # pipeline's stages each run some) was written as one constant of that value.
+        prefix = array.name[: array.name.index(".*.")]
+        written = {n.written for n in ir.walk(program.nodes) if isinstance(n, ir.Repeat) and n.path == prefix}
+        count = written.pop() if len(written) == 1 else ""
+        if dict(program.constants).get(count) == shape[0]:
+            out[0] = code(count) or out[0]
+    return out
+
+
+def spelled_init(program: ir.Program, code: Speller, array: StoredArray) -> str | None:
+    """`array`'s initializer as code: `fan_in(D)` (the runtime's, giving the same "normal:STD")
+    for a weight initialised by its fan-in; None for any other (its text is its code)."""
+    declared = _declared(program, array)
+    if declared is None or declared.init != "fan_in":
+        return None
+    n = declared.inputs
+    if fan_in(int(n), declared.gain) != array.init:
+        return None
+    text = (code(n.code) if isinstance(n, Spelled) else None) or str(int(n))
+    return f"fan_in({text})" if declared.gain == 1.0 else f"fan_in({text}, gain={declared.gain!r})"
