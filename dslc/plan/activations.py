@@ -43,7 +43,7 @@ from dslc.ir.nodes import (
     layers,
     own_layers,
 )
-from dslc.layers import RULES
+from dslc.layers import RULES, Dropout, args
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +82,45 @@ def _held_bytes(t: TensorType, mesh: Mesh, slices: int, widen: Widen) -> int:
 def weight_copies(layer: Layer, mesh: Mesh, compute: str) -> int:
     """Weights cast to the compute dtype: the backward pass keeps the cast copies."""
     return sum(w.type.local_nbytes(mesh) // DTYPE_BYTES[w.type.dtype] * DTYPE_BYTES[compute] for w in layer.weights)
+
+
+# Bytes an element of a dropout's random bits on XLA's CPU backend: JAX draws them with
+# threefry2x32 from two u32 counters shaped like the mask (`iota_2x32_shape`, its high and low
+# words) and lowers threefry on CPU as a rolled loop whose state is two u32 words of that shape
+# (elsewhere the loop is unrolled, and XLA fuses it into the mask): four 32-bit words.
+RANDOM_BITS_PER_ELEMENT = 16
+
+
+def random_bits(layer: Layer, mesh: Mesh, slices: int) -> int:
+    """The random bits `layer` draws its mask from on XLA's CPU backend, while it makes it: 0
+    for a layer that draws none (dropout at rate 0 is the identity)."""
+    if not RULES[layer.kind].random:
+        return 0
+    if layer.kind == Dropout.kind and args(layer, Dropout).rate == 0.0:
+        return 0
+    return RANDOM_BITS_PER_ELEMENT * layer.output.slice_numel(mesh, slices)
+
+
+def rerun_random_bits(nodes: tuple[Node, ...], mesh: Mesh, slices: int, rerun: bool = False) -> int:
+    """The most random bits one layer draws again in a checkpointed block's backward: a block
+    that reruns its forward (`full`, `selective`; its mask is not among what it saves) draws
+    its dropouts' masks again there, where `core_attention` and `none` keep them."""
+    most = 0
+    for node in nodes:
+        match node:
+            case Layer():
+                most = max(most, random_bits(node, mesh, slices) if rerun else 0)
+            case Block():
+                most = max(most, rerun_random_bits(node.body, mesh, slices, rerun or node.remat.reruns_block))
+            case Residual() | Branches() | Stream():
+                most = max(most, rerun_random_bits(node.body, mesh, slices, rerun))
+            case Repeat():
+                most = max(most, rerun_random_bits((node.body,), mesh, slices, rerun))
+            case Layout():
+                pass
+            case _:
+                assert_never(node)
+    return most
 
 
 def kept_by(

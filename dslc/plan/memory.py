@@ -28,7 +28,7 @@ from dslc.ir.nodes import DTYPE_BYTES, Mesh, Node, Program, Repeat, TensorType
 from dslc.ir.placement import Placement, place
 from dslc.ir.schedule import microbatch_slices, pipeline_figures
 from dslc.ir.state import gathered_weights_kept
-from dslc.plan.activations import Kept, kept_by, tensor_bytes
+from dslc.plan.activations import Kept, kept_by, rerun_random_bits, tensor_bytes
 
 MOMENTS = {"adamw": 2, "adam": 2, "sgd": 1}
 
@@ -49,6 +49,9 @@ class Memory:
     update: int = 0  # what the optimizer update holds beyond the gradient step's temporaries
     # Gradients the training step writes into donated parameters' buffers (`cpu_widening`).
     reused: int = 0
+    # Dropout's random bits, which the training step alone draws, made again by a recompute
+    # (`cpu_random_bits`).
+    random_bits: int = 0
 
     @property
     def grads_step(self) -> int:
@@ -56,7 +59,7 @@ class Memory:
 
     @property
     def total(self) -> int:
-        return self.grads_step + self.optimizer + self.update - self.reused
+        return self.grads_step + self.optimizer + self.update + self.random_bits - self.reused
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,8 +183,12 @@ def memory(program: Program, backend: str | None = None) -> Memory:
     new = max((_local(a.type, a.state(program).params, mesh) for a in placement.arrays), default=0)
     update = max(0, new - temporaries - acts)
     details.append(("the optimizer update: the largest array's new value, beyond the temporaries", update))
+    bits = cpu_random_bits(program) if backend == "cpu" else 0
     if backend == "cpu":
         details.append(("XLA's CPU backend: gradients in the widened parameters' donated buffers (less)", reused))
+        details.append(
+            ("XLA's CPU backend: dropout's random bits, drawn again where a recompute reruns it (training step)", bits)
+        )
     return Memory(
         state.params,
         state.grads,
@@ -193,6 +200,7 @@ def memory(program: Program, backend: str | None = None) -> Memory:
         tuple(details),
         update,
         reused,
+        bits,
     )
 
 
@@ -281,6 +289,19 @@ def cpu_widening(program: Program, placement: Placement) -> tuple[int, int, list
             ("XLA's CPU backend: a scan's 16-bit residuals held in f32", residuals),
         ],
     )
+
+
+def cpu_random_bits(program: Program) -> int:
+    """What the training step holds at its peak on XLA's CPU backend beyond the gradient step:
+    the random bits of the dropouts a checkpointed block's backward reruns, drawn again inside
+    the recompute (`activations.rerun_random_bits`: four 32-bit words an element of the mask,
+    its two counters and the two words of threefry's rolled loop), the largest one's. The
+    gradient step runs without dropout and draws none; on an accelerator JAX unrolls threefry
+    and XLA fuses it into the mask. Under a pipeline, one microbatch's in a chunk's backward
+    tick; without one, the whole batch slice's."""
+    slices = microbatch_slices(program)
+    groups = [c.nodes for c in program.chunks] if program.pipelined else [program.nodes]
+    return max((rerun_random_bits(g, program.mesh, slices) for g in groups), default=0)
 
 
 def cpu_summed_twice(program: Program, placement: Placement) -> int:

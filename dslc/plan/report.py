@@ -216,6 +216,8 @@ class Plan:
             ("temporaries", m.temporaries),
             ("optimizer update", m.update),
         ]
+        if m.random_bits:  # planned for XLA's CPU backend (`dslc.plan.memory.cpu_random_bits`)
+            rows.append(("dropout's random bits", m.random_bits))
         if m.reused:  # planned for XLA's CPU backend (`dslc.plan.memory.cpu_widening`)
             rows.append(("less, in donated buffers", m.reused))
         lines += [f"  {name:<24}{format_bytes(size):>12}" for name, size in rows]
