@@ -268,7 +268,12 @@ PARAMETERS = {
     # The weights of `layers.*`: each of Gemma2Pair's stacked over its 13 layers.
     **{
         f"layers.*.{name}": Parameter(
-            (13, *shape), "float32", init, P(None, *sharding), optimizer_sharding=P(None, *optimizer), layers=(1,)
+            (LAYERS // 2, *shape),
+            "float32",
+            init,
+            P(None, *sharding),
+            optimizer_sharding=P(None, *optimizer),
+            layers=(1,),
         )
         for name, shape, init, sharding, optimizer in Gemma2Pair.WEIGHTS
     },

@@ -149,13 +149,12 @@ def spelled_shape(program: ir.Program, code: Speller, array: StoredArray) -> lis
             if isinstance(n, Spelled) and n == shape[lead + i]:
                 out[lead + i] = code(n.code) or out[lead + i]
     if array.layers == (1,):
-        # A repeat's layers, stacked: its count as written, where every share of it (a
-        # pipeline's stages each run some) was written as one constant of that value.
+        # A repeat's layers, stacked: the whole run's length, as the spec wrote it (each
+        # pipeline stage's share of the run is a node of its own, written alike).
         prefix = array.name[: array.name.index(".*.")]
-        written = {n.written for n in ir.walk(program.nodes) if isinstance(n, ir.Repeat) and n.path == prefix}
-        count = written.pop() if len(written) == 1 else ""
-        if dict(program.constants).get(count) == shape[0]:
-            out[0] = code(count) or out[0]
+        runs = [n for n in ir.walk(program.nodes) if isinstance(n, ir.Repeat) and n.path == prefix]
+        if runs and runs[0].written and runs[0].length == shape[0]:
+            out[0] = code(runs[0].written) or out[0]
     return out
 
 
