@@ -351,6 +351,11 @@ class LayerRule(Generic[A]):
     # True when the kernel draws random numbers: it then takes `key` (None when evaluating).
     random: ClassVar[bool] = False
 
+    def draws(self, layer: Layer) -> bool:
+        """Whether this use draws random numbers while training (a `random` kind may be told
+        not to: dropout at rate 0 is the identity)."""
+        return self.random
+
     # For a loss that is a mean over the positions it counts (cross-entropy leaves out ignored
     # targets): the function of `dslc.runtime.layers` that counts them, called with the loss
     # kernel's inputs and static arguments. Gradient accumulation weighs each slice of the

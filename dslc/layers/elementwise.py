@@ -118,6 +118,9 @@ class Dropout(Elementwise[DropoutArgs]):
     def kept_per_element(self, compute: str) -> int:
         return 1  # the mask, one byte an element, whatever the dtype
 
+    def draws(self, layer: Layer) -> bool:
+        return self.args_of(layer).rate > 0.0
+
     def validate(self, a: DropoutArgs, ctx: Context) -> bool:
         rate = a.rate
         if not 0.0 <= rate < 1.0:

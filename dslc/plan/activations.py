@@ -43,7 +43,7 @@ from dslc.ir.nodes import (
     layers,
     own_layers,
 )
-from dslc.layers import RULES, Dropout, args
+from dslc.layers import RULES
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,9 +94,7 @@ RANDOM_BITS_PER_ELEMENT = 16
 def random_bits(layer: Layer, mesh: Mesh, slices: int) -> int:
     """The random bits `layer` draws its mask from on XLA's CPU backend, while it makes it: 0
     for a layer that draws none (dropout at rate 0 is the identity)."""
-    if not RULES[layer.kind].random:
-        return 0
-    if layer.kind == Dropout.kind and args(layer, Dropout).rate == 0.0:
+    if not RULES[layer.kind].draws(layer):
         return 0
     return RANDOM_BITS_PER_ELEMENT * layer.output.slice_numel(mesh, slices)
 
