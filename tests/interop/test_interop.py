@@ -159,73 +159,55 @@ def logits_of(
 # ---- the happy paths -------------------------------------------------------------------------------
 
 
+def imported(
+    root: Path, config: dict[str, Any], tensors: dict[str, np.ndarray], spec: Path, sizes: dict[str, object]
+) -> dict[str, Any]:
+    """A checkpoint of `config` made of `tensors`, written under `root`, and its import into
+    `spec` at `sizes`."""
+    folder = write_checkpoint(root / "checkpoint", config, tensors)
+    weights = root / "weights.npz"
+    assert cli.main(["import", str(spec), str(folder), "-o", str(weights), *flags(sizes)]) == 0
+    return {"root": root, "folder": folder, "tensors": tensors, "weights": weights, "spec": spec}
+
+
 @pytest.fixture(scope="module")
 def gpt2(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """A GPT-2 checkpoint (tied head) and its import."""
-    root = tmp_path_factory.mktemp("gpt2")
-    tensors = gpt2_tensors(GPT2_CONFIG)
-    folder = write_checkpoint(root / "checkpoint", GPT2_CONFIG, tensors)
-    weights = root / "weights.npz"
-    assert cli.main(["import", str(GPT2), str(folder), "-o", str(weights), *flags(GPT2_SET)]) == 0
-    return {"root": root, "folder": folder, "tensors": tensors, "weights": weights}
+    return imported(tmp_path_factory.mktemp("gpt2"), GPT2_CONFIG, gpt2_tensors(GPT2_CONFIG), GPT2, GPT2_SET)
 
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("llama")
-    tensors = llama_tensors(LLAMA_CONFIG)
-    folder = write_checkpoint(root / "checkpoint", LLAMA_CONFIG, tensors)
-    spec = f32_llama(root)
-    weights = root / "weights.npz"
-    assert cli.main(["import", str(spec), str(folder), "-o", str(weights), *flags(LLAMA_SET)]) == 0
-    return {"root": root, "folder": folder, "tensors": tensors, "weights": weights, "spec": spec}
+    return imported(root, LLAMA_CONFIG, llama_tensors(LLAMA_CONFIG), f32_llama(root), LLAMA_SET)
 
 
 @pytest.fixture(scope="module")
 def gpt_neox(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("gpt_neox")
     tensors = gpt_neox_tensors(GPT_NEOX_CONFIG)
-    folder = write_checkpoint(root / "checkpoint", GPT_NEOX_CONFIG, tensors)
-    spec = f32_llama(root, "gpt_neox")
-    weights = root / "weights.npz"
-    assert cli.main(["import", str(spec), str(folder), "-o", str(weights), *flags(GPT_NEOX_SET)]) == 0
-    return {"root": root, "folder": folder, "tensors": tensors, "weights": weights, "spec": spec}
+    return imported(root, GPT_NEOX_CONFIG, tensors, f32_llama(root, "gpt_neox"), GPT_NEOX_SET)
 
 
 @pytest.fixture(scope="module")
 def gemma2(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """A Gemma 2 checkpoint (tied head) and its import into specs/gemma2.par in f32."""
     root = tmp_path_factory.mktemp("gemma2")
-    tensors = gemma2_tensors(GEMMA2_CONFIG)
-    folder = write_checkpoint(root / "checkpoint", GEMMA2_CONFIG, tensors)
-    spec = f32_llama(root, "gemma2")
-    weights = root / "weights.npz"
-    assert cli.main(["import", str(spec), str(folder), "-o", str(weights), *flags(GEMMA2_SET)]) == 0
-    return {"root": root, "folder": folder, "tensors": tensors, "weights": weights, "spec": spec}
+    return imported(root, GEMMA2_CONFIG, gemma2_tensors(GEMMA2_CONFIG), f32_llama(root, "gemma2"), GEMMA2_SET)
 
 
 @pytest.fixture(scope="module")
 def vit(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """A ViT checkpoint (three channels, ten labels) and its import into specs/vit.par, which
     computes in f32."""
-    root = tmp_path_factory.mktemp("vit")
-    tensors = vit_tensors(VIT_CONFIG)
-    folder = write_checkpoint(root / "checkpoint", VIT_CONFIG, tensors)
-    weights = root / "weights.npz"
-    assert cli.main(["import", str(VIT), str(folder), "-o", str(weights), *flags(VIT_SET)]) == 0
-    return {"root": root, "folder": folder, "tensors": tensors, "weights": weights, "spec": VIT}
+    return imported(tmp_path_factory.mktemp("vit"), VIT_CONFIG, vit_tensors(VIT_CONFIG), VIT, VIT_SET)
 
 
 @pytest.fixture(scope="module")
 def t5(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """A T5 v1.1 checkpoint (gated-GELU MLP, untied head) and its import into specs/t5.par in f32."""
     root = tmp_path_factory.mktemp("t5")
-    tensors = t5_tensors(T5_CONFIG)
-    folder = write_checkpoint(root / "checkpoint", T5_CONFIG, tensors)
-    spec = f32_llama(root, "t5")
-    weights = root / "weights.npz"
-    assert cli.main(["import", str(spec), str(folder), "-o", str(weights), *flags(T5_SET)]) == 0
-    return {"root": root, "folder": folder, "tensors": tensors, "weights": weights, "spec": spec}
+    return imported(root, T5_CONFIG, t5_tensors(T5_CONFIG), f32_llama(root, "t5"), T5_SET)
 
 
 def translations(seed: int = 1) -> dict[str, np.ndarray]:
@@ -248,12 +230,7 @@ MOE_FAMILIES = {
 
 def _imported_moe(root: Path, family: str) -> dict[str, Any]:
     config, sizes, make = MOE_FAMILIES[family]
-    tensors = make(config)
-    folder = write_checkpoint(root / "checkpoint", config, tensors)
-    spec = f32_llama(root, family)
-    weights = root / "weights.npz"
-    assert cli.main(["import", str(spec), str(folder), "-o", str(weights), *flags(sizes)]) == 0
-    return {"root": root, "folder": folder, "tensors": tensors, "weights": weights, "spec": spec, "family": family}
+    return imported(root, config, make(config), f32_llama(root, family), sizes) | {"family": family}
 
 
 @pytest.fixture(scope="module")
