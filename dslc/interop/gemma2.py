@@ -78,7 +78,7 @@ class Gemma2(FamilyBase):
     tied_by_default = True
     head_at = -2  # before the cap on the logits
     # Its query_pre_attn_scalar is the attention's `scale`.
-    attention_arguments = frozenset({"scale"})
+    attention_arguments = frozenset({"scale", "window", "softcap"})
 
     def requirements(self, m: Matched) -> list[Requirement]:
         (embed,) = m.prefix
@@ -109,9 +109,6 @@ class Gemma2(FamilyBase):
                     "write `rope=true` (and no `rope_dims`)",
                 ),
                 Requirement(attn, bool(a.causal), "its attention is causal", "write `causal=true`"),
-                Requirement(
-                    attn, not a.qk_norm, "its attention does not normalise queries and keys", "leave out `qk_norm`"
-                ),
                 Requirement(
                     attn,
                     bool(a.bias) or not a.qkv_bias,

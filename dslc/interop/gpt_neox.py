@@ -93,11 +93,6 @@ class GPTNeoX(FamilyBase):
                     "its attention has biases on q, k, v and o, or on none of them",
                     "write `bias=true` rather than `qkv_bias=true`",
                 ),
-                Requirement(
-                    attn, not a.qk_norm, "its attention does not normalise queries and keys", "leave out `qk_norm`"
-                ),
-                Requirement(attn, a.window is None, "its attention has no sliding window", "leave out `window`"),
-                Requirement(attn, a.softcap is None, "its attention scores are not capped", "leave out `softcap`"),
             ]
             out += with_biases((fc, proj), "MLP's projections") + with_biases((ln_1, ln_2), "layernorms")
         out += with_biases((ln_f,), "layernorms")

@@ -52,6 +52,9 @@ class Llama(FamilyBase):
     tied_by_default = False
     # Written for a Llama, left out for a Qwen2 (whose q, k and v biases its type says).
     determined = frozenset({"attention_bias", "mlp_bias"})
+    # Mistral's and Qwen2's sliding window (`sliding_window`); queries and keys normalised or
+    # not, as the family says (`qk_norm_requirement`).
+    attention_arguments = frozenset({"window", "qk_norm"})
 
     def requirements(self, m: Matched) -> list[Requirement]:
         out = [self.head_has_no_bias(m)]

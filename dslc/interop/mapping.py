@@ -439,6 +439,9 @@ ATTENTION_ARGUMENTS: dict[str, tuple[Callable[[AttentionArgs], bool], str, str]]
         "its attention scales its scores by 1/sqrt(head_dim)",
         "leave out `scale`",
     ),
+    "qk_norm": (lambda a: bool(a.qk_norm), "its attention does not normalise queries and keys", "leave out `qk_norm`"),
+    "window": (lambda a: a.window is not None, "its attention has no sliding window", "leave out `window`"),
+    "softcap": (lambda a: a.softcap is not None, "its attention scores are not capped", "leave out `softcap`"),
 }
 
 

@@ -530,9 +530,6 @@ def _attention(attn: ir.Layer, what: str, causal: bool, bias: str | None, memory
         Requirement(attn, not a.rope, f"{what} has no rotary embeddings", "leave `rope` false"),
         Requirement(attn, not (a.bias or a.qkv_bias), f"{what} has no biases", "leave out `bias` and `qkv_bias`"),
         Requirement(attn, a.kv_heads == a.heads, "every query head has its own key/value head", "leave out `kv_heads`"),
-        Requirement(attn, not a.qk_norm, f"{what} does not normalise queries and keys", "leave out `qk_norm`"),
-        Requirement(attn, a.window is None, f"{what} has no sliding window", "leave out `window`"),
-        Requirement(attn, a.softcap is None, f"{what}'s scores are not capped", "leave out `softcap`"),
         Requirement(attn, a.segments is None, f"{what} sees every token of its sequence", "leave out `segments`"),
     ]
 

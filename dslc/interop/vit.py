@@ -132,11 +132,6 @@ class ViT(FamilyBase):
                     attn, a.kv_heads == a.heads, "every query head has its own key/value head", "leave out `kv_heads`"
                 ),
                 Requirement(attn, a.head_dim * a.heads == d, "its heads split the model width", "leave out `head_dim`"),
-                Requirement(
-                    attn, not a.qk_norm, "its attention does not normalise queries and keys", "leave out `qk_norm`"
-                ),
-                Requirement(attn, a.window is None, "its attention has no sliding window", "leave out `window`"),
-                Requirement(attn, a.softcap is None, "its attention scores are not capped", "leave out `softcap`"),
                 Requirement(attn, a.segments is None, "each image attends to all of itself", "leave out `segments`"),
             ]
             out += with_biases((fc, proj), "MLP's projections") + with_biases((ln_1, ln_2), "layernorms")

@@ -1739,6 +1739,25 @@ def test_a_spec_that_does_not_compute_t5_is_refused(
     assert code == 1 and said[0] in err and not (tmp_path / "out").exists(), err
 
 
+@pytest.mark.parametrize("written", ["softcap=30.0", "window=8"])
+def test_a_gpt2_whose_attention_caps_or_windows_its_scores_is_refused(
+    written: str, gpt2: dict[str, Any], capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """A GPT-2's attention neither caps its scores nor looks through a window: the weights
+    would import and compute other logits, so the spec is not built like a GPT-2 (one table of
+    such arguments, `ATTENTION_ARGUMENTS`, for every family; GPT-2's requirements never
+    listed these)."""
+    text = GPT2.read_text()
+    call = "attention(d, heads, bias=true)"
+    assert call in text
+    spec = tmp_path / "gpt2.par"
+    spec.write_text(text.replace(call, call[:-1] + f", {written})"))
+    name = written.split("=")[0]
+    code, _, err = run(capsys, "import", spec, gpt2["folder"], "-o", tmp_path / "w.npz", *flags(GPT2_SET))
+    assert code == 1 and "error[C002]: the spec is not built like a GPT-2" in err, err
+    assert f"= help: leave out `{name}`" in err and not (tmp_path / "w.npz").exists(), err
+
+
 def test_no_other_family_takes_attention_it_does_not_map(
     llama: dict[str, Any], t5: dict[str, Any], capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
