@@ -192,8 +192,6 @@ class Program:
 
     # --- running ------------------------------------------------------------------------------
 
-    # Every computation traces under the mesh: kernels that enter `shard_map` (ring
-    # attention, expert-parallel mixtures of experts, the pipeline) find it there.
     @functools.cached_property
     def _loses_order_when_loaded(self) -> bool:
         """Whether a step of this program, loaded from a cache, may lose an ordering of its
@@ -205,6 +203,8 @@ class Program:
         train = self.ir.train
         return self.ir.pipelined and train.zero >= 3 and train.accumulate > 1
 
+    # Every computation traces under the mesh: kernels that enter `shard_map` (ring
+    # attention, expert-parallel mixtures of experts, the pipeline) find it there.
     @contextlib.contextmanager
     def _on_mesh(self) -> Iterator[None]:
         """Under the mesh; compiles that would lose an ordering when loaded kept out of the
